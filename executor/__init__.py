@@ -1,0 +1,1 @@
+"""The torch executor that applies a strategy JSON to a training run (torch only here)."""

@@ -1,0 +1,126 @@
+"""The planning graph: an ONNX forward pass reduced to tensor ops with static shapes.
+
+It holds what planning needs and nothing that needs weight data: shapes, dtypes, which
+tensors are trainable parameters, and per-op FLOPs and bytes. Shape arithmetic of the
+exported graph has already been folded away by the importer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
+
+
+@dataclass
+class TensorInfo:
+    """One value of the graph: its static shape, element type and role."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32", "int64"
+    kind: TensorKind
+    producer: str | None = None  # name of the op that writes it; None for inputs/initializers
+    consumers: list[str] = field(default_factory=list)
+    value: np.ndarray | None = None  # known value of small constants (folded shapes, scalars)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclass
+class OpNode:
+    """One compute op with its cost figures for the whole (unsharded) op."""
+
+    name: str
+    op_type: str
+    domain: str
+    inputs: tuple[str, ...]  # "" marks an omitted optional input
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any]
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    is_view: bool = False  # reshapes and friends move no data
+
+    @property
+    def qualified_type(self) -> str:
+        return self.op_type if self.domain in ("", "ai.onnx") else f"{self.domain}::{self.op_type}"
+
+
+@dataclass
+class PlanningGraph:
+    """Ops in topological order plus every tensor they touch."""
+
+    path: str
+    sha256: str
+    opset: int
+    bound_dims: dict[str, int]
+    batch: int | None  # the bound batch size (None when the model has no batch axis)
+    batch_inputs: dict[str, int]  # graph input -> index of its batch dim
+    ops: list[OpNode]
+    tensors: dict[str, TensorInfo]
+    inputs: list[str]
+    outputs: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def op(self, name: str) -> OpNode:
+        for node in self.ops:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    @property
+    def parameters(self) -> list[TensorInfo]:
+        return [t for t in self.tensors.values() if t.kind == "parameter"]
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.parameters)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(t.nbytes for t in self.parameters)
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(node.flops for node in self.ops))
+
+    def op_types(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.ops:
+            counts[node.qualified_type] = counts.get(node.qualified_type, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def to_networkx(self):
+        """A DiGraph of ops (edges carry the tensor name) for graph algorithms."""
+        import networkx as nx
+
+        dag = nx.DiGraph()
+        for node in self.ops:
+            dag.add_node(node.name, op_type=node.op_type)
+        for node in self.ops:
+            for tensor in node.inputs:
+                producer = self.tensors[tensor].producer if tensor else None
+                if producer is not None:
+                    dag.add_edge(producer, node.name, tensor=tensor)
+        return dag

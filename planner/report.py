@@ -1,0 +1,76 @@
+"""Human-readable summaries of plans for the terminal."""
+
+from __future__ import annotations
+
+from planner.planfile import Plan
+
+MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
+
+
+def human_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def summary(plan: Plan) -> str:
+    """The plan at a glance: where the step time goes and what fills device memory."""
+    p = plan.predicted
+    parallel = plan.parallel
+    mesh = " × ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.shape,
+                                                   strict=True))
+    total = p.step_time_s or 1.0
+    lines = [
+        f"model      {plan.model.path}  ({plan.model.parameters / 1e6:,.1f} M parameters, "
+        f"batch {plan.model.batch}, dims {plan.model.bound_dims})",
+        f"cluster    {plan.cluster.devices} × {plan.cluster.profile} "
+        f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
+        f"mesh       {mesh}   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} "
+        f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
+        f"recompute={parallel.recompute}",
+        f"solver     {plan.solver.name}: {plan.solver.status} in "
+        f"{human_seconds(plan.solver.time_s)}",
+        "",
+        f"{'step time':<24}{human_seconds(p.step_time_s):>14}",
+        f"{'  compute':<24}{human_seconds(p.compute_s):>14}  {100 * p.compute_s / total:5.1f} %",
+        f"{'  communication':<24}{human_seconds(p.communication_s):>14}  "
+        f"{100 * p.communication_s / total:5.1f} %",
+    ]
+    for key in ("forward_s", "backward_s", "optimizer_s", "forward_communication_s",
+                "backward_communication_s", "gradient_communication_s"):
+        if p.breakdown.get(key):
+            lines.append(f"{'    ' + key.removesuffix('_s').replace('_', ' '):<24}"
+                         f"{human_seconds(p.breakdown[key]):>14}")
+    lines += ["", "memory per device"]
+    for key in MEMORY_ORDER:
+        lines.append(f"{'  ' + key:<24}{human_bytes(p.memory.get(key, 0)):>14}")
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    lines.append(f"{'  peak':<24}{human_bytes(p.memory['peak']):>14}  of "
+                 f"{human_bytes(p.memory_limit_bytes)} limit: {verdict}")
+    collectives = len(plan.collectives)
+    lines.append("")
+    lines.append(f"collectives per step: {collectives}")
+    for warning in plan.warnings:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def memory_shortfall(plan: Plan) -> str:
+    """One paragraph for a plan that does not fit: how much it needs, by category."""
+    p = plan.predicted
+    parts = ", ".join(f"{key} {human_bytes(p.memory.get(key, 0))}" for key in MEMORY_ORDER)
+    return (
+        f"the {plan.solver.name} plan needs {human_bytes(p.memory['peak'])} per device but "
+        f"{plan.cluster.profile} has {human_bytes(p.memory_limit_bytes)}: {parts}. "
+        "Use more devices, a smaller batch, or plan with model parallelism"
+    )

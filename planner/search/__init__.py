@@ -1,0 +1,1 @@
+"""Searches over per-op strategies: each returns OpStrategy choices for `planner.assemble`."""

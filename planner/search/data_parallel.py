@@ -1,0 +1,64 @@
+"""The data-parallel baseline: split the batch over every device, replicate the weights.
+
+The batch dim of each graph input is split over the one mesh axis; each op then splits
+whichever of its labels carries an already-split input dim, so the split follows the
+batch through reshapes and transposes. An op that cannot keep it (a rule says the dim
+must stay whole, or no rule exists) runs replicated and its inputs are gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from planner.errors import StrategyError
+from planner.graph import PlanningGraph
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.rules import DimLabels
+from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
+
+DP_AXIS = "dp"
+
+
+def data_parallel_strategies(
+    graph: PlanningGraph,
+    mesh: DeviceMesh,
+    labels: Mapping[str, DimLabels | None],
+    axis: str = DP_AXIS,
+) -> dict[str, OpStrategy]:
+    """Per-op strategies that carry the batch split through the graph."""
+    degree = mesh.axis_size(axis)
+    if degree > 1 and graph.batch is not None and graph.batch % degree:
+        raise StrategyError(
+            f"{graph.path}: batch {graph.batch} cannot be split into {degree} equal parts "
+            f"for data parallelism; use a batch that is a multiple of {degree}"
+        )
+    split_dim: dict[str, int] = {}
+    if degree > 1:
+        split_dim = {name: dim for name, dim in graph.batch_inputs.items()
+                     if graph.tensors[name].shape[dim] % degree == 0}
+    strategies: dict[str, OpStrategy] = {}
+    for node in graph.ops:
+        op_labels = labels.get(node.name)
+        if op_labels is None:
+            strategies[node.name] = REPLICATED
+            continue
+        weight: dict[str, int] = {}
+        for index, name in enumerate(node.inputs):
+            names = op_labels.inputs[index] if index < len(op_labels.inputs) else None
+            if name in split_dim and names is not None:
+                label = names[split_dim[name]]
+                weight[label] = weight.get(label, 0) + graph.tensors[name].nbytes
+        chosen = REPLICATED
+        for label in sorted(weight, key=lambda k: (-weight[k], k)):
+            candidate = OpStrategy.of({label: (axis,)})
+            if is_valid(node, op_labels, candidate, graph.tensors, mesh):
+                chosen = candidate
+                break
+        strategies[node.name] = chosen
+        if chosen is REPLICATED:
+            continue
+        label = chosen.assignment[0][0]
+        for name, names in zip(node.outputs, op_labels.outputs, strict=True):
+            if name and names is not None and label in names:
+                split_dim[name] = names.index(label)
+    return strategies

@@ -1,0 +1,1 @@
+"""Sharding core: device mesh, layouts, per-op rules, strategies and redistribution."""

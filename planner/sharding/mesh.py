@@ -1,0 +1,107 @@
+"""The logical device mesh and where its axes fall on the physical topology.
+
+Devices are numbered row-major over the mesh shape, so the last axis holds consecutive
+device ids. A group of devices along some axes therefore occupies an aligned block of
+`extent` consecutive ids, and the block decides the link it talks over: inside one HCCS
+ring, inside one node, or across nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import StrategyError
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """A named logical device matrix, e.g. shape (4, 8) with axes ("dp", "tp")."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axis_names):
+            raise StrategyError(
+                f"mesh shape {self.shape} and axis names {self.axis_names} differ in length"
+            )
+        if not 1 <= len(self.shape) <= 3:
+            raise StrategyError(f"a mesh has 1 to 3 axes, got {len(self.shape)}")
+        if any(size < 1 for size in self.shape):
+            raise StrategyError(f"mesh axis sizes must be positive, got {self.shape}")
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise StrategyError(f"mesh axis names must be distinct, got {self.axis_names}")
+        if self.devices_per_node < 1:
+            raise StrategyError("devices_per_node must be positive")
+
+    @classmethod
+    def build(cls, axes: dict[str, int], devices_per_node: int) -> DeviceMesh:
+        return cls(tuple(axes.values()), tuple(axes), devices_per_node)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def axis_size(self, axis: str) -> int:
+        return self.shape[self._index(axis)]
+
+    def axis_stride(self, axis: str) -> int:
+        """Distance in device ids between neighbours along `axis`."""
+        return int(np.prod(self.shape[self._index(axis) + 1:], dtype=np.int64))
+
+    def group_size(self, axes: Iterable[str]) -> int:
+        return int(np.prod([self.axis_size(a) for a in axes], dtype=np.int64))
+
+    def group_extent(self, axes: Iterable[str]) -> int:
+        """Size of the aligned block of consecutive device ids one group spans."""
+        axes = list(axes)
+        if not axes:
+            return 1
+        return max(self.axis_stride(a) * self.axis_size(a) for a in axes)
+
+    def intra_node(self, axis: str) -> bool:
+        """Whether every group along `axis` stays inside one node."""
+        return self.group_extent([axis]) <= self.devices_per_node
+
+    def _index(self, axis: str) -> int:
+        try:
+            return self.axis_names.index(axis)
+        except ValueError:
+            raise StrategyError(
+                f"mesh axis {axis!r} is not one of {list(self.axis_names)}"
+            ) from None
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "axes": list(self.axis_names),
+            "intra_node": [self.intra_node(a) for a in self.axis_names],
+            "devices_per_node": self.devices_per_node,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> DeviceMesh:
+        return cls(tuple(int(s) for s in data["shape"]), tuple(str(a) for a in data["axes"]),
+                   int(data["devices_per_node"]))
+
+
+def factorizations(devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered way to write `devices` as a product of 1..max_axes factors > 1."""
+    results: list[tuple[int, ...]] = [(devices,)]
+
+    def extend(prefix: Sequence[int], remaining: int, slots: int) -> None:
+        if slots == 1:
+            if remaining > 1:
+                results.append((*prefix, remaining))
+            return
+        for factor in range(2, remaining):
+            if remaining % factor == 0:
+                extend((*prefix, factor), remaining // factor, slots - 1)
+
+    for axes in range(2, max_axes + 1):
+        extend((), devices, axes)
+    return sorted(set(results), key=lambda f: (len(f), f))

@@ -1,0 +1,198 @@
+"""Mesh, layouts, einsum-style op labels, strategies and redistribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.errors import StrategyError
+from planner.graph import OpNode, TensorInfo
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh, factorizations
+from planner.sharding.redistribute import CommStep, backward_steps, redistribute
+from planner.sharding.rules import _reshape_groups, labels_for
+from planner.sharding.strategy import (
+    OpStrategy,
+    check_strategy,
+    grad_partial_axes,
+    input_layouts,
+    output_layouts,
+    work_fraction,
+)
+
+
+def _tensors(**shapes: tuple[int, ...]) -> dict[str, TensorInfo]:
+    return {name: TensorInfo(name, shape, "float32", "activation") for name, shape in
+            shapes.items()}
+
+
+def _node(op_type: str, inputs: list[str], outputs: list[str], **attrs: object) -> OpNode:
+    return OpNode(op_type.lower(), op_type, "", tuple(inputs), tuple(outputs), dict(attrs))
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+def test_mesh_axes_know_whether_they_stay_in_a_node() -> None:
+    mesh = DeviceMesh.build({"dp": 4, "tp": 8}, devices_per_node=8)
+    assert mesh.size == 32
+    assert mesh.axis_stride("tp") == 1 and mesh.axis_stride("dp") == 8
+    assert mesh.intra_node("tp") and not mesh.intra_node("dp")
+    assert mesh.group_extent(["dp", "tp"]) == 32
+    assert mesh.to_json()["intra_node"] == [False, True]
+
+
+def test_mesh_rejects_bad_shapes() -> None:
+    with pytest.raises(StrategyError):
+        DeviceMesh((2, 2), ("dp", "dp"), 8)
+    with pytest.raises(StrategyError):
+        DeviceMesh((2, 2, 2, 2), ("a", "b", "c", "d"), 8)
+    with pytest.raises(StrategyError, match="not one of"):
+        DeviceMesh.build({"dp": 2}, 8).axis_size("tp")
+
+
+def test_factorizations_cover_any_count() -> None:
+    assert factorizations(6, 2) == [(6,), (2, 3), (3, 2)]
+    assert (2, 2, 3) in factorizations(12)
+    assert all(int(np.prod(f)) == 12 for f in factorizations(12))
+    assert factorizations(7) == [(7,)]
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_split_factors_and_local_shape() -> None:
+    mesh = DeviceMesh.build({"dp": 2, "tp": 4}, 8)
+    layout = Layout(((), ("tp",), ("dp",)))
+    assert layout.split_factors(mesh) == (1, 4, 2)
+    assert layout.local_shape((3, 8, 6), mesh) == (3, 2, 3)
+    with pytest.raises(StrategyError, match="dim 2 of size 5 cannot be split into 2"):
+        layout.check((3, 8, 5), mesh, "tensor w")
+    assert Layout.from_json(layout.to_json()) == layout
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def test_matmul_seed_example_candidates() -> None:
+    """MatMul [64, 1024] x [1024, 4096] on 8 devices: batch, column and row splits."""
+    mesh = DeviceMesh.build({"x": 8}, 8)
+    tensors = _tensors(a=(64, 1024), w=(1024, 4096), y=(64, 4096))
+    node = _node("MatMul", ["a", "w"], ["y"])
+    labels = labels_for(node, tensors)
+    assert labels is not None
+    m, k = labels.inputs[0]
+    k2, n = labels.inputs[1]
+    assert k == k2 and labels.outputs[0] == (m, n) and labels.sum_labels == {k}
+    ranks = [2, 2]
+    data = OpStrategy.of({m: ("x",)})
+    assert input_layouts(labels, data, ranks) == [Layout((("x",), ())), Layout(((), ()))]
+    assert grad_partial_axes(labels, data, 1) == ("x",)  # weight gradient needs AllReduce
+    column = OpStrategy.of({n: ("x",)})
+    assert output_layouts(labels, column, [2]) == [Layout(((), ("x",)))]
+    assert input_layouts(labels, column, ranks)[1].split_factors(mesh) == (1, 8)
+    row = OpStrategy.of({k: ("x",)})
+    assert output_layouts(labels, row, [2]) == [Layout(((), ()), ("x",))]  # partial sum
+    for strategy in (data, column, row):
+        check_strategy(node, labels, strategy, tensors, mesh)
+        assert work_fraction(strategy, mesh) == 1 / 8
+
+
+def test_strategy_that_does_not_divide_names_the_numbers() -> None:
+    mesh = DeviceMesh.build({"x": 8}, 8)
+    tensors = _tensors(a=(6, 16), w=(16, 4), y=(6, 4))
+    node = _node("MatMul", ["a", "w"], ["y"])
+    labels = labels_for(node, tensors)
+    assert labels is not None
+    m = labels.inputs[0][0]
+    with pytest.raises(StrategyError, match="size 6 cannot be split into 8"):
+        check_strategy(node, labels, OpStrategy.of({m: ("x",)}), tensors, mesh)
+
+
+def test_elementwise_broadcast_labels() -> None:
+    tensors = _tensors(x=(4, 1, 8), b=(8,), y=(4, 3, 8))
+    labels = labels_for(_node("Add", ["x", "b"], ["y"]), tensors)
+    assert labels is not None
+    x_labels, b_labels = labels.inputs
+    out = labels.outputs[0]
+    assert x_labels[0] == out[0] and x_labels[2] == out[2] == b_labels[0]
+    assert x_labels[1] in labels.whole_labels  # broadcast from size 1
+
+
+def test_softmax_axis_stays_whole() -> None:
+    tensors = _tensors(x=(2, 4, 8), y=(2, 4, 8))
+    labels = labels_for(_node("Softmax", ["x"], ["y"], axis=-1), tensors)
+    assert labels is not None and labels.whole_labels == {labels.inputs[0][2]}
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "groups"),
+    [
+        ((4, 32, 64), (128, 64), [([0, 1], [0]), ([2], [1])]),
+        ((4, 32, 64), (4, 32, 4, 16), [([0], [0]), ([1], [1]), ([2], [2, 3])]),
+        ((4, 1, 32), (4, 32), [([0], [0]), ([2], [1])]),
+        ((6,), (2, 3), [([0], [0, 1])]),
+    ],
+)
+def test_reshape_groups(source: tuple[int, ...], target: tuple[int, ...],
+                        groups: list[tuple[list[int], list[int]]]) -> None:
+    assert _reshape_groups(source, target) == groups
+
+
+def test_reshape_keeps_batch_label_on_merged_leading_dim() -> None:
+    tensors = _tensors(x=(4, 32, 64), y=(128, 64))
+    labels = labels_for(_node("Reshape", ["x", "shape"], ["y"]), {**tensors, "shape": TensorInfo(
+        "shape", (2,), "int64", "constant")})
+    assert labels is not None
+    assert labels.inputs[0][0] == labels.outputs[0][0]
+    assert labels.inputs[0][1] in labels.whole_labels
+    assert labels.inputs[1] is None
+
+
+def test_gather_vocab_split_is_a_partial_sum() -> None:
+    tensors = _tensors(table=(1000, 64), out=(2, 16, 64))
+    tensors["ids"] = TensorInfo("ids", (2, 16), "int64", "input")
+    labels = labels_for(_node("Gather", ["table", "ids"], ["out"]), tensors)
+    assert labels is not None
+    vocab, hidden = labels.inputs[0]
+    assert labels.sum_labels == {vocab}
+    assert labels.outputs[0] == (*labels.inputs[1], hidden)
+
+
+def test_conv_input_channels_are_contracted() -> None:
+    tensors = _tensors(x=(8, 16, 32, 32), w=(32, 16, 3, 3), y=(8, 32, 30, 30))
+    labels = labels_for(_node("Conv", ["x", "w"], ["y"]), tensors)
+    assert labels is not None
+    assert labels.sum_labels == {"cin"}
+    assert {"x0", "k0", "y0"} <= labels.whole_labels
+
+
+def test_batch_norm_training_needs_statistics_sync() -> None:
+    tensors = _tensors(x=(8, 16, 4, 4), s=(16,), b=(16,), m=(16,), v=(16,), y=(8, 16, 4, 4))
+    node = _node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], training_mode=1)
+    labels = labels_for(node, tensors)
+    assert labels is not None and labels.inputs[0][0] in labels.sync_labels
+
+
+# --------------------------------------------------------------------------- redistribution
+
+
+def test_redistribution_steps_and_their_transposes() -> None:
+    mesh = DeviceMesh.build({"dp": 2, "tp": 4}, 8)
+    shape, itemsize = (8, 16), 4
+    split = Layout((("dp",), ()))
+    replicated = Layout(((), ()))
+    partial = Layout(((), ()), ("tp",))
+    gather = redistribute(split, replicated, shape, itemsize, mesh)
+    assert gather == [CommStep("all_gather", ("dp",), 8 * 16 * 4)]
+    assert backward_steps(gather, ()) == [CommStep("slice", ("dp",), 8 * 16 * 4)]
+    assert backward_steps(gather, ("dp",)) == [CommStep("reduce_scatter", ("dp",), 512)]
+    assert redistribute(replicated, split, shape, itemsize, mesh)[0].kind == "slice"
+    reduce = redistribute(partial, replicated, shape, itemsize, mesh)
+    assert reduce == [CommStep("all_reduce", ("tp",), 8 * 16 * 4)]
+    assert backward_steps(reduce, ()) == []
+    scatter = redistribute(partial, Layout(((), ("tp",))), shape, itemsize, mesh)
+    assert scatter[0].kind == "reduce_scatter"
+    moved = redistribute(Layout((("tp",), ())), Layout(((), ("tp",))), shape, itemsize, mesh)
+    assert [s.kind for s in moved] == ["all_to_all"]
+    assert redistribute(split, split, shape, itemsize, mesh) == []
