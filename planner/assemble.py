@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.profile import HardwareProfile
-
 from costmodels.communication import collective_time
 from costmodels.compute import op_time
 from costmodels.memory import training_memory
+from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph, TensorInfo
 from planner.planfile import (
     ClusterRef,

@@ -27,35 +27,37 @@ def summary(plan: Plan) -> str:
     """The plan at a glance: where the step time goes and what fills device memory."""
     p = plan.predicted
     parallel = plan.parallel
-    mesh = " × ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.shape,
-                                                   strict=True))
+    mesh = " × ".join(
+        f"{a}={s} ({'intra-node' if plan.mesh.intra_node(a) else 'crosses nodes'})"
+        for a, s in zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
     total = p.step_time_s or 1.0
     lines = [
         f"model      {plan.model.path}  ({plan.model.parameters / 1e6:,.1f} M parameters, "
         f"batch {plan.model.batch}, dims {plan.model.bound_dims})",
         f"cluster    {plan.cluster.devices} × {plan.cluster.profile} "
         f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
-        f"mesh       {mesh}   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} "
+        f"mesh       {mesh}",
+        f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} "
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
-        f"recompute={parallel.recompute}",
+        f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         f"solver     {plan.solver.name}: {plan.solver.status} in "
         f"{human_seconds(plan.solver.time_s)}",
         "",
-        f"{'step time':<24}{human_seconds(p.step_time_s):>14}",
-        f"{'  compute':<24}{human_seconds(p.compute_s):>14}  {100 * p.compute_s / total:5.1f} %",
-        f"{'  communication':<24}{human_seconds(p.communication_s):>14}  "
+        f"{'step time':<28}{human_seconds(p.step_time_s):>12}",
+        f"{'  compute':<28}{human_seconds(p.compute_s):>12}  {100 * p.compute_s / total:5.1f} %",
+        f"{'  communication':<28}{human_seconds(p.communication_s):>12}  "
         f"{100 * p.communication_s / total:5.1f} %",
     ]
     for key in ("forward_s", "backward_s", "optimizer_s", "forward_communication_s",
                 "backward_communication_s", "gradient_communication_s"):
         if p.breakdown.get(key):
-            lines.append(f"{'    ' + key.removesuffix('_s').replace('_', ' '):<24}"
-                         f"{human_seconds(p.breakdown[key]):>14}")
+            lines.append(f"{'    ' + key.removesuffix('_s').replace('_', ' '):<28}"
+                         f"{human_seconds(p.breakdown[key]):>12}")
     lines += ["", "memory per device"]
     for key in MEMORY_ORDER:
-        lines.append(f"{'  ' + key:<24}{human_bytes(p.memory.get(key, 0)):>14}")
+        lines.append(f"{'  ' + key:<28}{human_bytes(p.memory.get(key, 0)):>12}")
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    lines.append(f"{'  peak':<24}{human_bytes(p.memory['peak']):>14}  of "
+    lines.append(f"{'  peak':<28}{human_bytes(p.memory['peak']):>12}  of "
                  f"{human_bytes(p.memory_limit_bytes)} limit: {verdict}")
     collectives = len(plan.collectives)
     lines.append("")

@@ -1,0 +1,1 @@
+"""Cost models: hardware profiles, compute, communication and memory estimates."""

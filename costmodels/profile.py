@@ -1,0 +1,392 @@
+"""Hardware profiles: load a JSON file, check every field, and answer topology questions.
+
+A profile describes one device kind inside one node system and the fabric between nodes.
+Every number in it is a `Cited` value that names its source, so a plan can always be
+traced back to a datasheet, a paper or a measurement (docs/hardware-profiles.md).
+
+Validation is done by hand, with one message per problem that names the file and the
+field, because these files are written by people and read by a CLI that must not show a
+traceback. This module imports nothing heavy: the planner loads it on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hardware_profiles import PROFILE_DIR
+from planner.errors import ProfileError
+
+SCHEMA = "shardplan.hardware-profile/1"
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+FORMAT_HINT = "see docs/hardware-profiles.md for the format"
+
+_TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
+_DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
+                  "memory_efficiency", "kernel_launch_s")
+_TOPOLOGY_FIELDS = ("devices_per_node", "levels")
+_TOPOLOGY_OPTIONAL = ("allowed_devices_within_node",)
+_LEVEL_FIELDS = ("name", "group_size", "bandwidth_Bps", "efficiency", "latency_s")
+_CITED_FIELDS = ("value", "source")
+_CITED_OPTIONAL = ("note",)
+
+
+@dataclass(frozen=True)
+class Cited:
+    """A number together with where it comes from (a key into the profile's sources)."""
+
+    value: float | int | tuple[int, ...]
+    source: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """One level of the communication hierarchy; group_size None means between nodes."""
+
+    name: str
+    group_size: int | None
+    bandwidth_Bps: Cited
+    efficiency: Cited
+    latency_s: Cited
+
+    @property
+    def bus_bandwidth_Bps(self) -> float:
+        """Achievable per-device bus bandwidth: line rate times measured efficiency."""
+        return float(self.bandwidth_Bps.value) * float(self.efficiency.value)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device kind in one node system, with the topology that joins the devices."""
+
+    name: str
+    description: str
+    sources: dict[str, str]
+    memory_bytes: Cited
+    memory_bandwidth_Bps: Cited
+    peak_flops: dict[str, Cited]
+    matmul_efficiency: Cited
+    memory_efficiency: Cited
+    kernel_launch_s: Cited
+    devices_per_node: Cited
+    allowed_devices_within_node: Cited | None
+    levels: tuple[LinkLevel, ...]
+    path: str
+
+    def __hash__(self) -> int:  # dict fields are not hashable; a profile is its file
+        return hash((self.name, self.path))
+
+    @property
+    def inter_node_level(self) -> LinkLevel:
+        """The fabric between nodes (always the last level)."""
+        return self.levels[-1]
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype`; refuses dtypes the device has no peak for."""
+        cited = self.peak_flops.get(dtype)
+        if cited is not None:
+            return float(cited.value)
+        supported = ", ".join(self.peak_flops)
+        if dtype not in DTYPES:
+            raise ProfileError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)} "
+                               f"({self.name} supports {supported})")
+        raise ProfileError(f"{self.name} has no {dtype} peak: it supports {supported}; "
+                           f"plan in one of those or choose another profile")
+
+    def check_device_count(self, devices: int) -> int:
+        """Number of nodes that `devices` devices occupy; refuses counts the system can't form."""
+        per_node = int(self.devices_per_node.value)
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+            if devices <= per_node and devices in self._within_node_counts():
+                return 1
+            if devices > per_node and devices % per_node == 0:
+                return devices // per_node
+        raise ProfileError(f"{self.name} cannot form {devices} devices: use "
+                           f"{self._within_node_text()} devices inside a node, or a multiple "
+                           f"of {per_node} (whole nodes)")
+
+    def level_for_group(self, span: int) -> LinkLevel:
+        """The innermost level whose groups hold `span` consecutive devices.
+
+        `span` is the extent of a device group (last id - first id + 1). Groups made by a
+        device mesh whose axis sizes divide the level sizes are aligned to level
+        boundaries, so the extent alone decides which link they use.
+        """
+        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+            raise ProfileError(f"{self.name}: a device group must span at least 1 device, "
+                               f"got {span!r}")
+        for level in self.levels:
+            if level.group_size is None or level.group_size >= span:
+                return level
+        return self.inter_node_level  # unreachable: validation ends levels with a null one
+
+    def _within_node_counts(self) -> tuple[int, ...]:
+        if self.allowed_devices_within_node is not None:
+            return tuple(self.allowed_devices_within_node.value)  # type: ignore[arg-type]
+        return tuple(range(1, int(self.devices_per_node.value) + 1))
+
+    def _within_node_text(self) -> str:
+        counts = self._within_node_counts()
+        if self.allowed_devices_within_node is None and len(counts) > 2:
+            return f"1 to {counts[-1]}"
+        words = [str(c) for c in counts]
+        return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def list_profiles() -> list[str]:
+    """Names of the bundled profiles, sorted."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
+    """Load a bundled profile by name ("a100-80g") or any profile JSON file by path."""
+    path = _resolve(name_or_path)
+    data = _read_json(path)
+    return _Reader(str(path)).profile(data)
+
+
+def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
+    """Map a bundled name to its file; anything that looks like a path stays a path."""
+    text = os.fspath(name_or_path)
+    looks_like_path = (not isinstance(name_or_path, str) or text.endswith(".json")
+                       or os.sep in text or "/" in text)
+    if not looks_like_path:
+        if text in list_profiles():
+            return PROFILE_DIR / f"{text}.json"
+        if not Path(text).is_file():
+            raise ProfileError(f"unknown hardware profile {text!r}: bundled profiles are "
+                               f"{', '.join(list_profiles())}; or give the path of a "
+                               f"profile JSON file")
+    return Path(text)
+
+
+def _read_json(path: Path) -> Any:
+    """Parse the file, turning I/O and syntax problems into one-line ProfileErrors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file; check the path, or use one of the "
+                           f"bundled profiles: {', '.join(list_profiles())}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not UTF-8 text; save the profile as UTF-8 JSON") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read the profile file ({exc.strerror or exc}); "
+                           f"check the path and its permissions") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
+                           f"{exc.msg}; fix the syntax there") from None
+
+
+class _Reader:
+    """Validates one parsed profile; every failure names the file and the field path."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sources: dict[str, str] = {}
+
+    def fail(self, field: str, problem: str) -> NoReturn:
+        raise ProfileError(f"{self.path}: {field} {problem}; {FORMAT_HINT}")
+
+    # -- structure -------------------------------------------------------------------
+
+    def obj(self, value: Any, field: str, required: tuple[str, ...],
+            optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        """An object with all `required` keys and no keys outside required + optional."""
+        where = field or "the file's top level"
+        if not isinstance(value, dict):
+            self.fail(where, f"must be a JSON object, got {_kind(value)}")
+        for key in required:
+            if key not in value:
+                self.fail(_join(field, key), "is missing; add it")
+        unknown = sorted(set(value) - set(required) - set(optional))
+        if unknown:
+            self.fail(_join(field, unknown[0]), f"is not a known field (known: "
+                      f"{', '.join(required + optional)}); remove it or fix its spelling")
+        return value
+
+    def text(self, value: Any, field: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            self.fail(field, f"must be a non-empty string, got {_show(value)}")
+        return value
+
+    # -- numbers ---------------------------------------------------------------------
+
+    def positive(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(field, f"must be a positive number, got {_show(value)}")
+        if not math.isfinite(value) or value <= 0:
+            self.fail(field, f"must be a finite positive number, got {_show(value)}")
+        return value
+
+    def fraction(self, value: Any, field: str) -> float:
+        number = self.positive(value, field)
+        if number > 1:
+            self.fail(field, f"must be a fraction in (0, 1], got {_show(value)}")
+        return number
+
+    def count(self, value: Any, field: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self.fail(field, f"must be a positive integer, got {_show(value)}")
+        return value
+
+    def counts(self, value: Any, field: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or not value:
+            self.fail(field, f"must be a non-empty list of device counts, got {_show(value)}")
+        items = tuple(self.count(v, f"{field}[{i}]") for i, v in enumerate(value))
+        if any(b <= a for a, b in pairwise(items)):
+            self.fail(field, f"must be strictly increasing, got {list(items)}")
+        return items
+
+    # -- cited values ----------------------------------------------------------------
+
+    def cited(self, value: Any, field: str, check: Any) -> Cited:
+        """A {value, source, note?} object whose value passes `check` and source resolves."""
+        body = self.obj(value, field, _CITED_FIELDS, _CITED_OPTIONAL)
+        number = check(body["value"], f"{field}.value")
+        source = self.text(body["source"], f"{field}.source")
+        if source not in self.sources:
+            self.fail(f"{field}.source", f"{source!r} is not a key of sources (keys: "
+                      f"{', '.join(self.sources)}); add the citation to sources")
+        note = body.get("note", "")
+        if not isinstance(note, str):
+            self.fail(f"{field}.note", f"must be a string, got {_show(note)}")
+        if source == "derived" and not note.strip():
+            self.fail(f"{field}.note", "must explain the arithmetic of a derived value")
+        return Cited(number, source, note)
+
+    # -- sections --------------------------------------------------------------------
+
+    def profile(self, data: Any) -> HardwareProfile:
+        if isinstance(data, dict) and "schema" in data and data["schema"] != SCHEMA:
+            self.fail("schema", f"must be {SCHEMA!r}, got {_show(data['schema'])}: this "
+                      f"version of shardplan reads only that schema")
+        top = self.obj(data, "", _TOP_FIELDS)
+        name = self.text(top["name"], "name")
+        description = self.text(top["description"], "description")
+        self.sources = self.read_sources(top["sources"])
+        device = self.obj(top["device"], "device", _DEVICE_FIELDS)
+        topology = self.obj(top["topology"], "topology", _TOPOLOGY_FIELDS, _TOPOLOGY_OPTIONAL)
+        per_node = self.cited(topology["devices_per_node"], "topology.devices_per_node",
+                              self.count)
+        return HardwareProfile(
+            name=name,
+            description=description,
+            sources=dict(self.sources),
+            memory_bytes=self.cited(device["memory_bytes"], "device.memory_bytes", self.count),
+            memory_bandwidth_Bps=self.cited(device["memory_bandwidth_Bps"],
+                                            "device.memory_bandwidth_Bps", self.positive),
+            peak_flops=self.peaks(device["peak_flops"]),
+            matmul_efficiency=self.cited(device["matmul_efficiency"],
+                                         "device.matmul_efficiency", self.fraction),
+            memory_efficiency=self.cited(device["memory_efficiency"],
+                                         "device.memory_efficiency", self.fraction),
+            kernel_launch_s=self.cited(device["kernel_launch_s"], "device.kernel_launch_s",
+                                       self.positive),
+            devices_per_node=per_node,
+            allowed_devices_within_node=self.allowed(topology, int(per_node.value)),
+            levels=self.levels(topology["levels"], int(per_node.value)),
+            path=self.path,
+        )
+
+    def read_sources(self, value: Any) -> dict[str, str]:
+        if not isinstance(value, dict) or not value:
+            self.fail("sources", f"must be a non-empty object of citations, got {_kind(value)}")
+        for key, citation in value.items():
+            if not key.strip():
+                self.fail("sources", "has an empty key; name every citation")
+            self.text(citation, f"sources.{key}")
+        return dict(value)
+
+    def peaks(self, value: Any) -> dict[str, Cited]:
+        field = "device.peak_flops"
+        if not isinstance(value, dict) or not value:
+            self.fail(field, f"must be a non-empty object of dtype -> cited FLOP/s, "
+                      f"got {_show(value)}")
+        for dtype in value:
+            if dtype not in DTYPES:
+                self.fail(f"{field}.{dtype}", f"is not a known dtype (known: "
+                          f"{', '.join(DTYPES)})")
+        return {d: self.cited(v, f"{field}.{d}", self.positive) for d, v in value.items()}
+
+    def allowed(self, topology: dict[str, Any], per_node: int) -> Cited | None:
+        field = "topology.allowed_devices_within_node"
+        if "allowed_devices_within_node" not in topology:
+            return None
+        cited = self.cited(topology["allowed_devices_within_node"], field, self.counts)
+        counts: tuple[int, ...] = cited.value  # type: ignore[assignment]
+        if counts[-1] != per_node:
+            self.fail(f"{field}.value", f"must end with devices_per_node ({per_node}) so whole "
+                      f"nodes can be used, got {list(counts)}")
+        return cited
+
+    def levels(self, value: Any, per_node: int) -> tuple[LinkLevel, ...]:
+        field = "topology.levels"
+        if not isinstance(value, list) or not value:
+            self.fail(field, f"must be a non-empty list of levels, got {_show(value)}")
+        levels = tuple(self.level(v, f"{field}[{i}]") for i, v in enumerate(value))
+        self.check_order(levels, per_node)
+        return levels
+
+    def level(self, value: Any, field: str) -> LinkLevel:
+        body = self.obj(value, field, _LEVEL_FIELDS)
+        size = body["group_size"]
+        return LinkLevel(
+            name=self.text(body["name"], f"{field}.name"),
+            group_size=None if size is None else self.count(size, f"{field}.group_size"),
+            bandwidth_Bps=self.cited(body["bandwidth_Bps"], f"{field}.bandwidth_Bps",
+                                     self.positive),
+            efficiency=self.cited(body["efficiency"], f"{field}.efficiency", self.fraction),
+            latency_s=self.cited(body["latency_s"], f"{field}.latency_s", self.positive),
+        )
+
+    def check_order(self, levels: tuple[LinkLevel, ...], per_node: int) -> None:
+        """Innermost first; sizes grow and divide; node level = devices_per_node; null last."""
+        field = "topology.levels"
+        if levels[-1].group_size is not None:
+            self.fail(f"{field}[{len(levels) - 1}].group_size", "must be null: the last level "
+                      "is the inter-node fabric")
+        names = [level.name for level in levels]
+        for i, level in enumerate(levels[:-1]):
+            size = level.group_size
+            where = f"{field}[{i}].group_size"
+            if size is None:
+                self.fail(where, "is null but only the last level may be (inter-node)")
+            if size < 2:
+                self.fail(where, f"must be at least 2 devices, got {size}")
+            if i and (size <= levels[i - 1].group_size or size % levels[i - 1].group_size):
+                self.fail(where, f"must be larger than and a multiple of the level before "
+                          f"({levels[i - 1].group_size}), got {size}")
+            if names.count(level.name) > 1:
+                self.fail(f"{field}[{i}].name", f"{level.name!r} is used by two levels")
+        inner = levels[-2].group_size if len(levels) > 1 else 1
+        if inner != per_node:
+            where = f"{field}[{len(levels) - 2}].group_size" if len(levels) > 1 else field
+            self.fail(where, f"must equal topology.devices_per_node ({per_node}) for the last "
+                      f"intra-node level, got {inner}")
+
+
+def _join(field: str, key: str) -> str:
+    return f"{field}.{key}" if field else key
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

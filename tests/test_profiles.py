@@ -1,0 +1,405 @@
+"""Hardware profiles: the bundled files, their citations, the topology rules, and the loader's
+refusal of every kind of malformed file with a message that names the file and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from costmodels.profile import (
+    DTYPES,
+    Cited,
+    HardwareProfile,
+    LinkLevel,
+    list_profiles,
+    load_profile,
+)
+from hardware_profiles import PROFILE_DIR
+from planner.errors import ProfileError, ShardplanError
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED = ["a100-40g", "a100-80g", "ascend-910a", "ascend-910b", "cpu", "h100-sxm", "h200-sxm"]
+GIB = 2**30
+
+
+def cited_values(profile: HardwareProfile) -> Iterator[tuple[str, Cited]]:
+    """Every cited number of a profile with its field path."""
+    for field in ("memory_bytes", "memory_bandwidth_Bps", "matmul_efficiency",
+                  "memory_efficiency", "kernel_launch_s", "devices_per_node"):
+        yield field, getattr(profile, field)
+    for dtype, cited in profile.peak_flops.items():
+        yield f"peak_flops.{dtype}", cited
+    if profile.allowed_devices_within_node is not None:
+        yield "allowed_devices_within_node", profile.allowed_devices_within_node
+    for level in profile.levels:
+        for field in ("bandwidth_Bps", "efficiency", "latency_s"):
+            yield f"{level.name}.{field}", getattr(level, field)
+
+
+# -- the bundled profiles ------------------------------------------------------------------
+
+
+def test_list_profiles_names_every_bundled_file_sorted() -> None:
+    assert list_profiles() == BUNDLED
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_profile_loads_and_matches_its_file(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.name == name
+    assert Path(profile.path) == PROFILE_DIR / f"{name}.json"
+    assert profile.description.strip()
+    assert set(profile.peak_flops) <= set(DTYPES)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_number_cites_a_real_source(name: str) -> None:
+    profile = load_profile(name)
+    used, notes = set(), []
+    for field, cited in cited_values(profile):
+        assert cited.source in profile.sources, field
+        assert profile.sources[cited.source].strip(), field
+        if cited.source == "derived":
+            assert cited.note.strip(), f"{field}: a derived value must explain its arithmetic"
+        used.add(cited.source)
+        notes.append(cited.note)
+    # a citation backs a number directly, or is named in the note of a derived one
+    unused = {key for key in profile.sources if key not in used
+              and not any(key in note for note in notes)}
+    assert not unused, f"citations that back no number: {sorted(unused)}"
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_links_get_slower_and_no_faster_to_reach_going_outward(name: str) -> None:
+    levels = load_profile(name).levels
+    for inner, outer in pairwise(levels):
+        assert inner.bus_bandwidth_Bps >= outer.bus_bandwidth_Bps
+        assert float(inner.latency_s.value) <= float(outer.latency_s.value)
+
+
+def test_a100_matches_the_datasheet() -> None:
+    a100 = load_profile("a100-80g")
+    assert a100.peak("bf16") == 312e12
+    assert a100.peak("fp16") == 312e12
+    assert a100.peak("tf32") == 156e12
+    assert a100.peak("fp32") == 19.5e12
+    assert a100.memory_bandwidth_Bps.value == 2.039e12
+    assert a100.memory_bytes.value == 80 * GIB
+    small = load_profile("a100-40g")
+    assert small.memory_bandwidth_Bps.value == 1.555e12
+    assert small.memory_bytes.value == 40 * GIB
+    assert small.peak_flops == a100.peak_flops
+
+
+def test_a100_has_no_fp8_and_says_what_it_has() -> None:
+    with pytest.raises(ProfileError, match=r"a100-80g has no fp8 peak: .*fp32, tf32, bf16, fp16"):
+        load_profile("a100-80g").peak("fp8")
+
+
+def test_hopper_matches_the_datasheets_dense_figures() -> None:
+    h100, h200 = load_profile("h100-sxm"), load_profile("h200-sxm")
+    assert h100.memory_bandwidth_Bps.value == 3.35e12
+    assert h200.memory_bandwidth_Bps.value == 4.8e12
+    assert h200.memory_bytes.value == 141 * GIB
+    for gpu in (h100, h200):
+        assert gpu.peak("bf16") == pytest.approx(989.4e12)  # dense: the datasheet's 1979 / 2
+        assert gpu.peak("fp8") == pytest.approx(1978.9e12)
+        assert gpu.levels[0].bandwidth_Bps.value == 450e9  # 900 GB/s both ways
+
+
+def test_ascend_910b_models_the_64_gb_24_core_part() -> None:
+    npu = load_profile("ascend-910b")
+    assert 60e9 < npu.memory_bytes.value <= 64 * GIB
+    assert npu.peak("fp16") == pytest.approx(24 * 16**3 * 2 * 1.8e9, rel=1e-3)
+    assert [level.group_size for level in npu.levels] == [8, None]
+
+
+def test_ascend_910a_is_two_hccs_rings_joined_by_pcie() -> None:
+    npu = load_profile("ascend-910a")
+    assert [(lv.name, lv.group_size) for lv in npu.levels] == [
+        ("hccs", 4), ("pcie", 8), ("roce", None)]
+    assert npu.allowed_devices_within_node is not None
+    assert npu.allowed_devices_within_node.value == (1, 2, 4, 8)
+    assert npu.peak("fp16") == 256e12
+    with pytest.raises(ProfileError, match="ascend-910a has no fp32 peak: it supports fp16"):
+        npu.peak("fp32")
+
+
+def test_cpu_profile_is_this_two_core_machine() -> None:
+    cpu = load_profile("cpu")
+    assert cpu.devices_per_node.value == 2
+    assert [lv.group_size for lv in cpu.levels] == [2, None]
+    assert cpu.levels[0].bus_bandwidth_Bps < 2e9  # gloo loopback, not a real fabric
+    assert "measured-2026-11-29" in cpu.sources
+
+
+def test_unknown_dtype_lists_the_known_ones() -> None:
+    with pytest.raises(ProfileError, match=r"unknown dtype 'fp64': use one of fp32, tf32"):
+        load_profile("h100-sxm").peak("fp64")
+
+
+# -- topology questions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "devices", "nodes"), [
+    ("ascend-910a", 1, 1), ("ascend-910a", 2, 1), ("ascend-910a", 4, 1), ("ascend-910a", 8, 1),
+    ("ascend-910a", 16, 2), ("a100-80g", 6, 1), ("a100-80g", 7, 1), ("a100-80g", 8, 1),
+    ("a100-80g", 16, 2), ("a100-80g", 64, 8), ("cpu", 2, 1), ("cpu", 4, 2),
+])
+def test_check_device_count_accepts_formable_counts(name: str, devices: int, nodes: int) -> None:
+    assert load_profile(name).check_device_count(devices) == nodes
+
+
+@pytest.mark.parametrize(("name", "devices"), [
+    ("ascend-910a", 3), ("ascend-910a", 5), ("ascend-910a", 12), ("ascend-910a", 0),
+    ("a100-80g", 12), ("a100-80g", 0), ("a100-80g", -8), ("cpu", 3),
+])
+def test_check_device_count_refuses_other_counts(name: str, devices: int) -> None:
+    with pytest.raises(ProfileError, match=f"{name} cannot form {devices} devices"):
+        load_profile(name).check_device_count(devices)
+
+
+def test_check_device_count_message_says_what_to_use() -> None:
+    with pytest.raises(ProfileError) as err:
+        load_profile("ascend-910a").check_device_count(3)
+    assert str(err.value) == ("ascend-910a cannot form 3 devices: use 1, 2, 4 or 8 devices "
+                              "inside a node, or a multiple of 8 (whole nodes)")
+    with pytest.raises(ProfileError) as err:
+        load_profile("a100-80g").check_device_count(12)
+    assert str(err.value) == ("a100-80g cannot form 12 devices: use 1 to 8 devices inside a "
+                              "node, or a multiple of 8 (whole nodes)")
+
+
+def test_check_device_count_refuses_non_integers() -> None:
+    for bad in (True, 2.0, "8"):
+        with pytest.raises(ProfileError):
+            load_profile("a100-80g").check_device_count(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "span", "level"), [
+    ("ascend-910a", 1, "hccs"), ("ascend-910a", 2, "hccs"), ("ascend-910a", 4, "hccs"),
+    ("ascend-910a", 5, "pcie"), ("ascend-910a", 8, "pcie"), ("ascend-910a", 9, "roce"),
+    ("ascend-910a", 64, "roce"), ("a100-80g", 2, "nvswitch"), ("a100-80g", 8, "nvswitch"),
+    ("a100-80g", 16, "infiniband-hdr"), ("ascend-910b", 8, "hccs"), ("ascend-910b", 16, "roce"),
+    ("cpu", 2, "gloo-loopback"), ("cpu", 4, "ethernet-10g"),
+])
+def test_level_for_group_picks_the_innermost_level_that_holds_the_span(
+        name: str, span: int, level: str) -> None:
+    assert load_profile(name).level_for_group(span).name == level
+
+
+def test_level_for_group_refuses_empty_groups() -> None:
+    with pytest.raises(ProfileError, match="at least 1 device"):
+        load_profile("a100-80g").level_for_group(0)
+
+
+def test_bus_bandwidth_is_line_rate_times_efficiency() -> None:
+    level = load_profile("a100-80g").levels[0]
+    assert level.bus_bandwidth_Bps == pytest.approx(300e9 * 0.78)
+    assert load_profile("h100-sxm").inter_node_level.group_size is None
+
+
+def test_profile_objects_are_frozen_and_hashable() -> None:
+    profile = load_profile("h100-sxm")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.name = "other"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.levels[0].name = "other"  # type: ignore[misc]
+    assert isinstance(profile.levels[0], LinkLevel)
+    assert len({profile, load_profile("h100-sxm")}) == 1
+
+
+def test_profile_module_imports_nothing_heavy() -> None:
+    code = ("import sys, costmodels.profile; "
+            "print(sorted(m for m in ('torch', 'numpy', 'onnx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- loading by name or path ---------------------------------------------------------------
+
+
+def test_load_by_path_str_and_pathlike(tmp_path: Path) -> None:
+    copy = tmp_path / "mine.json"
+    copy.write_text((PROFILE_DIR / "a100-80g.json").read_text(encoding="utf-8"),
+                    encoding="utf-8")
+    for ref in (copy, str(copy)):
+        profile = load_profile(ref)
+        assert profile.path == str(copy)
+        assert profile.peak_flops == load_profile("a100-80g").peak_flops
+
+
+def test_unknown_name_lists_the_bundled_profiles() -> None:
+    with pytest.raises(ProfileError, match=r"unknown hardware profile 'tpu-v9': bundled "
+                                           r"profiles are a100-40g, a100-80g, .*h200-sxm"):
+        load_profile("tpu-v9")
+
+
+def test_profile_error_is_a_user_error_with_exit_code_2() -> None:
+    assert issubclass(ProfileError, ShardplanError)
+    assert ProfileError.exit_code == 2
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "nope.json"
+    with pytest.raises(ProfileError, match=f"{path}: no such profile file"):
+        load_profile(path)
+
+
+def test_unreadable_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match=f"{tmp_path}: cannot read the profile file"):
+        load_profile(str(tmp_path) + "/")
+
+
+def test_invalid_json_gives_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "schema": "shardplan.hardware-profile/1",\n  "name": }\n')
+    with pytest.raises(ProfileError, match=f"{path}: invalid JSON at line 3 column 11"):
+        load_profile(path)
+
+
+def test_non_utf8_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"name": "caf\xe9"}')
+    with pytest.raises(ProfileError, match=f"{path}: not UTF-8"):
+        load_profile(path)
+
+
+# -- malformed contents --------------------------------------------------------------------
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(*keys: str | int, value: Any) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        node: Any = data
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+    return mutate
+
+
+def _delete(*keys: str | int) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        node: Any = data
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+    return mutate
+
+
+def _swap_first_levels(data: dict[str, Any]) -> None:
+    levels = data["topology"]["levels"]
+    levels[0], levels[1] = levels[1], levels[0]
+
+
+def _duplicate_level_name(data: dict[str, Any]) -> None:
+    data["topology"]["levels"][1]["name"] = data["topology"]["levels"][0]["name"]
+
+
+MALFORMED: list[tuple[str, str, Mutation, str, str]] = [
+    # (id, base profile, change, field named, problem stated)
+    ("wrong-schema", "a100-80g", _set("schema", value="shardplan.hardware-profile/2"),
+     "schema", "must be 'shardplan.hardware-profile/1'"),
+    ("missing-memory", "a100-80g", _delete("device", "memory_bytes"),
+     "device.memory_bytes", "is missing"),
+    ("missing-levels", "a100-80g", _delete("topology", "levels"),
+     "topology.levels", "is missing"),
+    ("missing-name", "a100-80g", _delete("name"), "name", "is missing"),
+    ("unknown-field", "a100-80g", _set("device", "memory_bandwith_Bps", value=1),
+     "device.memory_bandwith_Bps", "is not a known field"),
+    ("negative-peak", "a100-80g", _set("device", "peak_flops", "bf16", "value", value=-1),
+     "device.peak_flops.bf16.value", "must be a finite positive number, got -1"),
+    ("nan-bandwidth", "a100-80g", _set("device", "memory_bandwidth_Bps", "value",
+                                       value=math.nan),
+     "device.memory_bandwidth_Bps.value", "got nan"),
+    ("inf-launch", "a100-80g", _set("device", "kernel_launch_s", "value", value=math.inf),
+     "device.kernel_launch_s.value", "got inf"),
+    ("zero-latency", "a100-80g", _set("topology", "levels", 0, "latency_s", "value", value=0),
+     "topology.levels[0].latency_s.value", "must be a finite positive number, got 0"),
+    ("efficiency-above-1", "a100-80g",
+     _set("topology", "levels", 1, "efficiency", "value", value=1.2),
+     "topology.levels[1].efficiency.value", "must be a fraction in (0, 1], got 1.2"),
+    ("efficiency-zero", "a100-80g", _set("device", "matmul_efficiency", "value", value=0.0),
+     "device.matmul_efficiency.value", "got 0.0"),
+    ("number-as-string", "a100-80g",
+     _set("device", "peak_flops", "fp16", "value", value="312e12"),
+     "device.peak_flops.fp16.value", "must be a positive number"),
+    ("bool-count", "a100-80g", _set("topology", "devices_per_node", "value", value=True),
+     "topology.devices_per_node.value", "must be a positive integer"),
+    ("fractional-bytes", "a100-80g", _set("device", "memory_bytes", "value", value=8.5e10),
+     "device.memory_bytes.value", "must be a positive integer"),
+    ("unknown-source", "a100-80g", _set("device", "memory_bytes", "source", value="nowhere"),
+     "device.memory_bytes.source", "'nowhere' is not a key of sources"),
+    ("empty-citation", "a100-80g", _set("sources", "dgx-a100", value=" "),
+     "sources.dgx-a100", "must be a non-empty string"),
+    ("note-not-text", "a100-80g", _set("device", "memory_bytes", "note", value=5),
+     "device.memory_bytes.note", "must be a string"),
+    ("derived-without-note", "ascend-910a",
+     _delete("device", "memory_bandwidth_Bps", "note"),
+     "device.memory_bandwidth_Bps.note", "must explain the arithmetic"),
+    ("unknown-dtype", "a100-80g",
+     _set("device", "peak_flops", "fp64", value={"value": 1e12, "source": "dgx-a100"}),
+     "device.peak_flops.fp64", "is not a known dtype"),
+    ("no-peaks", "a100-80g", _set("device", "peak_flops", value={}),
+     "device.peak_flops", "must be a non-empty object"),
+    ("levels-out-of-order", "ascend-910a", _swap_first_levels,
+     "topology.levels[1].group_size", "must be larger than and a multiple of"),
+    ("levels-not-dividing", "ascend-910a", _set("topology", "levels", 0, "group_size", value=3),
+     "topology.levels[1].group_size", "must be larger than and a multiple of the level before"),
+    ("last-intra-not-node", "ascend-910b", _set("topology", "levels", 0, "group_size", value=4),
+     "topology.levels[0].group_size", "must equal topology.devices_per_node (8)"),
+    ("no-inter-node-level", "ascend-910a",
+     _set("topology", "levels", 2, "group_size", value=16),
+     "topology.levels[2].group_size", "must be null"),
+    ("null-inside", "ascend-910a", _set("topology", "levels", 0, "group_size", value=None),
+     "topology.levels[0].group_size", "is null but only the last level may be"),
+    ("group-of-one", "cpu", _set("topology", "levels", 0, "group_size", value=1),
+     "topology.levels[0].group_size", "must be at least 2"),
+    ("duplicate-level-name", "ascend-910a", _duplicate_level_name,
+     "topology.levels[0].name", "is used by two levels"),
+    ("empty-levels", "a100-80g", _set("topology", "levels", value=[]),
+     "topology.levels", "must be a non-empty list"),
+    ("allowed-without-whole-node", "ascend-910a",
+     _set("topology", "allowed_devices_within_node", "value", value=[1, 2, 4]),
+     "topology.allowed_devices_within_node.value", "must end with devices_per_node (8)"),
+    ("allowed-unsorted", "ascend-910a",
+     _set("topology", "allowed_devices_within_node", "value", value=[1, 4, 2, 8]),
+     "topology.allowed_devices_within_node.value", "must be strictly increasing"),
+    ("device-not-object", "a100-80g", _set("device", value=[]),
+     "device", "must be a JSON object, got a list"),
+]
+
+
+@pytest.mark.parametrize(("base", "mutate", "field", "problem"),
+                         [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED])
+def test_malformed_profile_names_file_and_field(tmp_path: Path, base: str, mutate: Mutation,
+                                                field: str, problem: str) -> None:
+    data = json.loads((PROFILE_DIR / f"{base}.json").read_text(encoding="utf-8"))
+    mutate(data)
+    path = tmp_path / f"{base}-broken.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: {field} "), message
+    assert problem in message, message
+    assert "\n" not in message
+
+
+def test_top_level_must_be_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text("[]")
+    with pytest.raises(ProfileError, match=f"{path}: the file's top level must be a JSON "
+                                           f"object, got a list"):
+        load_profile(path)
