@@ -165,3 +165,30 @@ def test_profiles_list(capsys: pytest.CaptureFixture) -> None:
     for name in ("ascend-910a", "ascend-910b", "a100-40g", "a100-80g", "h100-sxm", "h200-sxm",
                  "cpu"):
         assert name in listed
+
+
+def test_op_without_rule_is_kept_replicated_with_one_warning(tmp_path: Path) -> None:
+    """LRN has no sharding rule: it stays in the plan, replicated, and is named once."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6, 6])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("LRN", ["a"], ["b"], name="lrn1", size=3),
+             helper.make_node("LRN", ["b"], ["c"], name="lrn2", size=3),
+             helper.make_node("Relu", ["c"], ["y"], name="relu_out")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "lrn.onnx"
+    onnx.save(model, str(path))
+    result = plan(path, devices=2, batch=4)
+    ops = {op.name: op for op in result.ops}
+    assert set(ops) == {"relu", "lrn1", "lrn2", "relu_out"}
+    assert ops["relu"].assignment == {"d0": ["dp"]}
+    assert ops["lrn1"].assignment == {} and "no sharding rule" in ops["lrn1"].note
+    assert [b.layout.is_replicated for b in ops["lrn1"].inputs] == [True]
+    gathers = [c for c in result.collectives if c.kind == "all_gather"]
+    assert [(c.tensor, c.phase) for c in gathers] == [("a", "forward")]
+    lrn_warnings = [w for w in result.warnings if "LRN" in w]
+    assert len(lrn_warnings) == 1 and lrn_warnings[0].startswith("2 op(s)")
