@@ -246,13 +246,8 @@ def _edge_collectives(edge: _Edge, info: TensorInfo, consumer: OpNode, mesh: Dev
                           mesh, profile) for s in forward if s.communicates]
     if requires_grad and info.kind != "parameter":
         # Partial gradients of an activation are reduced on the way back to its producer.
-        steps = backward_steps(forward, partial_axes)
-        reduced = {a for s in steps for a in s.axes if s.kind == "reduce_scatter"}
-        leftover = tuple(a for a in partial_axes if a not in reduced)
-        local = info.nbytes * fraction_of_layout(edge.dst, mesh)
-        if leftover:
-            result.append(_collective("all_reduce", edge.tensor, leftover, local, "backward",
-                                      consumer.name, mesh, profile))
+        src_bytes = int(info.nbytes * fraction_of_layout(edge.src, mesh))
+        steps = backward_steps(forward, partial_axes, src_bytes)
         result += [_collective(s.kind, edge.tensor, s.axes, s.nbytes, "backward",
                                consumer.name, mesh, profile) for s in steps if s.communicates]
     return result

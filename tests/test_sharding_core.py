@@ -177,6 +177,10 @@ def test_batch_norm_training_needs_statistics_sync() -> None:
 # --------------------------------------------------------------------------- redistribution
 
 
+def _kinds(steps: list[CommStep]) -> list[tuple[str, tuple[str, ...], int | None, int | None]]:
+    return [(s.kind, s.axes, s.src_dim, s.dst_dim) for s in steps]
+
+
 def test_redistribution_steps_and_their_transposes() -> None:
     mesh = DeviceMesh.build({"dp": 2, "tp": 4}, 8)
     shape, itemsize = (8, 16), 4
@@ -184,15 +188,30 @@ def test_redistribution_steps_and_their_transposes() -> None:
     replicated = Layout(((), ()))
     partial = Layout(((), ()), ("tp",))
     gather = redistribute(split, replicated, shape, itemsize, mesh)
-    assert gather == [CommStep("all_gather", ("dp",), 8 * 16 * 4)]
-    assert backward_steps(gather, ()) == [CommStep("slice", ("dp",), 8 * 16 * 4)]
-    assert backward_steps(gather, ("dp",)) == [CommStep("reduce_scatter", ("dp",), 512)]
-    assert redistribute(replicated, split, shape, itemsize, mesh)[0].kind == "slice"
+    assert gather == [CommStep("all_gather", ("dp",), 8 * 16 * 4, 0, None)]
+    assert _kinds(backward_steps(gather, (), 256)) == [("slice", ("dp",), None, 0)]
+    assert _kinds(backward_steps(gather, ("dp",), 256)) == [("reduce_scatter", ("dp",), None, 0)]
+    assert _kinds(redistribute(replicated, split, shape, itemsize, mesh)) == [
+        ("slice", ("dp",), None, 0)]
     reduce = redistribute(partial, replicated, shape, itemsize, mesh)
     assert reduce == [CommStep("all_reduce", ("tp",), 8 * 16 * 4)]
-    assert backward_steps(reduce, ()) == []
+    assert backward_steps(reduce, (), 512) == []
     scatter = redistribute(partial, Layout(((), ("tp",))), shape, itemsize, mesh)
-    assert scatter[0].kind == "reduce_scatter"
+    assert _kinds(scatter) == [("reduce_scatter", ("tp",), None, 1)]
     moved = redistribute(Layout((("tp",), ())), Layout(((), ("tp",))), shape, itemsize, mesh)
-    assert [s.kind for s in moved] == ["all_to_all"]
+    assert _kinds(moved) == [("all_to_all", ("tp",), 0, 1)]
+    assert _kinds(backward_steps(moved, (), 128)) == [("all_to_all", ("tp",), 1, 0)]
     assert redistribute(split, split, shape, itemsize, mesh) == []
+
+
+def test_redistribution_respects_split_order() -> None:
+    """Only the minor axis of a dim can leave it: ("dp", "tp") -> ("tp",) goes via tp."""
+    mesh = DeviceMesh.build({"dp": 2, "tp": 4}, 8)
+    steps = redistribute(Layout((("dp", "tp"), ())), Layout((("tp",), ())), (16, 4), 4, mesh)
+    kinds = _kinds(steps)
+    assert kinds[0][:2] in {("all_gather", ("tp",)), ("all_to_all", ("tp",))}
+    assert ("slice", ("tp",), None, 0) in kinds or ("all_to_all", ("tp",), 1, 0) in kinds
+
+
+def test_leftover_partial_gradient_is_all_reduced() -> None:
+    assert _kinds(backward_steps([], ("tp",), 64)) == [("all_reduce", ("tp",), None, None)]

@@ -1,132 +1,234 @@
-"""Turn one layout into another with collectives, and transpose that for the backward pass.
+"""Turn one layout into another with the cheapest sequence of collectives.
 
-Each mesh axis is handled on its own: where the axis sits in the source layout (splitting
-a dim, pending a partial sum, or unused) and where it must sit in the target decides one
-step. Steps of the same kind are merged into one collective over several axes.
+A search (Dijkstra) over layouts of the tensor, one mesh axis per move:
 
-| source \\ target | unused (replicated) | splits dim j        | partial         |
-| ---------------- | ------------------- | ------------------- | --------------- |
-| unused           | -                   | slice (free)        | zero (free)     |
-| splits dim i     | all_gather          | all_to_all (i != j) | all_gather+zero |
-| partial          | all_reduce          | reduce_scatter      | -               |
+| move           | from                           | to                               |
+| -------------- | ------------------------------ | -------------------------------- |
+| all_gather     | axis is the minor split of dim | axis unused                      |
+| slice (local)  | axis unused                    | axis the new minor split of dim  |
+| all_to_all     | axis the minor split of dim i  | axis the new minor split of dim j|
+| all_reduce     | axis partial                   | axis unused                      |
+| reduce_scatter | axis partial                   | axis the new minor split of dim  |
+| zero (local)   | axis unused                    | axis partial (one holder, zeros) |
+
+Only the minor-most axis of a dim can be gathered or moved: with the row-major split order
+of a Layout, anything else would reorder the data. The cost of a move comes from a cost
+function (by default the ring traffic of the step); the planner passes the hardware model.
+The backward pass runs the transposed moves in reverse order (`backward_steps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
+from planner.errors import StrategyError
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
 #: Steps that move data between devices (the others are local).
 COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
-#: Backward step of each forward step when the incoming gradient is not a partial sum.
-TRANSPOSE = {"all_gather": "slice", "slice": "all_gather", "all_reduce": None,
-             "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "zero": None}
+LOCAL_STEP_COST = 1e-12  # a local step costs (almost) nothing but is not free: fewer is better
 
 
 @dataclass(frozen=True)
 class CommStep:
-    """One collective (or local step) over some mesh axes.
+    """One move over one mesh axis.
 
-    `nbytes` is the per-device buffer the ring formulas price: the gathered or unreduced
-    local tensor (the larger side of the step).
+    `src_dim`/`dst_dim` are the tensor dims the axis leaves / joins (None where it is
+    partial or unused). `nbytes` is the per-device buffer the ring formulas price: the
+    gathered or unreduced local tensor (the larger side of the step).
     """
 
     kind: str
     axes: tuple[str, ...]
     nbytes: int
+    src_dim: int | None = None
+    dst_dim: int | None = None
 
     @property
     def communicates(self) -> bool:
         return self.kind in COMMUNICATING
 
 
-def _place(layout: Layout, axis: str) -> tuple[str, int | None]:
+StepCost = Callable[[CommStep, DeviceMesh], float]
+
+
+def ring_traffic(step: CommStep, mesh: DeviceMesh) -> float:
+    """Bytes each device sends in a ring implementation of `step` (the default cost)."""
+    if not step.communicates:
+        return LOCAL_STEP_COST
+    p = mesh.group_size(step.axes)
+    factor = 2.0 if step.kind == "all_reduce" else 1.0
+    return factor * (p - 1) / p * step.nbytes
+
+
+def _normal(layout: Layout, mesh: DeviceMesh) -> Layout:
+    order = {a: i for i, a in enumerate(mesh.axis_names)}
+    return Layout(layout.dims, tuple(sorted(set(layout.partial), key=order.__getitem__)))
+
+
+def _local_bytes(shape: Sequence[int], layout: Layout, mesh: DeviceMesh, itemsize: int) -> int:
+    factors = layout.split_factors(mesh)
+    return int(np.prod([s // f for s, f in zip(shape, factors, strict=True)],
+                       dtype=np.int64)) * itemsize
+
+
+def _placement(layout: Layout, axis: str) -> tuple[str, int]:
     if axis in layout.partial:
-        return "partial", None
+        return "partial", -1
     for dim, axes in enumerate(layout.dims):
         if axis in axes:
             return "dim", dim
-    return "none", None
+    return "none", -1
 
 
-def _local_bytes(shape: Sequence[int], layout: Layout, mesh: DeviceMesh, itemsize: int,
-                 without: Sequence[str] = ()) -> int:
-    """Bytes of one device's piece, pretending the axes in `without` do not split."""
-    factors = [
-        mesh.group_size([a for a in axes if a not in without]) for axes in layout.dims
-    ]
-    numel = int(np.prod([s // f for s, f in zip(shape, factors, strict=True)], dtype=np.int64))
-    return numel * itemsize
+def _moves(layout: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh,
+           target: Layout, movable: frozenset[str]) -> list[tuple[CommStep, Layout]]:
+    dims = [list(axes) for axes in layout.dims]
+    used = {a for axes in dims for a in axes} | set(layout.partial)
+    local = _local_bytes(shape, layout, mesh, itemsize)
+    moves: list[tuple[CommStep, Layout]] = []
+
+    def fits(dim: int, axis: str, current: list[str]) -> bool:
+        return shape[dim] % (mesh.group_size(current) * mesh.axis_size(axis)) == 0
+
+    def with_dims(new_dims: list[list[str]], partial: Sequence[str]) -> Layout:
+        return _normal(Layout(tuple(tuple(d) for d in new_dims), tuple(partial)), mesh)
+
+    for dim, axes in enumerate(dims):
+        if not axes or axes[-1] not in movable:
+            continue
+        axis = axes[-1]
+        gathered = [list(d) for d in dims]
+        gathered[dim] = axes[:-1]
+        size = mesh.axis_size(axis)
+        moves.append((CommStep("all_gather", (axis,), local * size, dim, None),
+                      with_dims(gathered, layout.partial)))
+        for other in range(len(dims)):
+            if other != dim and fits(other, axis, dims[other]):
+                moved = [list(d) for d in gathered]
+                moved[other] = [*moved[other], axis]
+                moves.append((CommStep("all_to_all", (axis,), local, dim, other),
+                              with_dims(moved, layout.partial)))
+    for axis in layout.partial:
+        if axis not in movable:
+            continue
+        rest = [a for a in layout.partial if a != axis]
+        moves.append((CommStep("all_reduce", (axis,), local), with_dims(dims, rest)))
+        for dim in range(len(dims)):
+            if fits(dim, axis, dims[dim]):
+                scattered = [list(d) for d in dims]
+                scattered[dim] = [*scattered[dim], axis]
+                moves.append((CommStep("reduce_scatter", (axis,), local, None, dim),
+                              with_dims(scattered, rest)))
+    for axis in mesh.axis_names:
+        if axis in used or axis not in movable or mesh.axis_size(axis) == 1:
+            continue
+        for dim in range(len(dims)):
+            if fits(dim, axis, dims[dim]):
+                sliced = [list(d) for d in dims]
+                sliced[dim] = [*sliced[dim], axis]
+                moves.append((CommStep("slice", (axis,), local, None, dim),
+                              with_dims(sliced, layout.partial)))
+        if axis in target.partial:
+            moves.append((CommStep("zero", (axis,), local),
+                          with_dims(dims, [*layout.partial, axis])))
+    return moves
 
 
 def redistribute(
-    src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh
+    src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh,
+    cost: StepCost = ring_traffic,
 ) -> list[CommStep]:
-    """Forward steps that turn `src` into `dst`, merged per kind."""
-    kinds: dict[str, list[str]] = {}
+    """The cheapest move sequence from `src` to `dst` under `cost` (empty when equal)."""
+    start, goal = _normal(src, mesh), _normal(dst, mesh)
+    if start == goal:
+        return []
+    if cost is ring_traffic:
+        return list(_cached_search(start, goal, tuple(shape), itemsize, mesh))
+    return _search(start, goal, shape, itemsize, mesh, cost)
+
+
+@lru_cache(maxsize=65536)
+def _cached_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+                   mesh: DeviceMesh) -> tuple[CommStep, ...]:
+    return tuple(_search(src, dst, shape, itemsize, mesh, ring_traffic))
+
+
+def _search(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh,
+            cost: StepCost) -> list[CommStep]:
+    # Axes placed alike in both layouts are left alone, as are the axes splitting a dim
+    # before the first difference; everything after must be free to move.
+    movable = set()
     for axis in mesh.axis_names:
-        (s_kind, s_dim), (d_kind, d_dim) = _place(src, axis), _place(dst, axis)
-        step = _step(s_kind, s_dim, d_kind, d_dim)
-        for kind in step:
-            kinds.setdefault(kind, []).append(axis)
-    order = ("all_reduce", "reduce_scatter", "all_to_all", "all_gather", "slice", "zero")
-    steps = []
-    for kind in order:
-        axes = tuple(kinds.get(kind, ()))
-        if not axes:
+        if _placement(src, axis) != _placement(dst, axis):
+            movable.add(axis)
+    for src_axes, dst_axes in zip(src.dims, dst.dims, strict=True):
+        common = 0
+        while (common < min(len(src_axes), len(dst_axes))
+               and src_axes[common] == dst_axes[common]):
+            common += 1
+        movable.update(src_axes[common:])
+        movable.update(dst_axes[common:])
+    frozen = frozenset(movable)
+    counter = itertools.count()
+    frontier: list[tuple[float, int, Layout, list[CommStep]]] = [(0.0, next(counter), src, [])]
+    best: dict[Layout, float] = {src: 0.0}
+    while frontier:
+        spent, _, layout, path = heapq.heappop(frontier)
+        if layout == dst:
+            return path
+        if spent > best.get(layout, float("inf")):
             continue
-        steps.append(CommStep(kind, axes, _step_bytes(kind, axes, src, dst, shape, itemsize,
-                                                      mesh)))
-    return steps
-
-
-def _step(s_kind: str, s_dim: int | None, d_kind: str, d_dim: int | None) -> tuple[str, ...]:
-    if s_kind == d_kind and s_dim == d_dim:
-        return ()
-    table = {
-        ("none", "dim"): ("slice",), ("none", "partial"): ("zero",),
-        ("dim", "none"): ("all_gather",), ("dim", "dim"): ("all_to_all",),
-        ("dim", "partial"): ("all_gather", "zero"),
-        ("partial", "none"): ("all_reduce",), ("partial", "dim"): ("reduce_scatter",),
-    }
-    return table[(s_kind, d_kind)]
-
-
-def _step_bytes(kind: str, axes: Sequence[str], src: Layout, dst: Layout,
-                shape: Sequence[int], itemsize: int, mesh: DeviceMesh) -> int:
-    if kind in ("all_gather", "all_to_all"):
-        return _local_bytes(shape, src, mesh, itemsize, without=axes)
-    if kind in ("all_reduce", "reduce_scatter"):
-        return _local_bytes(shape, dst, mesh, itemsize, without=axes)
-    return 0
+        for step, after in _moves(layout, shape, itemsize, mesh, dst, frozen):
+            total = spent + cost(step, mesh)
+            if total < best.get(after, float("inf")):
+                best[after] = total
+                heapq.heappush(frontier, (total, next(counter), after, [*path, step]))
+    raise StrategyError(
+        f"no sequence of collectives turns layout {src.to_json()} into {dst.to_json()} "
+        f"for shape {list(shape)} on mesh {mesh.shape}"
+    )
 
 
 def backward_steps(
-    forward: Sequence[CommStep], grad_partial_axes: Sequence[str]
+    forward: Sequence[CommStep], grad_partial_axes: Sequence[str], src_bytes: int
 ) -> list[CommStep]:
-    """The transposed steps, run in reverse order on the gradient.
+    """The transposed moves, in reverse order, applied to the gradient.
 
-    A gradient arriving as a partial sum over some axes (its consumer split work over an
-    axis the tensor is replicated on) must be reduced: an AllReduce, or a ReduceScatter
-    where the forward step gathered.
+    A gradient that arrives partial over some axes (its consumer split work over an axis
+    the tensor is replicated on) is reduced where the forward pass gathered or copied: a
+    ReduceScatter instead of a local slice, an AllReduce where the data was replicated.
+    Axes still partial at the end are reduced by a final AllReduce of the gradient in the
+    source layout, whose local size is `src_bytes`.
     """
-    partial = set(grad_partial_axes)
+    partial = list(dict.fromkeys(grad_partial_axes))
     steps: list[CommStep] = []
     for step in reversed(forward):
-        reduced = tuple(a for a in step.axes if a in partial)
-        if step.kind == "all_gather" and reduced:
-            steps.append(CommStep("reduce_scatter", reduced, step.nbytes))
-            partial -= set(reduced)
-            rest = tuple(a for a in step.axes if a not in reduced)
-            if rest:
-                steps.append(CommStep("slice", rest, 0))
-            continue
-        transposed = TRANSPOSE[step.kind]
-        if transposed is not None:
-            steps.append(CommStep(transposed, step.axes, step.nbytes))
+        axis = step.axes[0]
+        if step.kind == "all_gather":
+            if axis in partial:
+                partial.remove(axis)
+                steps.append(CommStep("reduce_scatter", step.axes, step.nbytes, None,
+                                      step.src_dim))
+            else:
+                steps.append(CommStep("slice", step.axes, step.nbytes, None, step.src_dim))
+        elif step.kind in ("slice", "reduce_scatter"):
+            steps.append(CommStep("all_gather", step.axes, step.nbytes, step.dst_dim, None))
+        elif step.kind == "all_to_all":
+            steps.append(CommStep("all_to_all", step.axes, step.nbytes, step.dst_dim,
+                                  step.src_dim))
+        elif step.kind == "all_reduce":
+            if axis in partial:
+                partial.remove(axis)
+                steps.append(CommStep("all_reduce", step.axes, step.nbytes))
+        elif step.kind == "zero" and axis not in partial:
+            partial.append(axis)
+    steps += [CommStep("all_reduce", (axis,), src_bytes) for axis in partial]
     return steps
