@@ -82,7 +82,7 @@ def rewrite(*op_types: str) -> Callable[[Rewrite], Rewrite]:
     return register
 
 
-def _proto(node: OpNode) -> onnx.NodeProto:
+def node_proto(node: OpNode) -> onnx.NodeProto:
     attrs = {k: v for k, v in node.attrs.items() if v is not None}
     return helper.make_node(node.op_type, list(node.inputs), list(node.outputs), name=node.name,
                             domain=node.domain or None, **attrs)
@@ -95,7 +95,7 @@ def local_program(node: OpNode, labels: DimLabels, strategy: OpStrategy,
     context = LocalContext(node, labels, strategy, tensors, mesh, coord)
     fn = LOCAL_REWRITES.get(node.op_type)
     if fn is None or not strategy.assignment:
-        return LocalProgram([_proto(node)])
+        return LocalProgram([node_proto(node)])
     return fn(context)
 
 
@@ -112,7 +112,7 @@ def _local_target_shape(context: LocalContext) -> LocalProgram:
     assert layout is not None
     shape_name = _name(context, "local_shape")
     local = np.array(context.local_shape(node.outputs[0], layout), dtype=np.int64)
-    proto = _proto(node)
+    proto = node_proto(node)
     proto.input[1] = shape_name
     if node.op_type == "Reshape":
         del proto.attribute[:]  # the explicit local shape has no 0 or -1 entries
@@ -132,7 +132,7 @@ def _vocab_split_gather(context: LocalContext) -> LocalProgram:
     axis = axis + len(table_labels) if axis < 0 else axis
     axes = context.split_axes(table_labels[axis])
     if not axes:
-        return LocalProgram([_proto(node)])
+        return LocalProgram([node_proto(node)])
     inputs, _ = context.layouts()
     table = inputs[0]
     assert table is not None
@@ -184,8 +184,8 @@ def _bias_once(context: LocalContext) -> LocalProgram:
     node = context.node
     has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
     if not has_bias or context.holds_partial_term():
-        return LocalProgram([_proto(node)])
-    proto = _proto(node)
+        return LocalProgram([node_proto(node)])
+    proto = node_proto(node)
     del proto.input[2]
     return LocalProgram([proto])
 
@@ -198,8 +198,8 @@ def _mean_of_shards(context: LocalContext) -> LocalProgram:
     for label in context.labels.sum_labels:
         degree *= context.mesh.group_size(context.split_axes(label))
     if degree == 1:
-        return LocalProgram([_proto(node)])
-    proto = _proto(node)
+        return LocalProgram([node_proto(node)])
+    proto = node_proto(node)
     partial_name = _name(context, "local_mean")
     proto.output[0] = partial_name
     scale = _name(context, "scale")
@@ -215,7 +215,7 @@ def _synced_batch_norm(context: LocalContext) -> LocalProgram:
     node = context.node
     axes = tuple(a for label in context.labels.sync_labels for a in context.split_axes(label))
     if not axes:
-        return LocalProgram([_proto(node)])
+        return LocalProgram([node_proto(node)])
     x, scale, bias, running_mean, running_var = node.inputs[:5]
     shape = context.tensors[x].shape
     reduce_axes = np.array([0, *range(2, len(shape))], dtype=np.int64)

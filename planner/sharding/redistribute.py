@@ -128,7 +128,7 @@ def _moves(layout: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh
                 moves.append((CommStep("reduce_scatter", (axis,), local, None, dim),
                               with_dims(scattered, rest)))
     for axis in mesh.axis_names:
-        if axis in used or axis not in movable or mesh.axis_size(axis) == 1:
+        if axis in used or axis not in movable:
             continue
         for dim in range(len(dims)):
             if fits(dim, axis, dims[dim]):

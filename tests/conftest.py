@@ -1,0 +1,64 @@
+"""Shared pytest setup: the `slow` marker and cached ONNX exports of tiny real models."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # exported_models imports torch; keep conftest cheap for other tests
+    from exported_models import ExportModel
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register markers so `-m "not slow"` gives a quick run and typos in markers fail."""
+    config.addinivalue_line("markers", "slow: test takes more than 5 s (e.g. a dynamo export)")
+
+
+@pytest.fixture(scope="session")
+def export_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Directory holding exported models for this session.
+
+    `SHARDPLAN_EXPORT_CACHE` keeps exports across sessions; a per-torch-version
+    subdirectory stops a torch upgrade from serving stale graphs.
+    """
+    env = os.environ.get("SHARDPLAN_EXPORT_CACHE")
+    if not env:
+        return tmp_path_factory.mktemp("onnx-exports")
+    import torch
+
+    path = pathlib.Path(env).expanduser() / f"torch-{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def export_model(export_cache: pathlib.Path) -> ExportModel:
+    """Factory: `export_model("gpt2", "dynamo", training=True)` -> path of a cached .onnx file."""
+    from exported_models import export
+
+    def factory(model: str, exporter: str = "torchscript", *, training: bool = False,
+                opset: int = 17, dynamic: bool = True, batch: int = 2,
+                seq: int = 16) -> pathlib.Path:
+        return export(model, exporter, training=training, opset=opset, out_dir=export_cache,
+                      dynamic=dynamic, batch=batch, seq=seq)
+
+    return factory
+
+
+@pytest.fixture
+def exported(request: pytest.FixtureRequest, export_model: ExportModel) -> pathlib.Path:
+    """Indirect-parametrised export: `request.param` is a model name or a dict of options.
+
+    Example: `@pytest.mark.parametrize("exported", [{"model": "bert", "exporter": "dynamo"}],
+    indirect=True)`.
+    """
+    param: Any = getattr(request, "param", None)
+    if param is None:
+        raise pytest.UsageError("`exported` needs indirect parametrisation with a model spec")
+    options: dict[str, Any] = {"model": param} if isinstance(param, str) else dict(param)
+    make: Callable[..., pathlib.Path] = export_model
+    return make(**options)

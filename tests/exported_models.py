@@ -1,0 +1,345 @@
+"""Export tiny real models to ONNX with both torch exporters, for tests and notebooks.
+
+The planner must cope with what PyTorch really emits, so tests read graphs exported here
+from GPT-2, BERT, LLaMA (transformers, random weights, no hub) and a torchvision-style
+ResNet, rather than hand-built graphs. Each export is cached by file name (the name
+encodes every option), so a test session pays for each variant once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import types
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+MODELS = ("gpt2", "bert", "llama", "resnet")
+EXPORTERS = ("torchscript", "dynamo")
+
+#: Highest opset each exporter accepts in torch 2.13 (the TorchScript exporter stops at 20).
+MAX_OPSET = {"torchscript": 20, "dynamo": 23}
+
+VOCAB = 1000
+HIDDEN = 64
+HEADS = 4
+LAYERS = 2
+MAX_POSITIONS = 128
+IMAGE = 32
+NUM_CLASSES = 10
+SEED = 0
+
+
+@dataclass
+class Example:
+    """A model ready to export plus the inputs to trace it with.
+
+    `dynamic_dims` maps each input name to the axes that become symbolic (axis -> name).
+    Inputs are passed as keyword arguments, in `inputs` order.
+    """
+
+    module: nn.Module
+    inputs: dict[str, torch.Tensor]
+    output_names: list[str]
+    dynamic_dims: dict[str, dict[int, str]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: two 3x3 conv+BN, identity or 1x1-conv shortcut."""
+
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """A two-stage torchvision-style ResNet for 32x32 images (torchvision is not installed).
+
+    Module names follow torchvision (conv1, bn1, layer1.0.conv1, fc, ...) so initializer
+    names look like a real ResNet export.
+    """
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32), blocks: int = 2,
+                 num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        inplanes = widths[0]
+        for i, width in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            layer = nn.Sequential(*(
+                BasicBlock(inplanes if b == 0 else width, width, stride if b == 0 else 1)
+                for b in range(blocks)
+            ))
+            self.add_module(f"layer{i + 1}", layer)
+            inplanes = width
+        self.num_layers = len(widths)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(pixel_values))))
+        for i in range(self.num_layers):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _build_module(model: str) -> nn.Module:
+    """Build the tiny model with default (not yet randomised) weights."""
+    if model == "resnet":
+        return ResNet()
+    import transformers  # slow import: only for the token models
+
+    if model == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
+            n_head=HEADS, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    if model == "bert":
+        cfg = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, intermediate_size=4 * HIDDEN,
+            max_position_embeddings=MAX_POSITIONS,
+        )
+        return transformers.BertForMaskedLM(cfg)
+    if model == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=172,
+            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            max_position_embeddings=MAX_POSITIONS, use_cache=False,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown model {model!r}; choose one of {MODELS}")
+
+
+def _randomise(module: nn.Module, generator: torch.Generator) -> None:
+    """Give every parameter and float buffer distinct random values.
+
+    Exporters merge initializers with equal contents (e.g. all-zero biases), which would
+    hide module names from the planner; norm scales stay near 1 and BatchNorm variances
+    stay positive so activations remain well-conditioned for the 1e-4 comparison.
+    """
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+            elif name.endswith("weight"):  # norm scales
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=generator))
+        for name, b in module.named_buffers():
+            if not b.is_floating_point():
+                continue
+            if name.endswith("running_var"):
+                b.copy_(torch.rand(b.shape, generator=generator) + 0.5)
+            elif name.endswith("running_mean"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=generator))
+
+
+def _logits_only(module: nn.Module) -> None:
+    """Make `module` take (input_ids, attention_mask) and return the logits tensor.
+
+    Bound on the instance, not via a wrapper module, so parameter names keep the
+    transformers spelling (no `model.` prefix). Without it the TorchScript exporter fills
+    in every later forward default and turns `logits_to_keep` into a graph input.
+    """
+    cls_forward = type(module).forward
+
+    def forward(self: nn.Module, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        return cls_forward(self, input_ids=input_ids, attention_mask=attention_mask).logits
+
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+
+
+def build(model: str, *, training: bool = False, batch: int = 2, seq: int = 16) -> Example:
+    """Build a seeded, randomised tiny `model` in eval or train mode with example inputs."""
+    torch.manual_seed(SEED)
+    generator = torch.Generator().manual_seed(SEED)
+    module = _build_module(model)
+    _randomise(module, generator)
+    module.train(training)
+    if model == "resnet":
+        image = torch.randn(batch, 3, IMAGE, IMAGE, generator=generator)
+        return Example(module, {"pixel_values": image}, ["logits"],
+                       {"pixel_values": {0: "batch"}})
+    _logits_only(module)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    # GPT-2's TorchScript export needs an explicit mask (else aten::diff); pass one to all.
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    token_axes = {0: "batch", 1: "seq"}
+    return Example(module, {"input_ids": ids, "attention_mask": mask}, ["logits"],
+                   {"input_ids": token_axes, "attention_mask": token_axes})
+
+
+def random_inputs(model: str, batch: int, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Fresh inputs of a given batch/seq, e.g. to prove that exported axes are dynamic.
+
+    The last sequence is right-padded (its last quarter masked out) so a comparison with
+    torch also proves the exported graph really applies the attention mask.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if model == "resnet":
+        return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=generator)}
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[-1, seq - seq // 4:] = 0
+    return {
+        "input_ids": torch.randint(0, VOCAB, (batch, seq), generator=generator),
+        "attention_mask": mask,
+    }
+
+
+# --------------------------------------------------------------------------- export
+
+
+class ExportModel(Protocol):
+    """Signature of conftest's `export_model` fixture: `export` with the cache dir bound."""
+
+    def __call__(self, model: str, exporter: str = "torchscript", *, training: bool = False,
+                 opset: int = 17, dynamic: bool = True, batch: int = 2,
+                 seq: int = 16) -> pathlib.Path: ...
+
+
+def file_name(model: str, exporter: str, *, training: bool, opset: int, dynamic: bool,
+              batch: int, seq: int) -> str:
+    """The cache key: every option that changes the exported graph is in the name."""
+    mode = "train" if training else "eval"
+    shape = "dyn" if dynamic else "static"
+    dims = f"b{batch}" if model == "resnet" else f"b{batch}s{seq}"
+    return f"{model}-{exporter}-{mode}-op{opset}-{shape}-{dims}.onnx"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence exporter prints, warnings and log records; they drown pytest output."""
+    names = ("torch", "torch.onnx", "torch.export", "torch._dynamo", "torch.__trace",
+             "onnxscript")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    sink = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
+                contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _export_torchscript(ex: Example, path: pathlib.Path, *, training: bool, opset: int,
+                        dynamic: bool) -> None:
+    """Legacy exporter: train mode needs TRAINING plus no folding to keep Dropout/BN and names."""
+    names = list(ex.inputs)
+    dynamic_axes: dict[str, dict[int, str]] | None = None
+    if dynamic:
+        dynamic_axes = dict(ex.dynamic_dims)
+        first = next(iter(ex.dynamic_dims.values()))
+        for out in ex.output_names:  # logits share the leading (batch[, seq]) axes
+            dynamic_axes[out] = dict(first)
+    torch.onnx.export(
+        ex.module, (), str(path), kwargs=dict(ex.inputs), dynamo=False,
+        input_names=names, output_names=ex.output_names, opset_version=opset,
+        dynamic_axes=dynamic_axes,
+        training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+        do_constant_folding=not training,
+    )
+
+
+def _export_dynamo(ex: Example, path: pathlib.Path, *, training: bool, opset: int,
+                   dynamic: bool) -> None:
+    """torch.export-based exporter: the mode comes from `module.train()`, not `training=`."""
+    dynamic_shapes: dict[str, dict[int, torch.export.Dim]] | None = None
+    if dynamic:
+        dims: dict[str, torch.export.Dim] = {}
+        dynamic_shapes = {
+            name: {axis: dims.setdefault(label, torch.export.Dim(label, min=2, max=1024))
+                   for axis, label in axes.items()}
+            for name, axes in ex.dynamic_dims.items()
+        }
+    torch.onnx.export(
+        ex.module, (), str(path), kwargs=dict(ex.inputs), dynamo=True,
+        input_names=list(ex.inputs), output_names=ex.output_names, opset_version=opset,
+        dynamic_shapes=dynamic_shapes, external_data=False,
+        # optimize=True folds BatchNorm into Conv even in train mode and renames weights;
+        # off, train exports keep every BatchNormalization, Dropout and parameter name.
+        optimize=not training,
+    )
+
+
+def export(model: str, exporter: str = "torchscript", *, training: bool = False,
+           opset: int = 17, out_dir: pathlib.Path, dynamic: bool = True, batch: int = 2,
+           seq: int = 16) -> pathlib.Path:
+    """Export `model` with `exporter` into `out_dir` and return the .onnx path.
+
+    Returns the cached file if a previous call already wrote it. The file appears
+    atomically (exported in a scratch directory, then renamed), so an interrupted or
+    concurrent export never leaves a half-written model under the cache name. Weights
+    are embedded, so the single file loads with `onnx.load`.
+
+    Exporter quirks measured with torch 2.13 (docs/export-study.md): dynamo asked for
+    opset 17 writes 18 for LLaMA/ResNet and an invalid opset-17 file for GPT-2; dynamo
+    train mode exports BatchNorm with inference semantics.
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {MODELS}")
+    if exporter not in EXPORTERS:
+        raise ValueError(f"unknown exporter {exporter!r}; choose one of {EXPORTERS}")
+    if opset > MAX_OPSET[exporter]:
+        raise ValueError(f"{exporter} exporter supports opset <= {MAX_OPSET[exporter]}")
+    if exporter == "dynamo" and dynamic and min(batch, 2 if model == "resnet" else seq) < 2:
+        # torch.export specialises sizes 0 and 1, so a size-1 example cannot stay symbolic.
+        raise ValueError("dynamic dynamo export needs example batch and seq >= 2")
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / file_name(model, exporter, training=training, opset=opset,
+                                 dynamic=dynamic, batch=batch, seq=seq)
+    if target.exists():
+        return target
+    ex = build(model, training=training, batch=batch, seq=seq)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
+    try:
+        tmp = scratch / target.name
+        fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
+        with _quiet(), torch.random.fork_rng():
+            fn(ex, tmp, training=training, opset=opset, dynamic=dynamic)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
