@@ -107,12 +107,13 @@ def assemble(
             edge = _Edge(name, layout_of[name], want)
             partial_axes = grad_partial_axes(op_labels_, strategy, index)
             roots = weight_roots.get(name)
-            collectives += _edge_collectives(edge, info, node, mesh, profile,
-                                             requires_grad.get(name, False) and roots is None,
-                                             partial_axes)
+            found, deferred = _edge_collectives(edge, info, node, mesh, profile,
+                                                requires_grad.get(name, False), partial_axes,
+                                                weight_derived=roots is not None)
+            collectives += found
             for root in roots or ():
-                if partial_axes:
-                    parameter_partial.setdefault(root, set()).update(partial_axes)
+                if deferred:
+                    parameter_partial.setdefault(root, set()).update(deferred)
             bindings.append(TensorBinding(name, want))
         for axes in [sync_axes(op_labels_, strategy)]:
             if axes:
@@ -240,17 +241,29 @@ def _collective(kind: str, tensor: str, axes: tuple[str, ...] | list[str], nbyte
 
 def _edge_collectives(edge: _Edge, info: TensorInfo, consumer: OpNode, mesh: DeviceMesh,
                       profile: HardwareProfile, requires_grad: bool,
-                      partial_axes: tuple[str, ...]) -> list[Collective]:
+                      partial_axes: tuple[str, ...],
+                      weight_derived: bool) -> tuple[list[Collective], set[str]]:
+    """Collectives of one tensor edge, and the gradient axes deferred to its weights.
+
+    A weight-derived tensor (a parameter, or computed from parameters alone) is the same
+    on every device, so its gradient need not be reduced here: a partial gradient, or the
+    zero-padded gradient of a local slice, is summed once at the parameter instead.
+    """
     forward = redistribute(edge.src, edge.dst, info.shape, info.itemsize, mesh)
     result = [_collective(s.kind, edge.tensor, s.axes, s.nbytes, "forward", consumer.name,
                           mesh, profile) for s in forward if s.communicates]
-    if requires_grad and info.kind != "parameter":
-        # Partial gradients of an activation are reduced on the way back to its producer.
-        src_bytes = int(info.nbytes * fraction_of_layout(edge.src, mesh))
-        steps = backward_steps(forward, partial_axes, src_bytes)
-        result += [_collective(s.kind, edge.tensor, s.axes, s.nbytes, "backward",
-                               consumer.name, mesh, profile) for s in steps if s.communicates]
-    return result
+    if not requires_grad:
+        return result, set()
+    deferred: set[str] = set()
+    if weight_derived:
+        deferred = set(partial_axes) | {a for s in forward if s.kind == "slice" for a in s.axes}
+        forward = [s for s in forward if s.kind != "slice"]
+        partial_axes = ()
+    src_bytes = int(info.nbytes * fraction_of_layout(edge.src, mesh))
+    steps = backward_steps(forward, partial_axes, src_bytes)
+    result += [_collective(s.kind, edge.tensor, s.axes, s.nbytes, "backward", consumer.name,
+                           mesh, profile) for s in steps if s.communicates]
+    return result, deferred
 
 
 def _gradient_collectives(graph: PlanningGraph, parameter_partial: Mapping[str, set[str]],

@@ -23,6 +23,7 @@ from onnx import numpy_helper, shape_inference
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo
 from planner.opcount import cost_op
+from planner.reference import run_node
 
 #: Folded constants larger than this stay ops: they are data, not shape arithmetic.
 FOLD_LIMIT_ELEMENTS = 1 << 16
@@ -36,6 +37,8 @@ NONDETERMINISTIC_OPS = frozenset(
 )
 #: Batch-norm running statistics are state, not trainable parameters.
 BUFFER_INPUT_SLOTS = {"BatchNormalization": (3, 4)}
+#: Names torch gives registered buffers that exporters store as float initializers.
+BUFFER_NAME = re.compile(r"(running_(mean|var)|num_batches_tracked|inv_freq|_cached)$")
 
 _ONNX_TO_NUMPY = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
@@ -260,7 +263,9 @@ def _fold_until_stable(
     for _ in range(MAX_FOLD_ROUNDS):
         model = _infer(model, name)
         shapes = _collect_shapes(model)
-        if not _fold_once(model, known, shapes, opset):
+        folded = _fold_once(model, known, shapes, opset)
+        lowered = _lower_sequences(model, known, shapes)
+        if not (folded or lowered):
             break
     _remove_dead_nodes(model)
     return model, shapes, known
@@ -387,9 +392,7 @@ def _evaluate(
 ) -> list[np.ndarray] | None:
     """Run one node with ONNX's reference evaluator; None when it cannot."""
     try:
-        from onnx.reference import ReferenceEvaluator
-
-        results = ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
+        results = run_node(node, feeds, opset)
     except Exception:
         return None
     arrays = [np.asarray(r) for r in results]
@@ -407,6 +410,111 @@ def _fold_shape_query(
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     start, end = attrs.get("start", 0), attrs.get("end", len(shape))
     return [np.array(shape[start:end], dtype=np.int64)]
+
+
+def _lower_sequences(
+    model: onnx.ModelProto,
+    known: dict[str, np.ndarray],
+    shapes: Mapping[str, tuple[tuple[int, ...] | None, int]],
+) -> bool:
+    """Turn SplitToSequence + SequenceAt (constant positions) into a plain Split.
+
+    Dynamo's train-mode exports split tensors this way; sequences are not tensors and
+    cannot be planned, but a split read at constant positions is just a Split.
+    """
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    changed = False
+    replaced: dict[str, onnx.NodeProto] = {}
+    for node in model.graph.node:
+        if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx"):
+            continue
+        readers = consumers.get(node.output[0], [])
+        positions = [known.get(r.input[1]) if len(r.input) > 1 else None for r in readers]
+        shape = shapes.get(node.input[0], (None, 0))[0]
+        split = known.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if (not readers or shape is None or any(r.op_type != "SequenceAt" for r in readers)
+                or any(p is None for p in positions)):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        axis = int(attrs.get("axis", 0)) % len(shape)
+        sizes = _split_sizes(shape[axis], split)
+        if sizes is None:
+            continue
+        outputs = [f"{node.output[0]}__part{i}" for i in range(len(sizes))]
+        for reader, position in zip(readers, positions, strict=True):
+            outputs[int(np.asarray(position).reshape(-1)[0]) % len(sizes)] = reader.output[0]
+        sizes_name = f"{node.output[0]}__sizes"
+        known[sizes_name] = np.array(sizes, dtype=np.int64)
+        model.graph.initializer.append(numpy_helper.from_array(known[sizes_name], sizes_name))
+        squeeze = split is None and not int(attrs.get("keepdims", 1))
+        lowered = onnx.helper.make_node("Split", [node.input[0], sizes_name],
+                                        [o + "__kept" if squeeze else o for o in outputs],
+                                        name=node.name, axis=axis)
+        replaced[node.name] = lowered
+        if squeeze:
+            axes_name = f"{node.output[0]}__axis"
+            known[axes_name] = np.array([axis], dtype=np.int64)
+            model.graph.initializer.append(numpy_helper.from_array(known[axes_name], axes_name))
+            for out in outputs:
+                model.graph.node.append(onnx.helper.make_node(
+                    "Squeeze", [out + "__kept", axes_name], [out], name=f"{out}/squeeze"))
+        for reader in readers:
+            replaced[reader.name] = None  # type: ignore[assignment]
+        changed = True
+    if changed:
+        nodes = []
+        for node in model.graph.node:
+            if node.name not in replaced:
+                nodes.append(node)
+            elif replaced[node.name] is not None:
+                nodes.append(replaced[node.name])
+        del model.graph.node[:]
+        model.graph.node.extend(_topological(nodes))
+    return changed
+
+
+def _split_sizes(length: int, split: np.ndarray | None) -> list[int] | None:
+    if split is None:
+        return [1] * length
+    values = np.asarray(split).reshape(-1)
+    if np.asarray(split).ndim == 0:
+        chunk = int(values[0])
+        if chunk <= 0:
+            return None
+        return [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+    return [int(v) for v in values]
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """Order nodes so producers come first (lowering appends nodes at the end)."""
+    produced = {o: i for i, n in enumerate(nodes) for o in n.output}
+    order: list[onnx.NodeProto] = []
+    state: dict[int, int] = {}
+
+    def visit(index: int) -> None:
+        stack = [(index, False)]
+        while stack:
+            current, done = stack.pop()
+            if done:
+                state[current] = 2
+                order.append(nodes[current])
+                continue
+            if state.get(current):
+                continue
+            state[current] = 1
+            stack.append((current, True))
+            for name in nodes[current].input:
+                producer = produced.get(name)
+                if producer is not None and not state.get(producer):
+                    stack.append((producer, False))
+
+    for index in range(len(nodes)):
+        if not state.get(index):
+            visit(index)
+    return order
 
 
 def _remove_dead_nodes(model: onnx.ModelProto) -> None:
@@ -522,7 +630,7 @@ def _classify_initializers(
         numel = int(np.prod(init.dims, dtype=np.int64)) if init.dims else 1
         if dtype not in FLOAT_DTYPES or numel <= 1 or init.name in known:
             kinds[init.name] = "constant"
-        elif init.name in buffer_uses or re.search(r"running_(mean|var)$", init.name):
+        elif init.name in buffer_uses or BUFFER_NAME.search(init.name):
             kinds[init.name] = "buffer"
         else:
             kinds[init.name] = "parameter"

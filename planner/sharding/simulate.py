@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx.reference import ReferenceEvaluator
 
 from planner.graph import OpNode, TensorInfo
+from planner.reference import run_node
 from planner.sharding.layout import Layout
 from planner.sharding.local import SHARDPLAN_DOMAIN, LocalProgram, local_program
 from planner.sharding.mesh import DeviceMesh
@@ -196,7 +196,7 @@ def run_programs(programs: Mapping[Coord, LocalProgram], feeds: Mapping[Coord, d
         for c, program in programs.items():
             node = program.nodes[step]
             inputs = {name: env[c][name] for name in node.input if name}
-            results = ReferenceEvaluator(node, opsets={"": opset}).run(None, inputs)
+            results = run_node(node, inputs, opset)
             for name, value in zip(node.output, results, strict=False):
                 if name:
                     env[c][name] = np.asarray(value)
