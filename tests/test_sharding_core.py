@@ -215,3 +215,26 @@ def test_redistribution_respects_split_order() -> None:
 
 def test_leftover_partial_gradient_is_all_reduced() -> None:
     assert _kinds(backward_steps([], ("tp",), 64)) == [("all_reduce", ("tp",), None, None)]
+
+
+def test_seed_matmul_candidates_on_eight_devices() -> None:
+    """The seed's MatMul [64, 1024] x [1024, 4096]: batch, column and row splits are offered."""
+    from planner.sharding.candidates import candidate_strategies, describe
+
+    mesh = DeviceMesh.build({"x": 8}, 8)
+    tensors = _tensors(a=(64, 1024), w=(1024, 4096), y=(64, 4096))
+    node = _node("MatMul", ["a", "w"], ["y"])
+    node.flops = 2.0 * 64 * 1024 * 4096
+    labels = labels_for(node, tensors)
+    assert labels is not None
+    found = {tuple(c.split_factors(mesh) for c in describe(node, labels, s, tensors,
+                                                            mesh).inputs if c): s
+             for s in candidate_strategies(node, labels, tensors, mesh)}
+    assert ((8, 1), (1, 1)) in found  # data parallel
+    assert ((1, 1), (1, 8)) in found  # weight columns: no forward communication
+    assert ((1, 8), (8, 1)) in found  # contraction: partial sum
+    row = describe(node, labels, found[((1, 8), (8, 1))], tensors, mesh)
+    assert row.outputs[0] == Layout(((), ()), ("x",)) and row.flops == node.flops / 8
+    column = describe(node, labels, found[((1, 1), (1, 8))], tensors, mesh)
+    assert column.grad_partial == (("x",), ())  # the input's gradient needs an AllReduce
+    assert ((1, 1), (1, 1)) in found and len(found) == 4

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from planner.graph import OpNode, TensorInfo
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
+    grad_partial_axes,
     input_layouts,
     is_valid,
     output_layouts,
+    sync_axes,
     work_fraction,
 )
 
@@ -58,3 +62,41 @@ def candidate_strategies(node: OpNode, labels: DimLabels, tensors: Mapping[str, 
         elif work_fraction(strategy, mesh) < work_fraction(kept, mesh):
             best[key] = strategy
     return [best[key] for key in order]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy of one op with everything the search and the executor need to know."""
+
+    strategy: OpStrategy
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout | None, ...]
+    forward_collectives: tuple[tuple[str, tuple[str, ...], int], ...]  # (kind, axes, bytes)
+    backward_collectives: tuple[tuple[str, tuple[str, ...], int], ...]
+    flops: float  # per device, forward
+    bytes_moved: float  # per device, forward reads + writes
+    grad_partial: tuple[tuple[str, ...], ...]  # per input: axes its gradient is partial over
+
+
+def describe(node: OpNode, labels: DimLabels, strategy: OpStrategy,
+             tensors: Mapping[str, TensorInfo], mesh: DeviceMesh) -> Candidate:
+    """Layouts, own collectives, per-device work and gradient partiality of `strategy`."""
+    in_ranks = [len(tensors[t].shape) if t else -1 for t in node.inputs]
+    out_ranks = [len(tensors[t].shape) if t else -1 for t in node.outputs]
+    fraction = work_fraction(strategy, mesh)
+    stats_axes = sync_axes(labels, strategy)
+    own: tuple[tuple[str, tuple[str, ...], int], ...] = ()
+    if stats_axes:
+        channels = tensors[node.inputs[0]].shape[1]
+        own = (("all_reduce", stats_axes, 2 * channels * 4),)  # per-channel sum and sum sq
+    return Candidate(
+        strategy=strategy,
+        inputs=tuple(input_layouts(labels, strategy, in_ranks)),
+        outputs=tuple(output_layouts(labels, strategy, out_ranks)),
+        forward_collectives=own,
+        backward_collectives=own,  # the gradient of the statistics is reduced alike
+        flops=node.flops * fraction,
+        bytes_moved=(node.bytes_read + node.bytes_written) * fraction,
+        grad_partial=tuple(grad_partial_axes(labels, strategy, i)
+                           for i in range(len(node.inputs))),
+    )
