@@ -84,10 +84,11 @@ class PlanningGraph:
     warnings: list[str] = field(default_factory=list)
 
     def op(self, name: str) -> OpNode:
-        for node in self.ops:
-            if node.name == name:
-                return node
-        raise KeyError(name)
+        index = self.__dict__.get("_op_index")
+        if index is None or len(index) != len(self.ops):
+            index = {node.name: node for node in self.ops}
+            self.__dict__["_op_index"] = index
+        return index[name]
 
     @property
     def parameters(self) -> list[TensorInfo]:

@@ -142,6 +142,7 @@ def _vocab_split_gather(context: LocalContext) -> LocalProgram:
     indices = node.inputs[1]
     index_dtype = np.dtype(context.tensors[indices].dtype)
     constants = {
+        n("size"): np.array(context.tensors[node.inputs[0]].shape[axis], dtype=index_dtype),
         n("offset"): np.array(offset, dtype=index_dtype),
         n("rows"): np.array(rows, dtype=index_dtype),
         n("zero"): np.array(0, dtype=index_dtype),
@@ -150,7 +151,11 @@ def _vocab_split_gather(context: LocalContext) -> LocalProgram:
                                   else np.float32),
     }
     nodes = [
-        helper.make_node("Sub", [indices, n("offset")], [n("shifted")]),
+        # Negative indices count from the end of the whole axis: wrap them before shifting.
+        helper.make_node("Less", [indices, n("zero")], [n("negative")]),
+        helper.make_node("Add", [indices, n("size")], [n("wrapped")]),
+        helper.make_node("Where", [n("negative"), n("wrapped"), indices], [n("global")]),
+        helper.make_node("Sub", [n("global"), n("offset")], [n("shifted")]),
         helper.make_node("GreaterOrEqual", [n("shifted"), n("zero")], [n("above")]),
         helper.make_node("Less", [n("shifted"), n("rows")], [n("below")]),
         helper.make_node("And", [n("above"), n("below")], [n("mine")]),
@@ -163,18 +168,10 @@ def _vocab_split_gather(context: LocalContext) -> LocalProgram:
     # The mask covers the index dims; the table's trailing dims broadcast.
     trailing = len(table_labels) - axis - 1
     index_rank = len(context.tensors[indices].shape)
-    constants[n("mask_axes")] = np.arange(axis + index_rank, axis + index_rank + trailing,
-                                          dtype=np.int64)
+    # Leading table dims need no unsqueeze: Where broadcasts from the right. (Was axis-shifted.)
+    constants[n("mask_axes")] = np.arange(index_rank, index_rank + trailing, dtype=np.int64)
     if trailing == 0:
-        nodes[6] = helper.make_node("Identity", [n("mine")], [n("mask")])
-    if axis > 0:
-        # Leading table dims come first in the output: move the mask past them.
-        lead = np.arange(axis, dtype=np.int64)
-        constants[n("lead_axes")] = lead
-        nodes.insert(7, helper.make_node("Unsqueeze", [n("mask"), n("lead_axes")],
-                                          [n("mask_led")]))
-        nodes[-1] = helper.make_node("Where", [n("mask_led"), n("rows_found"), n("zero_value")],
-                                     [node.outputs[0]])
+        nodes[-2] = helper.make_node("Identity", [n("mine")], [n("mask")])
     return LocalProgram(nodes, constants)
 
 
@@ -222,47 +219,117 @@ def _synced_batch_norm(context: LocalContext) -> LocalProgram:
     count = float(np.prod([shape[i] for i in reduce_axes]))
     eps = float(node.attrs.get("epsilon", 1e-5))
     momentum = float(node.attrs.get("momentum", 0.9))
-    dtype = np.dtype(context.tensors[x].dtype)
+    # Two passes (mean, then squared deviations) in float32 for 16-bit inputs: the one-pass
+    # E[x²] - E[x]² in the input type cancelled catastrophically (fp16, mean 20: error 300).
+    dtype_name = context.tensors[x].dtype
+    wide = dtype_name in ("float16", "bfloat16")
+    dtype = np.dtype(np.float32 if wide else dtype_name)
     n = lambda s: _name(context, s)  # noqa: E731 - a short local namer
-    stat_shape = np.array([1, shape[1], *([1] * (len(shape) - 2))], dtype=np.int64)
+    inputs, _ = context.layouts()
+    assert inputs[0] is not None
+    channels = context.local_shape(x, inputs[0])[1]  # the channel dim may be split too
+    stat_shape = np.array([1, channels, *([1] * (len(shape) - 2))], dtype=np.int64)
     constants = {
         n("axes"): reduce_axes, n("count"): np.array(count, dtype=dtype),
         n("eps"): np.array(eps, dtype=dtype), n("stat_shape"): stat_shape,
+        n("flat_shape"): np.array([channels], dtype=np.int64),
         n("momentum"): np.array(momentum, dtype=dtype),
         n("one_minus_momentum"): np.array(1.0 - momentum, dtype=dtype),
     }
     collective = {"axes": list(axes)}
-    nodes = [
-        helper.make_node("ReduceSum", [x, n("axes")], [n("sum_local")], keepdims=0),
-        helper.make_node("Mul", [x, x], [n("square")]),
-        helper.make_node("ReduceSum", [n("square"), n("axes")], [n("sumsq_local")], keepdims=0),
+    to_wide = onnx.TensorProto.FLOAT
+    to_narrow = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype_name)) if wide else 0
+    nodes: list[onnx.NodeProto] = []
+
+    def widened(name: str) -> str:
+        if not wide:
+            return name
+        nodes.append(helper.make_node("Cast", [name], [n(f"{name}_wide")], to=to_wide))
+        return n(f"{name}_wide")
+
+    def narrowed(value: str, output: str) -> None:
+        if wide:
+            nodes.append(helper.make_node("Cast", [value], [output], to=to_narrow))
+        else:
+            nodes.append(helper.make_node("Identity", [value], [output]))
+
+    xs, scale_s, bias_s = widened(x), widened(scale), widened(bias)
+    nodes += [
+        helper.make_node("ReduceSum", [xs, n("axes")], [n("sum_local")], keepdims=1),
         helper.make_node("AllReduce", [n("sum_local")], [n("sum")], domain=SHARDPLAN_DOMAIN,
                          **collective),
+        helper.make_node("Div", [n("sum"), n("count")], [n("mean_b")]),
+        helper.make_node("Sub", [xs, n("mean_b")], [n("centered")]),
+        helper.make_node("Mul", [n("centered"), n("centered")], [n("square")]),
+        helper.make_node("ReduceSum", [n("square"), n("axes")], [n("sumsq_local")], keepdims=1),
         helper.make_node("AllReduce", [n("sumsq_local")], [n("sumsq")],
                          domain=SHARDPLAN_DOMAIN, **collective),
-        helper.make_node("Div", [n("sum"), n("count")], [n("mean")]),
-        helper.make_node("Div", [n("sumsq"), n("count")], [n("mean_sq")]),
-        helper.make_node("Mul", [n("mean"), n("mean")], [n("mean_2")]),
-        helper.make_node("Sub", [n("mean_sq"), n("mean_2")], [n("var")]),
-        helper.make_node("Add", [n("var"), n("eps")], [n("var_eps")]),
+        helper.make_node("Div", [n("sumsq"), n("count")], [n("var_b")]),
+        helper.make_node("Add", [n("var_b"), n("eps")], [n("var_eps")]),
         helper.make_node("Sqrt", [n("var_eps")], [n("std")]),
-        helper.make_node("Div", [scale, n("std")], [n("gain")]),
-        helper.make_node("Mul", [n("mean"), n("gain")], [n("shift_part")]),
-        helper.make_node("Sub", [bias, n("shift_part")], [n("shift")]),
-        helper.make_node("Reshape", [n("gain"), n("stat_shape")], [n("gain_b")]),
-        helper.make_node("Reshape", [n("shift"), n("stat_shape")], [n("shift_b")]),
-        helper.make_node("Mul", [x, n("gain_b")], [n("scaled")]),
-        helper.make_node("Add", [n("scaled"), n("shift_b")], [node.outputs[0]]),
+        helper.make_node("Reshape", [scale_s, n("stat_shape")], [n("scale_b")]),
+        helper.make_node("Reshape", [bias_s, n("stat_shape")], [n("bias_b")]),
+        helper.make_node("Div", [n("centered"), n("std")], [n("normed")]),
+        helper.make_node("Mul", [n("normed"), n("scale_b")], [n("scaled")]),
+        helper.make_node("Add", [n("scaled"), n("bias_b")], [n("y_wide")]),
+        helper.make_node("Reshape", [n("mean_b"), n("flat_shape")], [n("mean")]),
+        helper.make_node("Reshape", [n("var_b"), n("flat_shape")], [n("var")]),
     ]
+    narrowed(n("y_wide"), node.outputs[0])
     updates = {1: ("mean", running_mean), 2: ("var", running_var)}
     for index, (stat, running) in updates.items():
         if index < len(node.outputs) and node.outputs[index]:
             nodes += [
-                helper.make_node("Mul", [running, n("momentum")], [n(f"{stat}_kept")]),
+                helper.make_node("Mul", [widened(running), n("momentum")], [n(f"{stat}_kept")]),
                 helper.make_node("Mul", [n(stat), n("one_minus_momentum")], [n(f"{stat}_new")]),
                 helper.make_node("Add", [n(f"{stat}_kept"), n(f"{stat}_new")],
-                                 [node.outputs[index]]),
+                                 [n(f"{stat}_running")]),
             ]
+            narrowed(n(f"{stat}_running"), node.outputs[index])
+    return LocalProgram(nodes, constants)
+
+
+@rewrite("MaxPool")
+def _global_pool_indices(context: LocalContext) -> LocalProgram:
+    """MaxPool's Indices flatten (n, c, spatial) of the whole input: offset local ones.
+
+    A split batch or channel dim shifts every flat index; the spatial part (last H·W
+    block, in either storage order) is unchanged. Without this, split indices were local.
+    """
+    node = context.node
+    if len(node.outputs) < 2 or not node.outputs[1]:
+        return LocalProgram([node_proto(node)])
+    inputs, _ = context.layouts()
+    assert inputs[0] is not None
+    shape = context.tensors[node.inputs[0]].shape
+    local = context.local_shape(node.inputs[0], inputs[0])
+    x_labels = context.labels.inputs[0]
+    assert x_labels is not None
+    n_axes, c_axes = context.split_axes(x_labels[0]), context.split_axes(x_labels[1])
+    n = lambda s: _name(context, s)  # noqa: E731 - a short local namer
+    index = np.int64
+    constants = {
+        n("spatial_size"): np.array(int(np.prod(shape[2:], dtype=np.int64)), dtype=index),
+        n("local_channels"): np.array(local[1], dtype=index),
+        n("channels"): np.array(shape[1], dtype=index),
+        n("batch_offset"): np.array(context.axis_index(n_axes) * local[0], dtype=index),
+        n("channel_offset"): np.array(context.axis_index(c_axes) * local[1], dtype=index),
+    }
+    proto = node_proto(node)
+    proto.output[1] = n("local_indices")
+    nodes = [
+        proto,
+        helper.make_node("Mod", [n("local_indices"), n("spatial_size")], [n("spatial")]),
+        helper.make_node("Div", [n("local_indices"), n("spatial_size")], [n("plane")]),
+        helper.make_node("Div", [n("plane"), n("local_channels")], [n("local_n")]),
+        helper.make_node("Mod", [n("plane"), n("local_channels")], [n("local_c")]),
+        helper.make_node("Add", [n("local_n"), n("batch_offset")], [n("global_n")]),
+        helper.make_node("Add", [n("local_c"), n("channel_offset")], [n("global_c")]),
+        helper.make_node("Mul", [n("global_n"), n("channels")], [n("n_planes")]),
+        helper.make_node("Add", [n("n_planes"), n("global_c")], [n("global_plane")]),
+        helper.make_node("Mul", [n("global_plane"), n("spatial_size")], [n("plane_start")]),
+        helper.make_node("Add", [n("plane_start"), n("spatial")], [node.outputs[1]]),
+    ]
     return LocalProgram(nodes, constants)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -46,15 +47,23 @@ class DeviceMesh:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape, strict=True))
+
     def axis_size(self, axis: str) -> int:
-        return self.shape[self._index(axis)]
+        size = self._sizes.get(axis)
+        return size if size is not None else self.shape[self._index(axis)]
 
     def axis_stride(self, axis: str) -> int:
         """Distance in device ids between neighbours along `axis`."""
         return int(np.prod(self.shape[self._index(axis) + 1:], dtype=np.int64))
 
     def group_size(self, axes: Iterable[str]) -> int:
-        return int(np.prod([self.axis_size(a) for a in axes], dtype=np.int64))
+        size = 1
+        for axis in axes:
+            size *= self.axis_size(axis)
+        return size
 
     def group_extent(self, axes: Iterable[str]) -> int:
         """Size of the aligned block of consecutive device ids one group spans."""

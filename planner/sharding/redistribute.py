@@ -150,9 +150,73 @@ def redistribute(
     start, goal = _normal(src, mesh), _normal(dst, mesh)
     if start == goal:
         return []
+    direct = _direct(start, goal, shape, itemsize, mesh)
+    if direct is not None:
+        return direct
     if cost is ring_traffic:
         return list(_cached_search(start, goal, tuple(shape), itemsize, mesh))
     return _search(start, goal, shape, itemsize, mesh, cost)
+
+
+def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
+            mesh: DeviceMesh) -> list[CommStep] | None:
+    """One move per axis that differs, when that order is valid (the common case).
+
+    Each differing axis needs at least one move, and the natural move (reduce-scatter
+    rather than all-reduce + slice, all-to-all rather than gather + slice) is the cheapest
+    one, so this sequence is optimal whenever it applies; otherwise the search runs.
+    """
+    steps: list[CommStep] = []
+    layout = src
+    dims = [list(axes) for axes in src.dims]
+    for dim, axes in enumerate(src.dims):  # gathers: minor axes first, only those leaving
+        keep = 0
+        while keep < min(len(axes), len(dst.dims[dim])) and axes[keep] == dst.dims[dim][keep]:
+            keep += 1
+        for axis in reversed(axes[keep:]):
+            target = _placement(dst, axis)
+            if target[0] == "dim" and dst.dims[target[1]][-1:] != [axis]:
+                return None
+            local = _local_bytes(shape, layout, mesh, itemsize)
+            dims[dim].remove(axis)
+            if target[0] == "dim":
+                dims[target[1]].append(axis)
+                steps.append(CommStep("all_to_all", (axis,), local, dim, target[1]))
+            else:
+                steps.append(CommStep("all_gather", (axis,), local * mesh.axis_size(axis),
+                                      dim, None))
+            layout = Layout(tuple(tuple(d) for d in dims), layout.partial)
+    partial = list(layout.partial)
+    for axis in src.partial:
+        if axis in dst.partial:
+            continue
+        local = _local_bytes(shape, layout, mesh, itemsize)
+        partial.remove(axis)
+        target = _placement(dst, axis)
+        if target[0] == "dim":
+            dims[target[1]].append(axis)
+            steps.append(CommStep("reduce_scatter", (axis,), local, None, target[1]))
+        else:
+            steps.append(CommStep("all_reduce", (axis,), local))
+        layout = Layout(tuple(tuple(d) for d in dims), tuple(partial))
+    for dim, axes in enumerate(dst.dims):  # slices: append in order
+        for axis in axes[len(dims[dim]):]:
+            if _placement(layout, axis)[0] != "none":
+                return None
+            local = _local_bytes(shape, layout, mesh, itemsize)
+            dims[dim].append(axis)
+            steps.append(CommStep("slice", (axis,), local, None, dim))
+            layout = Layout(tuple(tuple(d) for d in dims), layout.partial)
+    for axis in dst.partial:
+        if axis not in layout.partial:
+            if _placement(layout, axis)[0] != "none":
+                return None
+            steps.append(CommStep("zero", (axis,), _local_bytes(shape, layout, mesh, itemsize)))
+            layout = Layout(layout.dims, (*layout.partial, axis))
+    if _normal(layout, mesh) != dst or any(
+            s % f for s, f in zip(shape, dst.split_factors(mesh), strict=True)):
+        return None
+    return steps
 
 
 @lru_cache(maxsize=65536)

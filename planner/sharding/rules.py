@@ -227,17 +227,50 @@ def _gemm(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
 
 @rule("Einsum")
 def _einsum(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """Letters are labels; `...` dims are right-aligned, broadcast ones stay whole."""
     equation = str(node.attrs.get("equation", "")).replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        raise _NoRule
-    lhs, rhs = equation.split("->")
+    lhs, _, rhs = equation.partition("->")
     terms = lhs.split(",")
-    inputs = tuple(tuple(f"e{c}" for c in term) for term in terms)
-    out = tuple(f"e{c}" for c in rhs)
+    shapes = [_shape(tensors, name) for name in node.inputs]
+    if len(terms) != len(shapes):
+        raise _NoRule
+    # Ellipsis and implicit-output equations were declined before; both are labelled now.
+    spans = [len(shape) - (len(term) - 3) if "..." in term else 0
+             for term, shape in zip(terms, shapes, strict=True)]
+    width = max(spans, default=0)
+    ellipsis_sizes = [1] * width
+    for span, shape, term in zip(spans, shapes, terms, strict=True):
+        start = term.index("...") if "..." in term else 0
+        for j, size in enumerate(shape[start:start + span]):
+            if size != 1:
+                ellipsis_sizes[width - span + j] = size
+    namer = _Namer()
+    whole: set[str] = set()
+    inputs = []
+    for span, shape, term in zip(spans, shapes, terms, strict=True):
+        before, _, after = term.partition("...")
+        labels = [f"e{c}" for c in before]
+        start = len(before)
+        for j in range(span):
+            if shape[start + j] == ellipsis_sizes[width - span + j]:
+                labels.append(f"E{width - span + j}")
+            else:  # broadcast from size 1 against a larger dim
+                labels.append(namer.fresh("w"))
+                whole.add(labels[-1])
+        labels += [f"e{c}" for c in after]
+        inputs.append(tuple(labels))
+    ellipsis = tuple(f"E{j}" for j in range(width))
+    if rhs or "->" in equation:
+        before, _, after = rhs.partition("...")
+        out = (*[f"e{c}" for c in before], *(ellipsis if "..." in rhs else ()),
+               *[f"e{c}" for c in after])
+    else:  # implicit output: the ellipsis, then letters used exactly once, alphabetically
+        letters = [c for term in terms for c in term.replace("...", "")]
+        out = (*ellipsis, *[f"e{c}" for c in sorted(set(letters)) if letters.count(c) == 1])
     contracted = {label for term in inputs for label in term} - set(out)
     repeated = {label for term in inputs for label in term if term.count(label) > 1}
-    return DimLabels(inputs, (out,), sum_labels=frozenset(contracted - repeated),
-                     whole_labels=frozenset(repeated))
+    return DimLabels(tuple(inputs), (out,), sum_labels=frozenset(contracted - repeated - whole),
+                     whole_labels=frozenset(repeated | whole))
 
 
 class _NoRule(Exception):
@@ -374,7 +407,9 @@ def _reduce(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     out = tuple(f"w{i}" if i in axes else labels[i] for i in range(rank) if keep or i not in axes)
     reduced = frozenset(labels[i] for i in axes)
     kept_ones = frozenset(label for label in out if label.startswith("w"))
-    if node.op_type in REDUCTIONS_SUM:
+    # An integer mean truncates: shard means cannot be summed into it, so the axes stay whole.
+    exact = node.op_type == "ReduceSum" or tensors[node.inputs[0]].is_float
+    if node.op_type in REDUCTIONS_SUM and exact:
         return DimLabels((labels, *[None] * (len(node.inputs) - 1)), (out,),
                          sum_labels=reduced, whole_labels=kept_ones)
     return DimLabels((labels, *[None] * (len(node.inputs) - 1)), (out,),
@@ -396,7 +431,10 @@ def _reduce_axes(node: OpNode, tensors: Mapping[str, TensorInfo], rank: int) -> 
 
 @rule("Gather")
 def _gather(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
-    """Embedding lookup: a vocabulary-split table gives masked lookups summed over shards."""
+    """Embedding lookup: a vocabulary-split table gives masked lookups summed over shards.
+
+    Negative indices stay allowed: the local program wraps them against the whole axis first.
+    """
     data, indices = _shape(tensors, node.inputs[0]), _shape(tensors, node.inputs[1])
     axis = _attr_axis(node, "axis", len(data), 0)
     data_labels = tuple(f"t{i}" for i in range(len(data)))
@@ -548,3 +586,7 @@ def _tile(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
             whole.update({f"w{i}", f"v{i}"})
     return DimLabels((tuple(labels_in), None), (tuple(labels_out),),
                      whole_labels=frozenset(whole))
+
+
+# Rule families kept in their own modules register themselves on import.
+from planner.sharding import rules_indexing  # noqa: E402,F401
