@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.compute import op_time
-from costmodels.memory import training_memory
+from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
 from planner.graph import PlanningGraph
 from planner.planfile import (
@@ -32,6 +31,7 @@ from planner.pricing import (
     edge_collectives,
     fraction_of_layout,
     op_seconds,
+    optimizer_seconds,
     price_collective,
     replicated_labels,
     requires_grad_map,
@@ -209,9 +209,9 @@ def _predict(graph: PlanningGraph, mesh: DeviceMesh, layout_of: Mapping[str, Lay
         workspace_bytes=workspace, optimizer=options.optimizer, zero=options.zero,
         dp=parallel.dp,
     )
-    optimizer_s = op_time(profile, "Optimizer", 0.0,
-                          2.0 * memory.parameters + memory.gradients + 2.0 * memory.optimizer,
-                          "float32")
+    optimizer_s = optimizer_seconds(profile, local_param_bytes,
+                                    optimizer_state_bytes(local_param_elements, itemsize,
+                                                          options.optimizer))
     communication = sum(c.time_s for c in collectives)
     compute = compute_forward + compute_backward + optimizer_s
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)

@@ -125,3 +125,12 @@ def batch_norm_stat_bytes(node: OpNode, tensors: Mapping[str, TensorInfo]) -> fl
     return 2.0 * channels * 4  # per-channel sum and sum of squares, fp32
 
 
+
+
+def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes: float) -> float:
+    """The optimizer step streams weights (read+write), gradients and states (read+write).
+
+    One fused, memory-bound pass over all local weights: no per-kernel floor.
+    """
+    bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
+    return (3.0 * param_bytes + 2.0 * state_bytes) / bandwidth

@@ -1,0 +1,329 @@
+"""The strategy-choice problem: one choice per op group, costs on choices and on edges.
+
+Every search solves this one table, built from `planner.pricing`, so what a solver
+minimises is what `planner.assemble` reports for the chosen plan:
+
+- a *group* is a set of ops that take the same choice (one op, or the same op of every
+  repeated transformer layer); each candidate has a time (compute, its own collectives,
+  the gradient sync of the weights it owns), a memory (weights and states it owns, saved
+  activations) and a workspace (its largest output);
+- an *edge* joins two groups through a tensor: a matrix of redistribution time (forward,
+  backward and deferred weight-gradient sync) for every pair of their choices.
+
+Weights and graph inputs are placed as their first consumer needs them; other consumers
+of the same tensor get an edge from that first consumer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costmodels.memory import optimizer_state_bytes
+from costmodels.profile import HardwareProfile
+from planner.assemble import BACKWARD_FLOP_RATIO, TrainingOptions
+from planner.graph import OpNode, PlanningGraph
+from planner.pricing import (
+    Edge,
+    edge_collectives,
+    fraction_of_layout,
+    op_seconds,
+    optimizer_seconds,
+    price_collective,
+    replicated_labels,
+    requires_grad_map,
+    weight_roots_map,
+)
+from planner.sharding.candidates import Candidate, candidate_strategies, describe
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.rules import DimLabels
+from planner.sharding.strategy import REPLICATED, OpStrategy
+
+
+@dataclass
+class Group:
+    ops: list[str]  # member ops; all take the same candidate index
+    candidates: list[Candidate]
+    cost: np.ndarray  # seconds per candidate, summed over members
+    memory: np.ndarray  # bytes per candidate, summed over members
+    workspace: np.ndarray  # bytes per candidate: the largest local output of one member
+
+    @property
+    def name(self) -> str:
+        return self.ops[0]
+
+
+@dataclass
+class EdgeCost:
+    u: int  # group index of the producer (or first consumer of a shared weight/input)
+    v: int  # group index of the consumer
+    cost: np.ndarray  # [len(candidates of u), len(candidates of v)] seconds
+    tensors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StrategyProblem:
+    graph: PlanningGraph
+    mesh: DeviceMesh
+    groups: list[Group]
+    edges: list[EdgeCost]
+    memory_limit: float
+    group_of: dict[str, int]  # op name -> group index
+    labels: dict[str, DimLabels | None]
+
+    def evaluate(self, choice: Sequence[int]) -> tuple[float, float]:
+        """Time and peak memory of one choice per group."""
+        time = sum(float(g.cost[c]) for g, c in zip(self.groups, choice, strict=True))
+        time += sum(float(e.cost[choice[e.u], choice[e.v]]) for e in self.edges)
+        memory = sum(float(g.memory[c]) for g, c in zip(self.groups, choice, strict=True))
+        workspace = max((float(g.workspace[c]) for g, c in zip(self.groups, choice,
+                                                                strict=True)), default=0.0)
+        return time, memory + workspace
+
+    def strategies(self, choice: Sequence[int]) -> dict[str, OpStrategy]:
+        return {op: group.candidates[c].strategy
+                for group, c in zip(self.groups, choice, strict=True) for op in group.ops}
+
+    @property
+    def size(self) -> int:
+        return sum(len(g.candidates) for g in self.groups)
+
+
+def build_problem(
+    graph: PlanningGraph,
+    mesh: DeviceMesh,
+    profile: HardwareProfile,
+    labels: Mapping[str, DimLabels | None],
+    options: TrainingOptions,
+    fixed: Mapping[str, OpStrategy] | None = None,
+    classes: Sequence[Sequence[str]] | None = None,
+) -> StrategyProblem:
+    """Tabulate every candidate's cost and every edge's cost matrix.
+
+    `fixed` pins some ops to one strategy (semi-auto); `classes` lists groups of ops that
+    must choose alike (repeated layers), defaulting to one group per op.
+    """
+    fixed = dict(fixed or {})
+    tensors = graph.tensors
+    needs_grad = requires_grad_map(graph)
+    roots = weight_roots_map(graph)
+    ops = {node.name: node for node in graph.ops}
+    groups_ops = [list(c) for c in classes] if classes else [[n.name] for n in graph.ops]
+    candidates: dict[str, list[Candidate]] = {}
+    for members in groups_ops:  # tied ops have equal signatures: one enumeration serves all
+        first = ops[members[0]]
+        found = _candidates(first, labels.get(first.name), tensors, mesh, fixed.get(first.name))
+        for member in members:
+            candidates[member] = found
+    group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
+    owner = _first_consumers(graph)
+    groups = [
+        _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
+               needs_grad, owner)
+        for members in groups_ops
+    ]
+    edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups)
+    limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
+    return StrategyProblem(graph, mesh, groups, edges, float(limit), group_of, dict(labels))
+
+
+def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
+                fixed: OpStrategy | None) -> list[Candidate]:
+    if labels is None:
+        return [describe(node, replicated_labels(node, tensors), REPLICATED, tensors, mesh)]
+    if fixed is not None:
+        return [describe(node, labels, fixed, tensors, mesh)]
+    return [describe(node, labels, s, tensors, mesh)
+            for s in candidate_strategies(node, labels, tensors, mesh)]
+
+
+def _first_consumers(graph: PlanningGraph) -> dict[str, tuple[str, int]]:
+    """For inputs, weights and buffers: the (op, input slot) that places them."""
+    owner: dict[str, tuple[str, int]] = {}
+    for node in graph.ops:
+        for slot, name in enumerate(node.inputs):
+            if name and graph.tensors[name].producer is None and name not in owner:
+                owner[name] = (node.name, slot)
+    return owner
+
+
+def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, list[Candidate]],
+           graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
+           options: TrainingOptions, needs_grad: Mapping[str, bool],
+           owner: Mapping[str, tuple[str, int]]) -> Group:
+    count = len(candidates[members[0]])
+    cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
+    for node in nodes:
+        if len(candidates[node.name]) != count:
+            raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
+        for index, candidate in enumerate(candidates[node.name]):
+            seconds, owned, saved, largest = _candidate_cost(node, candidate, graph, mesh,
+                                                             profile, options, needs_grad,
+                                                             owner)
+            cost[index] += seconds
+            memory[index] += owned + saved
+            workspace[index] = max(workspace[index], largest)
+    return Group(members, list(candidates[members[0]]), cost, memory, workspace)
+
+
+def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
+                    profile: HardwareProfile, options: TrainingOptions,
+                    needs_grad: Mapping[str, bool],
+                    owner: Mapping[str, tuple[str, int]]) -> tuple[float, float, float, float]:
+    """(seconds, owned weight memory, saved activations, largest output) of one candidate."""
+    tensors = graph.tensors
+    fraction = 1.0
+    for axis in candidate.strategy.used_axes:
+        fraction /= mesh.axis_size(axis)
+    forward = op_seconds(node, tensors, fraction, profile)
+    outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
+    seconds = forward * (1.0 + (BACKWARD_FLOP_RATIO if outputs_need_grad else 0.0))
+    for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
+        seconds += price_collective(kind, node.name, axes, nbytes, "forward", node.name, mesh,
+                                    profile).time_s
+    owned = 0.0
+    for slot, name in enumerate(node.inputs):
+        if not name or owner.get(name) != (node.name, slot):
+            continue
+        info = tensors[name]
+        layout = candidate.inputs[slot]
+        if info.kind != "parameter" or layout is None:
+            continue
+        local_bytes = info.nbytes * fraction_of_layout(layout, mesh)
+        local_elements = info.numel * fraction_of_layout(layout, mesh)
+        states = optimizer_state_bytes(local_elements, info.itemsize, options.optimizer)
+        owned += 2 * local_bytes + states
+        seconds += optimizer_seconds(profile, local_bytes, states)
+        axes = candidate.grad_partial[slot]
+        if axes:
+            seconds += price_collective("all_reduce", name, axes, local_bytes, "gradient",
+                                        "optimizer", mesh, profile).time_s
+    saved = largest = 0.0
+    for name, layout in zip(node.outputs, candidate.outputs, strict=True):
+        if not name or layout is None:
+            continue
+        local = tensors[name].nbytes * fraction_of_layout(layout, mesh)
+        largest += local
+        if outputs_need_grad and not node.is_view and tensors[name].is_float:
+            saved += local
+    return seconds, owned, saved, largest
+
+
+def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
+           candidates: Mapping[str, list[Candidate]], group_of: Mapping[str, int],
+           owner: Mapping[str, tuple[str, int]], needs_grad: Mapping[str, bool],
+           roots: Mapping[str, frozenset[str]], groups: list[Group]) -> list[EdgeCost]:
+    tensors = graph.tensors
+    merged: dict[tuple[int, int], EdgeCost] = {}
+    cache: dict[tuple, float] = {}
+    for node in graph.ops:
+        v = group_of[node.name]
+        for slot, name in enumerate(node.inputs):
+            if not name:
+                continue
+            info = tensors[name]
+            if info.kind == "constant":
+                continue
+            if info.producer is not None:
+                source_op = info.producer
+                out_slot = list(graph.op(source_op).outputs).index(name)
+                sources = [c.outputs[out_slot] for c in candidates[source_op]]
+            else:
+                first_op, first_slot = owner[name]
+                if first_op == node.name and first_slot == slot:
+                    continue
+                source_op = first_op
+                sources = [c.inputs[first_slot] for c in candidates[first_op]]
+            targets = [c.inputs[slot] for c in candidates[node.name]]
+            partial = [c.grad_partial[slot] for c in candidates[node.name]]
+            matrix = np.zeros((len(sources), len(targets)))
+            derived = name in roots
+            for a, src in enumerate(sources):
+                for b, (dst, axes) in enumerate(zip(targets, partial, strict=True)):
+                    if src is None or dst is None:
+                        continue
+                    key = (info.shape, info.dtype, src, dst, axes,
+                           needs_grad.get(name, False), derived)
+                    if key not in cache:
+                        cache[key] = _edge_seconds(info, src, dst, axes, node, mesh, profile,
+                                                   needs_grad.get(name, False), derived)
+                    matrix[a, b] = cache[key]
+            u = group_of[source_op]
+            if not matrix.any():
+                continue
+            if u == v:  # the same op position across layers: only equal choices co-occur
+                groups[v].cost += np.diag(matrix)
+                continue
+            edge = merged.setdefault((u, v), EdgeCost(u, v, np.zeros_like(matrix)))
+            edge.cost += matrix
+            edge.tensors.append(name)
+    return list(merged.values())
+
+
+def _edge_seconds(info, src: Layout, dst: Layout, partial_axes: tuple[str, ...],
+                  consumer: OpNode, mesh: DeviceMesh, profile: HardwareProfile,
+                  requires_grad: bool, weight_derived: bool) -> float:
+    found, deferred = edge_collectives(Edge(info.name, src, dst), info, consumer, mesh, profile,
+                                       requires_grad, partial_axes, weight_derived)
+    seconds = sum(c.time_s for c in found)
+    if deferred:
+        local = info.nbytes * fraction_of_layout(src, mesh)
+        seconds += price_collective("all_reduce", info.name, tuple(sorted(deferred)), local,
+                                    "gradient", "optimizer", mesh, profile).time_s
+    return seconds
+
+
+def prune_dominated(problem: StrategyProblem) -> StrategyProblem:
+    """Drop candidates another candidate of the same group beats on every count.
+
+    Candidate j is dominated by k when k costs no more time, memory and workspace, and no
+    more on every edge against every choice of the neighbour. Removing j keeps every
+    optimum (some optimum never uses j), under the memory limit too. Repeats until stable.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for index, group in enumerate(problem.groups):
+            if len(group.candidates) < 2:
+                continue
+            incident = [(e, e.u == index) for e in problem.edges if index in (e.u, e.v)]
+            profile = np.column_stack(
+                [group.cost, group.memory, group.workspace]
+                + [e.cost if outgoing else e.cost.T for e, outgoing in incident])
+            keep = _undominated(profile)
+            if len(keep) == len(group.candidates):
+                continue
+            changed = True
+            _restrict(problem, index, keep)
+    return problem
+
+
+def _undominated(rows: np.ndarray) -> list[int]:
+    """Indices of rows no other row is <= everywhere (first of equal rows survives)."""
+    keep: list[int] = []
+    for j in range(rows.shape[0]):
+        dominated = False
+        for k in range(rows.shape[0]):
+            if k == j or not np.all(rows[k] <= rows[j] + 1e-15):
+                continue
+            if np.any(rows[k] < rows[j] - 1e-15) or k < j:
+                dominated = True
+                break
+        if not dominated:
+            keep.append(j)
+    return keep
+
+
+def _restrict(problem: StrategyProblem, index: int, keep: list[int]) -> None:
+    group = problem.groups[index]
+    group.candidates = [group.candidates[i] for i in keep]
+    group.cost, group.memory = group.cost[keep], group.memory[keep]
+    group.workspace = group.workspace[keep]
+    for edge in problem.edges:
+        if edge.u == index:
+            edge.cost = edge.cost[keep, :]
+        if edge.v == index:
+            edge.cost = edge.cost[:, keep]
