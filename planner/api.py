@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from costmodels.profile import HardwareProfile, load_profile
-
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.onnx_import import import_model
 from planner.planfile import ParallelConfig, Plan, SolverRecord
+from planner.search.auto import SearchOptions, price_baselines, search
 from planner.search.data_parallel import DP_AXIS, data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
 
-MODES = ("data",)
+MODES = ("data", "semi", "auto")
 GIB = 1 << 30
 
 
@@ -39,37 +39,72 @@ def plan(
     devices: int = 8,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
-    mode: str = "data",
+    mode: str = "auto",
+    strategies: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    solver: str = "cpsat",
+    time_limit: float = 60.0,
+    parallel: Mapping[str, int | str] | None = None,
+    mesh: Sequence[int] | None = None,
+    max_mesh_axes: int = 2,
+    tie_layers: bool = True,
     optimizer: str = "adam",
     memory_limit_gib: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
 
-    The returned plan says in `plan.predicted.fits` whether it fits device memory; the
-    CLI turns a plan that does not fit into exit code 3.
+    `mode`: "data" (data-parallel baseline), "semi" (the ops named in `strategies`, by
+    name or glob pattern, keep their MindSpore-style tuples; the solver fills the rest) or
+    "auto" (everything searched). The plan says in `plan.predicted.fits` whether it fits
+    device memory; when no plan can fit, `NoPlanFits` (CLI exit code 3) is raised.
     """
     if mode not in MODES:
-        raise ShardplanError(f"--mode {mode!r} is not available; choose one of {MODES}")
+        raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "semi" and not strategies:
+        raise ShardplanError("--mode semi needs strategies (--strategies FILE) for some ops")
+    if mode != "semi" and strategies:
+        raise ShardplanError("strategies are only used with --mode semi")
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     hardware.check_device_count(devices)
     if memory_limit_gib is not None and memory_limit_gib <= 0:
         raise ShardplanError(f"--memory-limit {memory_limit_gib}: must be a positive GiB figure")
+    if time_limit <= 0:
+        raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
+    training = TrainingOptions(
+        optimizer=optimizer,
+        memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
+    )
+    if mode == "data":
+        return _data_parallel(graph, hardware, devices, training, optimizer)
+    options = SearchOptions(
+        mode=mode, solver=solver, time_limit=time_limit, max_mesh_axes=max_mesh_axes,
+        mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
+        strategies=dict(strategies or {}), tie_layers=tie_layers,
+    )
+    result = search(graph, hardware, devices, options, training, progress)
+    chosen = result.plan
+    chosen.parallel.optimizer = optimizer
+    chosen.alternatives = result.alternatives
+    chosen.baselines = {name: p.brief() for name, p in result.baselines.items()}
+    return chosen
+
+
+def _data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
+                   training: TrainingOptions, optimizer: str) -> Plan:
     started = time.perf_counter()
     mesh = DeviceMesh.build({DP_AXIS: devices}, int(hardware.devices_per_node.value))
     labels = op_labels(graph)
     strategies = data_parallel_strategies(graph, mesh, labels)
-    options = TrainingOptions(
-        optimizer=optimizer,
-        memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
-    )
     parallel = ParallelConfig(dp=devices, optimizer=optimizer)
     draft = SolverRecord("data-parallel", "fixed", 0.0, 0.0, 0.0, 0.0)
-    result = assemble(graph, mesh, strategies, hardware, parallel, draft, options, labels)
+    result = assemble(graph, mesh, strategies, hardware, parallel, draft, training, labels)
     step = result.predicted.step_time_s
     result.solver = SolverRecord(
         name="data-parallel", status="fixed", objective=step, bound=step, gap=0.0,
         time_s=time.perf_counter() - started,
         detail={"note": "the data-parallel baseline has one candidate: no search"},
     )
+    baselines = price_baselines(graph, hardware, devices, training, labels)
+    result.baselines = {name: p.brief() for name, p in baselines.items()}
     return result

@@ -40,6 +40,36 @@ def _dim(text: str) -> tuple[str, int]:
     return name, number
 
 
+def _parallel(text: str) -> dict[str, int | str]:
+    pins: dict[str, int | str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected KEY=VALUE,..., "
+                                             "e.g. dp=4,tp=8")
+        key = key.strip()
+        if key == "recompute":
+            pins[key] = value.strip()
+            continue
+        try:
+            pins[key] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--parallel {key}={value}: not an integer") from None
+        if pins[key] < 0 or (pins[key] == 0 and key != "zero"):
+            raise argparse.ArgumentTypeError(f"--parallel {key}={value}: must be positive")
+    return pins
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected sizes like 2x4") from None
+    if not 1 <= len(shape) <= 3 or any(v < 1 for v in shape):
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: 1 to 3 positive sizes, like 2x4")
+    return shape
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -62,7 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=_positive_int, help="global batch size (binds dim 0)")
     plan.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=N",
                       help="bind a symbolic input dim, e.g. --dim seq=2048 (repeatable)")
-    plan.add_argument("--mode", default="data", choices=["data"], help="search mode")
+    plan.add_argument("--mode", default="auto", choices=["data", "semi", "auto"],
+                      help="data: data-parallel baseline; semi: ops in --strategies keep their "
+                           "strategies, the rest is searched; auto: everything searched")
+    plan.add_argument("--strategies", metavar="FILE",
+                      help="JSON (or YAML) mapping op names or glob patterns to MindSpore-style "
+                           "strategy tuples, e.g. {\"fc1\": [[1, 1], [1, 2]]}")
+    plan.add_argument("--solver", default="cpsat", choices=["cpsat", "highs", "dp", "propagation"],
+                      help="cpsat/highs: exact ILP; dp: graph elimination; propagation: heuristic")
+    plan.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                      help="per mesh shape; the best plan found so far is returned with its gap")
+    plan.add_argument("--parallel", type=_parallel, default={}, metavar="dp=4,tp=8",
+                      help="pin global choices (dp, tp) and search the rest")
+    plan.add_argument("--mesh", type=_mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
+    plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
+                      help="largest number of mesh axes searched")
+    plan.add_argument("--no-tie-layers", action="store_true",
+                      help="let every repeated layer choose on its own (slower, rarely better)")
     plan.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "momentum", "sgd"])
     plan.add_argument("--memory-limit", type=float, metavar="GIB",
                       help="device memory limit in GiB (default: the profile's capacity)")
@@ -75,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--with-weights", action="store_true",
                      help="store random weights inline (small models only)")
     zoo.add_argument("--seed", type=int, default=0)
+
+    export = verbs.add_parser("export", help="write a plan in another framework's format")
+    export.add_argument("plan", help="a strategy JSON written by `shardplan plan -o`")
+    export.add_argument("--format", required=True, choices=["mindspore", "dtensor"],
+                        help="mindspore: strategy checkpoint JSON; dtensor: placements per "
+                             "parameter")
+    export.add_argument("-o", "--output", help="write here instead of standard output")
 
     profiles = verbs.add_parser("profiles", help="list or show the hardware profiles")
     profiles.add_argument("action", nargs="?", default="list", choices=["list", "show"])
@@ -92,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.verb == "zoo":
             return _zoo(args, extra)
+        if args.verb == "export":
+            return _export(args)
         return _profiles(args)
     except ShardplanError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)
@@ -115,15 +170,60 @@ def _plan(args: argparse.Namespace) -> int:
             batch = batch or DEMO_BATCH
             print(f"(no model given: planning the bundled {DEMO_PRESET} at batch {batch}, "
                   f"seq {dims['seq']})", file=sys.stderr)
+        strategies = _load_strategies(args.strategies) if args.strategies else None
+        mode = args.mode
         result = plan(model, profile=args.profile, devices=args.devices, batch=batch,
-                      dims=dims, mode=args.mode, optimizer=args.optimizer,
-                      memory_limit_gib=args.memory_limit)
+                      dims=dims, mode=mode, strategies=strategies, solver=args.solver,
+                      time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
+                      max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
+                      optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
+                      progress=_progress if not args.json else None)
     if args.output:
         result.save(args.output)
     print(result.dumps() if args.json else summary(result))
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def _load_strategies(path: str) -> dict[str, list[list[int]]]:
+    """`{"op name or glob": [[1, 1], [1, 2]], ...}` from JSON, or YAML when PyYAML is there."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ShardplanError(f"{file}: cannot read the strategies file ({exc.strerror})") from None
+    if file.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ShardplanError(f"{file}: reading YAML needs PyYAML (pip install pyyaml); "
+                                 "or write the strategies as JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ShardplanError(f"{file}: not valid YAML ({exc})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ShardplanError(f"{file}: not valid JSON (line {exc.lineno}, column "
+                                 f"{exc.colno}: {exc.msg})") from None
+    if isinstance(data, dict) and "strategies" in data and isinstance(data["strategies"], dict):
+        data = data["strategies"]
+    if not isinstance(data, dict) or not data:
+        raise ShardplanError(f"{file}: expected an object mapping op names to strategy tuples")
+    for name, tuples in data.items():
+        if not (isinstance(tuples, list) and all(isinstance(t, list) and t and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in t)
+                for t in tuples)):
+            raise ShardplanError(f"{file}: strategy of {name!r} must be a list of lists of "
+                                 f"positive integers, like [[1, 1], [1, 2]]; got {tuples!r}")
+    return data
 
 
 def _write_demo_model(folder: Path) -> Path:
@@ -193,6 +293,21 @@ def _convert(current: object, text: str, family: str, flag: str) -> object:
             f"zoo {family}: {flag} {text!r} is not a valid {type(current).__name__}"
         ) from None
     return text
+
+
+def _export(args: argparse.Namespace) -> int:
+    from planner.planfile import Plan
+    from planner.sharding.convert import to_dtensor_placements, to_mindspore_checkpoint
+
+    loaded = Plan.load(args.plan)
+    data = (to_mindspore_checkpoint(loaded) if args.format == "mindspore"
+            else to_dtensor_placements(loaded))
+    text = json.dumps(data, indent=1, sort_keys=True)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
 
 
 def _profiles(args: argparse.Namespace) -> int:

@@ -144,9 +144,13 @@ class Plan:
     predicted: Predicted
     solver: SolverRecord
     warnings: list[str] = field(default_factory=list)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)  # other meshes tried
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # priced side by side
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "alternatives": self.alternatives,
+            "baselines": self.baselines,
             "schema": SCHEMA,
             "model": asdict(self.model),
             "cluster": asdict(self.cluster),
@@ -158,6 +162,18 @@ class Plan:
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
             "warnings": list(self.warnings),
+        }
+
+    def brief(self) -> dict[str, Any]:
+        """The figures that compare plans: mesh, degrees, step time, memory, fit."""
+        return {
+            "mesh": list(self.mesh.shape), "axes": list(self.mesh.axis_names),
+            "parallel": asdict(self.parallel),
+            "step_time_s": self.predicted.step_time_s,
+            "compute_s": self.predicted.compute_s,
+            "communication_s": self.predicted.communication_s,
+            "peak_memory_bytes": self.predicted.memory["peak"],
+            "fits": self.predicted.fits,
         }
 
     def dumps(self) -> str:
@@ -206,6 +222,8 @@ class Plan:
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverRecord(**data["solver"]),
                 warnings=list(data.get("warnings", [])),
+                alternatives=list(data.get("alternatives", [])),
+                baselines=dict(data.get("baselines", {})),
             )
         except PlanFileError:
             raise

@@ -62,6 +62,15 @@ def summary(plan: Plan) -> str:
     collectives = len(plan.collectives)
     lines.append("")
     lines.append(f"collectives per step: {collectives}")
+    if plan.baselines:
+        lines += ["", _comparison(plan)]
+    if plan.alternatives:
+        lines += ["", "mesh shapes searched"]
+        for alt in plan.alternatives:
+            shape = "x".join(map(str, alt["mesh"]))
+            figure = (human_seconds(alt["objective"]) if alt["objective"] != float("inf")
+                      else alt.get("reason") or alt["status"])
+            lines.append(f"  {shape:<10}{alt['status']:<12}{figure}")
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
@@ -76,3 +85,19 @@ def memory_shortfall(plan: Plan) -> str:
         f"{plan.cluster.profile} has {human_bytes(p.memory_limit_bytes)}: {parts}. "
         "Use more devices, a smaller batch, or plan with model parallelism"
     )
+
+
+def _comparison(plan: Plan) -> str:
+    """This plan beside the baselines, in one table."""
+    rows = [("this plan", plan.brief()), *plan.baselines.items()]
+    best = plan.predicted.step_time_s or 1.0
+    lines = [f"{'plan':<16}{'mesh':<12}{'dp':>5}{'tp':>5}{'step time':>14}{'vs this':>9}"
+             f"{'peak memory':>14}  fits"]
+    for name, row in rows:
+        shape = "x".join(map(str, row["mesh"]))
+        ratio = row["step_time_s"] / best
+        lines.append(f"{name:<16}{shape:<12}{row['parallel']['dp']:>5}{row['parallel']['tp']:>5}"
+                     f"{human_seconds(row['step_time_s']):>14}{ratio:>8.2f}x"
+                     f"{human_bytes(row['peak_memory_bytes']):>14}  "
+                     f"{'yes' if row['fits'] else 'no'}")
+    return "\n".join(lines)

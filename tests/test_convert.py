@@ -398,7 +398,7 @@ def gpt_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def gpt_plan(gpt_path: pathlib.Path) -> Plan:
-    return plan(gpt_path, devices=2, batch=4, dims={"seq": 8})
+    return plan(gpt_path, devices=2, batch=4, dims={"seq": 8}, mode="data")
 
 
 def _parameters(result: Plan) -> set[str]:

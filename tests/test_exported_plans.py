@@ -67,7 +67,7 @@ def test_export_imports_and_plans(export_model, model: str, exporter: str, train
     if training and model == "resnet" and exporter == "torchscript":
         assert any(n.op_type == "BatchNormalization" for n in graph.ops)
 
-    result = plan(graph, profile="a100-80g", devices=4)
+    result = plan(graph, profile="a100-80g", devices=4, mode="data")
     data = result.to_json()
     jsonschema.validate(data, SCHEMA)
     planned = {op["name"] for op in data["ops"]}

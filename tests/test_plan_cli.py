@@ -35,7 +35,8 @@ def _assert_valid_plan(data: dict, compute_ops: set[str]) -> None:
 
 
 def test_data_parallel_plan_is_schema_valid_and_round_trips(gpt_tiny: Path) -> None:
-    result = plan(gpt_tiny, profile="a100-80g", devices=4, batch=8, dims={"seq": 16})
+    result = plan(gpt_tiny, profile="a100-80g", devices=4, batch=8, dims={"seq": 16},
+                  mode="data")
     data = result.to_json()
     _assert_valid_plan(data, {op.name for op in result.ops})
     assert data["parallel"]["dp"] == 4 and data["mesh"]["shape"] == [4]
@@ -46,7 +47,8 @@ def test_data_parallel_plan_is_schema_valid_and_round_trips(gpt_tiny: Path) -> N
 
 
 def test_data_parallel_splits_batch_and_syncs_every_parameter(gpt_tiny: Path) -> None:
-    result = plan(gpt_tiny, profile="a100-80g", devices=4, batch=8, dims={"seq": 16})
+    result = plan(gpt_tiny, profile="a100-80g", devices=4, batch=8, dims={"seq": 16},
+                  mode="data")
     assert result.tensors["input_ids"].layout.dims[0] == ("dp",)
     assert result.tensors["logits"].layout.dims[0] == ("dp",)
     parameters = {name for name, t in result.tensors.items() if t.kind == "parameter"}
@@ -63,8 +65,8 @@ def test_data_parallel_splits_batch_and_syncs_every_parameter(gpt_tiny: Path) ->
 
 
 def test_more_devices_cut_activation_memory_not_parameters(gpt_tiny: Path) -> None:
-    two, four, eight = (plan(gpt_tiny, devices=n, batch=8, dims={"seq": 16}).predicted.memory
-                        for n in (2, 4, 8))
+    two, four, eight = (plan(gpt_tiny, devices=n, batch=8, dims={"seq": 16},
+                             mode="data").predicted.memory for n in (2, 4, 8))
     assert eight["parameters"] == two["parameters"]
     # Batch-split activations shrink as 1/devices; weight-derived ones (the tied head's
     # transposed table) stay: halving steps must halve the difference.
@@ -74,7 +76,8 @@ def test_more_devices_cut_activation_memory_not_parameters(gpt_tiny: Path) -> No
 
 
 def test_indivisible_batch_is_refused(gpt_tiny: Path, capsys: pytest.CaptureFixture) -> None:
-    code = main(["plan", str(gpt_tiny), "--devices", "8", "--batch", "6", "--dim", "seq=16"])
+    code = main(["plan", str(gpt_tiny), "--devices", "8", "--batch", "6", "--dim", "seq=16",
+                 "--mode", "data"])
     assert code == 2
     assert "batch 6 cannot be split into 8" in capsys.readouterr().err
 
@@ -139,7 +142,7 @@ def test_175b_gpt_on_1024_a100s_does_not_fit(tmp_path: Path,
     assert not list(tmp_path.glob("*.weights"))
     started = time.perf_counter()
     code = main(["plan", str(path), "--profile", "a100-80g", "--devices", "1024", "--batch",
-                 "1024", "--dim", "seq=2048"])
+                 "1024", "--dim", "seq=2048", "--mode", "data"])
     elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     assert code == 3
@@ -154,7 +157,7 @@ def test_zoo_cli_builds_from_flags(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["zoo", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab",
                  "100", "-o", str(path)]) == 0
     assert "M parameters" in capsys.readouterr().out
-    graph_plan = plan(path, devices=2, batch=2, dims={"seq": 8})
+    graph_plan = plan(path, devices=2, batch=2, dims={"seq": 8}, mode="data")
     assert graph_plan.model.parameters == zoo.parameter_count(
         "gpt", zoo.FAMILIES["gpt"](layers=2, hidden=64, heads=4, vocab=100))
 
@@ -182,7 +185,7 @@ def test_op_without_rule_is_kept_replicated_with_one_warning(tmp_path: Path) -> 
                               opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "lrn.onnx"
     onnx.save(model, str(path))
-    result = plan(path, devices=2, batch=4)
+    result = plan(path, devices=2, batch=4, mode="data")
     ops = {op.name: op for op in result.ops}
     assert set(ops) == {"relu", "lrn1", "lrn2", "relu_out"}
     assert ops["relu"].assignment == {"d0": ["dp"]}

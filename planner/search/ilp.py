@@ -71,6 +71,16 @@ def _classes(matrix: np.ndarray, axis: int) -> list[list[int]]:
     return list(found.values())
 
 
+def solve_min_memory(problem: StrategyProblem, *, time_limit: float = 30.0) -> float:
+    """The smallest peak memory (bytes) any choice needs, ignoring time (for exit code 3)."""
+    model = _build(problem)
+    _, values, _ = _solve_highs(model, problem, time_limit, minimize_memory=True)
+    if values is None:
+        return float("inf")
+    choice = [int(np.argmax([values[v] for v in ids])) for ids in model.choice_vars]
+    return problem.evaluate(choice)[1]
+
+
 def _build(problem: StrategyProblem) -> _Model:
     model = _Model()
     for group in problem.groups:
@@ -167,8 +177,8 @@ def _solve_cpsat(model: _Model, problem: StrategyProblem, time_limit: float,
     return status, values, engine.BestObjectiveBound() / scale
 
 
-def _solve_highs(model: _Model, problem: StrategyProblem,
-                 time_limit: float) -> tuple[str, list[float] | None, float]:
+def _solve_highs(model: _Model, problem: StrategyProblem, time_limit: float,
+                 minimize_memory: bool = False) -> tuple[str, list[float] | None, float]:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -191,18 +201,30 @@ def _solve_highs(model: _Model, problem: StrategyProblem,
     constraints = [
         LinearConstraint(equal, rhs_eq, rhs_eq),
         LinearConstraint(workspace, -np.inf, 0.0),
-        LinearConstraint(memory, -np.inf, problem.memory_limit),
     ]
+    if minimize_memory:
+        objective = memory.reshape(-1)
+    else:
+        constraints.append(LinearConstraint(memory, -np.inf, problem.memory_limit))
+        objective = np.array([*model.costs, 0.0])
+    # HiGHS stops within an absolute gap of 1e-6: seconds (and bytes) are rescaled so the
+    # largest coefficient is 1e6 and that gap is negligible.
+    largest = float(np.max(np.abs(objective))) if objective.size else 0.0
+    scale = 1e6 / largest if largest > 0 else 1.0
+    objective = objective * scale
     integrality = np.ones(n)
     integrality[-1] = 0
     upper = np.ones(n)
-    upper[-1] = problem.memory_limit
-    result = milp(np.array([*model.costs, 0.0]), constraints=constraints,
+    upper[-1] = problem.memory_limit if np.isfinite(problem.memory_limit) else np.inf
+    if minimize_memory:
+        upper[-1] = np.inf
+    result = milp(objective, constraints=constraints,
                   integrality=integrality, bounds=Bounds(np.zeros(n), upper),
-                  options={"time_limit": float(time_limit), "disp": False})
+                  options={"time_limit": float(time_limit), "disp": False,
+                           "mip_rel_gap": 1e-9})
     if result.x is None:
         status = "infeasible" if result.status == 2 else "unknown"
         return status, None, float("inf")
     status = "optimal" if result.status == 0 else "feasible"
-    bound = float(getattr(result, "mip_dual_bound", result.fun) or result.fun)
+    bound = float(getattr(result, "mip_dual_bound", result.fun) or result.fun) / scale
     return status, list(result.x[:-1]), bound

@@ -297,7 +297,7 @@ def prune_dominated(problem: StrategyProblem) -> StrategyProblem:
             if len(keep) == len(group.candidates):
                 continue
             changed = True
-            _restrict(problem, index, keep)
+            restrict_candidates(problem, index, keep)
     return problem
 
 
@@ -317,7 +317,8 @@ def _undominated(rows: np.ndarray) -> list[int]:
     return keep
 
 
-def _restrict(problem: StrategyProblem, index: int, keep: list[int]) -> None:
+def restrict_candidates(problem: StrategyProblem, index: int, keep: list[int]) -> None:
+    """Keep only candidates `keep` of group `index`, in every table that mentions them."""
     group = problem.groups[index]
     group.candidates = [group.candidates[i] for i in keep]
     group.cost, group.memory = group.cost[keep], group.memory[keep]

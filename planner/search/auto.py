@@ -1,0 +1,385 @@
+"""Search over mesh shapes and per-op strategies; price the baselines beside the result.
+
+For each mesh shape (every factorisation of the device count into 1..max axes, or the one
+the user pinned) the strategy problem is built and solved; the cheapest plan that fits
+wins and the next ones are kept as alternatives for `explain`. Meshes are solved in
+parallel processes when there are several and the problem is large enough to pay for the
+process start.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from costmodels.profile import HardwareProfile
+from planner.assemble import TrainingOptions, assemble, op_labels
+from planner.errors import ShardplanError, StrategyError
+from planner.graph import PlanningGraph
+from planner.planfile import ParallelConfig, Plan, SolverRecord
+from planner.search.data_parallel import DP_AXIS, data_parallel_strategies
+from planner.search.elimination import solve_elimination
+from planner.search.ilp import Solution, solve_ilp
+from planner.search.layers import find_repeats, tie_classes
+from planner.search.megatron import megatron_strategies
+from planner.search.problem import (
+    StrategyProblem,
+    build_problem,
+    prune_dominated,
+    restrict_candidates,
+)
+from planner.search.propagation import solve_propagation
+from planner.sharding.convert import strategy_from_tuples
+from planner.sharding.mesh import DeviceMesh, factorizations
+from planner.sharding.rules import DimLabels
+from planner.sharding.strategy import OpStrategy
+
+SOLVERS = ("cpsat", "highs", "dp", "propagation")
+PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute")
+GENERIC_AXES = ("a0", "a1", "a2")
+PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is faster
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    mode: str = "auto"  # auto | semi
+    solver: str = "cpsat"
+    time_limit: float = 60.0
+    max_mesh_axes: int = 2
+    mesh: tuple[int, ...] | None = None
+    parallel: Mapping[str, int | str] = field(default_factory=dict)
+    strategies: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+    tie_layers: bool = True
+    top_k: int = 3
+    workers: int = 2
+
+
+@dataclass
+class MeshResult:
+    mesh: DeviceMesh
+    solution: Solution | None
+    reason: str = ""  # why this mesh has no plan
+    strategies: dict[str, OpStrategy] = field(default_factory=dict)
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    alternatives: list[dict]
+    baselines: dict[str, Plan]
+
+
+def candidate_meshes(devices: int, profile: HardwareProfile,
+                     options: SearchOptions) -> list[DeviceMesh]:
+    """Mesh shapes to try, with axis names ("dp", "tp" when pinned, else a0, a1, ...)."""
+    per_node = int(profile.devices_per_node.value)
+    pinned = {k: int(v) for k, v in options.parallel.items() if k in ("dp", "tp")}
+    if pinned:
+        dp = pinned.get("dp") or devices // max(1, pinned.get("tp", 1))
+        tp = pinned.get("tp") or devices // max(1, dp)
+        if dp * tp != devices:
+            raise ShardplanError(
+                f"--parallel dp={dp} tp={tp} uses {dp * tp} devices, but --devices is "
+                f"{devices}; make dp × tp equal the device count"
+            )
+        return [DeviceMesh.build({"dp": dp, "tp": tp}, per_node)]
+    if options.mesh is not None:
+        shape = options.mesh
+        if _product(shape) != devices:
+            raise ShardplanError(
+                f"--mesh {'x'.join(map(str, shape))} has {_product(shape)} devices, but "
+                f"--devices is {devices}")
+        return [DeviceMesh(tuple(shape), GENERIC_AXES[: len(shape)], per_node)]
+    shapes = [f for f in factorizations(devices, options.max_mesh_axes)]
+    return [DeviceMesh(shape, GENERIC_AXES[: len(shape)], per_node) for shape in shapes]
+
+
+def _product(values: Sequence[int]) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def fixed_strategies(graph: PlanningGraph, labels: Mapping[str, DimLabels | None],
+                     mesh: DeviceMesh,
+                     given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, OpStrategy]:
+    """Resolve `name or glob pattern -> MindSpore tuples` into strategies on `mesh`."""
+    fixed: dict[str, OpStrategy] = {}
+    names = [node.name for node in graph.ops]
+    for pattern, tuples in given.items():
+        matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            sample = ", ".join(names[:5])
+            raise StrategyError(
+                f"strategy pattern {pattern!r} matches no op of {graph.path}; op names look "
+                f"like: {sample}, ..."
+            )
+        for name in matched:
+            node = graph.op(name)
+            op_labels_ = labels.get(name)
+            if op_labels_ is None:
+                raise StrategyError(f"op {name} ({node.op_type}) has no sharding rule; it "
+                                    "can only run replicated, so it cannot take a strategy")
+            fixed[name] = strategy_from_tuples(node, op_labels_, graph.tensors, mesh,
+                                               [tuple(t) for t in tuples])
+    return fixed
+
+
+def _restrict_pinned(problem: StrategyProblem, graph: PlanningGraph, mesh: DeviceMesh,
+                     labels: Mapping[str, DimLabels | None]) -> None:
+    """With --parallel dp=..: the dp axis splits exactly the batch, as data parallelism does."""
+    if "dp" not in mesh.axis_names:
+        return
+    batch = data_parallel_strategies(graph, DeviceMesh.build(
+        {"dp": mesh.axis_size("dp")}, mesh.devices_per_node), labels)
+    for index, group in enumerate(problem.groups):
+        wanted = dict(batch[group.ops[0]].assignment)  # {batch label: ("dp",)} or {}
+        keep = [position for position, candidate in enumerate(group.candidates)
+                if _dp_matches(dict(candidate.strategy.assignment), wanted)]
+        restrict_candidates(problem, index, keep or list(range(len(group.candidates))))
+
+
+def _dp_matches(assigned: dict[str, tuple[str, ...]], wanted: dict[str, tuple[str, ...]]) -> bool:
+    on_dp = {label for label, axes in assigned.items() if "dp" in axes}
+    return on_dp == set(wanted) and all(assigned[label] == ("dp",) for label in wanted)
+
+
+def solve_mesh(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
+               options: SearchOptions, training: TrainingOptions,
+               labels: Mapping[str, DimLabels | None]) -> tuple[MeshResult, StrategyProblem | None]:
+    try:
+        fixed = fixed_strategies(graph, labels, mesh, options.strategies)
+    except StrategyError as exc:
+        if options.mesh is not None or options.parallel:
+            raise
+        return MeshResult(mesh, None, f"user strategies do not fit: {exc}"), None
+    repeats = find_repeats(graph) if options.tie_layers else None
+    classes = tie_classes(graph, repeats)
+    if fixed:  # a pinned op must not share a choice with ops pinned otherwise
+        classes = _split_classes(classes, fixed)
+    problem = build_problem(graph, mesh, profile, labels, training, fixed, classes)
+    if options.parallel:
+        _restrict_pinned(problem, graph, mesh, labels)
+    prune_dominated(problem)
+    solution = _solve(problem, options)
+    strategies = problem.strategies(solution.choice) if solution.choice else {}
+    return MeshResult(mesh, solution, strategies=strategies), problem
+
+
+def _split_classes(classes: list[list[str]], fixed: Mapping[str, OpStrategy]) -> list[list[str]]:
+    result = []
+    for members in classes:
+        keys: dict[object, list[str]] = {}
+        for member in members:
+            keys.setdefault(fixed.get(member), []).append(member)
+        result += list(keys.values())
+    return result
+
+
+def _solve(problem: StrategyProblem, options: SearchOptions) -> Solution:
+    if options.solver == "propagation":
+        return solve_propagation(problem)
+    if options.solver == "dp":
+        found = solve_elimination(problem)
+        if found is not None:
+            return found
+        return solve_ilp(problem, time_limit=options.time_limit, solver="cpsat")
+    hint = solve_propagation(problem).choice if options.solver == "cpsat" else None
+    return solve_ilp(problem, time_limit=options.time_limit, solver=options.solver, hint=hint)
+
+
+def _solve_in_process(args: tuple) -> tuple[MeshResult, None]:
+    result, _ = solve_mesh(*args)
+    return result, None
+
+
+def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
+           options: SearchOptions, training: TrainingOptions,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    if options.solver not in SOLVERS:
+        raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
+    unknown = [k for k in options.parallel if k not in PARALLEL_KEYS]
+    if unknown:
+        raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
+    unsupported = {k: v for k, v in options.parallel.items() if not _searchable(k, v)}
+    if unsupported:
+        key = next(iter(unsupported))
+        raise ShardplanError(f"--parallel {key}={unsupported[key]}: pipeline stages, ZeRO and "
+                             "recompute are not searchable yet; pin dp and tp only")
+    started = time.perf_counter()
+    labels = op_labels(graph)
+    meshes = candidate_meshes(devices, profile, options)
+    results: list[MeshResult] = []
+    args = [(graph, mesh, profile, options, training, labels) for mesh in meshes]
+    if len(meshes) > 2 and options.workers > 1 and _large(graph, meshes[-1]):
+        with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1)) as pool:
+            for result, _ in pool.map(_solve_in_process, args):
+                results.append(result)
+                _report(progress, result)
+    else:
+        for arg in args:
+            result, _ = solve_mesh(*arg)
+            results.append(result)
+            _report(progress, result)
+    feasible = [r for r in results if r.solution is not None and r.solution.choice
+                and r.solution.status in ("optimal", "feasible")]
+    feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
+    alternatives = [_summary(r) for r in results]
+    alternatives.sort(key=lambda a: a["objective"])
+    if not feasible:
+        reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: "
+                            f"{r.reason or (r.solution.status if r.solution else 'no plan')}"
+                            for r in results)
+        raise _no_plan(graph, profile, devices, options, training, labels, meshes, reasons)
+    # The ILP prices a weight used twice (a tied embedding) once per use; the assembled plan
+    # sums its gradient once. Compare the candidates by the assembled, exact price.
+    baselines = price_baselines(graph, profile, devices, training, labels)
+    plans = []
+    for result in feasible:
+        assert result.solution is not None
+        solution = result.solution
+        record = SolverRecord(
+            name=solution.solver, status=solution.status, objective=solution.objective,
+            bound=solution.bound, gap=solution.gap, time_s=time.perf_counter() - started,
+            detail={**solution.detail, "mode": options.mode, "meshes_tried": len(meshes),
+                    "tied_layers": bool(options.tie_layers), "solve_time_s": solution.time_s},
+        )
+        parallel = _parallel_of(graph, result.mesh, result.strategies, labels)
+        plans.append(assemble(graph, result.mesh, result.strategies, profile, parallel, record,
+                              training, labels))
+    fitting = [p for p in plans if p.predicted.fits] or plans
+    plan = min(fitting, key=lambda p: p.predicted.step_time_s)
+    if not options.strategies and not options.parallel and options.mesh is None:
+        for name, baseline in baselines.items():
+            if baseline.predicted.fits and baseline.predicted.step_time_s < \
+                    plan.predicted.step_time_s:
+                record = plan.solver
+                record.detail["chosen"] = f"the {name} baseline: cheaper under exact pricing"
+                plan = assemble(graph, baseline.mesh, _strategies_of(baseline), profile,
+                                baseline.parallel, record, training, labels)
+    return SearchResult(plan, alternatives[: max(1, options.top_k)], baselines)
+
+
+def _strategies_of(plan: Plan) -> dict[str, OpStrategy]:
+    return {op.name: OpStrategy.of({k: tuple(v) for k, v in op.assignment.items()})
+            for op in plan.ops}
+
+
+def _searchable(key: str, value: int | str) -> bool:
+    """Pins this version can honour: dp and tp, and the others at their defaults."""
+    defaults = {"pp": 1, "micro_batches": 1, "zero": 0, "recompute": "none"}
+    return key in ("dp", "tp") or str(value) == str(defaults[key])
+
+
+def _large(graph: PlanningGraph, mesh: DeviceMesh) -> bool:
+    return len(graph.ops) * (len(mesh.shape) ** 3) * 4 > PARALLEL_PROCESS_THRESHOLD
+
+
+def _report(progress: Callable[[str], None] | None, result: MeshResult) -> None:
+    if progress is None:
+        return
+    shape = "x".join(map(str, result.mesh.shape))
+    if result.solution is None:
+        progress(f"mesh {shape}: skipped ({result.reason})")
+    else:
+        progress(f"mesh {shape}: {result.solution.status} {result.solution.objective:.6g} s "
+                 f"in {result.solution.time_s:.2f} s")
+
+
+def _summary(result: MeshResult) -> dict:
+    solution = result.solution
+    return {
+        "mesh": list(result.mesh.shape),
+        "axes": list(result.mesh.axis_names),
+        "status": solution.status if solution else "skipped",
+        "objective": solution.objective if solution and solution.choice else float("inf"),
+        "gap": solution.gap if solution and solution.choice else None,
+        "reason": result.reason,
+    }
+
+
+def _parallel_of(graph: PlanningGraph, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
+                 labels: Mapping[str, DimLabels | None]) -> ParallelConfig:
+    """dp: the axes splitting the graph inputs' batch dim; tp: the rest of the devices."""
+    batch_axes: set[str] = set()
+    for node in graph.ops:
+        op_labels_ = labels.get(node.name)
+        if op_labels_ is None:
+            continue
+        for index, name in enumerate(node.inputs):
+            names = op_labels_.inputs[index]
+            if name in graph.batch_inputs and names is not None:
+                label = names[graph.batch_inputs[name]]
+                batch_axes.update(strategies[node.name].axes_of(label))
+    dp = 1
+    for axis in batch_axes:
+        dp *= mesh.axis_size(axis)
+    return ParallelConfig(dp=dp, tp=mesh.size // dp)
+
+
+def price_baselines(graph: PlanningGraph, profile: HardwareProfile, devices: int,
+                    training: TrainingOptions,
+                    labels: Mapping[str, DimLabels | None]) -> dict[str, Plan]:
+    """Pure data parallel, and Megatron-style tp inside the node × dp across nodes."""
+    per_node = int(profile.devices_per_node.value)
+    result: dict[str, Plan] = {}
+    record = SolverRecord("baseline", "fixed", 0.0, 0.0, 0.0, 0.0)
+    try:
+        mesh = DeviceMesh.build({DP_AXIS: devices}, per_node)
+        strategies = data_parallel_strategies(graph, mesh, labels)
+        result["data-parallel"] = assemble(graph, mesh, strategies, profile,
+                                           ParallelConfig(dp=devices), record, training, labels)
+    except StrategyError:
+        pass
+    tp = min(per_node, devices)
+    if tp > 1 and devices % tp == 0:
+        mesh = DeviceMesh.build({"dp": devices // tp, "tp": tp}, per_node)
+        try:
+            strategies = megatron_strategies(graph, mesh, labels)
+            result["megatron"] = assemble(graph, mesh, strategies, profile,
+                                          ParallelConfig(dp=devices // tp, tp=tp), record,
+                                          training, labels)
+        except StrategyError:
+            pass
+    for plan in result.values():
+        step = plan.predicted.step_time_s
+        plan.solver = SolverRecord("baseline", "fixed", step, step, 0.0, 0.0)
+    return result
+
+
+def _no_plan(graph: PlanningGraph, profile: HardwareProfile, devices: int,
+             options: SearchOptions, training: TrainingOptions,
+             labels: Mapping[str, DimLabels | None], meshes: list[DeviceMesh],
+             reasons: str) -> ShardplanError:
+    """The smallest memory any plan needs, and what would make one fit."""
+    from planner.errors import NoPlanFits
+    from planner.report import human_bytes
+    from planner.search.ilp import solve_min_memory
+
+    smallest = float("inf")
+    where = ""
+    for mesh in meshes:
+        try:
+            fixed = fixed_strategies(graph, labels, mesh, options.strategies)
+        except StrategyError:
+            continue
+        problem = build_problem(graph, mesh, profile, labels, training, fixed,
+                                tie_classes(graph, find_repeats(graph)))
+        memory = solve_min_memory(problem, time_limit=min(options.time_limit, 30.0))
+        if memory < smallest:
+            smallest, where = memory, "x".join(map(str, mesh.shape))
+    limit = training.memory_limit_bytes or int(profile.memory_bytes.value)
+    if smallest == float("inf"):
+        return ShardplanError(f"no mesh of {devices} devices admits a plan: {reasons}")
+    factor = smallest / limit
+    return NoPlanFits(
+        f"no plan fits {human_bytes(limit)} per device on {devices} × {profile.name}: the "
+        f"smallest any plan needs is {human_bytes(smallest)} (mesh {where}). To fit: about "
+        f"{max(2, int(factor + 0.999))}× more devices, a smaller batch, recompute or "
+        "optimizer sharding, or pipeline stages"
+    )

@@ -1,0 +1,76 @@
+"""The Megatron-style baseline: tensor parallel inside a node × data parallel across nodes.
+
+The data-parallel axis carries the batch as in `data_parallel`. The tensor-parallel axis
+follows Megatron-LM's pattern, derived from the graph instead of hand-written per layer:
+an op with a weight whose activation input is replicated splits the weight's output dim
+(column parallel: QKV, the first MLP matmul, the vocabulary of an embedding table); an op
+whose activation input is already split along a dim it contracts keeps that split (row
+parallel: a partial sum, reduced once); every other op carries an existing split along.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from planner.graph import OpNode, PlanningGraph
+from planner.search.data_parallel import data_parallel_strategies
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.rules import DimLabels
+from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
+
+
+def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
+                        labels: Mapping[str, DimLabels | None], dp_axis: str = "dp",
+                        tp_axis: str = "tp") -> dict[str, OpStrategy]:
+    data = data_parallel_strategies(graph, DeviceMesh.build(
+        {dp_axis: mesh.axis_size(dp_axis)}, mesh.devices_per_node), labels, dp_axis)
+    split: dict[str, int] = {}  # tensor -> dim split over tp
+    result: dict[str, OpStrategy] = {}
+    for node in graph.ops:
+        op_labels = labels.get(node.name)
+        batch = dict(data[node.name].assignment)
+        if op_labels is None:
+            result[node.name] = REPLICATED
+            continue
+        chosen = None
+        for label in _tp_choices(node, op_labels, graph, split, set(batch)):
+            candidate = OpStrategy.of({**batch, label: (tp_axis,)})
+            if is_valid(node, op_labels, candidate, graph.tensors, mesh):
+                chosen = candidate
+                break
+        if chosen is None:
+            chosen = OpStrategy.of(batch) if batch else REPLICATED
+        result[node.name] = chosen
+        tp_label = next((k for k, axes in chosen.assignment if tp_axis in axes), None)
+        for name, names in zip(node.outputs, op_labels.outputs, strict=True):
+            if name and names is not None and tp_label in names:
+                split[name] = names.index(tp_label)
+    return result
+
+
+def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
+                split: Mapping[str, int], taken: set[str]) -> list[str]:
+    """Labels to try for the tp axis, best first."""
+    carried: list[str] = []
+    activation_labels: set[str] = set()
+    weight_labels: list[str] = []
+    for index, name in enumerate(node.inputs):
+        names = labels.inputs[index] if index < len(labels.inputs) else None
+        if not name or names is None:
+            continue
+        info = graph.tensors[name]
+        if info.kind == "parameter":
+            weight_labels += [n for n in names if n not in weight_labels]
+            continue
+        activation_labels.update(names)
+        if name in split:
+            carried.append(names[split[name]])
+    if carried:
+        return [label for label in dict.fromkeys(carried) if label not in taken]
+    if not weight_labels:
+        return []
+    outputs = {n for names in labels.outputs if names is not None for n in names}
+    column = [n for n in weight_labels if n in outputs and n not in activation_labels]
+    vocabulary = [n for n in weight_labels if n in labels.sum_labels
+                  and n not in activation_labels]
+    return [label for label in column + vocabulary if label not in taken]

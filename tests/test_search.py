@@ -1,0 +1,213 @@
+"""Strategy search: exact against brute force, solvers agree, modes, pins and baselines."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from costmodels.profile import load_profile
+from planner import zoo
+from planner.api import plan
+from planner.assemble import TrainingOptions, op_labels
+from planner.cli import main
+from planner.errors import NoPlanFits, ShardplanError
+from planner.onnx_import import import_model
+from planner.search.elimination import solve_elimination
+from planner.search.ilp import solve_ilp
+from planner.search.layers import find_repeats, tie_classes
+from planner.search.problem import build_problem
+from planner.search.propagation import solve_propagation
+from planner.sharding.mesh import DeviceMesh
+
+PROFILE = load_profile("a100-80g")
+
+
+def _two_matmuls(path: Path, batch: int = 32) -> Path:
+    """The seed's semi-auto network: x[32,128] @ w1[128,128] -> ReLU -> @ w2[128,64]."""
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    w1 = numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((128, 64)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="matmul1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="matmul2")]
+    graph = helper.make_graph(nodes, "seed", [x], [y], [w1, w2])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _mlp(path: Path) -> Path:
+    """A slightly larger graph: two layers with bias, softmax head (7 ops)."""
+    rng = np.random.default_rng(1)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("w1", (64, 256)), ("b1", (256,)), ("w2", (256, 32)), ("b2", (32,)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["o"], name="fc2"),
+             helper.make_node("Add", ["o", "b2"], ["ob"], name="bias2"),
+             helper.make_node("Tanh", ["ob"], ["t"], name="tanh"),
+             helper.make_node("Softmax", ["t"], ["y"], name="softmax", axis=-1)]
+    graph = helper.make_graph(nodes, "mlp", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _brute_force(problem) -> tuple[float, list[int]]:
+    best, best_choice = float("inf"), []
+    for choice in itertools.product(*(range(len(g.candidates)) for g in problem.groups)):
+        time, memory = problem.evaluate(choice)
+        if memory <= problem.memory_limit and time < best:
+            best, best_choice = time, list(choice)
+    return best, best_choice
+
+
+@pytest.mark.parametrize(("builder", "shape"), [
+    *[(_two_matmuls, shape) for shape in [(2,), (4,), (8,), (2, 2), (2, 4)]],
+    *[(_mlp, shape) for shape in [(2,), (4,), (8,), (3,)]],  # 2-D: ~10^6 combinations
+])
+def test_ilp_optimum_equals_brute_force(tmp_path: Path, builder, shape: tuple[int, ...]) -> None:
+    graph = import_model(builder(tmp_path / "m.onnx"), batch=32)
+    mesh = DeviceMesh(shape, ("a0", "a1")[: len(shape)], 8)
+    problem = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions())
+    expected, _ = _brute_force(problem)
+    for solver in ("cpsat", "highs"):
+        found = solve_ilp(problem, solver=solver, time_limit=30)
+        assert found.status == "optimal"
+        assert found.objective == pytest.approx(expected, rel=1e-9)
+    eliminated = solve_elimination(problem)
+    assert eliminated is not None and eliminated.objective == pytest.approx(expected, rel=1e-9)
+    assert solve_propagation(problem).objective >= expected * (1 - 1e-12)
+
+
+def test_memory_limit_changes_the_optimum(tmp_path: Path) -> None:
+    """Under a tight limit the ILP trades time for memory, exactly as brute force does."""
+    graph = import_model(_mlp(tmp_path / "m.onnx"), batch=32)
+    mesh = DeviceMesh((4,), ("a0",), 8)
+    free = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions())
+    unconstrained = solve_ilp(free, solver="highs")
+    peak = free.evaluate(unconstrained.choice)[1]
+    tight = build_problem(graph, mesh, PROFILE, op_labels(graph),
+                          TrainingOptions(memory_limit_bytes=int(peak * 0.8)))
+    expected, _ = _brute_force(tight)
+    assert expected > unconstrained.objective  # the limit binds
+    for solver in ("cpsat", "highs"):
+        found = solve_ilp(tight, solver=solver)
+        assert found.objective == pytest.approx(expected, rel=1e-9)
+        assert tight.evaluate(found.choice)[1] <= tight.memory_limit
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, config = zoo.preset("gpt-tiny")
+    return zoo.save(zoo.build(family, config), tmp_path_factory.mktemp("z") / "gpt.onnx")
+
+
+def test_repeated_layers_are_found(gpt_tiny: Path) -> None:
+    graph = import_model(gpt_tiny, batch=8, dims={"seq": 16})
+    repeats = find_repeats(graph)
+    _, config = zoo.preset("gpt-tiny")
+    assert repeats is not None and repeats.count == config.layers
+    classes = tie_classes(graph, repeats)
+    assert sum(len(c) for c in classes) == len(graph.ops)
+    assert max(len(c) for c in classes) == config.layers
+
+
+def test_solvers_agree_on_a_transformer(gpt_tiny: Path) -> None:
+    graph = import_model(gpt_tiny, batch=8, dims={"seq": 16})
+    mesh = DeviceMesh((2, 2), ("a0", "a1"), 8)
+    problem = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions(),
+                            classes=tie_classes(graph, find_repeats(graph)))
+    cpsat = solve_ilp(problem, solver="cpsat")
+    highs = solve_ilp(problem, solver="highs")
+    assert cpsat.status == highs.status == "optimal"
+    assert cpsat.objective == pytest.approx(highs.objective, rel=1e-7)
+    eliminated = solve_elimination(problem)
+    if eliminated is not None:  # exact when the graph reduces: then it must agree
+        assert eliminated.objective == pytest.approx(cpsat.objective, rel=1e-7)
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_auto_plan_is_never_costlier_than_the_baselines(tmp_path: Path, preset: str) -> None:
+    family, config = zoo.preset(preset)
+    path = zoo.save(zoo.build(family, config), tmp_path / "m.onnx")
+    result = plan(path, devices=8, batch=16, dims={"seq": 32})
+    assert set(result.baselines) == {"data-parallel", "megatron"}
+    for baseline in result.baselines.values():
+        if baseline["fits"]:
+            assert result.predicted.step_time_s <= baseline["step_time_s"] * (1 + 1e-9)
+    assert result.solver.status == "optimal" and result.solver.gap == 0.0
+    assert result.alternatives and result.alternatives[0]["mesh"]
+
+
+def test_semi_mode_keeps_the_seed_strategies(tmp_path: Path) -> None:
+    path = _two_matmuls(tmp_path / "seed.onnx")
+    given = {"matmul1": [[1, 1], [1, 2]], "matmul2": [[1, 2], [2, 1]]}
+    result = plan(path, devices=2, batch=32, mode="semi", strategies=given)
+    ops = {op.name: op for op in result.ops}
+    assert ops["matmul1"].strategy == [[1, 1], [1, 2]]
+    assert ops["matmul2"].strategy == [[1, 2], [2, 1]]
+    # The filler keeps ReLU on the column split, so matmul2 reads its input locally.
+    assert ops["relu"].strategy == [[1, 2]]
+    assert ops["matmul2"].outputs[0].layout.partial  # a partial sum, then an AllReduce
+    kinds = {(c.kind, c.tensor, c.phase) for c in result.collectives}
+    assert ("all_reduce", "y", "forward") not in kinds  # the graph output stays partial
+    assert not [c for c in result.collectives if c.tensor == "r"]
+
+
+def test_semi_mode_errors_name_the_problem(tmp_path: Path) -> None:
+    path = _two_matmuls(tmp_path / "seed.onnx")
+    with pytest.raises(ShardplanError, match="matches no op"):
+        plan(path, devices=2, batch=32, mode="semi", strategies={"fc*": [[1, 1], [1, 2]]})
+    with pytest.raises(ShardplanError, match="matmul1"):
+        plan(path, devices=2, batch=32, mode="semi", mesh=(2,),
+             strategies={"matmul1": [[1, 2], [4, 1]]})
+
+
+def test_pinned_parallel_degrees(gpt_tiny: Path) -> None:
+    result = plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"dp": 2, "tp": 4})
+    assert result.mesh.axis_names == ("dp", "tp") and result.mesh.shape == (2, 4)
+    assert result.tensors["input_ids"].layout.dims[0] == ("dp",)
+    assert result.parallel.dp == 2 and result.parallel.tp == 4
+    with pytest.raises(ShardplanError, match="dp × tp"):
+        plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"dp": 3, "tp": 4})
+    with pytest.raises(ShardplanError, match="pipeline"):
+        plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"pp": 2})
+
+
+def test_no_plan_fits_reports_the_smallest_memory(gpt_tiny: Path) -> None:
+    with pytest.raises(NoPlanFits, match="smallest any plan needs") as excinfo:
+        plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, memory_limit_gib=1e-4)
+    assert excinfo.value.exit_code == 3
+    assert "more devices" in str(excinfo.value)
+
+
+def test_cli_semi_mode_and_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = _two_matmuls(tmp_path / "seed.onnx")
+    strategies = tmp_path / "s.json"
+    strategies.write_text(json.dumps({"matmul1": [[1, 1], [1, 2]]}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--devices", "2", "--batch", "32", "--mode", "semi",
+                 "--strategies", str(strategies), "-o", str(out)]) == 0
+    assert "data-parallel" in capsys.readouterr().out  # the baselines are printed beside it
+    assert main(["export", str(out), "--format", "dtensor"]) == 0
+    placements = json.loads(capsys.readouterr().out)
+    assert placements["w1"] == ["Shard(1)"]
+    assert main(["export", str(out), "--format", "mindspore"]) == 0
+    checkpoint = json.loads(capsys.readouterr().out)
+    assert checkpoint["parallel_strategy_item"]["matmul1"]["parallel_strategy"] == [[1, 1],
+                                                                                    [1, 2]]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"matmul1": [[1, 0]]}')
+    assert main(["plan", str(path), "--devices", "2", "--batch", "32", "--mode", "semi",
+                 "--strategies", str(bad)]) == 2
+    assert "positive integers" in capsys.readouterr().err
