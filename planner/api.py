@@ -41,7 +41,7 @@ def plan(
     dims: Mapping[str, int] | None = None,
     mode: str = "auto",
     strategies: Mapping[str, Sequence[Sequence[int]]] | None = None,
-    solver: str = "cpsat",
+    solver: str = "auto",
     time_limit: float = 60.0,
     parallel: Mapping[str, int | str] | None = None,
     mesh: Sequence[int] | None = None,

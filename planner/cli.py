@@ -98,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategies", metavar="FILE",
                       help="JSON (or YAML) mapping op names or glob patterns to MindSpore-style "
                            "strategy tuples, e.g. {\"fc1\": [[1, 1], [1, 2]]}")
-    plan.add_argument("--solver", default="cpsat", choices=["cpsat", "highs", "dp", "propagation"],
-                      help="cpsat/highs: exact ILP; dp: graph elimination; propagation: heuristic")
+    plan.add_argument("--solver", default="auto",
+                      choices=["auto", "cpsat", "highs", "dp", "propagation"],
+                      help="auto: elimination DP when exact, else CP-SAT; cpsat/highs: exact ILP; "
+                           "dp: graph elimination; propagation: heuristic")
     plan.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                       help="per mesh shape; the best plan found so far is returned with its gap")
     plan.add_argument("--parallel", type=_parallel, default={}, metavar="dp=4,tp=8",

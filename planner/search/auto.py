@@ -38,7 +38,7 @@ from planner.sharding.mesh import DeviceMesh, factorizations
 from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import OpStrategy
 
-SOLVERS = ("cpsat", "highs", "dp", "propagation")
+SOLVERS = ("auto", "cpsat", "highs", "dp", "propagation")
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute")
 GENERIC_AXES = ("a0", "a1", "a2")
 PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is faster
@@ -47,7 +47,7 @@ PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is fast
 @dataclass(frozen=True)
 class SearchOptions:
     mode: str = "auto"  # auto | semi
-    solver: str = "cpsat"
+    solver: str = "auto"
     time_limit: float = 60.0
     max_mesh_axes: int = 2
     mesh: tuple[int, ...] | None = None
@@ -182,13 +182,17 @@ def _split_classes(classes: list[list[str]], fixed: Mapping[str, OpStrategy]) ->
 
 
 def _solve(problem: StrategyProblem, options: SearchOptions) -> Solution:
+    """Run the chosen engine. "auto": the elimination DP when it reduces the whole graph
+    and its plan fits (then it is optimal: the unconstrained optimum is feasible), else
+    CP-SAT warm-started from the DP's or propagation's plan."""
     if options.solver == "propagation":
         return solve_propagation(problem)
-    if options.solver == "dp":
+    if options.solver in ("auto", "dp"):
         found = solve_elimination(problem)
-        if found is not None:
+        if found is not None and (found.status == "optimal" or options.solver == "dp"):
             return found
-        return solve_ilp(problem, time_limit=options.time_limit, solver="cpsat")
+        hint = found.choice if found is not None else solve_propagation(problem).choice
+        return solve_ilp(problem, time_limit=options.time_limit, solver="cpsat", hint=hint)
     hint = solve_propagation(problem).choice if options.solver == "cpsat" else None
     return solve_ilp(problem, time_limit=options.time_limit, solver=options.solver, hint=hint)
 
@@ -305,20 +309,25 @@ def _summary(result: MeshResult) -> dict:
 
 def _parallel_of(graph: PlanningGraph, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
                  labels: Mapping[str, DimLabels | None]) -> ParallelConfig:
-    """dp: the axes splitting the graph inputs' batch dim; tp: the rest of the devices."""
-    batch_axes: set[str] = set()
+    """dp: the axes that split the batch in the ops doing most of the work; tp: the rest.
+
+    The batch label of each op is the one the data-parallel propagation splits; an axis
+    counts as data parallel when it splits that label in ops holding most of the FLOPs.
+    """
+    flops_on: dict[str, float] = {axis: 0.0 for axis in mesh.axis_names}
+    total = sum(node.flops for node in graph.ops) or 1.0
+    # Splitting by the whole batch traces the batch label through every op that keeps it.
+    tracer = data_parallel_strategies(graph, DeviceMesh.build(
+        {DP_AXIS: graph.batch}, mesh.devices_per_node), labels) if graph.batch else {}
     for node in graph.ops:
-        op_labels_ = labels.get(node.name)
-        if op_labels_ is None:
-            continue
-        for index, name in enumerate(node.inputs):
-            names = op_labels_.inputs[index]
-            if name in graph.batch_inputs and names is not None:
-                label = names[graph.batch_inputs[name]]
-                batch_axes.update(strategies[node.name].axes_of(label))
+        traced = dict(tracer.get(node.name, OpStrategy()).assignment)
+        for label in traced:
+            for axis in strategies[node.name].axes_of(label):
+                flops_on[axis] += node.flops
     dp = 1
-    for axis in batch_axes:
-        dp *= mesh.axis_size(axis)
+    for axis, flops in flops_on.items():
+        if flops > total / 2:
+            dp *= mesh.axis_size(axis)
     return ParallelConfig(dp=dp, tp=mesh.size // dp)
 
 

@@ -156,16 +156,24 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
            owner: Mapping[str, tuple[str, int]]) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
+    # Members of a tied group are the same op in repeated layers: equal signatures give
+    # equal prices, provided each owns the weights at the same input slots.
+    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
-        for index, candidate in enumerate(candidates[node.name]):
-            seconds, owned, saved, largest = _candidate_cost(node, candidate, graph, mesh,
-                                                             profile, options, needs_grad,
-                                                             owner)
-            cost[index] += seconds
-            memory[index] += owned + saved
-            workspace[index] = max(workspace[index], largest)
+        owns = tuple(bool(name) and owner.get(name) == (node.name, slot)
+                     for slot, name in enumerate(node.inputs))
+        key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o))
+        if key not in priced:
+            values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
+                                               needs_grad, owner)
+                               for candidate in candidates[node.name]]).reshape(count, 4)
+            priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3])
+        seconds, held, largest = priced[key]
+        cost += seconds
+        memory += held
+        workspace = np.maximum(workspace, largest)
     return Group(members, list(candidates[members[0]]), cost, memory, workspace)
 
 
@@ -219,6 +227,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
     tensors = graph.tensors
     merged: dict[tuple[int, int], EdgeCost] = {}
     cache: dict[tuple, float] = {}
+    matrices: dict[tuple, np.ndarray] = {}  # repeated layers give the same edge again
     for node in graph.ops:
         v = group_of[node.name]
         for slot, name in enumerate(node.inputs):
@@ -229,29 +238,22 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
                 continue
             if info.producer is not None:
                 source_op = info.producer
-                out_slot = list(graph.op(source_op).outputs).index(name)
-                sources = [c.outputs[out_slot] for c in candidates[source_op]]
+                source_slot = ("out", list(graph.op(source_op).outputs).index(name))
             else:
                 first_op, first_slot = owner[name]
                 if first_op == node.name and first_slot == slot:
                     continue
                 source_op = first_op
-                sources = [c.inputs[first_slot] for c in candidates[first_op]]
-            targets = [c.inputs[slot] for c in candidates[node.name]]
-            partial = [c.grad_partial[slot] for c in candidates[node.name]]
-            matrix = np.zeros((len(sources), len(targets)))
-            derived = name in roots
-            for a, src in enumerate(sources):
-                for b, (dst, axes) in enumerate(zip(targets, partial, strict=True)):
-                    if src is None or dst is None:
-                        continue
-                    key = (info.shape, info.dtype, src, dst, axes,
-                           needs_grad.get(name, False), derived)
-                    if key not in cache:
-                        cache[key] = _edge_seconds(info, src, dst, axes, node, mesh, profile,
-                                                   needs_grad.get(name, False), derived)
-                    matrix[a, b] = cache[key]
+                source_slot = ("in", first_slot)
             u = group_of[source_op]
+            grad = needs_grad.get(name, False)
+            derived = name in roots
+            signature = (u, v, source_slot, slot, info.shape, info.dtype, grad, derived)
+            matrix = matrices.get(signature)
+            if matrix is None:
+                matrix = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
+                                      slot, info, node, mesh, profile, grad, derived, cache)
+                matrices[signature] = matrix
             if not matrix.any():
                 continue
             if u == v:  # the same op position across layers: only equal choices co-occur
@@ -261,6 +263,29 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             edge.cost += matrix
             edge.tensors.append(name)
     return list(merged.values())
+
+
+def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: list[Candidate],
+                 slot: int, info, consumer: OpNode, mesh: DeviceMesh,
+                 profile: HardwareProfile, grad: bool, derived: bool,
+                 cache: dict[tuple, float]) -> np.ndarray:
+    """Seconds of moving one tensor for every (source choice, target choice)."""
+    kind, index = source_slot
+    sources = [c.outputs[index] if kind == "out" else c.inputs[index] for c in source]
+    matrix = np.zeros((len(source), len(target)))
+    for b, candidate in enumerate(target):
+        dst, axes = candidate.inputs[slot], candidate.grad_partial[slot]
+        if dst is None:
+            continue
+        for a, src in enumerate(sources):
+            if src is None:
+                continue
+            key = (info.shape, info.dtype, src, dst, axes, grad, derived)
+            if key not in cache:
+                cache[key] = _edge_seconds(info, src, dst, axes, consumer, mesh, profile, grad,
+                                           derived)
+            matrix[a, b] = cache[key]
+    return matrix
 
 
 def _edge_seconds(info, src: Layout, dst: Layout, partial_axes: tuple[str, ...],

@@ -151,7 +151,7 @@ def redistribute(
     if start == goal:
         return []
     direct = _direct(start, goal, shape, itemsize, mesh)
-    if direct is not None:
+    if direct is not None and cost is ring_traffic:
         return direct
     if cost is ring_traffic:
         return list(_cached_search(start, goal, tuple(shape), itemsize, mesh))
@@ -160,60 +160,68 @@ def redistribute(
 
 def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
             mesh: DeviceMesh) -> list[CommStep] | None:
-    """One move per axis that differs, when that order is valid (the common case).
+    """One move per axis that differs, in an order that is always valid (the common case).
 
-    Each differing axis needs at least one move, and the natural move (reduce-scatter
-    rather than all-reduce + slice, all-to-all rather than gather + slice) is the cheapest
-    one, so this sequence is optimal whenever it applies; otherwise the search runs.
+    Axes leave their dims minor first: to another dim by all-to-all when they land on the
+    end of what that dim already holds in the target, else by all-gather; pending sums
+    reduce-scatter onto a dim the same way, else all-reduce; then missing splits are
+    sliced in order. None when the result is not the target (the search handles it).
     """
     steps: list[CommStep] = []
-    layout = src
     dims = [list(axes) for axes in src.dims]
-    for dim, axes in enumerate(src.dims):  # gathers: minor axes first, only those leaving
+    partial = list(src.partial)
+
+    def current() -> Layout:
+        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+    def lands(axis: str, dim: int) -> bool:
+        """Appending `axis` to `dim` keeps it a prefix of the target's split of `dim`."""
+        wanted = dst.dims[dim]
+        return len(dims[dim]) < len(wanted) and wanted[: len(dims[dim]) + 1] == (
+            *dims[dim], axis)
+
+    for dim, axes in enumerate(src.dims):
         keep = 0
         while keep < min(len(axes), len(dst.dims[dim])) and axes[keep] == dst.dims[dim][keep]:
             keep += 1
         for axis in reversed(axes[keep:]):
-            target = _placement(dst, axis)
-            if target[0] == "dim" and dst.dims[target[1]][-1:] != [axis]:
-                return None
-            local = _local_bytes(shape, layout, mesh, itemsize)
+            local = _local_bytes(shape, current(), mesh, itemsize)
             dims[dim].remove(axis)
-            if target[0] == "dim":
-                dims[target[1]].append(axis)
-                steps.append(CommStep("all_to_all", (axis,), local, dim, target[1]))
+            kind, where = _placement(dst, axis)
+            if kind == "dim" and where != dim and lands(axis, where):
+                dims[where].append(axis)
+                steps.append(CommStep("all_to_all", (axis,), local, dim, where))
             else:
                 steps.append(CommStep("all_gather", (axis,), local * mesh.axis_size(axis),
                                       dim, None))
-            layout = Layout(tuple(tuple(d) for d in dims), layout.partial)
-    partial = list(layout.partial)
     for axis in src.partial:
         if axis in dst.partial:
             continue
-        local = _local_bytes(shape, layout, mesh, itemsize)
+        local = _local_bytes(shape, current(), mesh, itemsize)
         partial.remove(axis)
-        target = _placement(dst, axis)
-        if target[0] == "dim":
-            dims[target[1]].append(axis)
-            steps.append(CommStep("reduce_scatter", (axis,), local, None, target[1]))
+        kind, where = _placement(dst, axis)
+        if kind == "dim" and lands(axis, where):
+            dims[where].append(axis)
+            steps.append(CommStep("reduce_scatter", (axis,), local, None, where))
         else:
             steps.append(CommStep("all_reduce", (axis,), local))
-        layout = Layout(tuple(tuple(d) for d in dims), tuple(partial))
-    for dim, axes in enumerate(dst.dims):  # slices: append in order
+    for dim, axes in enumerate(dst.dims):
+        if tuple(dims[dim]) != axes[: len(dims[dim])]:
+            return None
         for axis in axes[len(dims[dim]):]:
-            if _placement(layout, axis)[0] != "none":
+            if _placement(current(), axis)[0] != "none":
                 return None
-            local = _local_bytes(shape, layout, mesh, itemsize)
+            local = _local_bytes(shape, current(), mesh, itemsize)
             dims[dim].append(axis)
             steps.append(CommStep("slice", (axis,), local, None, dim))
-            layout = Layout(tuple(tuple(d) for d in dims), layout.partial)
     for axis in dst.partial:
-        if axis not in layout.partial:
-            if _placement(layout, axis)[0] != "none":
+        if axis not in partial:
+            if _placement(current(), axis)[0] != "none":
                 return None
-            steps.append(CommStep("zero", (axis,), _local_bytes(shape, layout, mesh, itemsize)))
-            layout = Layout(layout.dims, (*layout.partial, axis))
-    if _normal(layout, mesh) != dst or any(
+            steps.append(CommStep("zero", (axis,), _local_bytes(shape, current(), mesh,
+                                                                  itemsize)))
+            partial.append(axis)
+    if _normal(current(), mesh) != dst or any(
             s % f for s, f in zip(shape, dst.split_factors(mesh), strict=True)):
         return None
     return steps
