@@ -35,7 +35,12 @@ def main() -> None:
     parser.add_argument("--profile", default="a100-80g")
     parser.add_argument("--solver", default="auto")
     parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--layers-scan", action="store_true",
+                        help="instead: search time of a GPT at 12..96 layers on 8 devices")
     args = parser.parse_args()
+    if args.layers_scan:
+        _layers_scan(args)
+        return
     devices_list = [int(d) for d in args.devices.split(",")]
     print(f"automatic search on {args.profile}, solver {args.solver}, 2-axis meshes, layers tied")
     header = (f"{'model':<12}{'devices':>8}{'mesh':>10}{'dp':>6}{'tp':>6}{'step time':>13}"
@@ -66,6 +71,24 @@ def main() -> None:
                       f"{human_bytes(result.predicted.memory['peak']):>12}"
                       f"{'yes' if result.predicted.fits else 'no':>6}"
                       f"{result.solver.status:>10}{elapsed:>10.1f}", flush=True)
+
+
+def _layers_scan(args: argparse.Namespace) -> None:
+    """Planning cost against depth: with repeated layers tied it should grow linearly."""
+    print("GPT (hidden 1024, 16 heads), 8 devices, batch 8, seq 1024: search time by depth")
+    print(f"{'layers':>8}{'ops':>8}{'import s':>10}{'search s':>10}{'step time':>13}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for layers in (12, 24, 48, 96):
+            config = zoo.FAMILIES["gpt"](layers=layers, hidden=1024, heads=16)
+            path = zoo.save(zoo.build("gpt", config), Path(scratch) / f"gpt{layers}.onnx")
+            started = time.perf_counter()
+            graph = import_model(path, batch=8, dims={"seq": 1024})
+            imported = time.perf_counter() - started
+            started = time.perf_counter()
+            result = plan(graph, profile=args.profile, devices=8, solver=args.solver)
+            elapsed = time.perf_counter() - started
+            print(f"{layers:>8}{len(graph.ops):>8}{imported:>10.2f}{elapsed:>10.2f}"
+                  f"{human_seconds(result.predicted.step_time_s):>13}", flush=True)
 
 
 if __name__ == "__main__":

@@ -472,10 +472,18 @@ def _split(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
 
 @rule("Slice")
 def _slice(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    rank = len(_shape(tensors, node.inputs[0]))
+    return _unchanged_dims_pass(node, tensors,
+                                lambda i: _slice_untouched(node, tensors, i, rank))
+
+
+def _unchanged_dims_pass(node: OpNode, tensors: Mapping[str, TensorInfo],
+                         untouched: Callable[[int], bool]) -> DimLabels:
+    """Dims of equal size that the op leaves alone pass through; the others stay whole."""
     source, out = _shape(tensors, node.inputs[0]), _out_shape(node, tensors)
     labels_in, labels_out, whole = [], [], set()
     for i, (a, b) in enumerate(zip(source, out, strict=True)):
-        if a == b and _slice_untouched(node, tensors, i, len(source)):
+        if a == b and untouched(i):
             labels_in.append(f"d{i}")
             labels_out.append(f"d{i}")
         else:
@@ -574,18 +582,7 @@ def _one_hot(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
 @rule("Tile")
 def _tile(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     """Dims repeated once pass through; a repeated dim is a new, whole dim."""
-    source, out = _shape(tensors, node.inputs[0]), _out_shape(node, tensors)
-    labels_in, labels_out, whole = [], [], set()
-    for i, (a, b) in enumerate(zip(source, out, strict=True)):
-        if a == b:
-            labels_in.append(f"d{i}")
-            labels_out.append(f"d{i}")
-        else:
-            labels_in.append(f"w{i}")
-            labels_out.append(f"v{i}")
-            whole.update({f"w{i}", f"v{i}"})
-    return DimLabels((tuple(labels_in), None), (tuple(labels_out),),
-                     whole_labels=frozenset(whole))
+    return _unchanged_dims_pass(node, tensors, lambda _: True)
 
 
 # Rule families kept in their own modules register themselves on import.
