@@ -1,0 +1,196 @@
+"""Calibration: the fits on synthetic data, the profile it writes, and one real quick run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from costmodels.calibrate import (
+    build_profile,
+    calibrate,
+    collective_fits,
+    fit_ramp,
+    fit_ring,
+    main,
+    matmul_fits,
+    measurement_plan,
+)
+from costmodels.communication import CommGroup, collective_time, ring_terms
+from costmodels.compute import op_time
+from costmodels.measure import Plan, Results, lower_quartile, run_ranks
+from costmodels.profile import load_profile
+from planner.errors import ShardplanError
+
+ALPHA, BANDWIDTH = 80e-6, 1.5e9  # a gloo-like link: 80 us per step, 1.5 GB/s
+PEAK, RAMP = 100e9, 2e-6
+
+
+def _ring_seconds(kind: str, p: int, nbytes: float) -> float:
+    steps, factor = ring_terms(kind, p)
+    return steps * ALPHA + factor * nbytes / BANDWIDTH
+
+
+def _synthetic_results(nproc: int = 2) -> list[Results]:
+    """What two ranks would report on a machine that follows the models exactly."""
+    results = []
+    for rank in range(nproc):
+        result = Results(rank=rank)
+        for n in (32, 64, 128, 256, 512):
+            result.matmul.append({"dtype": "float32", "n": n,
+                                  "seconds": 2.0 * n**3 / PEAK + RAMP})
+            result.matmul.append({"dtype": "bfloat16", "n": n,
+                                  "seconds": 2.0 * n**3 / (4 * PEAK) + 6 * RAMP})
+        result.copy = {"bytes": 64.0 * 2**20, "seconds": 2 * 64 * 2**20 / 20e9}
+        result.dispatch_s = 1e-6
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            for p in range(2, nproc + 1):
+                for nbytes in (8, 2**14, 2**18, 2**22, 2**25):
+                    seconds = _ring_seconds(kind, p, nbytes)
+                    if kind == "reduce_scatter":
+                        seconds = (p - 1) * ALPHA + (p - 1) / p * nbytes / (BANDWIDTH / 3)
+                    result.collectives.append({"kind": kind, "p": p, "nbytes": nbytes,
+                                               "seconds": seconds})
+        results.append(result)
+    return results
+
+
+def test_fit_ring_recovers_alpha_and_bandwidth() -> None:
+    points = [(p, n, _ring_seconds("all_reduce", p, n))
+              for p in (2, 3, 4) for n in (4, 1e4, 1e6, 1e8)]
+    fit = fit_ring("all_reduce", points)
+    assert fit.latency_s == pytest.approx(ALPHA, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(BANDWIDTH, rel=1e-6)
+    assert fit.dropped == 0 and fit.worst_error < 1e-9
+
+
+def test_fit_ring_drops_one_burst_of_load() -> None:
+    points = [(2, n, _ring_seconds("all_gather", 2, n)) for n in (8, 1e4, 1e5, 1e6, 1e7, 1e8)]
+    points[2] = (2, 1e5, 10 * points[2][2])  # one point hit by another process
+    fit = fit_ring("all_gather", points)
+    assert fit.dropped == 1 and fit.points == 5
+    assert fit.latency_s == pytest.approx(ALPHA, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(BANDWIDTH, rel=1e-6)
+
+
+def test_fit_ring_without_latency_fixes_alpha_at_zero() -> None:
+    points = [(2, n, n / BANDWIDTH * 0.5) for n in (1e6, 1e7, 1e8)]
+    points[0] = (2, 1e6, points[0][2] * 0.9)  # would drive alpha negative
+    fit = fit_ring("all_gather", points)
+    assert fit.latency_s == 0.0
+    assert fit.bandwidth_Bps == pytest.approx(BANDWIDTH, rel=0.1)
+
+
+def test_fit_ring_refuses_data_that_does_not_grow() -> None:
+    with pytest.raises(ShardplanError, match="does not grow"):
+        fit_ring("all_reduce", [(2, 1e3, 1e-3), (2, 1e6, 5e-4), (2, 1e8, 1e-4)])
+    with pytest.raises(ShardplanError, match="at least 2"):
+        fit_ring("all_reduce", [(2, 1e3, 1e-3)])
+
+
+def test_fit_ramp_recovers_the_gemm_overhead() -> None:
+    points = [(2.0 * n**3, 2.0 * n**3 / PEAK + RAMP) for n in (16, 64, 256, 1024)]
+    assert fit_ramp(points, PEAK) == pytest.approx(RAMP, rel=1e-6)
+    assert fit_ramp([(1e9, 1e9 / PEAK * 0.9)], PEAK) == 0.0  # never negative
+
+
+def test_lower_quartile_ignores_the_slow_tail() -> None:
+    assert lower_quartile([5.0, 1.0, 1.1, 1.2, 9.0]) == 1.1
+    assert lower_quartile([2.0]) == 2.0
+
+
+def test_fits_from_rank_results() -> None:
+    results = _synthetic_results()
+    fits = matmul_fits(results)
+    assert fits["float32"].peak_flops == pytest.approx(2.0 * 512**3 / (2.0 * 512**3 / PEAK
+                                                                        + RAMP))
+    assert fits["float32"].ramp_s == pytest.approx(RAMP, rel=0.05)
+    assert fits["bfloat16"].ramp_s == pytest.approx(6 * RAMP, rel=0.05)
+    rings = collective_fits(results)
+    assert rings["all_reduce"].bandwidth_Bps == pytest.approx(BANDWIDTH, rel=1e-6)
+    assert rings["reduce_scatter"].bandwidth_Bps == pytest.approx(BANDWIDTH / 3, rel=1e-6)
+
+
+def test_built_profile_loads_and_reproduces_the_machine(tmp_path: Path) -> None:
+    results = _synthetic_results(nproc=3)
+    data = build_profile(results, measurement_plan(3, quick=True), 3, "gloo", quick=True)
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    profile = load_profile(path)
+    key = next(k for k in profile.sources if k.startswith("measured-"))
+    assert "torch" in profile.sources[key] and "groups of 2 to 3 ranks" in profile.sources[key]
+    assert profile.peak_flops["fp32"].source == key
+    assert profile.memory_bandwidth_Bps.value == pytest.approx(20e9, rel=1e-3)
+    assert profile.kernel_launch_s.value == pytest.approx(1e-6)
+    assert int(profile.devices_per_node.value) == 3
+    assert "ramp R = 2.0 us" in profile.matmul_efficiency.note
+    level = profile.levels[0]
+    assert level.group_size == 3
+    assert level.latency_s.value == pytest.approx(ALPHA, rel=1e-3)
+    assert level.bus_bandwidth_Bps == pytest.approx(BANDWIDTH, rel=1e-3)
+    # the calibrated profile predicts the synthetic machine's all_reduce
+    group = CommGroup(3, 3, 3)
+    for nbytes in (2**14, 2**25):
+        assert collective_time(profile, "all_reduce", nbytes, group, "ring") == pytest.approx(
+            _ring_seconds("all_reduce", 3, nbytes), rel=1e-3)
+    large = 2.0 * 512**3
+    assert op_time(profile, "MatMul", large, 0.0, "float32", ramp_s=RAMP) == pytest.approx(
+        large / PEAK + RAMP, rel=0.01)
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (["--nproc", "1", "-o", str(tmp_path / "p.json")], "at least 2 processes"),
+        (["--nproc", "2"], "required: -o/--output"),
+        (["--backend", "mpi", "-o", "x.json"], "invalid choice"),
+        (["-o", str(tmp_path / "missing" / "p.json")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_nccl_needs_gpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    assert main(["--backend", "nccl", "-o", str(tmp_path / "p.json")]) == 2
+    assert "CUDA devices" in capsys.readouterr().err
+
+
+def test_a_failing_rank_is_reported_not_waited_for() -> None:
+    plan = Plan(elementwise=(("no-such-op", 16),))
+    with pytest.raises(ShardplanError, match="unknown elementwise op"):
+        run_ranks(plan, nproc=2, timeout_s=60)
+
+
+def test_a_hung_measurement_is_killed_at_the_deadline() -> None:
+    plan = Plan(matmul=(("float32", 4096),), target_s=600)
+    with pytest.raises(ShardplanError, match="timed out"):
+        run_ranks(plan, nproc=2, timeout_s=3)
+
+
+def test_quick_calibration_writes_a_plausible_profile(tmp_path: Path) -> None:
+    lines: list[str] = []
+    path = tmp_path / "profile.json"
+    data = calibrate(nproc=2, output=path, progress=lines.append, quick=True)
+    profile = load_profile(path)
+    assert data["name"] == profile.name == "calibrated-gloo"
+    assert any("matmul float32" in line for line in lines)
+    assert any("all_reduce p=2" in line for line in lines)
+    assert lines[-1].startswith(f"wrote {path}")
+    # plausible for any CPU core of the last decade, one thread
+    assert 1e9 < float(profile.peak_flops["fp32"].value) < 1e13
+    assert "bf16" in profile.peak_flops
+    assert 1e9 < float(profile.memory_bandwidth_Bps.value) < 1e12
+    assert 1e-8 < float(profile.kernel_launch_s.value) < 1e-3
+    level = profile.levels[0]
+    assert 1e7 < level.bus_bandwidth_Bps < 1e11
+    assert 0 <= float(level.latency_s.value) < 1e-2
+    assert int(profile.devices_per_node.value) == 2 and level.group_size == 2
+    sources = {c.source for c in (profile.memory_bandwidth_Bps, profile.kernel_launch_s,
+                                  level.bandwidth_Bps, level.latency_s,
+                                  *profile.peak_flops.values())}
+    assert len(sources) == 1 and sources.pop().startswith("measured-")
