@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "parameter")
     export.add_argument("-o", "--output", help="write here instead of standard output")
 
+    calibrate = verbs.add_parser("calibrate", help="measure this machine and write a profile")
+    from costmodels.calibrate import add_arguments
+
+    add_arguments(calibrate)
+
     profiles = verbs.add_parser("profiles", help="list or show the hardware profiles")
     profiles.add_argument("action", nargs="?", default="list", choices=["list", "show"])
     profiles.add_argument("name", nargs="?", help="profile to show")
@@ -149,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _zoo(args, extra)
         if args.verb == "export":
             return _export(args)
+        if args.verb == "calibrate":
+            from costmodels.calibrate import run
+
+            return run(args)
         return _profiles(args)
     except ShardplanError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.communication import collective_time
+from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph, TensorInfo
@@ -85,10 +85,32 @@ def op_seconds(node: OpNode, tensors: Mapping[str, TensorInfo], fraction: float,
     return op_time(profile, node.op_type, node.flops * fraction, nbytes, dtype)
 
 
+#: What torch.distributed's NCCL and gloo back ends run: ring and tree (the executor issues
+#: plain collectives), so the planner does not price algorithms nothing would run.
+RUN_ALGORITHMS = ("ring", "tree", "pairwise", "direct")
+
+
+def collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
+                       axes: tuple[str, ...] | list[str], mesh: DeviceMesh) -> float:
+    """Time of one collective over the mesh axes, by the cheapest algorithm that runs."""
+    size, per_node, extent, node_extent = mesh.placement(axes)
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    group = CommGroup(size, per_node, extent, node_extent if per_node == size else 0)
+    found = []
+    for algorithm in ALGORITHMS[kind]:
+        if algorithm in RUN_ALGORITHMS:
+            try:
+                found.append(best_algorithm(profile, kind, nbytes, group, algorithm)[1])
+            except ValueError:
+                continue
+    return min(found)
+
+
 def price_collective(kind: str, tensor: str, axes: tuple[str, ...] | list[str], nbytes: float,
-                phase: str, op: str, mesh: DeviceMesh, profile: HardwareProfile) -> Collective:
-    group = mesh.group_size(axes)
-    seconds = collective_time(profile, kind, nbytes, group, mesh.group_extent(axes))
+                     phase: str, op: str, mesh: DeviceMesh,
+                     profile: HardwareProfile) -> Collective:
+    seconds = collective_seconds(profile, kind, nbytes, axes, mesh)
     return Collective(kind, tensor, list(axes), int(nbytes), phase, op, seconds)
 
 

@@ -309,7 +309,8 @@ def _summary(result: MeshResult) -> dict:
 
 def _parallel_of(graph: PlanningGraph, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
                  labels: Mapping[str, DimLabels | None]) -> ParallelConfig:
-    """dp: the axes that split the batch in the ops doing most of the work; tp: the rest.
+    """dp: the axes that split the batch in the ops doing most of the work; tp: the other
+    axes in use (an axis no op uses means replicated work, counted in neither).
 
     The batch label of each op is the one the data-parallel propagation splits; an axis
     counts as data parallel when it splits that label in ops holding most of the FLOPs.
@@ -324,11 +325,15 @@ def _parallel_of(graph: PlanningGraph, mesh: DeviceMesh, strategies: Mapping[str
         for label in traced:
             for axis in strategies[node.name].axes_of(label):
                 flops_on[axis] += node.flops
-    dp = 1
-    for axis, flops in flops_on.items():
-        if flops > total / 2:
+    data_axes = {axis for axis, flops in flops_on.items() if flops > total / 2}
+    used = {axis for strategy in strategies.values() for axis in strategy.used_axes}
+    dp = tp = 1
+    for axis in mesh.axis_names:
+        if axis in data_axes:
             dp *= mesh.axis_size(axis)
-    return ParallelConfig(dp=dp, tp=mesh.size // dp)
+        elif axis in used:  # an axis splitting weights or other dims; unused ones replicate
+            tp *= mesh.axis_size(axis)
+    return ParallelConfig(dp=dp, tp=tp)
 
 
 def price_baselines(graph: PlanningGraph, profile: HardwareProfile, devices: int,

@@ -72,6 +72,27 @@ class DeviceMesh:
             return 1
         return max(self.axis_stride(a) * self.axis_size(a) for a in axes)
 
+    def placement(self, axes: Iterable[str]) -> tuple[int, int, int, int]:
+        """(size, members per node, extent, extent of the members in one node) of a group.
+
+        Groups along `axes` are translates of the one holding device 0, so counting that
+        one's device ids per node describes them all.
+        """
+        axes = [a for a in self.axis_names if a in set(axes)]
+        size = self.group_size(axes)
+        if not axes:
+            return 1, 1, 1, 1
+        ids = np.zeros(1, dtype=np.int64)
+        for axis in axes:
+            steps = np.arange(self.axis_size(axis), dtype=np.int64) * self.axis_stride(axis)
+            ids = (ids[:, None] + steps[None, :]).reshape(-1)
+        in_first_node = ids[ids < self.devices_per_node]
+        per_node = max(1, int(in_first_node.size))
+        if size % per_node:
+            per_node = 1  # uneven spread over nodes: price it as one member per node
+        node_extent = int(in_first_node.max()) + 1 if in_first_node.size else 1
+        return size, per_node, self.group_extent(axes), min(node_extent, self.group_extent(axes))
+
     def intra_node(self, axis: str) -> bool:
         """Whether every group along `axis` stays inside one node."""
         return self.group_extent([axis]) <= self.devices_per_node
