@@ -49,6 +49,8 @@ def plan(
     tie_layers: bool = True,
     optimizer: str = "adam",
     memory_limit_gib: float | None = None,
+    inference: bool = False,
+    overlap: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -57,6 +59,8 @@ def plan(
     name or glob pattern, keep their MindSpore-style tuples; the solver fills the rest) or
     "auto" (everything searched). The plan says in `plan.predicted.fits` whether it fits
     device memory; when no plan can fit, `NoPlanFits` (CLI exit code 3) is raised.
+    `inference` plans a forward pass only; `overlap` is the share (0..1) of gradient
+    synchronisation hidden behind the backward pass.
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -68,12 +72,15 @@ def plan(
     hardware.check_device_count(devices)
     if memory_limit_gib is not None and memory_limit_gib <= 0:
         raise ShardplanError(f"--memory-limit {memory_limit_gib}: must be a positive GiB figure")
+    if not 0.0 <= overlap <= 1.0:
+        raise ShardplanError(f"--overlap {overlap}: a share between 0 and 1")
     if time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
     training = TrainingOptions(
         optimizer=optimizer,
         memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
+        inference=inference, overlap=overlap,
     )
     if mode == "data":
         return _data_parallel(graph, hardware, devices, training, optimizer)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.memory import optimizer_state_bytes, training_memory
+from costmodels.memory import MemoryBreakdown, optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
-from planner.graph import PlanningGraph
+from planner.graph import OpNode, PlanningGraph
 from planner.planfile import (
     ClusterRef,
     Collective,
@@ -55,9 +55,13 @@ BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2 × forward: gradients of inputs and 
 
 @dataclass(frozen=True)
 class TrainingOptions:
+    """What one step is: a training step (default) or a forward pass, and its settings."""
+
     optimizer: str = "adam"
     zero: int = 0
     memory_limit_bytes: int | None = None  # None: the profile's device memory
+    inference: bool = False  # forward only: no gradients, optimizer or saved activations
+    overlap: float = 0.0  # share of gradient synchronisation hidden behind backward compute
 
 
 def op_labels(graph: PlanningGraph) -> dict[str, DimLabels | None]:
@@ -77,7 +81,8 @@ def assemble(
     """Build the plan of `strategies` (missing ops run replicated) and price it."""
     labels = dict(labels) if labels is not None else op_labels(graph)
     tensors = graph.tensors
-    requires_grad = requires_grad_map(graph)
+    requires_grad = {} if options.inference else requires_grad_map(graph)
+    live_peak = _LivePeak(graph) if options.inference else None
     weight_roots = weight_roots_map(graph)
     layout_of: dict[str, Layout] = {}
     op_entries: list[OpEntry] = []
@@ -142,6 +147,8 @@ def assemble(
                 )
         workspace = max(workspace, sum(tensors[o].nbytes * fraction_of_layout(layout_of[o], mesh)
                                        for o in node.outputs if o))
+        if live_peak is not None:
+            live_peak.step(node, layout_of, mesh)
         op_entries.append(OpEntry(
             name=node.name, op_type=node.qualified_type,
             strategy=[list(b.layout.split_factors(mesh)) if b else [] for b in bindings],
@@ -152,8 +159,9 @@ def assemble(
 
     collectives += _gradient_collectives(graph, parameter_partial, layout_of, mesh, profile,
                                          options)
+    activations = live_peak.peak if live_peak is not None else saved_activation_bytes
     predicted = _predict(graph, mesh, layout_of, profile, options, parallel, collectives,
-                         compute_forward, compute_backward, saved_activation_bytes, workspace)
+                         compute_forward, compute_backward, activations, workspace)
     warnings = list(graph.warnings)
     if no_rule:
         kinds = sorted(set(no_rule))
@@ -173,6 +181,8 @@ def assemble(
         cluster=ClusterRef(profile.name, mesh.size, nodes, int(profile.devices_per_node.value)),
         mesh=mesh, parallel=parallel, ops=op_entries, tensors=tensors_json,
         collectives=collectives, predicted=predicted, solver=solver, warnings=warnings,
+        step={"kind": "inference" if options.inference else "training",
+              "overlap": options.overlap},
     )
 
 
@@ -195,24 +205,32 @@ def _gradient_collectives(graph: PlanningGraph, parameter_partial: Mapping[str, 
 def _predict(graph: PlanningGraph, mesh: DeviceMesh, layout_of: Mapping[str, Layout],
              profile: HardwareProfile, options: TrainingOptions, parallel: ParallelConfig,
              collectives: list[Collective], compute_forward: float, compute_backward: float,
-             saved_activation_bytes: float, workspace: float) -> Predicted:
+             activation_bytes: float, workspace: float) -> Predicted:
     parameters = graph.parameters
-    local_param_bytes = sum(p.nbytes * fraction_of_layout(layout_of.get(p.name, Layout(())),
-                                                          mesh)
+    local_param_bytes = sum(p.nbytes * fraction_of_layout(layout_of[p.name], mesh)
                             if p.name in layout_of else p.nbytes for p in parameters)
     local_param_elements = sum(p.numel * fraction_of_layout(layout_of[p.name], mesh)
                                if p.name in layout_of else p.numel for p in parameters)
     itemsize = parameters[0].itemsize if parameters else 4
-    memory = training_memory(
-        parameter_bytes=local_param_bytes, parameter_elements=local_param_elements,
-        parameter_itemsize=itemsize, activation_bytes=saved_activation_bytes,
-        workspace_bytes=workspace, optimizer=options.optimizer, zero=options.zero,
-        dp=parallel.dp,
-    )
-    optimizer_s = optimizer_seconds(profile, local_param_bytes,
-                                    optimizer_state_bytes(local_param_elements, itemsize,
-                                                          options.optimizer))
-    communication = sum(c.time_s for c in collectives)
+    if options.inference:
+        memory = MemoryBreakdown(parameters=round(local_param_bytes), gradients=0, optimizer=0,
+                                 activations=round(activation_bytes),
+                                 workspace=round(workspace))
+        optimizer_s = 0.0
+    else:
+        memory = training_memory(
+            parameter_bytes=local_param_bytes, parameter_elements=local_param_elements,
+            parameter_itemsize=itemsize, activation_bytes=activation_bytes,
+            workspace_bytes=workspace, optimizer=options.optimizer, zero=options.zero,
+            dp=parallel.dp,
+        )
+        optimizer_s = optimizer_seconds(profile, local_param_bytes,
+                                        optimizer_state_bytes(local_param_elements, itemsize,
+                                                              options.optimizer))
+    by_phase = {phase: sum(c.time_s for c in collectives if c.phase == phase)
+                for phase in ("forward", "backward", "gradient")}
+    hidden = by_phase["gradient"] * options.overlap
+    communication = sum(by_phase.values()) - hidden
     compute = compute_forward + compute_backward + optimizer_s
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
     return Predicted(
@@ -226,11 +244,36 @@ def _predict(graph: PlanningGraph, mesh: DeviceMesh, layout_of: Mapping[str, Lay
             "forward_s": compute_forward,
             "backward_s": compute_backward,
             "optimizer_s": optimizer_s,
-            "forward_communication_s": sum(c.time_s for c in collectives
-                                           if c.phase == "forward"),
-            "backward_communication_s": sum(c.time_s for c in collectives
-                                            if c.phase == "backward"),
-            "gradient_communication_s": sum(c.time_s for c in collectives
-                                            if c.phase == "gradient"),
+            "forward_communication_s": by_phase["forward"],
+            "backward_communication_s": by_phase["backward"],
+            "gradient_communication_s": by_phase["gradient"],
+            "hidden_communication_s": hidden,
         },
     )
+
+
+class _LivePeak:
+    """Forward-only memory: the largest set of activations alive at once (liveness)."""
+
+    def __init__(self, graph: PlanningGraph) -> None:
+        self.graph = graph
+        self.last_use: dict[str, int] = {}
+        for index, node in enumerate(graph.ops):
+            for name in node.inputs:
+                if name:
+                    self.last_use[name] = index
+        self.keep = set(graph.outputs)
+        self.live: dict[str, float] = {}
+        self.index = 0
+        self.peak = 0.0
+
+    def step(self, node: OpNode, layout_of: Mapping[str, Layout], mesh: DeviceMesh) -> None:
+        for name in node.outputs:
+            if name and not node.is_view:
+                info = self.graph.tensors[name]
+                self.live[name] = info.nbytes * fraction_of_layout(layout_of[name], mesh)
+        self.peak = max(self.peak, sum(self.live.values()))
+        for name in list(self.live):
+            if name not in self.keep and self.last_use.get(name, -1) <= self.index:
+                del self.live[name]
+        self.index += 1

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "momentum", "sgd"])
     plan.add_argument("--memory-limit", type=float, metavar="GIB",
                       help="device memory limit in GiB (default: the profile's capacity)")
+    plan.add_argument("--inference", action="store_true",
+                      help="plan a forward pass only (no gradients, optimizer, saved activations)")
+    plan.add_argument("--overlap", type=float, default=0.0, metavar="SHARE",
+                      help="share (0..1) of gradient synchronisation hidden behind backward")
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
@@ -188,6 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
                       time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
                       max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
                       optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
+                      inference=args.inference, overlap=args.overlap,
                       progress=_progress if not args.json else None)
     if args.output:
         result.save(args.output)

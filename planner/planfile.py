@@ -144,11 +144,13 @@ class Plan:
     predicted: Predicted
     solver: SolverRecord
     warnings: list[str] = field(default_factory=list)
+    step: dict[str, Any] = field(default_factory=lambda: {"kind": "training", "overlap": 0.0})
     alternatives: list[dict[str, Any]] = field(default_factory=list)  # other meshes tried
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # priced side by side
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "step": self.step,
             "alternatives": self.alternatives,
             "baselines": self.baselines,
             "schema": SCHEMA,
@@ -222,6 +224,7 @@ class Plan:
                 predicted=Predicted(**data["predicted"]),
                 solver=SolverRecord(**data["solver"]),
                 warnings=list(data.get("warnings", [])),
+                step=dict(data.get("step", {"kind": "training", "overlap": 0.0})),
                 alternatives=list(data.get("alternatives", [])),
                 baselines=dict(data.get("baselines", {})),
             )

@@ -211,3 +211,44 @@ def test_cli_semi_mode_and_export(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert main(["plan", str(path), "--devices", "2", "--batch", "32", "--mode", "semi",
                  "--strategies", str(bad)]) == 2
     assert "positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [
+    TrainingOptions(), TrainingOptions(inference=True), TrainingOptions(overlap=0.5),
+    TrainingOptions(optimizer="sgd"),
+])
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: TrainingOptions,
+                                                      shape: tuple[int, ...]) -> None:
+    """For any choice, the problem's time equals the assembled plan's step time."""
+    from planner.assemble import assemble
+    from planner.planfile import ParallelConfig, SolverRecord
+
+    graph = import_model(_mlp(tmp_path / "m.onnx"), batch=32)
+    mesh = DeviceMesh(shape, ("a0", "a1")[: len(shape)], 8)
+    labels = op_labels(graph)
+    problem = build_problem(graph, mesh, PROFILE, labels, options)
+    rng = np.random.default_rng(0)
+    record = SolverRecord("test", "fixed", 0, 0, 0, 0)
+    for _ in range(20):
+        choice = [int(rng.integers(len(g.candidates))) for g in problem.groups]
+        seconds, _ = problem.evaluate(choice)
+        planned = assemble(graph, mesh, problem.strategies(choice), PROFILE, ParallelConfig(),
+                           record, options, labels)
+        assert seconds == pytest.approx(planned.predicted.step_time_s, rel=1e-9)
+
+
+def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
+    train = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data")
+    infer = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", inference=True)
+    hidden = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", overlap=1.0)
+    assert infer.step == {"kind": "inference", "overlap": 0.0}
+    assert infer.predicted.memory["gradients"] == infer.predicted.memory["optimizer"] == 0
+    assert not [c for c in infer.collectives if c.phase in ("backward", "gradient")]
+    assert infer.predicted.compute_s == pytest.approx(train.predicted.breakdown["forward_s"])
+    assert infer.predicted.memory["activations"] < train.predicted.memory["activations"]
+    gradient = train.predicted.breakdown["gradient_communication_s"]
+    assert gradient > 0
+    assert hidden.predicted.step_time_s == pytest.approx(train.predicted.step_time_s - gradient)
+    with pytest.raises(ShardplanError, match="overlap"):
+        plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, overlap=1.5)

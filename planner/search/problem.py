@@ -108,7 +108,7 @@ def build_problem(
     """
     fixed = dict(fixed or {})
     tensors = graph.tensors
-    needs_grad = requires_grad_map(graph)
+    needs_grad = {} if options.inference else requires_grad_map(graph)
     roots = weight_roots_map(graph)
     ops = {node.name: node for node in graph.ops}
     groups_ops = [list(c) for c in classes] if classes else [[n.name] for n in graph.ops]
@@ -125,7 +125,8 @@ def build_problem(
                needs_grad, owner)
         for members in groups_ops
     ]
-    edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups)
+    edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
+                   options)
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
     return StrategyProblem(graph, mesh, groups, edges, float(limit), group_of, dict(labels))
 
@@ -201,14 +202,18 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
         if info.kind != "parameter" or layout is None:
             continue
         local_bytes = info.nbytes * fraction_of_layout(layout, mesh)
+        if options.inference:
+            owned += local_bytes
+            continue
         local_elements = info.numel * fraction_of_layout(layout, mesh)
         states = optimizer_state_bytes(local_elements, info.itemsize, options.optimizer)
         owned += 2 * local_bytes + states
         seconds += optimizer_seconds(profile, local_bytes, states)
         axes = candidate.grad_partial[slot]
         if axes:
-            seconds += price_collective("all_reduce", name, axes, local_bytes, "gradient",
-                                        "optimizer", mesh, profile).time_s
+            seconds += (1.0 - options.overlap) * price_collective(
+                "all_reduce", name, axes, local_bytes, "gradient", "optimizer", mesh,
+                profile).time_s
     saved = largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if not name or layout is None:
@@ -223,7 +228,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
 def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            candidates: Mapping[str, list[Candidate]], group_of: Mapping[str, int],
            owner: Mapping[str, tuple[str, int]], needs_grad: Mapping[str, bool],
-           roots: Mapping[str, frozenset[str]], groups: list[Group]) -> list[EdgeCost]:
+           roots: Mapping[str, frozenset[str]], groups: list[Group],
+           options: TrainingOptions) -> list[EdgeCost]:
     tensors = graph.tensors
     merged: dict[tuple[int, int], EdgeCost] = {}
     cache: dict[tuple, float] = {}
@@ -252,7 +258,8 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             matrix = matrices.get(signature)
             if matrix is None:
                 matrix = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
-                                      slot, info, node, mesh, profile, grad, derived, cache)
+                                      slot, info, node, mesh, profile, grad, derived,
+                                      options.overlap, cache)
                 matrices[signature] = matrix
             if not matrix.any():
                 continue
@@ -267,7 +274,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
 
 def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: list[Candidate],
                  slot: int, info, consumer: OpNode, mesh: DeviceMesh,
-                 profile: HardwareProfile, grad: bool, derived: bool,
+                 profile: HardwareProfile, grad: bool, derived: bool, overlap: float,
                  cache: dict[tuple, float]) -> np.ndarray:
     """Seconds of moving one tensor for every (source choice, target choice)."""
     kind, index = source_slot
@@ -283,21 +290,22 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
             key = (info.shape, info.dtype, src, dst, axes, grad, derived)
             if key not in cache:
                 cache[key] = _edge_seconds(info, src, dst, axes, consumer, mesh, profile, grad,
-                                           derived)
+                                           derived, overlap)
             matrix[a, b] = cache[key]
     return matrix
 
 
 def _edge_seconds(info, src: Layout, dst: Layout, partial_axes: tuple[str, ...],
                   consumer: OpNode, mesh: DeviceMesh, profile: HardwareProfile,
-                  requires_grad: bool, weight_derived: bool) -> float:
+                  requires_grad: bool, weight_derived: bool, overlap: float) -> float:
     found, deferred = edge_collectives(Edge(info.name, src, dst), info, consumer, mesh, profile,
                                        requires_grad, partial_axes, weight_derived)
     seconds = sum(c.time_s for c in found)
     if deferred:
         local = info.nbytes * fraction_of_layout(src, mesh)
-        seconds += price_collective("all_reduce", info.name, tuple(sorted(deferred)), local,
-                                    "gradient", "optimizer", mesh, profile).time_s
+        seconds += (1.0 - overlap) * price_collective(
+            "all_reduce", info.name, tuple(sorted(deferred)), local, "gradient", "optimizer",
+            mesh, profile).time_s
     return seconds
 
 
