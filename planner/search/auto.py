@@ -254,6 +254,9 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                     "tied_layers": bool(options.tie_layers), "solve_time_s": solution.time_s},
         )
         parallel = _parallel_of(graph, result.mesh, result.strategies, labels)
+        if options.parallel:  # the user's pins name the mesh axes: report them as given
+            parallel = ParallelConfig(dp=result.mesh.axis_size("dp"),
+                                      tp=result.mesh.axis_size("tp"))
         plans.append(assemble(graph, result.mesh, result.strategies, profile, parallel, record,
                               training, labels))
     fitting = [p for p in plans if p.predicted.fits] or plans
