@@ -20,20 +20,17 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from costmodels.calibrate import (
     FULL_TIMEOUT_S,
     build_profile,
-    collective_fits,
-    matmul_fits,
     measurement_plan,
 )
 from costmodels.communication import CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.measure import Plan, median_over_ranks, run_ranks, slowest_over_ranks
-from costmodels.profile import Cited, HardwareProfile, LinkLevel, load_profile
+from costmodels.profile import HardwareProfile, load_profile
 from planner.opcount import ELEMENTWISE_FLOPS
 
 MATMUL = (("float32", 32), ("float32", 64), ("float32", 128), ("float32", 256),
@@ -69,8 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     _print(profile, proposed, rows, time.monotonic() - started)
 
 
-def _calibrate(nproc: int, keep: Path | None) -> tuple[HardwareProfile, HardwareProfile]:
-    """Calibrate (full run) and load the profile; also a copy with the proposed fields."""
+def _calibrate(nproc: int, keep: Path | None) -> tuple[HardwareProfile, None]:
+    """Calibrate (full run) and load the profile it writes.
+
+    Calibrated profiles carry the per-dtype GEMM ramp and per-collective factors, so the
+    predictions below already use everything calibration measured.
+    """
     print(f"calibrating ({nproc} ranks) ...", file=sys.stderr)
     plan = measurement_plan(nproc, quick=False)
     results = run_ranks(plan, nproc, "gloo", FULL_TIMEOUT_S)
@@ -79,35 +80,7 @@ def _calibrate(nproc: int, keep: Path | None) -> tuple[HardwareProfile, Hardware
         path = keep or Path(scratch) / "calibrated.json"
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         profile = load_profile(path)
-    fits = collective_fits(results)
-    ring = fits["all_reduce"].bandwidth_Bps
-    factors = {kind: fit.bandwidth_Bps / ring for kind, fit in fits.items()}
-    ramps = {PEAK_KEY[f.dtype]: f.ramp_s for f in matmul_fits(results).values()}
-    return profile, _with_proposed_fields(profile, ramps, factors)
-
-
-def _with_proposed_fields(profile: HardwareProfile, ramps: dict[str, float],
-                          factors: dict[str, float]) -> HardwareProfile:
-    """The profile plus `device.matmul_overhead_s` and the intra level's `collective_factors`.
-
-    docs/cost-model.md proposes both fields for the profile schema; costmodels reads them
-    when present. This copy shows what the planner will predict once they are loaded.
-    """
-
-    @dataclass(frozen=True, eq=False)
-    class Level(LinkLevel):
-        collective_factors: dict[str, float] = field(default_factory=dict)
-
-    @dataclass(frozen=True, eq=False)
-    class Profile(HardwareProfile):
-        matmul_overhead_s: dict[str, Cited] | None = None
-
-    inner = Level(**{f.name: getattr(profile.levels[0], f.name) for f in fields(LinkLevel)},
-                  collective_factors=factors)
-    values = {f.name: getattr(profile, f.name) for f in fields(HardwareProfile)}
-    values["levels"] = (inner, *profile.levels[1:])
-    return Profile(**values, matmul_overhead_s={k: Cited(v, "measured") for k, v in
-                                                ramps.items()})
+    return profile, None
 
 
 def _rows(profile: HardwareProfile, proposed: HardwareProfile | None, results,

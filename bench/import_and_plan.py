@@ -54,7 +54,8 @@ def main() -> None:
                 partial(import_model, path, batch=args.devices, dims={"seq": args.seq}),
                 args.repeat)
             plan_s, result = _median_seconds(
-                partial(plan, graph, profile=args.profile, devices=args.devices), args.repeat)
+                partial(plan, graph, profile=args.profile, devices=args.devices, mode="data"),
+                args.repeat)
             size = len(result.dumps()) / 1e6
             print(f"{name:<12}{graph.parameter_count / 1e9:>11.2f}B{len(graph.ops):>7}"
                   f"{path.stat().st_size / 1e6:>9.2f}{build_s:>9.3f}{import_s:>10.3f}"

@@ -7,14 +7,14 @@ Each point is the lower quartile of its per-call times (costmodels.measure says 
 
 * matmul n x n @ n x n over n and dtypes: the peak is the best sustained rate, so
   `matmul_efficiency` is 1; the ramp R of costmodels.compute (t = F / P + R) is fitted by
-  least squares on the relative error, and the whole size curve goes into the note;
+  least squares on the relative error into `matmul_overhead_s` per dtype, and the whole
+  size curve goes into the note;
 * `memory_bandwidth_Bps`: x.copy_(y) of a large preallocated fp32 buffer, read + write;
 * `kernel_launch_s`: torch.add on one-element tensors;
 * each collective over message sizes for groups of 2..N ranks. The per-step latency a and
   bus bandwidth B of the level come from a least-squares fit of the ring all_reduce formula
   t = 2(p-1) a + 2(p-1)/p n / B (relative error, a, B >= 0); the other collectives' own fits
-  give their bandwidth as a factor of B (note, and `collective_factors` when the profile
-  schema has it).
+  give their bandwidth as a factor of B (`collective_factors` of the level, and the note).
 
 Every number cites a `measured-<date>` source that states what was run. The fabric between
 nodes cannot be measured on one machine: the profile gives it a nominal 10 GbE NIC per
@@ -39,7 +39,7 @@ import numpy as np
 
 from costmodels.communication import ring_terms
 from costmodels.measure import Plan, Results, median_over_ranks, run_ranks, slowest_over_ranks
-from costmodels.profile import SCHEMA, HardwareProfile, LinkLevel, load_profile
+from costmodels.profile import SCHEMA, load_profile
 from planner.errors import ShardplanError
 
 #: Wall-clock limits of one measurement run (the full one must end within 3 minutes).
@@ -123,8 +123,13 @@ def _solve_ring(kind: str, points: Sequence[tuple[int, float, float]],
     if solution[0] < 0:  # no measurable latency: bandwidth only
         solution = np.array([0.0, float(rows[:, 1] @ target / (rows[:, 1] @ rows[:, 1]))])
     if solution[1] <= 0:
-        raise ShardplanError(f"cannot fit {kind}: time does not grow with message size "
-                             f"(measurements too noisy?)")
+        # Time did not grow with size (load noise on a shared host): take the latency from
+        # the smallest message and the bandwidth from the largest, a conservative fit.
+        smallest = min(points, key=lambda point: point[1])
+        largest = max(points, key=lambda point: point[1])
+        latency = smallest[2] / max(ring_terms(kind, smallest[0])[0], 1e-12)
+        seconds_per_byte = largest[2] / (ring_terms(kind, largest[0])[1] * largest[1])
+        solution = np.array([latency, seconds_per_byte])
     return solution, rows @ solution - 1.0
 
 
@@ -204,7 +209,7 @@ def build_profile(results: Sequence[Results], plan: Plan, nproc: int, backend: s
         "latency_s": _cited(ring.latency_s, key, "per-step latency a of the same fit "
                             "(t = 2(p-1) a + 2(p-1)/p n / B)"),
     }
-    if "collective_factors" in getattr(LinkLevel, "__dataclass_fields__", {}):
+    if factors:
         intra["collective_factors"] = {
             k: _cited(v, key, f"{k} fit bandwidth / all_reduce fit bandwidth")
             for k, v in factors.items()}
@@ -318,11 +323,10 @@ def _compute_section(results: Sequence[Results], key: str) -> dict[str, Any]:
                                     "measured sustained rate"),
         "kernel_launch_s": _cited(dispatch, key, "torch.add on one-element tensors, per call"),
     }
-    if "matmul_overhead_s" in getattr(HardwareProfile, "__dataclass_fields__", {}):
-        section["matmul_overhead_s"] = {
-            _PEAK_KEY[f.dtype]: _cited(max(f.ramp_s, 1e-9), key, f"{f.dtype} GEMM ramp R "
-                                       f"fitted to the size curve (see matmul_efficiency)")
-            for f in fits.values()}
+    section["matmul_overhead_s"] = {
+        _PEAK_KEY[f.dtype]: _cited(max(f.ramp_s, 1e-9), key, f"{f.dtype} GEMM ramp R "
+                                   f"fitted to the size curve (see matmul_efficiency)")
+        for f in fits.values()}
     return section
 
 

@@ -37,8 +37,8 @@ A level may carry per-collective bandwidth factors (`collective_factors`, measur
 calibration): B for that collective is multiplied by its factor (Calculon's per-op network
 multipliers play the same role).
 
-Two optional level fields are read when present and default otherwise: `fabric` ("switch")
-and `collective_factors` ({}); docs/cost-model.md proposes them for the profile schema.
+Both level fields are optional in a profile: `fabric` defaults to "switch" and
+`collective_factors` to none (factor 1); docs/hardware-profiles.md describes them.
 
 "auto" picks the cheapest algorithm that applies (`ALGORITHMS`). NVLink SHARP (NVLS) and
 NCCL's LL/LL128 low-latency protocols are not modelled: large single-node all-reduces on
@@ -50,10 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from costmodels.profile import HardwareProfile, LinkLevel
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-               "send_recv")
+from costmodels.profile import COLLECTIVES, HardwareProfile, LinkLevel
 
 #: Algorithms each collective may use; "auto" tries all that apply to the group.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -212,9 +209,7 @@ def collective_factor(level: LinkLevel, kind: str) -> float:
     Calibration measures it where a library's collectives differ from the ring model: gloo's
     all_gather and reduce_scatter run far below its all_reduce (docs/cost-model.md).
     """
-    factors = getattr(level, "collective_factors", None) or {}
-    cited = factors.get(kind)
-    return 1.0 if cited is None else float(getattr(cited, "value", cited))
+    return level.collective_factor(kind)
 
 
 @dataclass(frozen=True)
@@ -227,7 +222,7 @@ def _level_link(level: LinkLevel, members: int, kind: str) -> _Link:
     """Bandwidth and latency of `members` group devices inside one block of `level`."""
     bandwidth = level.bus_bandwidth_Bps * collective_factor(level, kind)
     block = level.group_size
-    if getattr(level, "fabric", "switch") == "full_mesh" and block and block > 1:
+    if level.fabric_kind == "full_mesh" and block and block > 1:
         bandwidth *= max(members - 1, 1) / (block - 1)
     return _Link(bandwidth, float(level.latency_s.value))
 

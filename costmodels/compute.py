@@ -18,14 +18,16 @@ splitting an op can't look cheaper than it is.
 
 P_vec is the fp32 peak (the vector/CUDA-core rate) for non-matrix ops, which are memory
 bound on every bundled accelerator; it matters only on CPUs, where a GELU is compute bound.
-A profile without an fp32 peak (Ascend) prices non-matrix ops by memory alone.
+A profile without an fp32 peak (910A) prices non-matrix ops by memory alone; the 910B's
+fp32 peak is a cube (matmul) rate, an optimistic P_vec that binds only above ~74 FLOP/byte.
 
 Dtypes: float32/float64 -> fp32 (float64 is not modelled: optimistic), float16 -> fp16,
 bfloat16 -> bf16, float8 -> fp8. A profile without an fp32 peak (Ascend: the cube units
 compute fp16) runs fp32 matrix ops at the fp16 peak, as MindSpore does by default on the
-910A (CANN precision_mode force_fp16); on the 910B its default keeps fp32, so there the
-fallback is optimistic until the profile gets an fp32 peak. Any other missing dtype raises
-the profile's ProfileError. Sources and numbers: docs/cost-model.md.
+910A (CANN precision_mode force_fp16). The 910B profile has an fp32 peak (from a measured
+fp32 matmul rate; MindSpore's default there keeps fp32), so the fallback does not apply
+to it. Any other missing dtype raises the profile's ProfileError. Sources and numbers:
+docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ MATRIX_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Fu
 DTYPE_TO_PEAK = {"float32": "fp32", "float64": "fp32", "float16": "fp16", "bfloat16": "bf16",
                  "float8e4m3fn": "fp8", "float8e5m2": "fp8"}
 
-#: Peak key used when a profile lacks the op's key (Ascend has no fp32 peak; see above).
+#: Peak key used when a profile lacks the op's key (the 910A has no fp32 peak; see above).
 PEAK_FALLBACK = {"fp32": "fp16"}
 
 #: Default GEMM ramp R in seconds, for profiles without `matmul_overhead_s`. Least-squares
@@ -66,14 +68,13 @@ def _peak_key(profile: HardwareProfile, dtype: str) -> str:
 def matmul_ramp_s(profile: HardwareProfile, dtype: str = "float32") -> float:
     """The profile's GEMM ramp R for `dtype`, else MATMUL_RAMP_S.
 
-    Reads the proposed optional field `device.matmul_overhead_s`: one cited value, or one
-    per peak key like `peak_flops` (a CPU's bf16 GEMM pays ~12 us of oneDNN setup where
-    its fp32 GEMM pays ~2 us; docs/cost-model.md).
+    Reads the optional field `device.matmul_overhead_s`: one cited value, or one per peak
+    key like `peak_flops` (a CPU's bf16 GEMM pays ~12 us of oneDNN setup where its fp32
+    GEMM pays ~2 us; docs/cost-model.md). A per-dtype object without the key the dtype
+    runs at (after the fp32 -> fp16 fallback) gives the default.
     """
-    ramps = getattr(profile, "matmul_overhead_s", None)
-    if isinstance(ramps, dict):
-        ramps = ramps.get(_peak_key(profile, dtype))
-    return MATMUL_RAMP_S if ramps is None else float(getattr(ramps, "value", ramps))
+    ramp = profile.matmul_overhead(_peak_key(profile, dtype))
+    return MATMUL_RAMP_S if ramp is None else ramp
 
 
 def matmul_efficiency(profile: HardwareProfile, flops: float, dtype: str,

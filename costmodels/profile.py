@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,41 +24,74 @@ from planner.errors import ProfileError
 
 SCHEMA = "shardplan.hardware-profile/1"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: Collective kinds a level's `collective_factors` may name (costmodels.communication).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+               "send_recv")
+#: Values of a level's `fabric`: "switch" (the default) or "full_mesh" (one link per peer).
+FABRICS = ("switch", "full_mesh")
 FORMAT_HINT = "see docs/hardware-profiles.md for the format"
 
 _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
                   "memory_efficiency", "kernel_launch_s")
+_DEVICE_OPTIONAL = ("matmul_overhead_s",)
 _TOPOLOGY_FIELDS = ("devices_per_node", "levels")
 _TOPOLOGY_OPTIONAL = ("allowed_devices_within_node",)
 _LEVEL_FIELDS = ("name", "group_size", "bandwidth_Bps", "efficiency", "latency_s")
+_LEVEL_OPTIONAL = ("fabric", "collective_factors")
 _CITED_FIELDS = ("value", "source")
 _CITED_OPTIONAL = ("note",)
 
 
 @dataclass(frozen=True)
 class Cited:
-    """A number together with where it comes from (a key into the profile's sources)."""
+    """A value together with where it comes from (a key into the profile's sources).
 
-    value: float | int | tuple[int, ...]
+    The value is a number, a list of counts (`allowed_devices_within_node`) or a word
+    (a level's `fabric`).
+    """
+
+    value: float | int | tuple[int, ...] | str
     source: str
     note: str = ""
 
 
 @dataclass(frozen=True)
 class LinkLevel:
-    """One level of the communication hierarchy; group_size None means between nodes."""
+    """One level of the communication hierarchy; group_size None means between nodes.
+
+    `fabric` (optional, default "switch") says how the devices of one block are joined:
+    "full_mesh" means one dedicated link to each peer, so a group using q of a block's
+    g devices gets (q - 1) / (g - 1) of `bandwidth_Bps` (costmodels.communication).
+    `collective_factors` (optional) multiplies the bus bandwidth of one collective kind.
+    """
 
     name: str
     group_size: int | None
     bandwidth_Bps: Cited
     efficiency: Cited
     latency_s: Cited
+    fabric: Cited | None = None
+    collective_factors: dict[str, Cited] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # collective_factors is a dict; hash what identifies a level
+        return hash((self.name, self.group_size, self.bandwidth_Bps, self.efficiency,
+                     self.latency_s, self.fabric))
 
     @property
     def bus_bandwidth_Bps(self) -> float:
         """Achievable per-device bus bandwidth: line rate times measured efficiency."""
         return float(self.bandwidth_Bps.value) * float(self.efficiency.value)
+
+    @property
+    def fabric_kind(self) -> str:
+        """The level's fabric word: `fabric.value`, or "switch" when `fabric` is left out."""
+        return "switch" if self.fabric is None else str(self.fabric.value)
+
+    def collective_factor(self, kind: str) -> float:
+        """Bandwidth multiplier of collective `kind` on this level; 1 when not given."""
+        cited = self.collective_factors.get(kind)
+        return 1.0 if cited is None else float(cited.value)
 
 
 @dataclass(frozen=True)
@@ -78,6 +111,8 @@ class HardwareProfile:
     allowed_devices_within_node: Cited | None
     levels: tuple[LinkLevel, ...]
     path: str
+    #: GEMM ramp R in seconds (costmodels.compute): one value, or one per peak_flops key.
+    matmul_overhead_s: Cited | dict[str, Cited] | None = None
 
     def __hash__(self) -> int:  # dict fields are not hashable; a profile is its file
         return hash((self.name, self.path))
@@ -130,6 +165,13 @@ class HardwareProfile:
         if self.allowed_devices_within_node is not None:
             return tuple(self.allowed_devices_within_node.value)  # type: ignore[arg-type]
         return tuple(range(1, int(self.devices_per_node.value) + 1))
+
+    def matmul_overhead(self, peak_key: str) -> float | None:
+        """The profile's GEMM ramp R for a peak_flops key, or None when it gives none."""
+        ramp = self.matmul_overhead_s
+        if isinstance(ramp, dict):
+            ramp = ramp.get(peak_key)
+        return None if ramp is None else float(ramp.value)
 
     def _within_node_text(self) -> str:
         counts = self._within_node_counts()
@@ -226,6 +268,19 @@ class _Reader:
             self.fail(field, f"must be a finite positive number, got {_show(value)}")
         return value
 
+    def non_negative(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(field, f"must be a number of seconds, got {_show(value)}")
+        if not math.isfinite(value) or value < 0:
+            self.fail(field, f"must be a finite number >= 0, got {_show(value)}")
+        return value
+
+    def fabric_word(self, value: Any, field: str) -> str:
+        if value not in FABRICS:
+            self.fail(field, f"must be one of {', '.join(map(repr, FABRICS))}, "
+                      f"got {_show(value)}")
+        return value
+
     def fraction(self, value: Any, field: str) -> float:
         number = self.positive(value, field)
         if number > 1:
@@ -272,7 +327,7 @@ class _Reader:
         name = self.text(top["name"], "name")
         description = self.text(top["description"], "description")
         self.sources = self.read_sources(top["sources"])
-        device = self.obj(top["device"], "device", _DEVICE_FIELDS)
+        device = self.obj(top["device"], "device", _DEVICE_FIELDS, _DEVICE_OPTIONAL)
         topology = self.obj(top["topology"], "topology", _TOPOLOGY_FIELDS, _TOPOLOGY_OPTIONAL)
         per_node = self.cited(topology["devices_per_node"], "topology.devices_per_node",
                               self.count)
@@ -294,6 +349,7 @@ class _Reader:
             allowed_devices_within_node=self.allowed(topology, int(per_node.value)),
             levels=self.levels(topology["levels"], int(per_node.value)),
             path=self.path,
+            matmul_overhead_s=self.overhead(device),  # after peak_flops: it names its keys
         )
 
     def read_sources(self, value: Any) -> dict[str, str]:
@@ -316,6 +372,27 @@ class _Reader:
                           f"{', '.join(DTYPES)})")
         return {d: self.cited(v, f"{field}.{d}", self.positive) for d, v in value.items()}
 
+    def overhead(self, device: dict[str, Any]) -> Cited | dict[str, Cited] | None:
+        """`device.matmul_overhead_s`: one cited time, or one per peak_flops key."""
+        peaks = device["peak_flops"]  # already checked: the argument before this one
+        field = "device.matmul_overhead_s"
+        if "matmul_overhead_s" not in device:
+            return None
+        value = device["matmul_overhead_s"]
+        if isinstance(value, dict) and ("value" in value or "source" in value):
+            return self.cited(value, field, self.non_negative)
+        if not isinstance(value, dict) or not value:
+            self.fail(field, f"must be a cited time {{value, source, note}} or a non-empty "
+                      f"object of dtype -> cited time, got {_show(value)}")
+        for dtype in value:
+            if dtype not in DTYPES:
+                self.fail(f"{field}.{dtype}", f"is not a known dtype (known: "
+                          f"{', '.join(DTYPES)})")
+            if dtype not in peaks:
+                self.fail(f"{field}.{dtype}", f"has no device.peak_flops.{dtype} to go with "
+                          f"it (peaks: {', '.join(peaks)})")
+        return {d: self.cited(v, f"{field}.{d}", self.non_negative) for d, v in value.items()}
+
     def allowed(self, topology: dict[str, Any], per_node: int) -> Cited | None:
         field = "topology.allowed_devices_within_node"
         if "allowed_devices_within_node" not in topology:
@@ -336,7 +413,7 @@ class _Reader:
         return levels
 
     def level(self, value: Any, field: str) -> LinkLevel:
-        body = self.obj(value, field, _LEVEL_FIELDS)
+        body = self.obj(value, field, _LEVEL_FIELDS, _LEVEL_OPTIONAL)
         size = body["group_size"]
         return LinkLevel(
             name=self.text(body["name"], f"{field}.name"),
@@ -345,7 +422,22 @@ class _Reader:
                                      self.positive),
             efficiency=self.cited(body["efficiency"], f"{field}.efficiency", self.fraction),
             latency_s=self.cited(body["latency_s"], f"{field}.latency_s", self.positive),
+            fabric=(self.cited(body["fabric"], f"{field}.fabric", self.fabric_word)
+                    if "fabric" in body else None),
+            collective_factors=self.factors(body.get("collective_factors", {}),
+                                            f"{field}.collective_factors"),
         )
+
+    def factors(self, value: Any, field: str) -> dict[str, Cited]:
+        """`collective_factors`: collective kind -> cited bandwidth factor (> 0)."""
+        if not isinstance(value, dict):
+            self.fail(field, f"must be an object of collective kind -> cited factor, "
+                      f"got {_show(value)}")
+        for kind in value:
+            if kind not in COLLECTIVES:
+                self.fail(f"{field}.{kind}", f"is not a known collective (known: "
+                          f"{', '.join(COLLECTIVES)})")
+        return {k: self.cited(v, f"{field}.{k}", self.positive) for k, v in value.items()}
 
     def check_order(self, levels: tuple[LinkLevel, ...], per_node: int) -> None:
         """Innermost first; sizes grow and divide; node level = devices_per_node; null last."""
@@ -366,6 +458,10 @@ class _Reader:
                           f"({levels[i - 1].group_size}), got {size}")
             if names.count(level.name) > 1:
                 self.fail(f"{field}[{i}].name", f"{level.name!r} is used by two levels")
+        if levels[-1].fabric_kind == "full_mesh":
+            self.fail(f"{field}[{len(levels) - 1}].fabric.value", "cannot be 'full_mesh' on "
+                      "the inter-node level (group_size null): a mesh needs a block size; "
+                      "use 'switch' or leave fabric out")
         inner = levels[-2].group_size if len(levels) > 1 else 1
         if inner != per_node:
             where = f"{field}[{len(levels) - 2}].group_size" if len(levels) > 1 else field

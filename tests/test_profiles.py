@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from costmodels.profile import (
+    COLLECTIVES,
     DTYPES,
+    FABRICS,
     Cited,
     HardwareProfile,
     LinkLevel,
@@ -40,9 +42,18 @@ def cited_values(profile: HardwareProfile) -> Iterator[tuple[str, Cited]]:
         yield f"peak_flops.{dtype}", cited
     if profile.allowed_devices_within_node is not None:
         yield "allowed_devices_within_node", profile.allowed_devices_within_node
+    ramp = profile.matmul_overhead_s
+    if isinstance(ramp, Cited):
+        yield "matmul_overhead_s", ramp
+    for dtype, cited in (ramp.items() if isinstance(ramp, dict) else ()):
+        yield f"matmul_overhead_s.{dtype}", cited
     for level in profile.levels:
         for field in ("bandwidth_Bps", "efficiency", "latency_s"):
             yield f"{level.name}.{field}", getattr(level, field)
+        if level.fabric is not None:
+            yield f"{level.name}.fabric", level.fabric
+        for kind, cited in level.collective_factors.items():
+            yield f"{level.name}.collective_factors.{kind}", cited
 
 
 # -- the bundled profiles ------------------------------------------------------------------
@@ -121,6 +132,17 @@ def test_ascend_910b_models_the_64_gb_24_core_part() -> None:
     assert 60e9 < npu.memory_bytes.value <= 64 * GIB
     assert npu.peak("fp16") == pytest.approx(24 * 16**3 * 2 * 1.8e9, rel=1e-3)
     assert [level.group_size for level in npu.levels] == [8, None]
+    assert [level.fabric_kind for level in npu.levels] == ["full_mesh", "switch"]
+    assert npu.levels[0].fabric is not None
+    assert npu.levels[0].fabric.source == "arthurchiao-910b"
+
+
+def test_ascend_910b_fp32_peak_gives_the_measured_rate_back() -> None:
+    npu = load_profile("ascend-910b")
+    fp32 = npu.peak_flops["fp32"]
+    assert fp32.source == "derived" and "zzc0721-910b2" in fp32.note
+    assert npu.peak("fp32") * float(npu.matmul_efficiency.value) == pytest.approx(
+        84.53e12, rel=1e-3)
 
 
 def test_ascend_910a_is_two_hccs_rings_joined_by_pcie() -> None:
@@ -132,6 +154,21 @@ def test_ascend_910a_is_two_hccs_rings_joined_by_pcie() -> None:
     assert npu.peak("fp16") == 256e12
     with pytest.raises(ProfileError, match="ascend-910a has no fp32 peak: it supports fp16"):
         npu.peak("fp32")
+    assert [lv.fabric_kind for lv in npu.levels] == ["full_mesh", "switch", "switch"]
+    assert npu.levels[0].fabric is not None
+    assert npu.levels[0].fabric.source == "hiascend-affinity"
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_optional_fields_default_where_a_profile_leaves_them_out(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.matmul_overhead_s is None  # no bundled accelerator has a measured ramp
+    for level in profile.levels:
+        assert level.fabric_kind in FABRICS
+        assert level.collective_factors == {}
+        assert level.collective_factor("all_gather") == 1.0
+        if not name.startswith("ascend"):
+            assert level.fabric is None and level.fabric_kind == "switch"
 
 
 def test_cpu_profile_is_this_two_core_machine() -> None:
@@ -216,6 +253,9 @@ def test_profile_objects_are_frozen_and_hashable() -> None:
         profile.levels[0].name = "other"  # type: ignore[misc]
     assert isinstance(profile.levels[0], LinkLevel)
     assert len({profile, load_profile("h100-sxm")}) == 1
+    meshed = load_profile("ascend-910b").levels[0]
+    factored = dataclasses.replace(meshed, collective_factors={"all_gather": Cited(0.5, "x")})
+    assert len({meshed, factored, load_profile("ascend-910b").levels[0]}) == 2
 
 
 def test_profile_module_imports_nothing_heavy() -> None:
@@ -273,6 +313,49 @@ def test_non_utf8_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b'{"name": "caf\xe9"}')
     with pytest.raises(ProfileError, match=f"{path}: not UTF-8"):
         load_profile(path)
+
+
+# -- the optional fields --------------------------------------------------------------------
+
+
+def _load_changed(tmp_path: Path, base: str, *changes: Mutation) -> HardwareProfile:
+    data = json.loads((PROFILE_DIR / f"{base}.json").read_text(encoding="utf-8"))
+    for change in changes:
+        change(data)
+    path = tmp_path / f"{base}-changed.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return load_profile(path)
+
+
+def test_matmul_overhead_loads_as_one_value_or_per_dtype(tmp_path: Path) -> None:
+    single = _load_changed(tmp_path, "a100-80g", _set(
+        "device", "matmul_overhead_s", value={"value": 6e-6, "source": "dgx-a100"}))
+    assert single.matmul_overhead_s == Cited(6e-6, "dgx-a100", "")
+    assert single.matmul_overhead("bf16") == single.matmul_overhead("fp32") == 6e-6
+    per_dtype = _load_changed(tmp_path, "cpu", _set("device", "matmul_overhead_s", value={
+        "fp32": {"value": 1.8e-6, "source": "measured-2026-11-29", "note": "fit"},
+        "bf16": {"value": 0, "source": "measured-2026-11-29"}}))
+    assert isinstance(per_dtype.matmul_overhead_s, dict)
+    assert per_dtype.matmul_overhead("fp32") == 1.8e-6
+    assert per_dtype.matmul_overhead("bf16") == 0.0  # zero is allowed: no ramp
+    assert per_dtype.matmul_overhead("fp16") is None
+
+
+def test_fabric_and_collective_factors_load(tmp_path: Path) -> None:
+    profile = _load_changed(
+        tmp_path, "cpu",
+        _set("topology", "levels", 0, "fabric",
+             value={"value": "switch", "source": "measured-2026-11-29"}),
+        _set("topology", "levels", 0, "collective_factors", value={
+            "reduce_scatter": {"value": 0.34, "source": "measured-2026-11-29"},
+            "broadcast": {"value": 3.45, "source": "measured-2026-11-29"}}))
+    level = profile.levels[0]
+    assert level.fabric == Cited("switch", "measured-2026-11-29", "")
+    assert level.fabric_kind == "switch"
+    assert level.collective_factor("reduce_scatter") == 0.34
+    assert level.collective_factor("broadcast") == 3.45  # factors above 1 are allowed
+    assert level.collective_factor("all_reduce") == 1.0
+    assert set(level.collective_factors) <= set(COLLECTIVES)
 
 
 # -- malformed contents --------------------------------------------------------------------
@@ -378,6 +461,80 @@ MALFORMED: list[tuple[str, str, Mutation, str, str]] = [
      "topology.allowed_devices_within_node.value", "must be strictly increasing"),
     ("device-not-object", "a100-80g", _set("device", value=[]),
      "device", "must be a JSON object, got a list"),
+    # device.matmul_overhead_s
+    ("overhead-negative", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"value": -1e-6, "source": "dgx-a100"}),
+     "device.matmul_overhead_s.value", "must be a finite number >= 0, got -1e-06"),
+    ("overhead-nan", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"value": math.nan, "source": "dgx-a100"}),
+     "device.matmul_overhead_s.value", "got nan"),
+    ("overhead-inf-per-dtype", "a100-80g",
+     _set("device", "matmul_overhead_s",
+          value={"bf16": {"value": math.inf, "source": "dgx-a100"}}),
+     "device.matmul_overhead_s.bf16.value", "got inf"),
+    ("overhead-string", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"value": "7us", "source": "dgx-a100"}),
+     "device.matmul_overhead_s.value", "must be a number of seconds"),
+    ("overhead-bare-number", "a100-80g", _set("device", "matmul_overhead_s", value=7e-6),
+     "device.matmul_overhead_s", "must be a cited time"),
+    ("overhead-empty", "a100-80g", _set("device", "matmul_overhead_s", value={}),
+     "device.matmul_overhead_s", "must be a cited time"),
+    ("overhead-unknown-dtype", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"fp64": {"value": 1e-6, "source": "dgx-a100"}}),
+     "device.matmul_overhead_s.fp64", "is not a known dtype"),
+    ("overhead-dtype-without-peak", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"fp8": {"value": 1e-6, "source": "dgx-a100"}}),
+     "device.matmul_overhead_s.fp8", "has no device.peak_flops.fp8"),
+    ("overhead-unknown-source", "a100-80g",
+     _set("device", "matmul_overhead_s", value={"value": 1e-6, "source": "nowhere"}),
+     "device.matmul_overhead_s.source", "'nowhere' is not a key of sources"),
+    ("overhead-derived-without-note", "ascend-910a",
+     _set("device", "matmul_overhead_s", value={"value": 1e-6, "source": "derived"}),
+     "device.matmul_overhead_s.note", "must explain the arithmetic"),
+    # topology.levels[].fabric
+    ("fabric-unknown-word", "ascend-910b",
+     _set("topology", "levels", 0, "fabric", "value", value="torus"),
+     "topology.levels[0].fabric.value", "must be one of 'switch', 'full_mesh', got \"torus\""),
+    ("fabric-number", "ascend-910b", _set("topology", "levels", 0, "fabric", "value", value=1),
+     "topology.levels[0].fabric.value", "must be one of"),
+    ("fabric-uncited", "ascend-910b",
+     _set("topology", "levels", 0, "fabric", value="full_mesh"),
+     "topology.levels[0].fabric", "must be a JSON object, got a string"),
+    ("fabric-without-source", "ascend-910b",
+     _delete("topology", "levels", 0, "fabric", "source"),
+     "topology.levels[0].fabric.source", "is missing"),
+    ("fabric-mesh-between-nodes", "ascend-910b",
+     _set("topology", "levels", 1, "fabric",
+          value={"value": "full_mesh", "source": "arthurchiao-910b"}),
+     "topology.levels[1].fabric.value", "cannot be 'full_mesh' on the inter-node level"),
+    ("fabric-misspelt-field", "ascend-910b",
+     _set("topology", "levels", 0, "fabrik",
+          value={"value": "full_mesh", "source": "arthurchiao-910b"}),
+     "topology.levels[0].fabrik", "is not a known field"),
+    # topology.levels[].collective_factors
+    ("factors-not-object", "cpu",
+     _set("topology", "levels", 0, "collective_factors", value=[0.5]),
+     "topology.levels[0].collective_factors", "must be an object of collective kind"),
+    ("factors-unknown-kind", "cpu",
+     _set("topology", "levels", 0, "collective_factors",
+          value={"gather": {"value": 0.5, "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_factors.gather", "is not a known collective"),
+    ("factors-zero", "cpu",
+     _set("topology", "levels", 0, "collective_factors",
+          value={"all_gather": {"value": 0, "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_factors.all_gather.value",
+     "must be a finite positive number, got 0"),
+    ("factors-negative", "cpu",
+     _set("topology", "levels", 0, "collective_factors",
+          value={"reduce_scatter": {"value": -0.3, "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_factors.reduce_scatter.value", "got -0.3"),
+    ("factors-bare-number", "cpu",
+     _set("topology", "levels", 0, "collective_factors", value={"all_gather": 0.5}),
+     "topology.levels[0].collective_factors.all_gather", "must be a JSON object, got a number"),
+    ("factors-unknown-source", "cpu",
+     _set("topology", "levels", 1, "collective_factors",
+          value={"broadcast": {"value": 2.0, "source": "nowhere"}}),
+     "topology.levels[1].collective_factors.broadcast.source", "'nowhere' is not a key"),
 ]
 
 
