@@ -235,3 +235,18 @@ def test_quick_calibration_writes_a_plausible_profile(tmp_path: Path) -> None:
                                   *profile.peak_flops.values(), *ramps.values(),
                                   *level.collective_factors.values())}
     assert len(sources) == 1 and sources.pop().startswith("measured-")
+
+
+def test_calibrated_profile_plans(tmp_path: Path) -> None:
+    """`shardplan calibrate` output is a profile the planner accepts, through the CLI."""
+    from planner import zoo
+    from planner.cli import main
+
+    profile = tmp_path / "local.json"
+    calibrate(nproc=2, output=profile, quick=True)
+    family, config = zoo.preset("gpt-tiny")
+    model = zoo.save(zoo.build(family, config), tmp_path / "gpt.onnx")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(model), "--profile", str(profile), "--devices", "2", "--batch",
+                 "4", "--dim", "seq=8", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["cluster"]["profile"] == "calibrated-gloo"
