@@ -28,19 +28,10 @@ from planner.sharding.mesh import DeviceMesh
 PROFILE = load_profile("a100-80g")
 
 
-def _two_matmuls(path: Path, batch: int = 32) -> Path:
-    """The seed's semi-auto network: x[32,128] @ w1[128,128] -> ReLU -> @ w2[128,64]."""
-    rng = np.random.default_rng(0)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    w1 = numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.standard_normal((128, 64)).astype(np.float32), "w2")
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="matmul1"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("MatMul", ["r", "w2"], ["y"], name="matmul2")]
-    graph = helper.make_graph(nodes, "seed", [x], [y], [w1, w2])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
+def _two_matmuls(path: Path) -> Path:
+    """The seed's semi-auto network: x[batch,128] @ w1[128,128] -> ReLU -> @ w2[128,64]."""
+    family, config = zoo.preset("seed-mlp")
+    return zoo.save(zoo.build(family, config), path)
 
 
 def _mlp(path: Path) -> Path:

@@ -22,17 +22,18 @@ import onnx
 from onnx import TensorProto
 
 from planner.errors import ModelError
-from planner.zoo import bert, gpt, llama, moe, resnet
+from planner.zoo import bert, gpt, llama, moe, resnet, seed
 from planner.zoo._builder import BUFFER_SUFFIXES, DTYPES, numel
 from planner.zoo.bert import BERTConfig
 from planner.zoo.gpt import GPTConfig
 from planner.zoo.llama import LlamaConfig
 from planner.zoo.moe import MoEConfig
 from planner.zoo.resnet import ResNetConfig
+from planner.zoo.seed import SeedConfig
 
 __all__ = [
     "BUFFER_SUFFIXES", "DTYPES", "FAMILIES", "PRESETS", "BERTConfig", "GPTConfig", "LlamaConfig",
-    "MoEConfig", "ResNetConfig", "build", "check", "initializer_parameter_count",
+    "MoEConfig", "ResNetConfig", "SeedConfig", "build", "check", "initializer_parameter_count",
     "parameter_count", "preset", "save",
 ]
 
@@ -42,8 +43,10 @@ FAMILIES: dict[str, type] = {
     "llama": LlamaConfig,
     "resnet": ResNetConfig,
     "moe": MoEConfig,
+    "seed": SeedConfig,
 }
-_MODULES = {"gpt": gpt, "bert": bert, "llama": llama, "resnet": resnet, "moe": moe}
+_MODULES = {"gpt": gpt, "bert": bert, "llama": llama, "resnet": resnet, "moe": moe,
+            "seed": seed}
 _BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {f: m.build for f, m in _MODULES.items()}
 _COUNTERS: dict[str, Callable[[Any], int]] = {
     f: m.parameter_count for f, m in _MODULES.items()
