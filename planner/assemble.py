@@ -160,6 +160,9 @@ def assemble(
     collectives += _gradient_collectives(graph, parameter_partial, layout_of, mesh, profile,
                                          options)
     activations = live_peak.peak if live_peak is not None else saved_activation_bytes
+    # Activation collectives need their own buffer (the gathered or unreduced tensor);
+    # gradient reductions run in place on the gradient buffers.
+    workspace = max([workspace, *(c.bytes for c in collectives if c.phase != "gradient")])
     predicted = _predict(graph, mesh, layout_of, profile, options, parallel, collectives,
                          compute_forward, compute_backward, activations, workspace)
     warnings = list(graph.warnings)

@@ -223,10 +223,12 @@ def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: Tr
     record = SolverRecord("test", "fixed", 0, 0, 0, 0)
     for _ in range(20):
         choice = [int(rng.integers(len(g.candidates))) for g in problem.groups]
-        seconds, _ = problem.evaluate(choice)
+        seconds, memory = problem.evaluate(choice)
         planned = assemble(graph, mesh, problem.strategies(choice), PROFILE, ParallelConfig(),
                            record, options, labels)
         assert seconds == pytest.approx(planned.predicted.step_time_s, rel=1e-9)
+        if not options.inference:  # forward-only liveness is only in the plan (see problem.py)
+            assert memory == pytest.approx(planned.predicted.memory["peak"], abs=8)
 
 
 def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:

@@ -7,8 +7,9 @@ identical rows (columns) are merged. Marginal constraints tie e to s:
     sum_c e[r, c] = sum_{i in r} s[u, i]        sum_r e[r, c] = sum_{j in c} s[v, j]
 
 which keeps the LP relaxation tight (see ../shared/ENVIRONMENT.md's solver study). Memory:
-sum of chosen memories plus W <= limit, with W >= each group's chosen workspace (the
-largest single buffer). Objective: chosen costs plus edge costs, in seconds.
+sum of chosen memories plus W <= limit, with W >= each group's chosen workspace (its
+largest output) and W >= each edge's chosen collective buffer. Objective: chosen costs
+plus edge costs, in seconds.
 
 Solved with OR-tools CP-SAT (one worker, LP-heavy linearization, eager LP rows, no probing
 or presolve: this proves optimality here, fast, and deterministically) or with HiGHS
@@ -91,15 +92,23 @@ def _build(problem: StrategyProblem) -> _Model:
         model.equalities.append((ids, [1.0] * len(ids)))
         model.workspace_rows.append((ids, [float(w) for w in group.workspace]))
     for edge in problem.edges:
-        rows, cols = _classes(edge.cost, 0), _classes(edge.cost, 1)
+        both = np.concatenate([edge.cost, edge.buffer], axis=1)
+        rows = _classes(both, 0)
+        cols = _classes(np.concatenate([edge.cost, edge.buffer], axis=0), 1)
         if len(rows) == 1 and len(cols) == 1:
             # Every pair costs the same: a constant, carried by the first choice var.
-            base = float(edge.cost[0, 0])
+            base, buffer = float(edge.cost[0, 0]), float(edge.buffer[0, 0])
             for var in model.choice_vars[edge.u]:
                 model.costs[var] += base
+            if buffer:
+                ids = model.choice_vars[edge.u]
+                model.workspace_rows.append((ids, [buffer] * len(ids)))
             continue
         joint = {(r, c): model.new_var(float(edge.cost[rows[r][0], cols[c][0]]))
                  for r in range(len(rows)) for c in range(len(cols))}
+        if edge.buffer.any():
+            model.workspace_rows.append((list(joint.values()), [
+                float(edge.buffer[rows[r][0], cols[c][0]]) for r, c in joint]))
         u_vars, v_vars = model.choice_vars[edge.u], model.choice_vars[edge.v]
         for r, members in enumerate(rows):
             ids = [joint[(r, c)] for c in range(len(cols))] + [u_vars[i] for i in members]

@@ -8,7 +8,8 @@ minimises is what `planner.assemble` reports for the chosen plan:
   the gradient sync of the weights it owns), a memory (weights and states it owns, saved
   activations) and a workspace (its largest output);
 - an *edge* joins two groups through a tensor: a matrix of redistribution time (forward,
-  backward and deferred weight-gradient sync) for every pair of their choices.
+  backward and deferred weight-gradient sync) for every pair of their choices, and one of
+  the largest collective buffer each pair needs (it counts towards the workspace).
 
 Weights and graph inputs are placed as their first consumer needs them; other consumers
 of the same tensor get an edge from that first consumer.
@@ -61,6 +62,7 @@ class EdgeCost:
     u: int  # group index of the producer (or first consumer of a shared weight/input)
     v: int  # group index of the consumer
     cost: np.ndarray  # [len(candidates of u), len(candidates of v)] seconds
+    buffer: np.ndarray  # same shape: bytes of the largest collective buffer the move needs
     tensors: list[str] = field(default_factory=list)
 
 
@@ -79,8 +81,9 @@ class StrategyProblem:
         time = sum(float(g.cost[c]) for g, c in zip(self.groups, choice, strict=True))
         time += sum(float(e.cost[choice[e.u], choice[e.v]]) for e in self.edges)
         memory = sum(float(g.memory[c]) for g, c in zip(self.groups, choice, strict=True))
-        workspace = max((float(g.workspace[c]) for g, c in zip(self.groups, choice,
-                                                                strict=True)), default=0.0)
+        workspace = max([0.0, *(float(g.workspace[c]) for g, c in zip(self.groups, choice,
+                                                                      strict=True)),
+                         *(float(e.buffer[choice[e.u], choice[e.v]]) for e in self.edges)])
         return time, memory + workspace
 
     def strategies(self, choice: Sequence[int]) -> dict[str, OpStrategy]:
@@ -232,8 +235,8 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions) -> list[EdgeCost]:
     tensors = graph.tensors
     merged: dict[tuple[int, int], EdgeCost] = {}
-    cache: dict[tuple, float] = {}
-    matrices: dict[tuple, np.ndarray] = {}  # repeated layers give the same edge again
+    cache: dict[tuple, tuple[float, float]] = {}
+    matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # repeated layers recur
     for node in graph.ops:
         v = group_of[node.name]
         for slot, name in enumerate(node.inputs):
@@ -255,19 +258,23 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             grad = needs_grad.get(name, False)
             derived = name in roots
             signature = (u, v, source_slot, slot, info.shape, info.dtype, grad, derived)
-            matrix = matrices.get(signature)
-            if matrix is None:
-                matrix = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
-                                      slot, info, node, mesh, profile, grad, derived,
-                                      options.overlap, cache)
-                matrices[signature] = matrix
-            if not matrix.any():
+            found = matrices.get(signature)
+            if found is None:
+                found = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
+                                     slot, info, node, mesh, profile, grad, derived,
+                                     options.overlap, cache)
+                matrices[signature] = found
+            matrix, buffer = found
+            if not matrix.any() and not buffer.any():
                 continue
             if u == v:  # the same op position across layers: only equal choices co-occur
                 groups[v].cost += np.diag(matrix)
+                groups[v].workspace = np.maximum(groups[v].workspace, np.diag(buffer))
                 continue
-            edge = merged.setdefault((u, v), EdgeCost(u, v, np.zeros_like(matrix)))
+            edge = merged.setdefault((u, v), EdgeCost(u, v, np.zeros_like(matrix),
+                                                      np.zeros_like(buffer)))
             edge.cost += matrix
+            edge.buffer = np.maximum(edge.buffer, buffer)
             edge.tensors.append(name)
     return list(merged.values())
 
@@ -275,11 +282,13 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
 def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: list[Candidate],
                  slot: int, info, consumer: OpNode, mesh: DeviceMesh,
                  profile: HardwareProfile, grad: bool, derived: bool, overlap: float,
-                 cache: dict[tuple, float]) -> np.ndarray:
-    """Seconds of moving one tensor for every (source choice, target choice)."""
+                 cache: dict[tuple, tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds, and the largest collective buffer, of moving one tensor for every
+    (source choice, target choice)."""
     kind, index = source_slot
     sources = [c.outputs[index] if kind == "out" else c.inputs[index] for c in source]
     matrix = np.zeros((len(source), len(target)))
+    buffer = np.zeros((len(source), len(target)))
     for b, candidate in enumerate(target):
         dst, axes = candidate.inputs[slot], candidate.grad_partial[slot]
         if dst is None:
@@ -291,22 +300,24 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
             if key not in cache:
                 cache[key] = _edge_seconds(info, src, dst, axes, consumer, mesh, profile, grad,
                                            derived, overlap)
-            matrix[a, b] = cache[key]
-    return matrix
+            matrix[a, b], buffer[a, b] = cache[key]
+    return matrix, buffer
 
 
 def _edge_seconds(info, src: Layout, dst: Layout, partial_axes: tuple[str, ...],
                   consumer: OpNode, mesh: DeviceMesh, profile: HardwareProfile,
-                  requires_grad: bool, weight_derived: bool, overlap: float) -> float:
+                  requires_grad: bool, weight_derived: bool,
+                  overlap: float) -> tuple[float, float]:
     found, deferred = edge_collectives(Edge(info.name, src, dst), info, consumer, mesh, profile,
                                        requires_grad, partial_axes, weight_derived)
     seconds = sum(c.time_s for c in found)
+    buffer = max([0.0, *(float(c.bytes) for c in found)])
     if deferred:
         local = info.nbytes * fraction_of_layout(src, mesh)
         seconds += (1.0 - overlap) * price_collective(
             "all_reduce", info.name, tuple(sorted(deferred)), local, "gradient", "optimizer",
             mesh, profile).time_s
-    return seconds
+    return seconds, buffer
 
 
 def prune_dominated(problem: StrategyProblem) -> StrategyProblem:
@@ -325,7 +336,8 @@ def prune_dominated(problem: StrategyProblem) -> StrategyProblem:
             incident = [(e, e.u == index) for e in problem.edges if index in (e.u, e.v)]
             profile = np.column_stack(
                 [group.cost, group.memory, group.workspace]
-                + [e.cost if outgoing else e.cost.T for e, outgoing in incident])
+                + [e.cost if outgoing else e.cost.T for e, outgoing in incident]
+                + [e.buffer if outgoing else e.buffer.T for e, outgoing in incident])
             keep = _undominated(profile)
             if len(keep) == len(group.candidates):
                 continue
@@ -358,6 +370,6 @@ def restrict_candidates(problem: StrategyProblem, index: int, keep: list[int]) -
     group.workspace = group.workspace[keep]
     for edge in problem.edges:
         if edge.u == index:
-            edge.cost = edge.cost[keep, :]
+            edge.cost, edge.buffer = edge.cost[keep, :], edge.buffer[keep, :]
         if edge.v == index:
-            edge.cost = edge.cost[:, keep]
+            edge.cost, edge.buffer = edge.cost[:, keep], edge.buffer[:, keep]
