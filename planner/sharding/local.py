@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from planner.graph import OpNode, TensorInfo
 from planner.sharding.layout import Layout
@@ -331,7 +331,3 @@ def _global_pool_indices(context: LocalContext) -> LocalProgram:
         helper.make_node("Add", [n("plane_start"), n("spatial")], [node.outputs[1]]),
     ]
     return LocalProgram(nodes, constants)
-
-
-def constant_proto(name: str, value: np.ndarray) -> onnx.TensorProto:
-    return numpy_helper.from_array(value, name)
