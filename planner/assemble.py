@@ -27,7 +27,6 @@ from planner.planfile import (
 )
 from planner.pricing import (
     Edge,
-    batch_norm_stat_bytes,
     edge_collectives,
     fraction_of_layout,
     op_seconds,
@@ -37,6 +36,7 @@ from planner.pricing import (
     requires_grad_map,
     weight_roots_map,
 )
+from planner.sharding.candidates import describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import DimLabels, safe_labels
@@ -46,7 +46,6 @@ from planner.sharding.strategy import (
     grad_partial_axes,
     input_layouts,
     output_layouts,
-    sync_axes,
     work_fraction,
 )
 
@@ -122,12 +121,12 @@ def assemble(
                 if deferred:
                     parameter_partial.setdefault(root, set()).update(deferred)
             bindings.append(TensorBinding(name, want))
-        for axes in [sync_axes(op_labels_, strategy)]:
-            if axes:
-                stats = batch_norm_stat_bytes(node, tensors)
-                for phase in ("forward", "backward"):
-                    collectives.append(price_collective("all_reduce", node.outputs[0], axes, stats,
-                                                   phase, node.name, mesh, profile))
+        own = describe(node, op_labels_, strategy, tensors, mesh)
+        for phase, steps in (("forward", own.forward_collectives),
+                             ("backward", own.backward_collectives)):
+            for kind, axes, nbytes in steps:
+                collectives.append(price_collective(kind, node.outputs[0], axes, nbytes, phase,
+                                                    node.name, mesh, profile))
         out_bindings: list[TensorBinding | None] = []
         for name, layout in zip(node.outputs, produced, strict=True):
             if not name or layout is None:

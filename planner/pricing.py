@@ -141,14 +141,6 @@ def edge_collectives(edge: Edge, info: TensorInfo, consumer: OpNode, mesh: Devic
     return result, deferred
 
 
-def batch_norm_stat_bytes(node: OpNode, tensors: Mapping[str, TensorInfo]) -> float:
-    x = tensors[node.inputs[0]]
-    channels = x.shape[1] if len(x.shape) > 1 else 1
-    return 2.0 * channels * 4  # per-channel sum and sum of squares, fp32
-
-
-
-
 def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes: float) -> float:
     """The optimizer step streams weights (read+write), gradients and states (read+write).
 

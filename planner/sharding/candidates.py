@@ -87,8 +87,12 @@ def describe(node: OpNode, labels: DimLabels, strategy: OpStrategy,
     stats_axes = sync_axes(labels, strategy)
     own: tuple[tuple[str, tuple[str, ...], int], ...] = ()
     if stats_axes:
-        channels = tensors[node.inputs[0]].shape[1]
-        own = (("all_reduce", stats_axes, 2 * channels * 4),)  # per-channel sum and sum sq
+        # The local program (planner.sharding.local) reduces the per-channel sum and sum of
+        # squares of its own channels, in fp32: two AllReduces each way.
+        layout = input_layouts(labels, strategy, in_ranks)[0]
+        assert layout is not None
+        channels = layout.local_shape(tensors[node.inputs[0]].shape, mesh)[1]
+        own = (("all_reduce", stats_axes, channels * 4),) * 2
     return Candidate(
         strategy=strategy,
         inputs=tuple(input_layouts(labels, strategy, in_ranks)),

@@ -177,14 +177,24 @@ def _vocab_split_gather(context: LocalContext) -> LocalProgram:
 
 @rewrite("Gemm", "Conv")
 def _bias_once(context: LocalContext) -> LocalProgram:
-    """With the contraction split, only one device of each partial group adds the bias."""
+    """With the contraction split, only one device of each partial group adds the bias.
+
+    The others scale it by zero rather than drop it, so every device runs the same program
+    (autograd then walks the same graph everywhere, and collectives stay in step).
+    """
     node = context.node
     has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
-    if not has_bias or context.holds_partial_term():
+    if not has_bias or not any(context.split_axes(label) for label in context.labels.sum_labels):
         return LocalProgram([node_proto(node)])
+    keep = _name(context, "bias_share")
+    scaled = _name(context, "bias_local")
+    dtype = context.tensors[node.inputs[2]].dtype
+    share = np.array(1.0 if context.holds_partial_term() else 0.0,
+                     dtype=np.float32 if dtype == "bfloat16" else dtype)
     proto = node_proto(node)
-    del proto.input[2]
-    return LocalProgram([proto])
+    proto.input[2] = scaled
+    return LocalProgram([helper.make_node("Mul", [node.inputs[2], keep], [scaled]), proto],
+                        {keep: share})
 
 
 @rewrite("ReduceMean")

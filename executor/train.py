@@ -1,0 +1,162 @@
+"""Train with a plan on N local ranks (gloo), or as one process for reference.
+
+`train(model, plan, nproc, steps)` spawns the ranks, feeds every rank the same synthetic
+global batch (each keeps its shard, the seed's `num_shards`/`shard_id`), runs forward,
+the cross-entropy loss, backward, the plan's gradient sums and an SGD step, and returns
+the losses, step times and collective counts of rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from executor.runtime import PlanRunner, check_plan_matches
+from planner.api import load_graph
+from planner.errors import ShardplanError
+from planner.graph import PlanningGraph
+from planner.planfile import Plan
+
+
+@dataclass
+class RunLog:
+    losses: list[float] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    predicted_step_time_s: float = 0.0
+    collectives: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"losses": self.losses, "step_time_s": self.step_time_s,
+                "predicted_step_time_s": self.predicted_step_time_s,
+                "collectives": self.collectives}
+
+
+def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Tensor],
+                                                              torch.Tensor, str]:
+    """Inputs, targets and the output to train: valid token ids, normal floats."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    feeds: dict[str, torch.Tensor] = {}
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        if info.dtype.startswith("int"):
+            high = min((graph.tensors[graph.op(c).inputs[0]].shape[0] for c in info.consumers
+                        if graph.op(c).op_type == "Gather" and graph.op(c).inputs[1] == name),
+                       default=2)
+            feeds[name] = torch.randint(0, high, info.shape, generator=generator,
+                                        dtype=getattr(torch, info.dtype))
+        else:
+            feeds[name] = torch.randn(info.shape, generator=generator)
+    output = graph.outputs[0]
+    shape = graph.tensors[output].shape
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=generator)
+    return feeds, targets, output
+
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def _optimizer(runner: PlanRunner, name: str, lr: float) -> torch.optim.Optimizer:
+    """Elementwise optimizers act on local shards exactly as on the whole tensor."""
+    params = [p for p in runner.params.values() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed: int,
+           log: RunLog, optimizer: str) -> None:
+    feeds, targets, output = synthetic_batch(graph, seed)
+    step = _optimizer(runner, optimizer, lr)
+    for _ in range(steps):
+        started = time.perf_counter()
+        values, layouts = runner.forward(feeds)
+        local, reported = runner.loss(values, layouts, output, targets)
+        local.backward()
+        runner.sync_gradients()
+        step.step()
+        step.zero_grad(set_to_none=True)
+        log.step_time_s.append(time.perf_counter() - started)
+        log.losses.append(reported)
+
+
+def _worker(rank: int, world: int, port: int, model: str, plan_path: str, steps: int,
+            lr: float, seed: int, out: str, optimizer: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(
+                                seconds=60))
+    try:
+        plan = Plan.load(plan_path)
+        graph = _graph_for(model, plan)
+        runner = PlanRunner(graph, plan, rank, seed)
+        log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
+        _steps(runner, graph, steps, lr, seed, log, optimizer)
+        issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
+                  if n}
+        log.collectives = {"issued": issued}
+        if rank == 0:
+            Path(out).write_text(__import__("json").dumps(log.to_json()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
+    """The model imported with the dims the plan was made for."""
+    return load_graph(model, batch=plan.model.batch, dims=plan.model.bound_dims)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
+          seed: int = 0, optimizer: str = "sgd") -> RunLog:
+    """Run `plan` on as many local gloo ranks as its mesh has devices."""
+    import json
+
+    check_plan_matches(plan, _graph_for(model, plan))  # refuse before any rank starts
+    with tempfile.TemporaryDirectory() as scratch:
+        plan_path = Path(scratch) / "plan.json"
+        plan.save(plan_path)
+        out = Path(scratch) / "log.json"
+        mp.spawn(_worker, args=(plan.mesh.size, _free_port(), str(model), str(plan_path),
+                                steps, lr, seed, str(out), optimizer), nprocs=plan.mesh.size,
+                 join=True)
+        data = json.loads(out.read_text())
+    return RunLog(**data)
+
+
+def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
+                    seed: int = 0, optimizer: str = "sgd") -> RunLog:
+    """The same model, data and optimizer in one process with nothing split."""
+    from planner.api import plan as make_plan
+
+    graph = _graph_for(model, plan)
+    check_plan_matches(plan, graph)
+    single = make_plan(graph, devices=1, mode="data", profile="cpu")
+    runner = PlanRunner(graph, single, 0, seed)
+    log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
+    _steps(runner, graph, steps, lr, seed, log, optimizer)
+    return log
+
+
+def planned_counts(plan: Plan, steps: int) -> dict[str, int]:
+    """What the plan says a run of `steps` steps issues, keyed like RunLog.collectives."""
+    counts: dict[str, int] = {}
+    for c in plan.collectives:
+        key = f"{c.kind}|{','.join(c.axes)}|{c.phase}"
+        counts[key] = counts.get(key, 0) + steps
+    return counts
+
+

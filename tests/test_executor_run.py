@@ -1,0 +1,81 @@
+"""Plans run on real gloo ranks give one process's losses and issue the planned collectives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from costmodels.profile import load_profile
+from executor.train import planned_counts, train, train_reference
+from planner import zoo
+from planner.api import load_graph, plan
+from planner.assemble import TrainingOptions, op_labels
+from planner.errors import PlanFileError
+from planner.planfile import Plan
+from planner.search.auto import price_baselines
+
+STEPS = 5
+
+
+def _zoo(tmp_path: Path, preset: str) -> Path:
+    family, config = zoo.preset(preset)
+    return zoo.save(zoo.build(family, config), tmp_path / f"{preset}.onnx")
+
+
+def _megatron(path: Path, devices: int, dims: dict[str, int]) -> Plan:
+    graph = load_graph(path, batch=4, dims=dims)
+    return price_baselines(graph, load_profile("a100-80g"), devices, TrainingOptions(),
+                           op_labels(graph))["megatron"]
+
+
+def _check(path: Path, chosen: Plan, optimizer: str = "sgd") -> None:
+    reference = train_reference(path, chosen, steps=STEPS, optimizer=optimizer)
+    run = train(path, chosen, steps=STEPS, optimizer=optimizer)
+    assert len(run.losses) == STEPS
+    assert run.losses == pytest.approx(reference.losses, rel=1e-4)
+    assert reference.losses[-1] < reference.losses[0]  # it trains
+    issued = {k: v for k, v in run.collectives["issued"].items() if not k.endswith("|loss")}
+    assert issued == planned_counts(chosen, STEPS)
+
+
+def test_data_parallel_gpt_on_two_ranks(tmp_path: Path) -> None:
+    path = _zoo(tmp_path, "gpt-tiny")
+    _check(path, plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu"))
+
+
+def test_tensor_parallel_llama_on_two_ranks(tmp_path: Path) -> None:
+    path = _zoo(tmp_path, "llama-tiny")
+    chosen = _megatron(path, 2, {"seq": 8})
+    assert any("tp" in axes for op in chosen.ops for axes in op.assignment.values())
+    _check(path, chosen, optimizer="adamw")
+
+
+def test_tensor_parallel_resnet_on_two_ranks(tmp_path: Path) -> None:
+    """Convolutions with split input channels: partial sums, the bias added once."""
+    path = _zoo(tmp_path, "resnet-tiny")
+    _check(path, _megatron(path, 2, {}))
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_gpt_on_four_ranks(tmp_path: Path) -> None:
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=4, batch=4, dims={"seq": 8}, parallel={"dp": 2, "tp": 2},
+                  mode="semi", strategies={"h.*.mlp.c_fc.matmul": [[2, 1, 1], [1, 2]]})
+    assert chosen.mesh.shape == (2, 2)
+    _check(path, chosen)
+
+
+def test_semi_auto_seed_strategies_on_two_ranks(tmp_path: Path) -> None:
+    path = _zoo(tmp_path, "seed-mlp")
+    chosen = plan(path, devices=2, batch=32, mode="semi",
+                  strategies={"matmul1": [[1, 1], [1, 2]], "matmul2": [[1, 2], [2, 1]]})
+    _check(path, chosen)
+
+
+def test_a_plan_for_another_model_is_refused(tmp_path: Path) -> None:
+    gpt = _zoo(tmp_path, "gpt-tiny")
+    llama = _zoo(tmp_path, "llama-tiny")
+    chosen = plan(gpt, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
+    with pytest.raises(PlanFileError, match="sha256"):
+        train_reference(llama, chosen, steps=1)
