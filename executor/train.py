@@ -144,7 +144,10 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
 
     graph = _graph_for(model, plan)
     check_plan_matches(plan, graph)
-    single = make_plan(graph, devices=1, mode="data", profile="cpu")
+    try:  # price the one-device run on the plan's hardware where that profile is bundled
+        single = make_plan(graph, devices=1, mode="data", profile=plan.cluster.profile)
+    except ShardplanError:
+        single = make_plan(graph, devices=1, mode="data", profile="cpu")
     runner = PlanRunner(graph, single, 0, seed)
     log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
     _steps(runner, graph, steps, lr, seed, log, optimizer)

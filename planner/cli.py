@@ -128,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="store random weights inline (small models only)")
     zoo.add_argument("--seed", type=int, default=0)
 
+    run = verbs.add_parser("run", help="train with a plan on local ranks (needs torch)")
+    run.add_argument("model", help="the .onnx file the plan was made for")
+    run.add_argument("--plan", required=True, help="a strategy JSON from `shardplan plan -o`")
+    run.add_argument("--nproc", type=_positive_int, required=True,
+                     help="ranks: the plan's device count, or 1 for the unsplit reference")
+    run.add_argument("--steps", type=_positive_int, default=5)
+    run.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")
+
     export = verbs.add_parser("export", help="write a plan in another framework's format")
     export.add_argument("plan", help="a strategy JSON written by `shardplan plan -o`")
     export.add_argument("--format", required=True, choices=["mindspore", "dtensor"],
@@ -158,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _zoo(args, extra)
         if args.verb == "export":
             return _export(args)
+        if args.verb == "run":
+            return _run(args)
         if args.verb == "calibrate":
             from costmodels.calibrate import run
 
@@ -309,6 +323,43 @@ def _convert(current: object, text: str, family: str, flag: str) -> object:
             f"zoo {family}: {flag} {text!r} is not a valid {type(current).__name__}"
         ) from None
     return text
+
+
+def _run(args: argparse.Namespace) -> int:
+    from planner.planfile import Plan
+
+    try:
+        from executor.train import planned_counts, train, train_reference
+    except ImportError:
+        raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
+                             ) from None
+    if args.backend == "nccl":
+        raise ShardplanError("--backend nccl: this executor runs gloo ranks on CPU only so far")
+    loaded = Plan.load(args.plan)
+    if args.nproc not in (1, loaded.mesh.size):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+                             "devices; use that many ranks, or 1 for the unsplit reference")
+    runner = train if args.nproc > 1 else train_reference
+    log = runner(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
+                 optimizer=args.optimizer)
+    issued = {k: v for k, v in log.collectives.get("issued", {}).items()
+              if not k.endswith("|loss")}
+    planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}
+    log.collectives = {"planned": planned, "issued": issued}
+    for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
+        print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
+    print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
+          f"{loaded.cluster.profile}")
+    if args.nproc > 1:
+        diff = sorted(set(planned) | set(issued))
+        mismatched = [k for k in diff if planned.get(k, 0) != issued.get(k, 0)]
+        print("collectives: as planned" if not mismatched else
+              "collectives differ from the plan: " + ", ".join(
+                  f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
+                  for k in mismatched))
+    if args.log_json:
+        Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

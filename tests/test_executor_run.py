@@ -79,3 +79,26 @@ def test_a_plan_for_another_model_is_refused(tmp_path: Path) -> None:
     chosen = plan(gpt, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
     with pytest.raises(PlanFileError, match="sha256"):
         train_reference(llama, chosen, steps=1)
+
+
+def test_cli_run_matches_the_reference_and_logs(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from planner.cli import main
+
+    path = _zoo(tmp_path, "gpt-tiny")
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--devices", "2", "--batch", "4", "--dim", "seq=8",
+                 "--mode", "data", "-o", str(plan_file)]) == 0
+    logs = {}
+    for nproc in ("2", "1"):
+        log = tmp_path / f"log{nproc}.json"
+        assert main(["run", str(path), "--plan", str(plan_file), "--nproc", nproc, "--steps",
+                     "2", "--log-json", str(log)]) == 0
+        logs[nproc] = json.loads(log.read_text())
+    assert "collectives: as planned" in capsys.readouterr().out
+    assert logs["2"]["losses"] == pytest.approx(logs["1"]["losses"], rel=1e-4)
+    assert logs["2"]["collectives"]["planned"] == logs["2"]["collectives"]["issued"]
+    assert set(logs["2"]) >= {"losses", "step_time_s", "predicted_step_time_s", "collectives"}
+    assert main(["run", str(path), "--plan", str(plan_file), "--nproc", "3"]) == 2
