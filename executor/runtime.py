@@ -171,13 +171,39 @@ def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
         raise PlanFileError(f"the plan has no entry for op {missing[0]} of {graph.path}")
 
 
-def full_parameters(graph: PlanningGraph, seed: int) -> dict[str, torch.Tensor]:
-    """Every weight and buffer, drawn in name order from one seed (the same on all ranks)."""
+def onnx_weights(path: str) -> dict[str, np.ndarray]:
+    """The initializers stored in the model (with its external data when present); empty
+    when the weights are declared but absent, as in the zoo's planning graphs."""
+    import onnx
+    from onnx import numpy_helper
+
+    try:
+        model = onnx.load(path)
+    except Exception:
+        return {}
+    values = {}
+    for init in model.graph.initializer:
+        try:
+            values[init.name] = numpy_helper.to_array(init)
+        except (OSError, ValueError, RuntimeError):
+            return {}
+    return values
+
+
+def full_parameters(graph: PlanningGraph, seed: int,
+                    stored: Mapping[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight and buffer: the model's own values when stored, else drawn in name
+    order from one seed (the same on all ranks, so a run equals the unsplit one)."""
     generator = torch.Generator().manual_seed(seed)
+    stored = stored or {}
     values: dict[str, torch.Tensor] = {}
     for name in sorted(t.name for t in graph.tensors.values()
                        if t.kind in ("parameter", "buffer")):
         info = graph.tensors[name]
+        if name in stored:
+            values[name] = to_tensor(np.asarray(stored[name])).float() if info.dtype in (
+                "float32",) else to_tensor(np.asarray(stored[name]))
+            continue
         if info.value is not None:
             values[name] = to_tensor(np.asarray(info.value))
             continue
@@ -203,7 +229,8 @@ def shard_of(value: torch.Tensor, layout: Layout, comm: MeshComm) -> torch.Tenso
 class PlanRunner:
     """One rank's view of a plan: its shards, and a training step that issues the plan."""
 
-    def __init__(self, graph: PlanningGraph, plan: Plan, rank: int, seed: int = 0) -> None:
+    def __init__(self, graph: PlanningGraph, plan: Plan, rank: int, seed: int = 0,
+                 stored: Mapping[str, np.ndarray] | None = None) -> None:
         check_plan_matches(plan, graph)
         self.graph, self.plan = graph, plan
         self.mesh = plan.mesh
@@ -212,7 +239,7 @@ class PlanRunner:
         self.entries = {op.name: op for op in plan.ops}
         self.needs_grad = requires_grad_map(graph)
         self.weight_derived = set(weight_roots_map(graph))
-        full = full_parameters(graph, seed)
+        full = full_parameters(graph, seed, stored)
         self.params: dict[str, torch.Tensor] = {}
         for name, value in full.items():
             local = shard_of(value, plan.tensors[name].layout, self.comm)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from executor.runtime import PlanRunner, check_plan_matches
+from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
 from planner.api import load_graph
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, port: int, model: str, plan_path: str, steps:
     try:
         plan = Plan.load(plan_path)
         graph = _graph_for(model, plan)
-        runner = PlanRunner(graph, plan, rank, seed)
+        runner = PlanRunner(graph, plan, rank, seed, onnx_weights(model))
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(runner, graph, steps, lr, seed, log, optimizer)
         issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
@@ -148,7 +148,7 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
         single = make_plan(graph, devices=1, mode="data", profile=plan.cluster.profile)
     except ShardplanError:
         single = make_plan(graph, devices=1, mode="data", profile="cpu")
-    runner = PlanRunner(graph, single, 0, seed)
+    runner = PlanRunner(graph, single, 0, seed, onnx_weights(str(model)))
     log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
     _steps(runner, graph, steps, lr, seed, log, optimizer)
     return log

@@ -102,3 +102,48 @@ def test_cli_run_matches_the_reference_and_logs(tmp_path: Path,
     assert logs["2"]["collectives"]["planned"] == logs["2"]["collectives"]["issued"]
     assert set(logs["2"]) >= {"losses", "step_time_s", "predicted_step_time_s", "collectives"}
     assert main(["run", str(path), "--plan", str(plan_file), "--nproc", "3"]) == 2
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "bert-tiny", "llama-tiny", "resnet-tiny",
+                                    "moe-tiny"])
+def test_reference_mode_matches_onnxruntime(tmp_path: Path, preset: str) -> None:
+    """One process, nothing split, the model's own weights: the planning graph's forward
+    (folded shapes, local programs) gives what onnxruntime gives on the original file."""
+    import numpy as np
+    import onnxruntime
+
+    from executor.runtime import PlanRunner, onnx_weights
+    from executor.train import synthetic_batch
+
+    family, config = zoo.preset(preset)
+    path = str(zoo.save(zoo.build(family, config, with_weights=True), tmp_path / "m.onnx"))
+    graph = load_graph(path, batch=2, dims={} if family == "resnet" else {"seq": 8})
+    runner = PlanRunner(graph, plan(graph, devices=1, mode="data", profile="cpu"), 0, 0,
+                        onnx_weights(path))
+    feeds, _, output = synthetic_batch(graph, 0)
+    values, _ = runner.forward(feeds)
+    expected = onnxruntime.InferenceSession(path).run(
+        None, {k: v.numpy() for k, v in feeds.items()})[0]
+    np.testing.assert_allclose(values[output].detach().numpy(), expected, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_exported_gpt2_tensor_parallel_on_two_ranks(export_model) -> None:
+    """transformers' GPT-2 (2 layers), exported by torch, trained with its own weights."""
+    path = export_model("gpt2", "torchscript")
+    _check(path, _megatron(path, 2, {"seq": 16}))
+
+
+@pytest.mark.slow
+def test_mixed_ilp_plan_on_four_ranks(tmp_path: Path) -> None:
+    """Under a tight memory limit the ILP mixes splits over both mesh axes."""
+    path = _zoo(tmp_path, "gpt-tiny")
+    free = plan(path, devices=4, batch=8, dims={"seq": 16}, mesh=(2, 2))
+    limit = free.predicted.memory["peak"] * 0.5 / 2**30
+    chosen = plan(path, devices=4, batch=8, dims={"seq": 16}, mesh=(2, 2),
+                  memory_limit_gib=limit)
+    assert chosen.solver.status == "optimal"
+    used = {axis for op in chosen.ops for axes in op.assignment.values() for axis in axes}
+    assert used == {"a0", "a1"}
+    assert len({str(sorted(op.assignment.items())) for op in chosen.ops}) > 3
+    _check(path, chosen)
