@@ -8,6 +8,8 @@ the losses, step times and collective counts of rank 0.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import socket
 import tempfile
@@ -89,24 +91,44 @@ def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed
         log.losses.append(reported)
 
 
-def _worker(rank: int, world: int, port: int, model: str, plan_path: str, steps: int,
-            lr: float, seed: int, out: str, optimizer: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(
-                                seconds=60))
+@dataclass(frozen=True)
+class RunSettings:
+    model: str
+    plan_path: str
+    steps: int = 5
+    lr: float = 0.1
+    seed: int = 0
+    optimizer: str = "sgd"
+    out: str = ""  # where rank 0 writes the RunLog JSON ("" = nowhere)
+    timeout_s: float = 120.0  # a dead rank makes the others fail within this
+
+
+def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> RunLog:
+    """One rank of a run (spawned here, or started by torchrun with init_method env://)."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=settings.timeout_s))
     try:
-        plan = Plan.load(plan_path)
-        graph = _graph_for(model, plan)
-        runner = PlanRunner(graph, plan, rank, seed, onnx_weights(model))
+        plan = Plan.load(settings.plan_path)
+        if plan.mesh.size != world:
+            raise ShardplanError(f"the plan is for {plan.mesh.size} devices but {world} ranks "
+                                 "were started; start as many ranks as the plan has devices")
+        graph = _graph_for(settings.model, plan)
+        runner = PlanRunner(graph, plan, rank, settings.seed, onnx_weights(settings.model))
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
-        _steps(runner, graph, steps, lr, seed, log, optimizer)
+        _steps(runner, graph, settings.steps, settings.lr, settings.seed, log,
+               settings.optimizer)
         issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
                   if n}
         log.collectives = {"issued": issued}
-        if rank == 0:
-            Path(out).write_text(__import__("json").dumps(log.to_json()))
+        if rank == 0 and settings.out:
+            Path(settings.out).write_text(json.dumps(log.to_json()))
+        return log
     finally:
         dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
+    run_rank(rank, world, f"tcp://127.0.0.1:{port}", settings)
 
 
 def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
@@ -123,16 +145,14 @@ def _free_port() -> int:
 def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
           seed: int = 0, optimizer: str = "sgd") -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
-    import json
-
     check_plan_matches(plan, _graph_for(model, plan))  # refuse before any rank starts
     with tempfile.TemporaryDirectory() as scratch:
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)
         out = Path(scratch) / "log.json"
-        mp.spawn(_worker, args=(plan.mesh.size, _free_port(), str(model), str(plan_path),
-                                steps, lr, seed, str(out), optimizer), nprocs=plan.mesh.size,
-                 join=True)
+        settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out))
+        mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
+                 nprocs=plan.mesh.size, join=True)
         data = json.loads(out.read_text())
     return RunLog(**data)
 

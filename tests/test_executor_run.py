@@ -147,3 +147,21 @@ def test_mixed_ilp_plan_on_four_ranks(tmp_path: Path) -> None:
     assert used == {"a0", "a1"}
     assert len({str(sorted(op.assignment.items())) for op in chosen.ops}) > 3
     _check(path, chosen)
+
+
+def test_torchrun_runs_the_same_training(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
+    plan_file = chosen.save(tmp_path / "plan.json")
+    log = tmp_path / "log.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "executor", str(path), "--plan", str(plan_file),
+                "--steps", "3", "--log-json", str(log)]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = train_reference(path, chosen, steps=3)
+    assert json.loads(log.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-4)
