@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     parser.add_argument("--log-json", default="")
+    parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--resume", default="")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("python -m executor: start it with torchrun (RANK and WORLD_SIZE are not set), "
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     settings = RunSettings(args.model, args.plan, args.steps, args.lr, args.seed,
-                           args.optimizer, args.log_json)
+                           args.optimizer, args.log_json, resume=args.resume,
+                           checkpoint=args.checkpoint)
     try:
         log = run_rank(rank, world, "env://", settings)
     except ShardplanError as exc:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from executor import checkpoint as checkpoints
 from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
 from planner.api import load_graph
 from planner.errors import ShardplanError
@@ -76,9 +77,10 @@ def _optimizer(runner: PlanRunner, name: str, lr: float) -> torch.optim.Optimize
 
 
 def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed: int,
-           log: RunLog, optimizer: str) -> None:
+           log: RunLog, optimizer: str, resume: str = "", checkpoint: str = "") -> None:
     feeds, targets, output = synthetic_batch(graph, seed)
     step = _optimizer(runner, optimizer, lr)
+    done = checkpoints.load(resume, runner.params, step) if resume else 0
     for _ in range(steps):
         started = time.perf_counter()
         values, layouts = runner.forward(feeds)
@@ -89,6 +91,9 @@ def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed
         step.zero_grad(set_to_none=True)
         log.step_time_s.append(time.perf_counter() - started)
         log.losses.append(reported)
+        done += 1
+    if checkpoint:
+        checkpoints.save(checkpoint, runner.params, step, done)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ class RunSettings:
     seed: int = 0
     optimizer: str = "sgd"
     out: str = ""  # where rank 0 writes the RunLog JSON ("" = nowhere)
+    resume: str = ""  # a checkpoint directory to start from
+    checkpoint: str = ""  # where to save the final state
     timeout_s: float = 120.0  # a dead rank makes the others fail within this
 
 
@@ -116,7 +123,7 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
         runner = PlanRunner(graph, plan, rank, settings.seed, onnx_weights(settings.model))
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(runner, graph, settings.steps, settings.lr, settings.seed, log,
-               settings.optimizer)
+               settings.optimizer, settings.resume, settings.checkpoint)
         issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
                   if n}
         log.collectives = {"issued": issued}
@@ -143,14 +150,16 @@ def _free_port() -> int:
 
 
 def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
-          seed: int = 0, optimizer: str = "sgd") -> RunLog:
+          seed: int = 0, optimizer: str = "sgd", resume: str = "",
+          checkpoint: str = "") -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
     check_plan_matches(plan, _graph_for(model, plan))  # refuse before any rank starts
     with tempfile.TemporaryDirectory() as scratch:
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)
         out = Path(scratch) / "log.json"
-        settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out))
+        settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
+                               resume=str(resume), checkpoint=str(checkpoint))
         mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
                  nprocs=plan.mesh.size, join=True)
         data = json.loads(out.read_text())

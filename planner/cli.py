@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=0.1)
     run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")
+    run.add_argument("--checkpoint", metavar="DIR", default="",
+                     help="save the sharded weights and optimizer state here at the end")
+    run.add_argument("--resume", metavar="DIR", default="",
+                     help="start from a checkpoint saved by the same plan")
 
     export = verbs.add_parser("export", help="write a plan in another framework's format")
     export.add_argument("plan", help="a strategy JSON written by `shardplan plan -o`")
@@ -339,9 +343,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
-    runner = train if args.nproc > 1 else train_reference
-    log = runner(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
-                 optimizer=args.optimizer)
+    if args.nproc == 1 and (args.checkpoint or args.resume):
+        raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
+    if args.nproc > 1:
+        log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
+                    optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint)
+    else:
+        log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
+                              seed=args.seed, optimizer=args.optimizer)
     issued = {k: v for k, v in log.collectives.get("issued", {}).items()
               if not k.endswith("|loss")}
     planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}

@@ -165,3 +165,15 @@ def test_torchrun_runs_the_same_training(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     reference = train_reference(path, chosen, steps=3)
     assert json.loads(log.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-4)
+
+
+def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
+    """AdamW state and shards saved with torch.distributed.checkpoint, atomically."""
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
+    whole = train(path, chosen, steps=5, optimizer="adamw", lr=0.01)
+    saved = tmp_path / "ckpt"
+    first = train(path, chosen, steps=3, optimizer="adamw", lr=0.01, checkpoint=str(saved))
+    assert saved.is_dir() and not (tmp_path / "ckpt.partial").exists()
+    rest = train(path, chosen, steps=2, optimizer="adamw", lr=0.01, resume=str(saved))
+    assert first.losses + rest.losses == pytest.approx(whole.losses, rel=1e-6)

@@ -1,0 +1,91 @@
+"""Sharded checkpoints with torch.distributed.checkpoint, written atomically.
+
+Every rank saves its own weight shards and optimizer state under rank-qualified keys (a
+shard is not a replica, so no key may be shared). The files go to `<dir>.partial`, and
+rank 0 renames that to `<dir>` after every rank has finished: a crash mid-save leaves the
+previous checkpoint, never a half-written one. Resuming needs the same plan and ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from planner.errors import ShardplanError
+
+
+def _state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, rank: int,
+           step: int) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {f"rank{rank}/step": torch.tensor(step)}
+    names = {id(p): n for n, p in params.items()}
+    for name, param in params.items():
+        state[f"rank{rank}/param/{name}"] = param.detach()
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            state[f"rank{rank}/optim/{names[id(param)]}/{key}"] = tensor
+    return state
+
+
+def save(directory: str | Path, params: dict[str, torch.Tensor],
+         optimizer: torch.optim.Optimizer, step: int) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = Path(directory)
+    partial = final.with_name(final.name + ".partial")
+    if rank == 0 and partial.exists():
+        shutil.rmtree(partial)
+    _barrier()
+    dcp.save(_state(params, optimizer, rank, step), checkpoint_id=str(partial),
+             no_dist=not dist.is_initialized())
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    _barrier()
+
+
+def load(directory: str | Path, params: dict[str, torch.Tensor],
+         optimizer: torch.optim.Optimizer) -> int:
+    """Fill weights and optimizer state in place; return the step the checkpoint was at."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ShardplanError(f"{path}: no checkpoint there (a .partial one was never finished)"
+                             if path.with_name(path.name + ".partial").exists()
+                             else f"{path}: no such checkpoint directory")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # Materialise optimizer state so its tensors exist to be loaded into.
+    for param in params.values():
+        if param.requires_grad and param not in optimizer.state:
+            param.grad = torch.zeros_like(param)
+    if any(p.grad is not None for p in params.values()):
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    state = _state(params, optimizer, rank, 0)
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        for name, param in params.items():
+            param.copy_(state[f"rank{rank}/param/{name}"])
+    names = {id(p): n for n, p in params.items()}
+    for param, values in optimizer.state.items():
+        for key, value in list(values.items()):
+            loaded = state[f"rank{rank}/optim/{names[id(param)]}/{key}"]
+            if torch.is_tensor(value):
+                value.copy_(loaded)
+            else:
+                values[key] = type(value)(loaded.item())
+    return int(state[f"rank{rank}/step"].item())
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
