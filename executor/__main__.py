@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-json", default="")
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--resume", default="")
+    parser.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"])
+    parser.add_argument("--data", default="")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("python -m executor: start it with torchrun (RANK and WORLD_SIZE are not set), "
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     settings = RunSettings(args.model, args.plan, args.steps, args.lr, args.seed,
                            args.optimizer, args.log_json, resume=args.resume,
-                           checkpoint=args.checkpoint)
+                           checkpoint=args.checkpoint, loss=args.loss, data=args.data)
     try:
         log = run_rank(rank, world, "env://", settings)
     except ShardplanError as exc:

@@ -322,21 +322,36 @@ class PlanRunner:
                 self.params[name].grad = self.comm.all_reduce(grad, axes, "gradient")
 
     def loss(self, values: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout],
-             output: str, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Mean cross-entropy over the global batch: (local part to backprop, global value).
+             output: str, targets: torch.Tensor | None,
+             kind: str = "ce") -> tuple[torch.Tensor, float]:
+        """The step's loss: (local part to backprop, global value).
 
-        The logits keep their batch split and are gathered along every other dim."""
+        kind "graph": `output` is the model's own scalar loss (partial sums backprop as
+        they are). "ce": mean cross-entropy of logits against class targets; "mse": mean
+        squared error against float targets. For both the output keeps its batch split and
+        is gathered along every other dim; the global mean sums the ranks' shares."""
         info = self.graph.tensors[output]
         src = layouts[output]
-        batch_axes = src.dims[0]
+        if kind == "graph":
+            local = values[output].reshape(())
+            reported = self.comm.all_reduce(local.detach().reshape(1), src.partial, "loss")
+            return local, float(reported.item())
+        batch_axes = src.dims[0] if src.dims else ()
         dst = Layout((batch_axes, *[() for _ in info.shape[1:]]))
         # The loss is not part of the planned graph: its moves are counted apart.
-        logits = self._move(values[output], src, dst, info, (), ("loss", "loss"))
+        predicted = self._move(values[output], src, dst, info, (), ("loss", "loss"))
+        assert targets is not None
         local_targets = shard_of(targets, Layout((batch_axes, *[() for _ in
                                                                targets.shape[1:]])), self.comm)
-        classes = logits.shape[-1]
-        total = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, classes).float(), local_targets.reshape(-1), reduction="sum")
+        if kind == "ce":
+            classes = predicted.shape[-1]
+            total = torch.nn.functional.cross_entropy(
+                predicted.reshape(-1, classes).float(), local_targets.reshape(-1).long(),
+                reduction="sum")
+        elif kind == "mse":
+            total = ((predicted.float() - local_targets.float()) ** 2).sum()
+        else:
+            raise ShardplanError(f"--loss {kind!r}: choose graph, ce or mse")
         local = total / float(targets.numel())
         reported = self.comm.all_reduce(local.detach().reshape(1), batch_axes, "loss")
         return local, float(reported.item())

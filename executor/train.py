@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,14 +43,39 @@ class RunLog:
                 "collectives": self.collectives}
 
 
-def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Tensor],
-                                                              torch.Tensor, str]:
-    """Inputs, targets and the output to train: valid token ids, normal floats."""
+LOSSES = ("auto", "graph", "ce", "mse")
+
+
+def loss_kind(graph: PlanningGraph, wanted: str = "auto") -> tuple[str, str]:
+    """(kind, output): the model's own scalar loss output when it has one, else
+    cross-entropy on integer-class logits."""
+    scalar = [o for o in graph.outputs if graph.tensors[o].numel == 1
+              and graph.tensors[o].is_float]
+    if wanted not in LOSSES:
+        raise ShardplanError(f"--loss {wanted!r}: choose one of {', '.join(LOSSES)}")
+    if wanted in ("auto", "graph") and scalar:
+        return "graph", scalar[0]
+    if wanted == "graph":
+        raise ShardplanError(f"{graph.path} has no scalar loss output; use --loss ce or mse")
+    return ("ce" if wanted == "auto" else wanted), graph.outputs[0]
+
+
+def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
+               data: str = "") -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The global batch: `<data>/<input>.npy` (and `targets.npy`) when given, else
+    synthetic: valid token ids for embeddings, normal floats, class or float targets."""
     generator = torch.Generator().manual_seed(seed + 1)
     feeds: dict[str, torch.Tensor] = {}
     for name in graph.inputs:
         info = graph.tensors[name]
-        if info.dtype.startswith("int"):
+        stored = Path(data) / f"{name}.npy" if data else None
+        if stored is not None and stored.exists():
+            array = np.load(stored, allow_pickle=False)
+            if tuple(array.shape) != info.shape:
+                raise ShardplanError(f"{stored}: shape {list(array.shape)}, but input {name} "
+                                     f"is {list(info.shape)} in the plan")
+            feeds[name] = torch.from_numpy(array.astype(info.dtype))
+        elif info.dtype.startswith("int"):
             high = min((graph.tensors[graph.op(c).inputs[0]].shape[0] for c in info.consumers
                         if graph.op(c).op_type == "Gather" and graph.op(c).inputs[1] == name),
                        default=2)
@@ -57,9 +83,22 @@ def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Te
                                         dtype=getattr(torch, info.dtype))
         else:
             feeds[name] = torch.randn(info.shape, generator=generator)
-    output = graph.outputs[0]
+    if kind == "graph":
+        return feeds, None
     shape = graph.tensors[output].shape
-    targets = torch.randint(0, shape[-1], shape[:-1], generator=generator)
+    stored = Path(data) / "targets.npy" if data else None
+    if stored is not None and stored.exists():
+        return feeds, torch.from_numpy(np.load(stored, allow_pickle=False))
+    if kind == "ce":
+        return feeds, torch.randint(0, shape[-1], shape[:-1], generator=generator)
+    return feeds, torch.randn(shape, generator=generator)
+
+
+def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Tensor],
+                                                              torch.Tensor | None, str]:
+    """Inputs, targets and the output to train, as a default run draws them."""
+    kind, output = loss_kind(graph)
+    feeds, targets = batch_data(graph, seed, kind, output)
     return feeds, targets, output
 
 
@@ -77,14 +116,16 @@ def _optimizer(runner: PlanRunner, name: str, lr: float) -> torch.optim.Optimize
 
 
 def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed: int,
-           log: RunLog, optimizer: str, resume: str = "", checkpoint: str = "") -> None:
-    feeds, targets, output = synthetic_batch(graph, seed)
+           log: RunLog, optimizer: str, resume: str = "", checkpoint: str = "",
+           loss: str = "auto", data: str = "") -> None:
+    kind, output = loss_kind(graph, loss)
+    feeds, targets = batch_data(graph, seed, kind, output, data)
     step = _optimizer(runner, optimizer, lr)
     done = checkpoints.load(resume, runner.params, step) if resume else 0
     for _ in range(steps):
         started = time.perf_counter()
         values, layouts = runner.forward(feeds)
-        local, reported = runner.loss(values, layouts, output, targets)
+        local, reported = runner.loss(values, layouts, output, targets, kind)
         local.backward()
         runner.sync_gradients()
         step.step()
@@ -107,6 +148,8 @@ class RunSettings:
     out: str = ""  # where rank 0 writes the RunLog JSON ("" = nowhere)
     resume: str = ""  # a checkpoint directory to start from
     checkpoint: str = ""  # where to save the final state
+    loss: str = "auto"  # graph | ce | mse | auto (the graph's own loss, else ce)
+    data: str = ""  # a folder of <input>.npy arrays (and targets.npy); "" = synthetic
     timeout_s: float = 120.0  # a dead rank makes the others fail within this
 
 
@@ -123,7 +166,8 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
         runner = PlanRunner(graph, plan, rank, settings.seed, onnx_weights(settings.model))
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(runner, graph, settings.steps, settings.lr, settings.seed, log,
-               settings.optimizer, settings.resume, settings.checkpoint)
+               settings.optimizer, settings.resume, settings.checkpoint, settings.loss,
+               settings.data)
         issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
                   if n}
         log.collectives = {"issued": issued}
@@ -151,7 +195,7 @@ def _free_port() -> int:
 
 def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
           seed: int = 0, optimizer: str = "sgd", resume: str = "",
-          checkpoint: str = "") -> RunLog:
+          checkpoint: str = "", loss: str = "auto", data: str = "") -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
     check_plan_matches(plan, _graph_for(model, plan))  # refuse before any rank starts
     with tempfile.TemporaryDirectory() as scratch:
@@ -159,7 +203,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
         plan.save(plan_path)
         out = Path(scratch) / "log.json"
         settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
-                               resume=str(resume), checkpoint=str(checkpoint))
+                               resume=str(resume), checkpoint=str(checkpoint), loss=loss,
+                               data=str(data))
         mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
                  nprocs=plan.mesh.size, join=True)
         data = json.loads(out.read_text())
@@ -167,7 +212,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
 
 
 def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
-                    seed: int = 0, optimizer: str = "sgd") -> RunLog:
+                    seed: int = 0, optimizer: str = "sgd", loss: str = "auto",
+                    data: str = "") -> RunLog:
     """The same model, data and optimizer in one process with nothing split."""
     from planner.api import plan as make_plan
 
@@ -179,7 +225,7 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
         single = make_plan(graph, devices=1, mode="data", profile="cpu")
     runner = PlanRunner(graph, single, 0, seed, onnx_weights(str(model)))
     log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
-    _steps(runner, graph, steps, lr, seed, log, optimizer)
+    _steps(runner, graph, steps, lr, seed, log, optimizer, loss=loss, data=data)
     return log
 
 

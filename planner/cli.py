@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="save the sharded weights and optimizer state here at the end")
     run.add_argument("--resume", metavar="DIR", default="",
                      help="start from a checkpoint saved by the same plan")
+    run.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"],
+                     help="auto: the model's own scalar loss output if it has one, else "
+                          "cross-entropy on the first output")
+    run.add_argument("--data", metavar="DIR", default="",
+                     help="<input>.npy arrays (and targets.npy) of the global batch; each "
+                          "data-parallel rank reads its shard (default: synthetic)")
 
     export = verbs.add_parser("export", help="write a plan in another framework's format")
     export.add_argument("plan", help="a strategy JSON written by `shardplan plan -o`")
@@ -347,10 +353,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if args.nproc > 1:
         log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
-                    optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint)
+                    optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
+                    loss=args.loss, data=args.data)
     else:
         log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
-                              seed=args.seed, optimizer=args.optimizer)
+                              seed=args.seed, optimizer=args.optimizer, loss=args.loss,
+                              data=args.data)
     issued = {k: v for k, v in log.collectives.get("issued", {}).items()
               if not k.endswith("|loss")}
     planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}

@@ -177,3 +177,62 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
     assert saved.is_dir() and not (tmp_path / "ckpt.partial").exists()
     rest = train(path, chosen, steps=2, optimizer="adamw", lr=0.01, resume=str(saved))
     assert first.losses + rest.losses == pytest.approx(whole.losses, rel=1e-6)
+
+
+def _regression_with_loss(path: Path) -> Path:
+    """x @ w1 -> relu -> @ w2, loss = ReduceMean((y - labels)^2): the graph's own loss."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    labels = helper.make_tensor_value_info("labels", TensorProto.FLOAT, ["batch", 4])
+    loss = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
+    inits = [numpy_helper.from_array((0.3 * rng.standard_normal(s)).astype(np.float32), n)
+             for n, s in (("w1", (16, 32)), ("w2", (32, 4)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2"),
+             helper.make_node("Sub", ["y", "labels"], ["d"], name="diff"),
+             helper.make_node("Mul", ["d", "d"], ["sq"], name="square"),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], name="mean", keepdims=0)]
+    graph = helper.make_graph(nodes, "reg", [x, labels], [loss], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_the_graphs_own_loss_and_npy_data(tmp_path: Path) -> None:
+    import numpy as np
+
+    path = _regression_with_loss(tmp_path / "reg.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    np.save(data / "x.npy", rng.standard_normal((8, 16)).astype(np.float32))
+    np.save(data / "labels.npy", rng.standard_normal((8, 4)).astype(np.float32))
+    chosen = plan(path, devices=2, batch=8, mode="data", profile="cpu")
+    assert chosen.ops[-1].outputs[0].layout.partial == ("dp",)  # a partial mean over ranks
+    reference = train_reference(path, chosen, steps=4, data=str(data))
+    run = train(path, chosen, steps=4, data=str(data))
+    assert run.losses == pytest.approx(reference.losses, rel=1e-5)
+    assert reference.losses[-1] < reference.losses[0]
+    x = np.load(data / "x.npy")
+    hidden = np.maximum(x @ _weights(path)["w1"], 0) @ _weights(path)["w2"]
+    first = float(((hidden - np.load(data / "labels.npy")) ** 2).mean())
+    assert reference.losses[0] == pytest.approx(first, rel=1e-5)  # the model's own weights
+
+
+def _weights(path: Path) -> dict:
+    import onnx
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+
+def test_mse_loss_on_a_classifier_output(tmp_path: Path) -> None:
+    path = _zoo(tmp_path, "seed-mlp")
+    chosen = plan(path, devices=2, batch=32, mode="data", profile="cpu")
+    reference = train_reference(path, chosen, steps=3, loss="mse", lr=0.01)
+    run = train(path, chosen, steps=3, loss="mse", lr=0.01)
+    assert run.losses == pytest.approx(reference.losses, rel=1e-5)
