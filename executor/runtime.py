@@ -248,6 +248,7 @@ class PlanRunner:
             self.params[name] = local
         self.gradient_axes = {c.tensor: tuple(c.axes) for c in plan.collectives
                               if c.phase == "gradient"}
+        self._steps: dict[tuple, list[CommStep]] = {}
 
     def forward(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """Run every op; return local values and their layouts."""
@@ -289,7 +290,11 @@ class PlanRunner:
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],
               phases: tuple[str, str] = ("forward", "backward")) -> torch.Tensor:
-        steps = redistribute(src, dst, info.shape, info.itemsize, self.mesh)
+        key = (info.name, src, dst)
+        steps = self._steps.get(key)
+        if steps is None:  # the same every step: compute the moves once
+            steps = self._steps[key] = redistribute(src, dst, info.shape, info.itemsize,
+                                                    self.mesh)
         if not info.is_float or not self.needs_grad.get(info.name, False):
             return self.comm.run(value, steps, phases[0]) if steps else value
         if info.name in self.weight_derived:

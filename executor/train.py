@@ -155,6 +155,9 @@ class RunSettings:
 
 def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> RunLog:
     """One rank of a run (spawned here, or started by torchrun with init_method env://)."""
+    # Ranks share the host's cores: one thread pool each, sized to its share (as torchrun
+    # does with OMP_NUM_THREADS), or small ops thrash.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=settings.timeout_s))
     try:

@@ -236,3 +236,30 @@ def test_mse_loss_on_a_classifier_output(tmp_path: Path) -> None:
     reference = train_reference(path, chosen, steps=3, loss="mse", lr=0.01)
     run = train(path, chosen, steps=3, loss="mse", lr=0.01)
     assert run.losses == pytest.approx(reference.losses, rel=1e-5)
+
+
+def _kind_plan(path: Path, kind: str, devices: int, batch: int, dims: dict[str, int]) -> Plan:
+    if kind == "data":
+        return plan(path, devices=devices, batch=batch, dims=dims, mode="data", profile="cpu")
+    if kind == "tensor":
+        graph = load_graph(path, batch=batch, dims=dims)
+        return price_baselines(graph, load_profile("a100-80g"), devices, TrainingOptions(),
+                               op_labels(graph))["megatron"]
+    free = plan(path, devices=devices, batch=batch, dims=dims, mesh=(2, devices // 2))
+    return plan(path, devices=devices, batch=batch, dims=dims, mesh=(2, devices // 2),
+                memory_limit_gib=free.predicted.memory["peak"] * 0.6 / 2**30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("kind", ["data", "tensor", "mixed"])
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny", "resnet-tiny"])
+def test_plan_kinds_match_one_process(tmp_path: Path, preset: str, kind: str,
+                                      devices: int) -> None:
+    path = _zoo(tmp_path, preset)
+    dims = {} if preset == "resnet-tiny" else {"seq": 8}
+    try:
+        chosen = _kind_plan(path, kind, devices, 8, dims)
+    except Exception as exc:
+        pytest.skip(f"no {kind} plan: {exc}")
+    _check(path, chosen)
