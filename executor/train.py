@@ -105,6 +105,13 @@ def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Te
 OPTIMIZERS = ("sgd", "adamw")
 
 
+def _fault_drill(rank: int) -> int | None:
+    """SHARDPLAN_FAULT="RANK:STEP" kills that rank before that step (for fault tests)."""
+    spec = os.environ.get("SHARDPLAN_FAULT", "")
+    victim, _, step = spec.partition(":")
+    return int(step) if spec and victim == str(rank) and step.isdigit() else None
+
+
 def _optimizer(runner: PlanRunner, name: str, lr: float) -> torch.optim.Optimizer:
     """Elementwise optimizers act on local shards exactly as on the whole tensor."""
     params = [p for p in runner.params.values() if p.requires_grad]
@@ -122,7 +129,10 @@ def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed
     feeds, targets = batch_data(graph, seed, kind, output, data)
     step = _optimizer(runner, optimizer, lr)
     done = checkpoints.load(resume, runner.params, step) if resume else 0
+    fault = _fault_drill(runner.comm.rank)
     for _ in range(steps):
+        if fault is not None and done == fault:
+            os._exit(17)  # a fault drill: this rank dies in the middle of training
         started = time.perf_counter()
         values, layouts = runner.forward(feeds)
         local, reported = runner.loss(values, layouts, output, targets, kind)
@@ -208,8 +218,16 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
         settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
                                resume=str(resume), checkpoint=str(checkpoint), loss=loss,
                                data=str(data))
-        mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
-                 nprocs=plan.mesh.size, join=True)
+        try:
+            mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
+                     nprocs=plan.mesh.size, join=True)
+        except mp.ProcessRaisedException as exc:
+            last = str(exc).strip().splitlines()[-1]
+            raise ShardplanError(f"rank {exc.error_index} failed ({last}); the other ranks "
+                                 "were stopped") from None
+        except mp.ProcessExitedException as exc:
+            raise ShardplanError(f"rank {exc.error_index} died (exit code {exc.exit_code}); "
+                                 "the other ranks were stopped") from None
         data = json.loads(out.read_text())
     return RunLog(**data)
 

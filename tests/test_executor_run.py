@@ -263,3 +263,18 @@ def test_plan_kinds_match_one_process(tmp_path: Path, preset: str, kind: str,
     except Exception as exc:
         pytest.skip(f"no {kind} plan: {exc}")
     _check(path, chosen)
+
+
+def test_a_dying_rank_stops_the_others_with_a_clear_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from planner.errors import ShardplanError
+
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
+    monkeypatch.setenv("SHARDPLAN_FAULT", "1:2")  # rank 1 dies before its third step
+    started = time.monotonic()
+    with pytest.raises(ShardplanError, match="rank 1 died"):
+        train(path, chosen, steps=5)
+    assert time.monotonic() - started < 60  # no hang: rank 0 is stopped, not left waiting
