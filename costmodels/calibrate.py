@@ -401,13 +401,6 @@ def _memory_total() -> int:
 # -- command line -------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting, so errors become one-line ShardplanErrors."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ShardplanError(message)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `shardplan calibrate` flags, for the main CLI's subparser."""
     parser.add_argument("--nproc", type=int, default=2,
@@ -426,17 +419,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m costmodels.calibrate [--nproc N] [--backend gloo|nccl] -o FILE`."""
-    parser = _Parser(prog="shardplan calibrate", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except ShardplanError as exc:
-        print(f"shardplan calibrate: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("shardplan calibrate: interrupted", file=sys.stderr)
-        return 130
+    """`python -m costmodels.calibrate ...`: the same as `shardplan calibrate ...`."""
+    from planner.cli import main as shardplan
+
+    return shardplan(["calibrate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

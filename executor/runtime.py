@@ -153,10 +153,6 @@ class _SumOverAxes(torch.autograd.Function):
         return ctx.comm.all_reduce(grad, ctx.axes, "backward"), None, None
 
 
-def strategy_of(entry_assignment: Mapping[str, Sequence[str]]) -> OpStrategy:
-    return OpStrategy.of({label: tuple(axes) for label, axes in entry_assignment.items()})
-
-
 def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
     """Refuse a plan made for another model or other dims before anything runs."""
     if plan.model.sha256 != graph.sha256:
@@ -261,7 +257,7 @@ class PlanRunner:
         for node in self.graph.ops:
             entry = self.entries[node.name]
             labels = safe_labels(node, tensors)
-            strategy = strategy_of(entry.assignment) if labels is not None else REPLICATED
+            strategy = OpStrategy.of(entry.assignment) if labels is not None else REPLICATED
             labels = labels or replicated_labels(node, tensors)
             env: dict[str, torch.Tensor] = {}
             for index, (name, binding) in enumerate(zip(node.inputs, entry.inputs,

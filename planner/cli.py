@@ -170,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.verb != "zoo":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:  # bad flags (and --help) end argparse with SystemExit: return its code instead
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.verb != "zoo":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as done:
+        return int(done.code or 0)
     try:
         if args.verb == "plan":
             return _plan(args)

@@ -267,14 +267,10 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                     plan.predicted.step_time_s:
                 record = plan.solver
                 record.detail["chosen"] = f"the {name} baseline: cheaper under exact pricing"
-                plan = assemble(graph, baseline.mesh, _strategies_of(baseline), profile,
-                                baseline.parallel, record, training, labels)
+                strategies = {op.name: OpStrategy.of(op.assignment) for op in baseline.ops}
+                plan = assemble(graph, baseline.mesh, strategies, profile, baseline.parallel,
+                                record, training, labels)
     return SearchResult(plan, alternatives[: max(1, options.top_k)], baselines)
-
-
-def _strategies_of(plan: Plan) -> dict[str, OpStrategy]:
-    return {op.name: OpStrategy.of({k: tuple(v) for k, v in op.assignment.items()})
-            for op in plan.ops}
 
 
 def _searchable(key: str, value: int | str) -> bool:
