@@ -56,18 +56,27 @@ def training_memory(
     optimizer: str = "adam",
     zero: int = 0,
     dp: int = 1,
+    sharded_bytes=None,
+    sharded_elements=None,
+    rounded: bool = True,
 ) -> MemoryBreakdown:
-    """Per-device memory; all inputs are already local to one device (after op sharding)."""
-    states = optimizer_state_bytes(parameter_elements, parameter_itemsize, optimizer)
-    gradients = parameter_bytes
-    parameters = parameter_bytes
-    if zero >= 1:
-        states /= dp
-    if zero >= 2:
-        gradients /= dp
-    if zero >= 3:
-        parameters /= dp
-    return MemoryBreakdown(
-        parameters=round(parameters), gradients=round(gradients), optimizer=round(states),
-        activations=round(activation_bytes), workspace=round(workspace_bytes),
-    )
+    """Per-device memory; all inputs are already local to one device (after op sharding).
+
+    ZeRO shards over the group each gradient is reduced on: `sharded_bytes` and
+    `sharded_elements` are the local weights divided by their groups (default: by `dp`).
+    Stage 1 keeps the optimizer states of the shard only, stage 2 the gradients too,
+    stage 3 the weights too. Inputs may be numpy arrays (the stage search prices every
+    range at once); `rounded=False` keeps them unrounded.
+    """
+    if sharded_bytes is None:
+        sharded_bytes = parameter_bytes / dp
+    if sharded_elements is None:
+        sharded_elements = parameter_elements / dp
+    elements = sharded_elements if zero >= 1 else parameter_elements
+    states = optimizer_state_bytes(elements, parameter_itemsize, optimizer)
+    gradients = sharded_bytes if zero >= 2 else parameter_bytes
+    parameters = sharded_bytes if zero >= 3 else parameter_bytes
+    parts = (parameters, gradients, states, activation_bytes, workspace_bytes)
+    if rounded:
+        parts = tuple(round(float(part)) for part in parts)
+    return MemoryBreakdown(*parts)

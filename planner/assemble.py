@@ -136,16 +136,18 @@ def assemble(
             out_bindings.append(TensorBinding(name, layout))
         fraction = work_fraction(strategy, mesh)
         forward = op_seconds(node, tensors, fraction, profile)
+        backward = saved = 0.0
         compute_forward += forward
         if any(requires_grad.get(o, False) for o in node.outputs if o):
-            compute_backward += BACKWARD_FLOP_RATIO * forward
+            backward = BACKWARD_FLOP_RATIO * forward
             if not node.is_view:
-                saved_activation_bytes += sum(
-                    tensors[o].nbytes * fraction_of_layout(layout_of[o], mesh)
-                    for o in node.outputs if o and tensors[o].is_float
-                )
-        workspace = max(workspace, sum(tensors[o].nbytes * fraction_of_layout(layout_of[o], mesh)
-                                       for o in node.outputs if o))
+                saved = sum(tensors[o].nbytes * fraction_of_layout(layout_of[o], mesh)
+                            for o in node.outputs if o and tensors[o].is_float)
+        compute_backward += backward
+        saved_activation_bytes += saved
+        output_bytes = sum(tensors[o].nbytes * fraction_of_layout(layout_of[o], mesh)
+                           for o in node.outputs if o)
+        workspace = max(workspace, output_bytes)
         if live_peak is not None:
             live_peak.step(node, layout_of, mesh)
         op_entries.append(OpEntry(
@@ -154,6 +156,8 @@ def assemble(
             inputs=bindings, outputs=out_bindings,
             assignment={label: list(axes) for label, axes in strategy.assignment},
             note="no sharding rule: runs replicated" if labels.get(node.name) is None else "",
+            cost={"forward_s": forward, "backward_s": backward, "saved_bytes": saved,
+                  "output_bytes": output_bytes},
         ))
 
     collectives += _gradient_collectives(graph, parameter_partial, layout_of, mesh, profile,

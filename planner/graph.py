@@ -7,6 +7,7 @@ exported graph has already been folded away by the importer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # exact, where an int64 product would wrap around
 
     @property
     def itemsize(self) -> int:
@@ -82,6 +83,7 @@ class PlanningGraph:
     inputs: list[str]
     outputs: list[str]
     warnings: list[str] = field(default_factory=list)
+    batch_symbol: str | None = None  # the symbolic name of the batch dim, if it has one
 
     def op(self, name: str) -> OpNode:
         index = self.__dict__.get("_op_index")

@@ -70,6 +70,9 @@ class OpEntry:
     outputs: list[TensorBinding | None]
     assignment: dict[str, list[str]]  # the op's labels split over mesh axes
     note: str = ""
+    # Predicted per device, one micro-batch: forward_s, backward_s (compute), saved_bytes
+    # (activations kept for the backward pass), output_bytes (local outputs).
+    cost: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -82,6 +85,8 @@ class OpEntry:
         }
         if self.note:
             entry["note"] = self.note
+        if self.cost:
+            entry["cost"] = self.cost
         return entry
 
 
@@ -147,9 +152,14 @@ class Plan:
     step: dict[str, Any] = field(default_factory=lambda: {"kind": "training", "overlap": 0.0})
     alternatives: list[dict[str, Any]] = field(default_factory=list)  # other meshes tried
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # priced side by side
+    # Pipeline stages, micro-batches, ZeRO and recompute (docs/strategy-schema.md); None for
+    # a plan that runs the whole graph on every device in one pass.
+    pipeline: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"pipeline": self.pipeline} if self.pipeline is not None else {}
         return {
+            **extra,
             "step": self.step,
             "alternatives": self.alternatives,
             "baselines": self.baselines,
@@ -210,8 +220,12 @@ class Plan:
                 f"{source}: schema is {data.get('schema')!r}, expected {SCHEMA!r}; "
                 "re-create the plan with this version of shardplan"
             )
+        from planner.errors import StrategyError
+        from planner.plancheck import check_plan_fits, check_plan_json
+
+        check_plan_json(data, source)  # every field's type and range, naming its JSON path
         try:
-            return cls(
+            plan = cls(
                 model=ModelRef(**data["model"]),
                 cluster=ClusterRef(**data["cluster"]),
                 mesh=DeviceMesh.from_json(data["mesh"]),
@@ -227,13 +241,18 @@ class Plan:
                 step=dict(data.get("step", {"kind": "training", "overlap": 0.0})),
                 alternatives=list(data.get("alternatives", [])),
                 baselines=dict(data.get("baselines", {})),
+                pipeline=data.get("pipeline"),
             )
         except PlanFileError:
             raise
+        except StrategyError as exc:  # e.g. a mesh whose shape and axes differ in length
+            raise PlanFileError(f"{source}: {exc}") from None
         except KeyError as exc:
             raise PlanFileError(f"{source}: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as exc:
             raise PlanFileError(f"{source}: malformed plan ({exc})") from None
+        check_plan_fits(plan, source)  # layouts the mesh can hold, bindings to known tensors
+        return plan
 
 
 def _op_from_json(data: dict[str, Any]) -> OpEntry:
@@ -245,4 +264,5 @@ def _op_from_json(data: dict[str, Any]) -> OpEntry:
         inputs=[binding(b) for b in data["inputs"]],
         outputs=[binding(b) for b in data["outputs"]],
         assignment=data.get("assignment", {}), note=data.get("note", ""),
+        cost=dict(data.get("cost", {})),
     )
