@@ -48,7 +48,7 @@ def _parallel(text: str) -> dict[str, int | str]:
             raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected KEY=VALUE,..., "
                                              "e.g. dp=4,tp=8")
         key = key.strip()
-        if key == "recompute":
+        if key in ("recompute", "schedule"):
             pins[key] = value.strip()
             continue
         try:
@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                       help="per mesh shape; the best plan found so far is returned with its gap")
     plan.add_argument("--parallel", type=_parallel, default={}, metavar="dp=4,tp=8",
-                      help="pin global choices (dp, tp) and search the rest")
+                      help="pin global choices and search the rest: dp, tp, pp, "
+                           "micro_batches, zero (0-3), recompute (none|selective|full), "
+                           "schedule (1f1b|gpipe|interleaved)")
     plan.add_argument("--mesh", type=_mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
     plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
                       help="largest number of mesh axes searched")

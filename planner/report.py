@@ -48,8 +48,9 @@ def summary(plan: Plan) -> str:
         f"{'  communication':<28}{human_seconds(p.communication_s):>12}  "
         f"{100 * p.communication_s / total:5.1f} %",
     ]
-    for key in ("forward_s", "backward_s", "optimizer_s", "forward_communication_s",
-                "backward_communication_s", "gradient_communication_s"):
+    for key in ("forward_s", "backward_s", "recompute_s", "optimizer_s",
+                "forward_communication_s", "backward_communication_s", "p2p_s", "zero_s",
+                "gradient_communication_s", "bubble_s"):
         if p.breakdown.get(key):
             lines.append(f"{'    ' + key.removesuffix('_s').replace('_', ' '):<28}"
                          f"{human_seconds(p.breakdown[key]):>12}")
@@ -59,20 +60,45 @@ def summary(plan: Plan) -> str:
     verdict = "fits" if p.fits else "DOES NOT FIT"
     lines.append(f"{'  peak':<28}{human_bytes(p.memory['peak']):>12}  of "
                  f"{human_bytes(p.memory_limit_bytes)} limit: {verdict}")
+    if plan.pipeline is not None:
+        lines += ["", _pipeline(plan)]
     collectives = len(plan.collectives)
     lines.append("")
     lines.append(f"collectives per step: {collectives}")
     if plan.baselines:
         lines += ["", _comparison(plan)]
     if plan.alternatives:
-        lines += ["", "mesh shapes searched"]
+        lines += ["", "best plans per mesh shape and configuration"]
         for alt in plan.alternatives:
             shape = "x".join(map(str, alt["mesh"]))
+            if "parallel" in alt:
+                par = alt["parallel"]
+                shape = (f"pp={par['pp']} dp={par['dp']} tp={par['tp']} "
+                         f"mb={par['micro_batches']} zero={par['zero']} "
+                         f"recompute={par['recompute']}")
             figure = (human_seconds(alt["objective"]) if alt["objective"] != float("inf")
                       else alt.get("reason") or alt["status"])
-            lines.append(f"  {shape:<10}{alt['status']:<12}{figure}")
+            lines.append(f"  {shape:<10} {alt['status']:<12}{figure}")
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def _pipeline(plan: Plan) -> str:
+    """The stages: which units each device stage holds, its time per micro-batch, memory."""
+    pipe = plan.pipeline or {}
+    lines = [f"pipeline   {len(pipe['stages'])} stage(s), schedule {pipe['schedule']}"
+             + (f" ×{pipe['virtual_stages']} chunks" if pipe["virtual_stages"] > 1 else "")
+             + f", {pipe['micro_batches']} micro-batch(es) of {pipe['micro_batch_size']}"
+             + f", bubble {100 * pipe.get('bubble_fraction', 0.0):.1f} %",
+             f"  {'stage':<7}{'units':<34}{'recompute':<11}{'per micro-batch':>16}"
+             f"{'memory':>12}"]
+    for row in pipe["stages"]:
+        units = ", ".join(a if a == b else f"{a} … {b}" for a, b in row.get("units", []))
+        per_micro = sum(row.get(k, 0.0) for k in ("forward_s", "backward_s", "recompute_s",
+                                                    "p2p_s", "zero_s"))
+        lines.append(f"  {row['device_stage']:<7}{units[:33]:<34}{row['recompute']:<11}"
+                     f"{human_seconds(per_micro):>16}{human_bytes(row['memory']['peak']):>12}")
     return "\n".join(lines)
 
 

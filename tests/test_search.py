@@ -171,8 +171,10 @@ def test_pinned_parallel_degrees(gpt_tiny: Path) -> None:
     assert result.parallel.dp == 2 and result.parallel.tp == 4
     with pytest.raises(ShardplanError, match="dp × tp"):
         plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"dp": 3, "tp": 4})
-    with pytest.raises(ShardplanError, match="pipeline"):
-        plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"pp": 2})
+    staged = plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"pp": 2})
+    assert staged.parallel.pp == 2 and staged.mesh.axis_names[0] == "pp"
+    with pytest.raises(ShardplanError, match="--mode auto"):
+        plan(gpt_tiny, devices=8, batch=16, dims={"seq": 16}, parallel={"pp": 2}, mesh=(2, 4))
 
 
 def test_no_plan_fits_reports_the_smallest_memory(gpt_tiny: Path) -> None:

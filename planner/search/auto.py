@@ -9,6 +9,7 @@ process start.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import time
@@ -17,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from costmodels.profile import HardwareProfile
+from costmodels.schedule import SCHEDULES
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError, StrategyError
 from planner.graph import PlanningGraph
@@ -26,6 +28,7 @@ from planner.search.elimination import solve_elimination
 from planner.search.ilp import Solution, solve_ilp
 from planner.search.layers import find_repeats, tie_classes
 from planner.search.megatron import megatron_strategies
+from planner.search.pipeline import JointResult, plan_joint
 from planner.search.problem import (
     StrategyProblem,
     build_problem,
@@ -37,9 +40,11 @@ from planner.sharding.convert import strategy_from_tuples
 from planner.sharding.mesh import DeviceMesh, factorizations
 from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import OpStrategy
+from planner.stages import RECOMPUTE_MODES
 
 SOLVERS = ("auto", "cpsat", "highs", "dp", "propagation")
-PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute")
+PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule")
+JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule")  # only the joint search
 GENERIC_AXES = ("a0", "a1", "a2")
 PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is faster
 
@@ -205,19 +210,87 @@ def _solve_in_process(args: tuple) -> tuple[MeshResult, None]:
 def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
            options: SearchOptions, training: TrainingOptions,
            progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Op-level plans over mesh shapes, and (for training with a batch) the joint search
+    over pipeline stages, micro-batches, ZeRO and recompute; the fastest plan that fits."""
     if options.solver not in SOLVERS:
         raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
-    unknown = [k for k in options.parallel if k not in PARALLEL_KEYS]
-    if unknown:
-        raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
-    unsupported = {k: v for k, v in options.parallel.items() if not _searchable(k, v)}
-    if unsupported:
-        key = next(iter(unsupported))
-        raise ShardplanError(f"--parallel {key}={unsupported[key]}: pipeline stages, ZeRO and "
-                             "recompute are not searchable yet; pin dp and tp only")
+    pins = check_pins(options.parallel)
     started = time.perf_counter()
     labels = op_labels(graph)
-    meshes = candidate_meshes(devices, profile, options)
+    joint_only = any(k in pins for k in JOINT_KEYS)
+    joint_wanted = (options.mode == "auto" and not training.inference and bool(graph.batch)
+                    and options.mesh is None)
+    if joint_only and not joint_wanted:
+        raise ShardplanError(
+            f"--parallel {', '.join(k for k in pins if k in JOINT_KEYS)}: pipeline stages, "
+            "micro-batches, ZeRO and recompute are planned for training in --mode auto, for "
+            "a model with a batch dimension (--batch) and without --mesh")
+    plans: list[Plan] = []
+    alternatives: list[dict] = []
+    meshes: list[DeviceMesh] = []
+    reasons = ""
+    if not joint_only:
+        meshes = candidate_meshes(devices, profile, options)
+        op_plans, alternatives, reasons = _op_level(graph, profile, meshes, options, training,
+                                                    labels, started, progress)
+        plans += op_plans
+    joint = None
+    if joint_wanted:
+        joint_plans, joint = plan_joint(graph, profile, devices, training, pins,
+                                        options.time_limit, options.top_k, progress)
+        for plan in joint_plans:
+            plan.solver.time_s = time.perf_counter() - started
+            plan.solver.detail["mode"] = options.mode
+        plans += joint_plans
+        alternatives += [_joint_summary(p) for p in joint_plans]
+    alternatives.sort(key=lambda a: a["objective"])
+    fitting = [p for p in plans if p.predicted.fits]
+    if not fitting:
+        raise _no_plan(graph, profile, devices, options, training, labels, meshes, reasons,
+                       joint)
+    plan = min(fitting, key=lambda p: p.predicted.step_time_s)
+    baselines = price_baselines(graph, profile, devices, training, labels)
+    if not options.strategies and not options.parallel and options.mesh is None:
+        for name, baseline in baselines.items():
+            if baseline.predicted.fits and baseline.predicted.step_time_s < \
+                    plan.predicted.step_time_s:
+                record = plan.solver
+                record.detail["chosen"] = f"the {name} baseline: cheaper under exact pricing"
+                strategies = {op.name: OpStrategy.of(op.assignment) for op in baseline.ops}
+                plan = assemble(graph, baseline.mesh, strategies, profile, baseline.parallel,
+                                record, training, labels)
+    return SearchResult(plan, alternatives[: max(1, options.top_k)], baselines)
+
+
+def check_pins(parallel: Mapping[str, int | str]) -> dict[str, int | str]:
+    """The --parallel pins, checked: known keys, values in range."""
+    unknown = [k for k in parallel if k not in PARALLEL_KEYS]
+    if unknown:
+        raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
+    pins: dict[str, int | str] = {}
+    for key, value in parallel.items():
+        if key in ("recompute", "schedule"):
+            allowed = RECOMPUTE_MODES if key == "recompute" else SCHEDULES
+            if value not in allowed:
+                raise ShardplanError(f"--parallel {key}={value}: choose one of "
+                                     f"{', '.join(allowed)}")
+            pins[key] = str(value)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ShardplanError(f"--parallel {key}={value}: must be an integer")
+        low = 0 if key == "zero" else 1
+        if value < low or (key == "zero" and value > 3):
+            raise ShardplanError(f"--parallel {key}={value}: must be "
+                                 f"{'0, 1, 2 or 3' if key == 'zero' else 'positive'}")
+        pins[key] = value
+    return pins
+
+
+def _op_level(graph: PlanningGraph, profile: HardwareProfile, meshes: list[DeviceMesh],
+              options: SearchOptions, training: TrainingOptions,
+              labels: Mapping[str, DimLabels | None], started: float,
+              progress: Callable[[str], None] | None) -> tuple[list[Plan], list[dict], str]:
+    """Per mesh shape, the op-level optimum, assembled (and exactly priced)."""
     results: list[MeshResult] = []
     args = [(graph, mesh, profile, options, training, labels) for mesh in meshes]
     if len(meshes) > 2 and options.workers > 1 and _large(graph, meshes[-1]):
@@ -234,15 +307,11 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                 and r.solution.status in ("optimal", "feasible")]
     feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
     alternatives = [_summary(r) for r in results]
-    alternatives.sort(key=lambda a: a["objective"])
-    if not feasible:
-        reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: "
-                            f"{r.reason or (r.solution.status if r.solution else 'no plan')}"
-                            for r in results)
-        raise _no_plan(graph, profile, devices, options, training, labels, meshes, reasons)
+    reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: "
+                        f"{r.reason or (r.solution.status if r.solution else 'no plan')}"
+                        for r in results)
     # The ILP prices a weight used twice (a tied embedding) once per use; the assembled plan
     # sums its gradient once. Compare the candidates by the assembled, exact price.
-    baselines = price_baselines(graph, profile, devices, training, labels)
     plans = []
     for result in feasible:
         assert result.solution is not None
@@ -259,24 +328,16 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                                       tp=result.mesh.axis_size("tp"))
         plans.append(assemble(graph, result.mesh, result.strategies, profile, parallel, record,
                               training, labels))
-    fitting = [p for p in plans if p.predicted.fits] or plans
-    plan = min(fitting, key=lambda p: p.predicted.step_time_s)
-    if not options.strategies and not options.parallel and options.mesh is None:
-        for name, baseline in baselines.items():
-            if baseline.predicted.fits and baseline.predicted.step_time_s < \
-                    plan.predicted.step_time_s:
-                record = plan.solver
-                record.detail["chosen"] = f"the {name} baseline: cheaper under exact pricing"
-                strategies = {op.name: OpStrategy.of(op.assignment) for op in baseline.ops}
-                plan = assemble(graph, baseline.mesh, strategies, profile, baseline.parallel,
-                                record, training, labels)
-    return SearchResult(plan, alternatives[: max(1, options.top_k)], baselines)
+    return plans, alternatives, reasons
 
 
-def _searchable(key: str, value: int | str) -> bool:
-    """Pins this version can honour: dp and tp, and the others at their defaults."""
-    defaults = {"pp": 1, "micro_batches": 1, "zero": 0, "recompute": "none"}
-    return key in ("dp", "tp") or str(value) == str(defaults[key])
+def _joint_summary(plan: Plan) -> dict:
+    return {
+        "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
+        "status": plan.solver.status, "objective": plan.predicted.step_time_s, "gap": 0.0,
+        "reason": "", "parallel": dataclasses.asdict(plan.parallel),
+        "peak_memory_bytes": plan.predicted.memory["peak"], "fits": plan.predicted.fits,
+    }
 
 
 def _large(graph: PlanningGraph, mesh: DeviceMesh) -> bool:
@@ -368,31 +429,39 @@ def price_baselines(graph: PlanningGraph, profile: HardwareProfile, devices: int
 def _no_plan(graph: PlanningGraph, profile: HardwareProfile, devices: int,
              options: SearchOptions, training: TrainingOptions,
              labels: Mapping[str, DimLabels | None], meshes: list[DeviceMesh],
-             reasons: str) -> ShardplanError:
-    """The smallest memory any plan needs, and what would make one fit."""
+             reasons: str, joint: JointResult | None) -> ShardplanError:
+    """The smallest memory any plan needs, and what would make one fit.
+
+    With the joint search, its least-memory configuration (most stages, ZeRO-3, full
+    recompute) answers; otherwise a minimum-memory ILP per mesh does.
+    """
     from planner.errors import NoPlanFits
     from planner.report import human_bytes
     from planner.search.ilp import solve_min_memory
 
     smallest = float("inf")
     where = ""
-    for mesh in meshes:
-        try:
-            fixed = fixed_strategies(graph, labels, mesh, options.strategies)
-        except StrategyError:
-            continue
-        problem = build_problem(graph, mesh, profile, labels, training, fixed,
-                                tie_classes(graph, find_repeats(graph)))
-        memory = solve_min_memory(problem, time_limit=min(options.time_limit, 30.0))
-        if memory < smallest:
-            smallest, where = memory, "x".join(map(str, mesh.shape))
+    if joint is not None:
+        smallest, where = joint.smallest_memory, joint.smallest_where
+    else:
+        for mesh in meshes:
+            try:
+                fixed = fixed_strategies(graph, labels, mesh, options.strategies)
+            except StrategyError:
+                continue
+            problem = build_problem(graph, mesh, profile, labels, training, fixed,
+                                    tie_classes(graph, find_repeats(graph)))
+            memory = solve_min_memory(problem, time_limit=min(options.time_limit, 30.0))
+            if memory < smallest:
+                smallest, where = memory, "mesh " + "x".join(map(str, mesh.shape))
     limit = training.memory_limit_bytes or int(profile.memory_bytes.value)
     if smallest == float("inf"):
         return ShardplanError(f"no mesh of {devices} devices admits a plan: {reasons}")
     factor = smallest / limit
+    levers = ("a smaller batch or sequence" if joint is not None else
+              "a smaller batch, recompute or optimizer sharding, or pipeline stages")
     return NoPlanFits(
         f"no plan fits {human_bytes(limit)} per device on {devices} × {profile.name}: the "
-        f"smallest any plan needs is {human_bytes(smallest)} (mesh {where}). To fit: about "
-        f"{max(2, int(factor + 0.999))}× more devices, a smaller batch, recompute or "
-        "optimizer sharding, or pipeline stages"
+        f"smallest any plan needs is {human_bytes(smallest)} ({where}). To fit: about "
+        f"{max(2, int(factor + 0.999))}× more devices, or {levers}"
     )

@@ -61,7 +61,15 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16),
     "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20),
     "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25),
+    # GPT-3 sizes (Brown et al. 2020, Table 2.1); 13B uses hidden 5120 (the table's 5140
+    # does not divide into 40 heads; Megatron-LM and others train it at 5120).
+    "gpt3-1.3b": GPTConfig(layers=24, hidden=2048, heads=16, max_positions=2048),
+    "gpt3-6.7b": GPTConfig(layers=32, hidden=4096, heads=32, max_positions=2048),
+    "gpt3-13b": GPTConfig(layers=40, hidden=5120, heads=40, max_positions=2048),
     "gpt3-175b": GPTConfig(layers=96, hidden=12288, heads=96, max_positions=2048),
+    # The 1T model of Narayanan et al. 2021 (Megatron-LM, Table 1: 128 layers, hidden
+    # 25600, 160 heads), trained on 3072 A100s.
+    "gpt-1t": GPTConfig(layers=128, hidden=25600, heads=160, max_positions=2048),
 }
 
 MlpFn = Callable[[GraphBuilder, int, str], str]

@@ -1,0 +1,287 @@
+"""Pipeline stages, micro-batches, ZeRO and recompute: the invariants the plans must keep."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+
+from costmodels.profile import load_profile
+from costmodels.schedule import bubble_fraction, in_flight, pipeline_time
+from planner import zoo
+from planner.api import plan
+from planner.assemble import TrainingOptions, assemble, op_labels
+from planner.cli import main
+from planner.onnx_import import import_model
+from planner.planfile import SCHEMA_FILE, ParallelConfig, SolverRecord
+from planner.search.data_parallel import data_parallel_strategies
+from planner.sharding.mesh import DeviceMesh
+from planner.stages import (
+    PipelineConfig,
+    Pricer,
+    Units,
+    UnitProfile,
+    _StageTables,
+    contiguous,
+    find_units,
+    interleaved,
+    partition,
+    price_pipeline,
+    unit_profile,
+)
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def gpt8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pipe") / "gpt8.onnx"
+    onnx.save(zoo.build("gpt-tiny", layers=8, hidden=64, heads=4), path)
+    return path
+
+
+def _plan(path: Path, devices: int, **pins):
+    return plan(path, devices=devices, batch=16, dims={"seq": 16}, profile="a100-80g",
+                parallel=pins)
+
+
+# ---------------------------------------------------------------- schedule formulas
+
+
+@pytest.mark.parametrize("stages,micro", [(1, 1), (2, 4), (4, 4), (8, 32), (3, 7)])
+def test_bubble_follows_the_schedule_formulas(stages: int, micro: int) -> None:
+    expected = (stages - 1) / (micro + stages - 1)
+    assert bubble_fraction(stages, micro, "1f1b") == pytest.approx(expected)
+    assert bubble_fraction(stages, micro, "gpipe") == pytest.approx(expected)
+    for chunks in (2, 4):
+        interleaved_expected = (stages - 1) / (chunks * micro + stages - 1)
+        assert bubble_fraction(stages, micro, "interleaved", chunks) == pytest.approx(
+            interleaved_expected)
+
+
+def test_pipeline_time_is_alpas_formula_for_unequal_stages() -> None:
+    times = [1.0, 3.0, 2.0]
+    assert pipeline_time(times, 5, "1f1b") == pytest.approx(sum(times) + 4 * 3.0)
+    assert pipeline_time(times, 5, "interleaved", 1) == pytest.approx(
+        pipeline_time(times, 5, "1f1b"))
+
+
+def test_micro_batches_in_flight_per_schedule() -> None:
+    assert [in_flight(s, 4, 8, "1f1b") for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(s, 4, 2, "1f1b") for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight(s, 4, 8, "gpipe") for s in range(4)] == [8] * 4
+    # Megatron's warm-up for interleaving, p=4, v=2: device 0 holds 2·3 + 4 + 1 chunks.
+    assert in_flight(0, 4, 8, "interleaved", 2) == pytest.approx(11 / 2)
+    assert in_flight(3, 4, 8, "interleaved", 2) == pytest.approx(5 / 2)
+
+
+# ---------------------------------------------------------------- units and the DP
+
+
+def _uniform_profile(count: int, seconds: float, saved: float) -> UnitProfile:
+    units = Units(tuple(range(count + 1)), tuple(f"layer {k}" for k in range(count)),
+                  tuple(range(count)))
+    zeros = np.zeros(count)
+    return UnitProfile(
+        units, forward=np.full(count, seconds / 3), backward=np.full(count, 2 * seconds / 3),
+        communication=zeros.copy(), selective_extra=zeros.copy(),
+        saved={"none": np.full(count, saved), "selective": np.full(count, saved / 2),
+               "full": np.full(count, saved / 8)},
+        transient={"none": zeros.copy(), "selective": np.full(count, saved / 2),
+                   "full": np.full(count, saved * 7 / 8)},
+        workspace=zeros.copy(), params=[], crossings=[])
+
+
+def test_equal_stages_take_m_plus_p_minus_1_slots() -> None:
+    profile = _uniform_profile(8, 1.0, 0.0)
+    hardware = load_profile("a100-80g")
+    for pp, micro in ((2, 4), (4, 4), (4, 16), (8, 8)):
+        mesh = DeviceMesh.build({"pp": pp}, 8)
+        per_stage = 8 // pp
+        price = price_pipeline(profile, contiguous(list(range(0, 9, per_stage))),
+                               ["none"] * pp, PipelineConfig(pp=pp, micro_batches=micro),
+                               hardware, mesh)
+        assert price.pipeline_s == pytest.approx((micro + pp - 1) * per_stage)
+        idle = 1 - micro * per_stage / price.pipeline_s
+        assert idle == pytest.approx(bubble_fraction(pp, micro))
+
+
+def _brute_force(tables: _StageTables, pp: int, limit: float) -> float:
+    """The least bottleneck load over every placement of pp − 1 cuts (recompute "none")."""
+    n, m = tables.n, tables.config.micro_batches
+    per_micro = tables.time["none"] + tables.p2p + tables.totals["micro"]
+    cost = m * per_micro + tables.totals["end"] + tables.totals["opt"]
+    best = np.inf
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        loads = []
+        for stage, (a, b) in enumerate(itertools.pairwise(bounds)):
+            if tables.memory("none", stage)[a, b] > limit:
+                break
+            loads.append(cost[a, b])
+        else:
+            best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_partition_dp_equals_brute_force(gpt8: Path, pp: int) -> None:
+    graph = import_model(gpt8, batch=4, dims={"seq": 16})
+    hardware = load_profile("a100-80g")
+    mesh = DeviceMesh.build({"pp": pp}, 8)
+    labels = op_labels(graph)
+    op_plan = assemble(graph, mesh, {}, hardware, ParallelConfig(pp=pp),
+                       SolverRecord("t", "fixed", 0, 0, 0, 0), TrainingOptions(), labels)
+    profile = unit_profile(graph, op_plan, find_units(graph))
+    config = PipelineConfig(pp=pp, micro_batches=4)
+    tables = _StageTables(Pricer(profile, config, hardware, mesh))
+    for limit in (np.inf, 0.6 * tables.memory("none", 0)[0, -1]):
+        found = tables.solve(limit, ["none"])
+        expected = _brute_force(tables, pp, limit)
+        if found is None:
+            assert expected == np.inf
+            continue
+        cuts, _ = found
+        per_micro = tables.time["none"] + tables.p2p + tables.totals["micro"]
+        cost = 4 * per_micro + tables.totals["end"] + tables.totals["opt"]
+        achieved = max(cost[a, b] for a, b in itertools.pairwise(cuts))
+        assert achieved == pytest.approx(expected)
+
+
+def test_units_are_prefix_layers_suffix(gpt8: Path) -> None:
+    graph = import_model(gpt8, batch=2, dims={"seq": 16})
+    units = find_units(graph)
+    assert len(units.layer_units) == 8
+    assert units.names[0] == "prefix" and units.names[-1] == "suffix"
+    assert units.bounds[0] == 0 and units.bounds[-1] == len(graph.ops)
+    assert interleaved(units, 2, 2) is not None and interleaved(units, 3, 2) is None
+
+
+# ---------------------------------------------------------------- plans
+
+
+def test_single_stage_price_equals_the_assembled_plan(gpt8: Path) -> None:
+    """The pipeline pricer and the op-level plan agree when there is nothing to pipeline."""
+    graph = import_model(gpt8, batch=16, dims={"seq": 16})
+    hardware = load_profile("a100-80g")
+    mesh = DeviceMesh.build({"dp": 4}, 8)
+    labels = op_labels(graph)
+    strategies = data_parallel_strategies(graph, mesh, labels)
+    op_plan = assemble(graph, mesh, strategies, hardware, ParallelConfig(dp=4),
+                       SolverRecord("t", "fixed", 0, 0, 0, 0), TrainingOptions(), labels)
+    units = find_units(graph)
+    profile = unit_profile(graph, op_plan, units)
+    price = price_pipeline(profile, [[(0, units.count)]], ["none"], PipelineConfig(), hardware,
+                           mesh)
+    assert price.step_time_s == pytest.approx(op_plan.predicted.step_time_s, rel=1e-9)
+    memory = price.stages[0].memory.to_json()
+    for key, value in op_plan.predicted.memory.items():
+        assert memory[key] == pytest.approx(value, abs=2), key
+
+
+def test_more_stages_hold_fewer_parameters(gpt8: Path) -> None:
+    peaks = []
+    for pp in (1, 2, 4, 8):
+        result = _plan(gpt8, pp, pp=pp, dp=1, tp=1, micro_batches=8, zero=0)
+        assert result.parallel.pp == pp
+        stage_params = [row["memory"]["parameters"] for row in result.pipeline["stages"]]
+        assert len(stage_params) == pp
+        peaks.append(max(stage_params))
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert peaks[-1] < peaks[0] / 3
+
+
+def test_zero_stages_cut_exactly_their_share(gpt8: Path) -> None:
+    """dp = 4 and no tensor split: every gradient is reduced over dp, so ZeRO-k divides
+    states (k ≥ 1), gradients (k ≥ 2) and weights (k = 3) by exactly 4."""
+    memory = {}
+    for zero in range(4):
+        result = _plan(gpt8, 4, dp=4, tp=1, pp=1, micro_batches=1, zero=zero,
+                       recompute="none")
+        assert result.parallel.zero == zero
+        memory[zero] = result.predicted.memory
+    base = memory[0]
+    for zero in range(1, 4):
+        got = memory[zero]
+        assert got["optimizer"] == pytest.approx(base["optimizer"] / 4, abs=2)
+        assert got["gradients"] == pytest.approx(
+            base["gradients"] / 4 if zero >= 2 else base["gradients"], abs=2)
+        assert got["parameters"] == pytest.approx(
+            base["parameters"] / 4 if zero == 3 else base["parameters"], abs=2)
+        assert got["activations"] == base["activations"]
+
+
+def test_recompute_trades_memory_for_time(gpt8: Path) -> None:
+    plans = {mode: _plan(gpt8, 2, dp=2, tp=1, pp=1, micro_batches=1, zero=0, recompute=mode)
+             for mode in ("none", "selective", "full")}
+    activations = {m: p.predicted.memory["activations"] for m, p in plans.items()}
+    steps = {m: p.predicted.step_time_s for m, p in plans.items()}
+    assert activations["none"] > activations["selective"] > activations["full"]
+    assert steps["none"] < steps["selective"] < steps["full"]
+    full = plans["full"].predicted.breakdown
+    assert full["recompute_s"] == pytest.approx(full["forward_s"])
+    selective = plans["selective"].predicted.breakdown
+    assert 0 < selective["recompute_s"] < full["recompute_s"]
+    assert plans["full"].pipeline["stages"][0]["recompute_segments"]
+    # The time added is what was re-run: the step grows by exactly the recompute time.
+    assert steps["full"] - steps["none"] == pytest.approx(full["recompute_s"], rel=1e-9)
+
+
+def test_interleaved_schedule_gives_each_device_two_chunks(gpt8: Path) -> None:
+    result = _plan(gpt8, 2, pp=2, dp=1, tp=1, micro_batches=4, schedule="interleaved")
+    pipe = result.pipeline
+    assert pipe["schedule"] == "interleaved" and pipe["virtual_stages"] == 2
+    assert all(len(stage["ops"]) == 2 for stage in pipe["stages"])
+    assert pipe["bubble_fraction"] == pytest.approx(1 / (2 * 4 + 1))
+
+
+def test_search_uses_stages_and_sharding_when_ops_alone_do_not_fit(gpt8: Path) -> None:
+    """Under a memory limit no op-level plan meets, the joint search still fits."""
+    small = plan(gpt8, devices=8, batch=16, dims={"seq": 16}, profile="a100-80g",
+                 memory_limit_gib=0.0015)
+    assert small.predicted.fits
+    parallel = small.parallel
+    assert (parallel.pp > 1 or parallel.zero > 0 or parallel.recompute != "none"
+            or parallel.micro_batches > 1)
+    assert small.predicted.memory["peak"] <= 0.0015 * GIB
+    op_level = [alt for alt in small.alternatives if "parallel" not in alt]
+    assert all(alt["status"] not in ("optimal", "feasible") for alt in op_level)
+
+
+def test_pipeline_plan_json_is_schema_valid(gpt8: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(gpt8), "--devices", "4", "--batch", "16", "--dim", "seq=16",
+                 "--parallel", "pp=2,dp=2,micro_batches=4,zero=1,recompute=selective,schedule=1f1b",
+                 "-o", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    jsonschema.validate(data, json.loads(SCHEMA_FILE.read_text()))
+    pipe = data["pipeline"]
+    assert data["parallel"]["pp"] == 2 and data["model"]["batch"] == 4
+    assert pipe["global_batch"] == 16 and pipe["micro_batches"] == 4
+    assert [stage["ranks"] for stage in pipe["stages"]] == [[0, 1], [2, 3]]
+    ops = [r for stage in pipe["stages"] for r in stage["ops"]]
+    assert ops[0][0] == 0 and ops[-1][1] == len(data["ops"])
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ops))
+    assert pipe["sends"] and all(s["from_stage"] < s["to_stage"] for s in pipe["sends"])
+    kinds = {(c["kind"], c["phase"]) for c in data["collectives"]}
+    assert ("send_recv", "forward") in kinds and ("reduce_scatter", "gradient") in kinds
+
+
+@pytest.mark.parametrize("pins,needle", [
+    ("recompute=sometimes", "recompute"),
+    ("zero=4", "zero"),
+    ("schedule=zigzag", "schedule"),
+    ("pp=3", "no configuration"),
+])
+def test_bad_pins_exit_2(gpt8: Path, pins: str, needle: str, capsys) -> None:
+    code = main(["plan", str(gpt8), "--devices", "4", "--batch", "16", "--dim", "seq=16",
+                 "--parallel", pins])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
