@@ -92,7 +92,23 @@ RUN_ALGORITHMS = ("ring", "tree", "pairwise", "direct")
 
 def collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
                        axes: tuple[str, ...] | list[str], mesh: DeviceMesh) -> float:
-    """Time of one collective over the mesh axes, by the cheapest algorithm that runs."""
+    """Time of one collective over the mesh axes, by the cheapest algorithm that runs.
+
+    Memoised per profile object: a large plan prices the same few groups and sizes
+    hundreds of thousands of times.
+    """
+    cache = profile.__dict__.setdefault("_collective_seconds", {})
+    key = (kind, float(nbytes), tuple(axes), mesh)
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > 500_000:
+            cache.clear()
+        found = cache[key] = _collective_seconds(profile, kind, nbytes, axes, mesh)
+    return found
+
+
+def _collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
+                        axes: tuple[str, ...] | list[str], mesh: DeviceMesh) -> float:
     size, per_node, extent, node_extent = mesh.placement(axes)
     if size <= 1 or nbytes <= 0:
         return 0.0

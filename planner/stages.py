@@ -325,8 +325,12 @@ class _WeightTables:
         self.own = {key: np.zeros(n) for key in WEIGHT_TERMS}
         self.shared: list[tuple[ParamShare, dict[str, float], float]] = []
         self.itemsize = profile.params[0].itemsize if profile.params else 4
+        memo: dict[tuple, dict[str, float]] = {}  # the same weight in every layer
         for param in profile.params:
-            values = self._terms(param, config, hardware, mesh, prices)
+            key = (param.bytes, param.elements, param.itemsize, param.axes)
+            values = memo.get(key)
+            if values is None:
+                values = memo[key] = self._terms(param, config, hardware, mesh, prices)
             if len(param.units) == 1:
                 u = param.units[0]
                 for key, value in values.items():

@@ -229,7 +229,14 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
     alternatives: list[dict] = []
     meshes: list[DeviceMesh] = []
     reasons = ""
-    if not joint_only:
+    limit = training.memory_limit_bytes or int(profile.memory_bytes.value)
+    floor = op_level_memory_floor(graph, training) / devices
+    skip_op_level = joint_wanted and floor > limit
+    if skip_op_level and progress is not None:
+        from planner.report import human_bytes
+        progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
+                 "per device (weights, gradients, states and activations spread evenly)")
+    if not joint_only and not skip_op_level:
         meshes = candidate_meshes(devices, profile, options)
         op_plans, alternatives, reasons = _op_level(graph, profile, meshes, options, training,
                                                     labels, started, progress)
@@ -260,6 +267,25 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                 plan = assemble(graph, baseline.mesh, strategies, profile, baseline.parallel,
                                 record, training, labels)
     return SearchResult(plan, alternatives[: max(1, options.top_k)], baselines)
+
+
+def op_level_memory_floor(graph: PlanningGraph, training: TrainingOptions) -> float:
+    """Bytes all devices together hold under any op-level plan (one pass, no ZeRO, no
+    recompute): every weight, gradient, optimizer state and saved activation lives on at
+    least one device, so the busiest device holds at least this over the device count."""
+    from costmodels.memory import optimizer_state_bytes
+    from planner.pricing import requires_grad_map
+
+    weights = float(sum(p.nbytes for p in graph.parameters))
+    if training.inference:
+        return weights
+    elements = float(sum(p.numel for p in graph.parameters))
+    itemsize = graph.parameters[0].itemsize if graph.parameters else 4
+    needs_grad = requires_grad_map(graph)
+    saved = float(sum(graph.tensors[o].nbytes for node in graph.ops if not node.is_view
+                      for o in node.outputs
+                      if o and needs_grad.get(o, False) and graph.tensors[o].is_float))
+    return 2 * weights + optimizer_state_bytes(elements, itemsize, training.optimizer) + saved
 
 
 def check_pins(parallel: Mapping[str, int | str]) -> dict[str, int | str]:
@@ -337,6 +363,7 @@ def _joint_summary(plan: Plan) -> dict:
         "status": plan.solver.status, "objective": plan.predicted.step_time_s, "gap": 0.0,
         "reason": "", "parallel": dataclasses.asdict(plan.parallel),
         "peak_memory_bytes": plan.predicted.memory["peak"], "fits": plan.predicted.fits,
+        "breakdown": dict(plan.predicted.breakdown),
     }
 
 

@@ -57,7 +57,7 @@ from planner.stages import (
 )
 
 UNLIMITED = 1 << 62
-MAX_LOCAL_MICRO_BATCH = 64
+MAX_LOCAL_MICRO_BATCH = 16  # per device; GEMMs are near their peak efficiency by then
 SCHEDULES_SEARCHED = ("1f1b", "interleaved")  # GPipe takes 1F1B's time with more memory
 INTERLEAVE_CHUNKS = 2
 
@@ -173,7 +173,7 @@ def _divisors(n: int) -> list[int]:
 
 def _micro_sizes(per_rank: int) -> list[int]:
     """Local micro-batch sizes worth trying: powers of two and the whole per-rank batch."""
-    sizes = {b for b in (1 << k for k in range(7)) if per_rank % b == 0}
+    sizes = {b for b in (1 << k for k in range(5)) if per_rank % b == 0}
     if per_rank <= MAX_LOCAL_MICRO_BATCH:
         sizes.add(per_rank)
     return sorted(s for s in sizes if s <= MAX_LOCAL_MICRO_BATCH) or [1]
@@ -270,12 +270,16 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
+    with_dp: dict[tuple[int, int], UnitProfile] = {}
     for bound, choice in bounds:
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
             break
         local = graph.batch // (choice.dp * choice.micro_batches)
         profile, small_units = profile_of(choice.tp, local)
-        profile = _with_data_axis(profile, choice.dp)
+        key = (choice.tp, local) if choice.dp > 1 else (-choice.tp, local)
+        if key not in with_dp:
+            with_dp[key] = _with_data_axis(profile, choice.dp)
+        profile = with_dp[key]
         mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
         config = _config(choice, training)
         tried += 1

@@ -8,6 +8,7 @@ ring, inside one node, or across nodes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -57,7 +58,7 @@ class DeviceMesh:
 
     def axis_stride(self, axis: str) -> int:
         """Distance in device ids between neighbours along `axis`."""
-        return int(np.prod(self.shape[self._index(axis) + 1:], dtype=np.int64))
+        return math.prod(self.shape[self._index(axis) + 1:])
 
     def group_size(self, axes: Iterable[str]) -> int:
         size = 1
@@ -72,13 +73,25 @@ class DeviceMesh:
             return 1
         return max(self.axis_stride(a) * self.axis_size(a) for a in axes)
 
+    @cached_property
+    def _placements(self) -> dict[tuple[str, ...], tuple[int, int, int, int]]:
+        return {}
+
     def placement(self, axes: Iterable[str]) -> tuple[int, int, int, int]:
         """(size, members per node, extent, extent of the members in one node) of a group.
 
         Groups along `axes` are translates of the one holding device 0, so counting that
-        one's device ids per node describes them all.
+        one's device ids per node describes them all. Memoised: pricing asks millions of
+        times about a handful of groups.
         """
-        axes = [a for a in self.axis_names if a in set(axes)]
+        wanted = set(axes)
+        key = tuple(a for a in self.axis_names if a in wanted)
+        found = self._placements.get(key)
+        if found is None:
+            found = self._placements[key] = self._place(list(key))
+        return found
+
+    def _place(self, axes: list[str]) -> tuple[int, int, int, int]:
         size = self.group_size(axes)
         if not axes:
             return 1, 1, 1, 1
