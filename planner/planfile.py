@@ -126,6 +126,11 @@ class Predicted:
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
+#: Wall-clock figures of a search: reported to the user, never written into the plan file,
+#: so that the same inputs give a byte-identical plan.
+WALL_CLOCK_DETAIL = ("solve_time_s",)
+
+
 @dataclass
 class SolverRecord:
     name: str
@@ -133,8 +138,13 @@ class SolverRecord:
     objective: float
     bound: float
     gap: float
-    time_s: float
+    time_s: float = 0.0  # wall clock of the search; not serialised (see WALL_CLOCK_DETAIL)
     detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "objective": self.objective,
+                "bound": self.bound, "gap": self.gap,
+                "detail": {k: v for k, v in self.detail.items() if k not in WALL_CLOCK_DETAIL}}
 
 
 @dataclass
@@ -172,7 +182,7 @@ class Plan:
             "tensors": {name: t.to_json() for name, t in self.tensors.items()},
             "collectives": [asdict(c) for c in self.collectives],
             "predicted": asdict(self.predicted),
-            "solver": asdict(self.solver),
+            "solver": self.solver.to_json(),
             "warnings": list(self.warnings),
         }
 
