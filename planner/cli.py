@@ -10,8 +10,11 @@ import dataclasses
 import json
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from planner.errors import NoPlanFits, ShardplanError
 
@@ -167,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     profiles = verbs.add_parser("profiles", help="list or show the hardware profiles")
     profiles.add_argument("action", nargs="?", default="list", choices=["list", "show"])
     profiles.add_argument("name", nargs="?", help="profile to show")
+    profiles.add_argument("--json", action="store_true",
+                          help="list as JSON: [{name, description, path}, ...]")
+
+    explain = verbs.add_parser("explain", help="explain a plan: per layer, where the step "
+                               "time goes, why it beat the others")
+    explain.add_argument("plan", help="a strategy JSON written by `shardplan plan -o`")
+    explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    explain.add_argument("--plot", metavar="DIR",
+                         help="also draw PNG and SVG figures into DIR (needs matplotlib)")
+    explain.add_argument("--top", type=_positive_int, default=5, metavar="N",
+                         help="how many top ops and collectives to list (default 5)")
+
+    compare = verbs.add_parser("compare", help="compare plans side by side")
+    compare.add_argument("plans", nargs="+", metavar="PLAN",
+                         help="two or more strategy JSON files")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
     return parser
 
 
@@ -191,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from costmodels.calibrate import run
 
             return run(args)
+        if args.verb == "explain":
+            return _explain(args)
+        if args.verb == "compare":
+            return _compare(args)
         return _profiles(args)
     except ShardplanError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)
@@ -216,13 +239,17 @@ def _plan(args: argparse.Namespace) -> int:
                   f"seq {dims['seq']})", file=sys.stderr)
         strategies = _load_strategies(args.strategies) if args.strategies else None
         mode = args.mode
-        result = plan(model, profile=args.profile, devices=args.devices, batch=batch,
-                      dims=dims, mode=mode, strategies=strategies, solver=args.solver,
-                      time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
-                      max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
-                      optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
-                      inference=args.inference, overlap=args.overlap,
-                      progress=_progress if not args.json else None)
+        progress = _Progress(sys.stderr) if not args.json else None
+        try:
+            result = plan(model, profile=args.profile, devices=args.devices, batch=batch,
+                          dims=dims, mode=mode, strategies=strategies, solver=args.solver,
+                          time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
+                          max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
+                          optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
+                          inference=args.inference, overlap=args.overlap, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
     if args.output:
         result.save(args.output)
     print(result.dumps() if args.json else summary(result))
@@ -231,8 +258,82 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(message: str) -> None:
-    print(f"  {message}", file=sys.stderr, flush=True)
+class _Progress:
+    """Search progress on stderr, but only for a plan that takes more than a second.
+
+    Messages of the first second are held back (a quick plan prints none); after that they
+    are printed as they come, with the elapsed time. On a terminal a spinner line shows the
+    time and the last message while the search is silent; it is erased at the end.
+    """
+
+    DELAY_S = 1.0
+    FRAMES = "|/-\\"
+
+    def __init__(self, stream: TextIO, delay_s: float = DELAY_S) -> None:
+        self.stream, self.delay_s = stream, delay_s
+        self.started = time.perf_counter()
+        self.held: list[tuple[float, str]] = []
+        self.last = "planning"
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.spinning = False
+        self.thread: threading.Thread | None = None
+        if _is_tty(stream):
+            self.thread = threading.Thread(target=self._spin, daemon=True)
+            self.thread.start()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.started
+        with self.lock:
+            self.last = message
+            if elapsed < self.delay_s:
+                self.held.append((elapsed, message))
+                return
+            self._flush()
+            self._line(elapsed, message)
+
+    def _flush(self) -> None:
+        for elapsed, message in self.held:
+            self._line(elapsed, message)
+        self.held.clear()
+
+    def _line(self, elapsed: float, message: str) -> None:
+        prefix = "\r\033[K" if self.spinning else ""
+        self.stream.write(f"{prefix}  [{elapsed:6.1f} s] {message}\n")
+        self.stream.flush()
+
+    def _spin(self) -> None:
+        if self.done.wait(self.delay_s):
+            return
+        frame = 0
+        while not self.done.is_set():
+            with self.lock:
+                self._flush()
+                self.spinning = True
+                elapsed = time.perf_counter() - self.started
+                text = f"{self.FRAMES[frame % len(self.FRAMES)]} {elapsed:6.1f} s  {self.last}"
+                self.stream.write("\r\033[K" + text[:100])
+                self.stream.flush()
+            frame += 1
+            self.done.wait(0.2)
+
+    def close(self) -> None:
+        """Stop the spinner and erase its line; held messages of a quick plan are dropped."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        with self.lock:
+            if self.spinning:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            self.held.clear()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _load_strategies(path: str) -> dict[str, list[list[int]]]:
@@ -402,6 +503,13 @@ def _export(args: argparse.Namespace) -> int:
 def _profiles(args: argparse.Namespace) -> int:
     from costmodels.profile import list_profiles, load_profile
 
+    if args.action == "list" and args.json:
+        listed = [load_profile(name) for name in list_profiles()]
+        print(json.dumps([{"name": name, "description": profile.description,
+                           "path": str(profile.path)}
+                          for name, profile in zip(list_profiles(), listed, strict=True)],
+                         indent=2))
+        return 0
     if args.action == "list":
         for name in list_profiles():
             profile = load_profile(name)
@@ -411,6 +519,41 @@ def _profiles(args: argparse.Namespace) -> int:
         raise ShardplanError("profiles show: give a profile name, e.g. `profiles show a100-80g`")
     profile = load_profile(args.name)
     print(json.dumps(json.loads(Path(profile.path).read_text()), indent=2))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from planner.explain import explain, render
+    from planner.planfile import Plan
+
+    loaded = Plan.load(args.plan)
+    result = explain(loaded, source=args.plan, top=args.top)
+    written: list[Path] = []
+    if args.plot:
+        from planner.plots import write_plots
+
+        written = write_plots(loaded, result, args.plot, Path(args.plan).stem)
+    if args.json:
+        data = result.to_json()
+        data["plots"] = [str(path) for path in written]
+        print(json.dumps(data, indent=1))
+    else:
+        print(render(result))
+        if written:
+            print("\nplots: " + ", ".join(str(p) for p in written if p.suffix == ".png")
+                  + " (and .svg)")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from planner.explain import compare_rows, render_compare
+    from planner.planfile import Plan
+
+    if len(args.plans) < 2:
+        raise ShardplanError("compare: give two or more plan files, e.g. "
+                             "`shardplan compare a.json b.json`")
+    data = compare_rows([(path, Plan.load(path)) for path in args.plans])
+    print(json.dumps(data, indent=1) if args.json else render_compare(data))
     return 0
 
 

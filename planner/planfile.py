@@ -196,6 +196,10 @@ class Plan:
             "communication_s": self.predicted.communication_s,
             "peak_memory_bytes": self.predicted.memory["peak"],
             "fits": self.predicted.fits,
+            "memory": dict(self.predicted.memory),
+            "breakdown": dict(self.predicted.breakdown),
+            "schedule": self.pipeline["schedule"] if self.pipeline else None,
+            "virtual_stages": self.pipeline["virtual_stages"] if self.pipeline else 1,
         }
 
     def dumps(self) -> str:

@@ -117,7 +117,8 @@ class UnitProfile:
     units: Units
     forward: np.ndarray  # seconds per micro-batch: compute + forward collectives
     backward: np.ndarray  # seconds: compute + backward collectives
-    communication: np.ndarray  # the op-level collectives' share of forward + backward
+    forward_communication: np.ndarray  # the op-level collectives' share of forward
+    backward_communication: np.ndarray  # and of backward
     selective_extra: np.ndarray  # seconds re-run by selective recompute
     saved: dict[str, np.ndarray]  # recompute mode -> bytes kept per micro-batch
     transient: dict[str, np.ndarray]  # mode -> bytes rebuilt while the unit's backward runs
@@ -141,7 +142,8 @@ def unit_profile(graph: PlanningGraph, plan: Plan, units: Units,
     count = units.count
     unit_of = units.unit_of_ops()
     index_of = {op.name: k for k, op in enumerate(plan.ops)}
-    forward, backward, communication = np.zeros(count), np.zeros(count), np.zeros(count)
+    forward, backward = np.zeros(count), np.zeros(count)
+    forward_comm, backward_comm = np.zeros(count), np.zeros(count)
     selective = np.zeros(count)
     saved_all, saved_weights = np.zeros(count), np.zeros(count)
     workspace = np.zeros(count)
@@ -164,13 +166,14 @@ def unit_profile(graph: PlanningGraph, plan: Plan, units: Units,
         if k is None or collective.phase == "gradient":
             continue
         u = unit_of[k]
-        communication[u] += collective.time_s
         if collective.phase == "forward":
             forward[u] += collective.time_s
+            forward_comm[u] += collective.time_s
             if not reads_weight[k]:
                 selective[u] += collective.time_s
         else:
             backward[u] += collective.time_s
+            backward_comm[u] += collective.time_s
         workspace[u] = max(workspace[u], float(collective.bytes))
     crossings, leaving = _crossings(graph, plan, unit_of)
     keep_full = leaving
@@ -179,7 +182,8 @@ def unit_profile(graph: PlanningGraph, plan: Plan, units: Units,
                                                                                  keep_full)}
     transient = {"none": np.zeros(count), "selective": saved_all - saved["selective"],
                  "full": saved_all - saved["full"]}
-    return UnitProfile(units, forward, backward, communication, selective, saved, transient,
+    return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
+                       transient,
                        workspace, _params(graph, plan, unit_of, extra_axes), crossings,
                        [op.name for op in plan.ops])
 
@@ -257,7 +261,8 @@ class StagePrice:
     recompute: str
     forward_s: float  # per micro-batch, with the op-level collectives
     backward_s: float
-    communication_s: float  # the op-level collectives' share of forward_s + backward_s
+    forward_communication_s: float  # the op-level collectives' share of forward_s
+    backward_communication_s: float  # and of backward_s
     recompute_s: float
     p2p_s: float
     zero_s: float  # per micro-batch ZeRO-2/3 collectives
@@ -412,7 +417,8 @@ class Pricer:
             chosen[a:b] = True
         forward = float(profile.forward[chosen].sum())
         backward = float(profile.backward[chosen].sum())
-        communication = float(profile.communication[chosen].sum())
+        forward_comm = float(profile.forward_communication[chosen].sum())
+        backward_comm = float(profile.backward_communication[chosen].sum())
         extra = {"none": 0.0, "selective": float(profile.selective_extra[chosen].sum()),
                  "full": forward}[mode]
         kept, p2p = _received(profile, ranges, self.prices)
@@ -438,7 +444,8 @@ class Pricer:
             workspace_bytes=workspace, optimizer=config.optimizer, zero=config.zero,
             sharded_bytes=weights["sbytes"], sharded_elements=weights["selements"],
         )
-        return StagePrice(list(ranges), mode, forward, backward, communication, extra, p2p,
+        return StagePrice(list(ranges), mode, forward, backward, forward_comm, backward_comm,
+                          extra, p2p,
                           weights["micro"], end, weights["opt"], flight, memory)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],
@@ -658,8 +665,7 @@ def recompute_segments(graph: PlanningGraph, units: Units, ranges: Sequence[tupl
                 if free and run_start is None:
                     run_start = k
                 elif not free and run_start is not None:
-                    if k - run_start > 1:
-                        segments.append([run_start, k])
+                    segments.append([run_start, k])
                     run_start = None
     return segments
 

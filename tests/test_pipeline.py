@@ -24,13 +24,12 @@ from planner.sharding.mesh import DeviceMesh
 from planner.stages import (
     PipelineConfig,
     Pricer,
-    Units,
     UnitProfile,
+    Units,
     _StageTables,
     contiguous,
     find_units,
     interleaved,
-    partition,
     price_pipeline,
     unit_profile,
 )
@@ -89,7 +88,8 @@ def _uniform_profile(count: int, seconds: float, saved: float) -> UnitProfile:
     zeros = np.zeros(count)
     return UnitProfile(
         units, forward=np.full(count, seconds / 3), backward=np.full(count, 2 * seconds / 3),
-        communication=zeros.copy(), selective_extra=zeros.copy(),
+        forward_communication=zeros.copy(), backward_communication=zeros.copy(),
+        selective_extra=zeros.copy(),
         saved={"none": np.full(count, saved), "selective": np.full(count, saved / 2),
                "full": np.full(count, saved / 8)},
         transient={"none": zeros.copy(), "selective": np.full(count, saved / 2),

@@ -249,13 +249,18 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
             plan.solver.time_s = time.perf_counter() - started
             plan.solver.detail["mode"] = options.mode
         plans += joint_plans
-        alternatives += [_joint_summary(p) for p in joint_plans]
+        alternatives += [_plan_summary(p) for p in joint_plans]
     alternatives.sort(key=lambda a: a["objective"])
     fitting = [p for p in plans if p.predicted.fits]
     if not fitting:
         raise _no_plan(graph, profile, devices, options, training, labels, meshes, reasons,
                        joint)
     plan = min(fitting, key=lambda p: p.predicted.step_time_s)
+    for alternative in alternatives:
+        alternative["chosen"] = alternative.get("objective") == plan.predicted.step_time_s \
+            and alternative.get("parallel") == dataclasses.asdict(plan.parallel) \
+            and alternative["mesh"] == list(plan.mesh.shape)
+    plan.solver.detail["pins"] = dict(pins)
     baselines = price_baselines(graph, profile, devices, training, labels)
     if not options.strategies and not options.parallel and options.mesh is None:
         for name, baseline in baselines.items():
@@ -354,17 +359,16 @@ def _op_level(graph: PlanningGraph, profile: HardwareProfile, meshes: list[Devic
                                       tp=result.mesh.axis_size("tp"))
         plans.append(assemble(graph, result.mesh, result.strategies, profile, parallel, record,
                               training, labels))
+    # Assembled plans are described by their exact price; meshes without one by the reason.
+    alternatives = [_plan_summary(p) for p in plans] + [
+        _summary(r) for r in results if r not in feasible]
     return plans, alternatives, reasons
 
 
-def _joint_summary(plan: Plan) -> dict:
-    return {
-        "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
-        "status": plan.solver.status, "objective": plan.predicted.step_time_s, "gap": 0.0,
-        "reason": "", "parallel": dataclasses.asdict(plan.parallel),
-        "peak_memory_bytes": plan.predicted.memory["peak"], "fits": plan.predicted.fits,
-        "breakdown": dict(plan.predicted.breakdown),
-    }
+def _plan_summary(plan: Plan) -> dict:
+    """An assembled finalist as `alternatives` lists it: its exact price and memory."""
+    return {**plan.brief(), "status": plan.solver.status, "objective": plan.predicted.step_time_s,
+            "gap": plan.solver.gap, "reason": "", "solver": plan.solver.name}
 
 
 def _large(graph: PlanningGraph, mesh: DeviceMesh) -> bool:

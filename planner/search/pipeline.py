@@ -430,10 +430,11 @@ def predicted_from(price: PipelinePrice, limit: int) -> Predicted:
     config = price.config
     m = config.micro_batches
     busiest = price.busiest
-    compute = m * (busiest.forward_s + busiest.backward_s + busiest.recompute_s
-                   - busiest.communication_s) + busiest.optimizer_s
-    communication = m * (busiest.communication_s + busiest.p2p_s + busiest.zero_s) \
-        + busiest.sync_s
+    forward = busiest.forward_s - busiest.forward_communication_s
+    backward = busiest.backward_s - busiest.backward_communication_s
+    compute = m * (forward + backward + busiest.recompute_s) + busiest.optimizer_s
+    communication = m * (busiest.forward_communication_s + busiest.backward_communication_s
+                         + busiest.p2p_s + busiest.zero_s) + busiest.sync_s
     peak_stage = max(price.stages, key=lambda s: s.memory.peak)
     memory = peak_stage.memory.to_json()
     return Predicted(
@@ -442,7 +443,9 @@ def predicted_from(price: PipelinePrice, limit: int) -> Predicted:
         breakdown={
             "pipeline_s": price.pipeline_s,
             "bubble_s": max(0.0, price.step_time_s - compute - communication),
-            "forward_s": m * busiest.forward_s, "backward_s": m * busiest.backward_s,
+            "forward_s": m * forward, "backward_s": m * backward,
+            "forward_communication_s": m * busiest.forward_communication_s,
+            "backward_communication_s": m * busiest.backward_communication_s,
             "recompute_s": m * busiest.recompute_s, "p2p_s": m * busiest.p2p_s,
             "zero_s": m * busiest.zero_s, "gradient_communication_s": busiest.sync_s,
             "optimizer_s": busiest.optimizer_s,

@@ -1,0 +1,400 @@
+"""Pictures of a plan: per-layer time, memory against the limit, the schedule, collectives.
+
+matplotlib is imported only when a plot is drawn (with the Agg backend), so the planner
+imports and plans without it; `write_plots` raises a one-line ShardplanError when it is
+missing. The schedule timeline is computed here without matplotlib (`schedule_events`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.errors import ShardplanError
+from planner.explain import Explanation
+from planner.planfile import Plan
+from planner.report import MEMORY_ORDER, human_bytes, human_seconds
+
+DPI = 110
+COLORS = {
+    "forward": "#4C78A8", "backward": "#F58518", "recompute": "#B279A2",
+    "collectives": "#E45756", "gradient sync": "#72B7B2", "optimizer": "#54A24B",
+    "parameters": "#4C78A8", "gradients": "#F58518", "optimizer state": "#54A24B",
+    "activations": "#E45756", "workspace": "#9D755D",
+}
+MEMORY_COLORS = dict(zip(MEMORY_ORDER, ("#4C78A8", "#F58518", "#54A24B", "#E45756",
+                                        "#9D755D"), strict=True))
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a one-line error saying how to get it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ShardplanError("--plot needs matplotlib: pip install matplotlib (or "
+                             "'shardplan[notebooks]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(plan: Plan, ex: Explanation, folder: str | Path, stem: str) -> list[Path]:
+    """Draw the four figures of `plan` into `folder` as PNG and SVG; return the paths."""
+    plt = _pyplot()
+    target = Path(folder)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ShardplanError(f"--plot {target}: cannot create the folder ({exc.strerror})"
+                             ) from None
+    written: list[Path] = []
+    for name, draw in (("layers", _layers), ("memory", _memory), ("schedule", _schedule),
+                       ("communication", _communication)):
+        figure = draw(plt, plan, ex)
+        for suffix in ("png", "svg"):
+            path = target / f"{stem}-{name}.{suffix}"
+            figure.savefig(path, dpi=DPI)
+            written.append(path)
+        plt.close(figure)
+    return written
+
+
+def _time_scale(seconds: float) -> tuple[float, str]:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale or unit == "us":
+            return scale, unit
+    raise AssertionError("unreachable")
+
+
+def _byte_scale(value: float) -> tuple[float, str]:
+    for unit, scale in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if value >= scale:
+            return scale, unit
+    return 1.0, "B"
+
+
+def _title(ex: Explanation) -> str:
+    p = ex.parallel
+    model = ex.model["path"].replace("\\", "/").rsplit("/", 1)[-1]
+    return (f"{model} on {ex.cluster['devices']} × {ex.cluster['profile']}: "
+            f"dp={p['dp']} tp={p['tp']} pp={p['pp']}, step {human_seconds(ex.step_time_s)}")
+
+
+# ---------------------------------------------------------------- per-layer time
+
+
+def _layers(plt: Any, plan: Plan, ex: Explanation) -> Any:
+    """Stacked bars per unit: forward, backward, recompute, collectives, gradient sync."""
+    units = ex.units
+    parts = [("forward", [u.forward_s for u in units]),
+             ("backward", [u.backward_s for u in units]),
+             ("recompute", [u.recompute_s for u in units]),
+             ("collectives", [u.collective_s for u in units]),
+             ("gradient sync", [u.gradient_sync_s for u in units])]
+    parts = [(name, values) for name, values in parts if any(values)]
+    scale, unit = _time_scale(max((u.total_s for u in units), default=0.0))
+    figure, ax = plt.subplots(figsize=(12, 5.2))
+    x = list(range(len(units)))
+    bottom = [0.0] * len(units)
+    for name, values in parts:
+        heights = [v / scale for v in values]
+        ax.bar(x, heights, bottom=bottom, width=0.8, label=name, color=COLORS[name])
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    _shade_stages(ax, units)
+    step = max(1, len(units) // 24)
+    ax.set_xticks(x[::step], [units[i].name for i in x[::step]], rotation=60, ha="right",
+                  fontsize=8)
+    ax.set_xlim(-0.6, len(units) - 0.4)
+    ax.set_ylabel(f"time per step on its devices ({unit})")
+    per = (f", × {ex.micro_batches} micro-batches" if ex.micro_batches > 1 else "")
+    staged = len({u.stage for u in units}) > 1
+    ax.set_title(f"Time per layer{per}\n{_title(ex)}", fontsize=10, pad=14 if staged else 6)
+    ax.legend(loc="upper left", fontsize=8, ncols=len(parts), frameon=False)
+    ax.set_ylim(0, max(bottom, default=1.0) * 1.18 or 1.0)
+    ax.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def _shade_stages(ax: Any, units: Sequence[Any]) -> None:
+    """Alternate a light band per pipeline stage run and name the stage above it."""
+    if all(u.stage is None for u in units) or len({u.stage for u in units}) < 2:
+        return
+    first = 0
+    for i in range(1, len(units) + 1):
+        if i == len(units) or units[i].stage != units[first].stage:
+            stage = units[first].stage
+            if stage is not None and stage % 2 == 0:
+                ax.axvspan(first - 0.5, i - 0.5, color="0.92", zorder=0)
+            ax.text((first + i - 1) / 2, 1.0, f"stage {stage}", transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=7, color="0.35")
+            first = i
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _memory(plt: Any, plan: Plan, ex: Explanation) -> Any:
+    """Memory per device by category, one bar per pipeline stage, against the limit."""
+    if len(ex.stages) > 1:
+        labels = [f"stage {row['device_stage']}" for row in ex.stages]
+        memories = [row["memory"] for row in ex.stages]
+    else:
+        labels, memories = ["every device"], [ex.memory]
+    limit = ex.memory_limit_bytes
+    highest = max((m.get("peak", 0) for m in memories), default=0)
+    scale, unit = _byte_scale(max(highest, 1))
+    figure, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.7 * len(labels)), 5.2))
+    bottom = [0.0] * len(labels)
+    for key in MEMORY_ORDER:
+        heights = [m.get(key, 0) / scale for m in memories]
+        ax.bar(labels, heights, bottom=bottom, width=0.6, label=key, color=MEMORY_COLORS[key])
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    top = highest / scale * 1.25
+    if limit <= 4 * highest:
+        top = max(top, limit / scale * 1.08)
+        ax.axhline(limit / scale, color="black", linestyle="--", linewidth=1.2)
+        ax.text(0.99, limit / scale, f"limit {human_bytes(limit)}", ha="right", va="bottom",
+                fontsize=8, transform=ax.get_yaxis_transform())
+    else:
+        ax.text(0.99, 0.97, f"limit {human_bytes(limit)} (far above the axis)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8)
+    for i, m in enumerate(memories):
+        ax.text(i, m.get("peak", 0) / scale, human_bytes(m.get("peak", 0)), ha="center",
+                va="bottom", fontsize=7)
+    ax.set_ylim(0, top or 1.0)
+    if len(labels) == 1:
+        ax.set_xlim(-1.2, 1.2)
+    ax.set_ylabel(f"memory per device ({unit})")
+    ax.set_title(f"Memory per device by category\n{_title(ex)}", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.tick_params(axis="x", labelsize=8, rotation=45 if len(labels) > 8 else 0)
+    ax.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+# ---------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Event:
+    """One block of the timeline on one device stage."""
+
+    stage: int
+    kind: str  # forward | backward | recompute | gradient sync | optimizer
+    micro_batch: int  # -1 for once-per-step blocks
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class _StageTimes:
+    forward: float  # per micro-batch, sends and ZeRO gathers included
+    backward: float
+    recompute: float
+    sync: float  # once per step
+    optimizer: float
+
+
+def _schedule_name(plan: Plan, stages: int, micro_batches: int) -> str:
+    pipe = plan.pipeline or {}
+    if stages == 1 and micro_batches == 1:
+        return "Step timeline (one stage, no pipeline)"
+    chunks = pipe.get("virtual_stages") or 1
+    return (f"Pipeline schedule ({pipe.get('schedule') or '1f1b'}"
+            + (f" ×{chunks} chunks" if chunks > 1 else "")
+            + f", {stages} stages, {micro_batches} micro-batches)")
+
+
+def _stage_times(plan: Plan) -> list[_StageTimes]:
+    """Per device stage, as the pipeline Pricer counts a micro-batch; one stage for plans
+    without a pipeline section (from the step's breakdown)."""
+    stages = (plan.pipeline or {}).get("stages") or []
+    if stages:
+        return [_StageTimes(
+            float(s["forward_s"]) + float(s.get("zero_s", 0.0)) + float(s.get("p2p_s", 0)) / 2,
+            float(s["backward_s"]) + float(s.get("p2p_s", 0.0)) / 2,
+            float(s.get("recompute_s", 0.0)), float(s.get("gradient_sync_s", 0.0)),
+            float(s.get("optimizer_s", 0.0))) for s in stages]
+    b = plan.predicted.breakdown
+    return [_StageTimes(
+        b.get("forward_s", 0.0) + b.get("forward_communication_s", 0.0),
+        b.get("backward_s", 0.0) + b.get("backward_communication_s", 0.0),
+        b.get("recompute_s", 0.0),
+        b.get("gradient_communication_s", 0.0) - b.get("hidden_communication_s", 0.0),
+        b.get("optimizer_s", 0.0))]
+
+
+def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Per device: (F or B, micro-batch, chunk) in the order the schedule runs them.
+
+    GPipe: all forwards, then all backwards. 1F1B: p − s − 1 warm-up forwards, then one
+    forward, one backward. Interleaved (Megatron-LM): forwards go in groups of p
+    micro-batches through chunk 0, 1, ..., backwards through the chunks in reverse, with
+    (p − s − 1)·2 + (v − 1)·p warm-up forwards.
+    """
+    if schedule != "interleaved":
+        v = 1
+    forwards = [(i, c) for g in range(0, m, p) for c in range(v)
+                for i in range(g, min(g + p, m))]
+    backwards = [(i, v - 1 - c) for g in range(0, m, p) for c in range(v)
+                 for i in range(g, min(g + p, m))]
+    orders = []
+    for s in range(p):
+        if schedule == "gpipe":
+            warm = len(forwards)
+        elif schedule == "interleaved":
+            warm = min((p - s - 1) * 2 + (v - 1) * p, len(forwards))
+        else:
+            warm = min(p - s - 1, m)
+        order = [("F", *forwards[k]) for k in range(warm)]
+        for j in range(len(forwards) - warm):
+            order += [("F", *forwards[warm + j]), ("B", *backwards[j])]
+        order += [("B", *backwards[j]) for j in range(len(forwards) - warm, len(backwards))]
+        orders.append(order)
+    return orders
+
+
+def schedule_events(plan: Plan) -> list[Event]:
+    """The step as a timeline: each device stage runs its schedule order; a block starts
+    when the device is free and its input is ready (the previous virtual stage's forward,
+    the next one's backward). Chunks of an interleaved stage take 1/v of its time."""
+    pipe = plan.pipeline or {}
+    times = _stage_times(plan)
+    p = len(times)
+    m = int(pipe.get("micro_batches", 1) or 1)
+    schedule = str(pipe.get("schedule") or "1f1b")
+    v = int(pipe.get("virtual_stages", 1) or 1) if schedule == "interleaved" else 1
+    orders = _orders(schedule, p, m, v)
+    done: dict[tuple[str, int, int], float] = {}  # (F|B, micro, virtual stage) -> end
+    free = [0.0] * p
+    position = [0] * p
+    events: list[Event] = []
+    last_virtual = p * v - 1
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                kind, micro, chunk = orders[s][position[s]]
+                virtual = chunk * p + s
+                ready = _ready(kind, micro, virtual, last_virtual, done)
+                if ready is None:
+                    break
+                start = max(free[s], ready)
+                events += _blocks(s, kind, micro, chunk, start, times[s], v)
+                free[s] = events[-1].end
+                done[(kind, micro, virtual)] = free[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise ShardplanError(f"pipeline schedule {schedule!r} with {p} stages and {m} "
+                                 "micro-batches cannot be laid out as a timeline")
+    for s, t in enumerate(times):
+        start = free[s]
+        for kind, length in (("gradient sync", t.sync), ("optimizer", t.optimizer)):
+            if length > 0:
+                events.append(Event(s, kind, -1, 0, start, start + length))
+                start += length
+    return events
+
+
+def _ready(kind: str, micro: int, virtual: int, last: int,
+           done: dict[tuple[str, int, int], float]) -> float | None:
+    """When a block's input is there, or None while its producer has not run."""
+    if kind == "F":
+        key = ("F", micro, virtual - 1)
+        return 0.0 if virtual == 0 else done.get(key)
+    key = ("F", micro, virtual) if virtual == last else ("B", micro, virtual + 1)
+    return done.get(key)
+
+
+def _blocks(stage: int, kind: str, micro: int, chunk: int, start: float, t: _StageTimes,
+            v: int) -> list[Event]:
+    if kind == "F":
+        return [Event(stage, "forward", micro, chunk, start, start + t.forward / v)]
+    blocks = []
+    if t.recompute > 0:
+        blocks.append(Event(stage, "recompute", micro, chunk, start, start + t.recompute / v))
+        start = blocks[-1].end
+    blocks.append(Event(stage, "backward", micro, chunk, start, start + t.backward / v))
+    return blocks
+
+
+def _schedule(plt: Any, plan: Plan, ex: Explanation) -> Any:
+    """Gantt chart of forward/backward per micro-batch per stage."""
+    events = schedule_events(plan)
+    stages = 1 + max(e.stage for e in events)
+    end = max(e.end for e in events)
+    scale, unit = _time_scale(end)
+    figure, ax = plt.subplots(figsize=(13, 1.6 + 0.45 * stages))
+    by_kind: dict[str, list[Event]] = defaultdict(list)
+    for event in events:
+        by_kind[event.kind].append(event)
+    for kind, items in by_kind.items():
+        labelled = False
+        for stage in range(stages):
+            spans = [(e.start / scale, (e.end - e.start) / scale) for e in items
+                     if e.stage == stage]
+            if spans:
+                ax.broken_barh(spans, (stage - 0.4, 0.8), facecolors=COLORS[kind],
+                               edgecolors="white", linewidth=0.3,
+                               label=None if labelled else kind)
+                labelled = True
+    if len(events) <= 160:
+        for e in events:
+            if e.kind in ("forward", "backward") and (e.end - e.start) / end > 0.012:
+                ax.text((e.start + e.end) / 2 / scale, e.stage, str(e.micro_batch),
+                        ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end / scale * 1.01)
+    ax.set_xlabel(f"time in the step ({unit})")
+    ax.set_title(f"{_schedule_name(plan, stages, ex.micro_batches)}: timeline "
+                 f"{human_seconds(end)}, plan {human_seconds(ex.step_time_s)}\n{_title(ex)}",
+                 fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    figure.tight_layout()
+    return figure
+
+
+# ---------------------------------------------------------------- communication
+
+
+def _communication(plt: Any, plan: Plan, ex: Explanation) -> Any:
+    """Heat map of collective time: which mesh axes carry it, in which phase."""
+    matrix = ex.communication
+    rows, values, counts = matrix["axes"], matrix["seconds"], matrix["counts"]
+    figure, ax = plt.subplots(figsize=(8.5, 2.3 + 0.6 * max(1, len(rows))))
+    scope = f"on {matrix['scope']}" + (
+        f"; forward/backward × {ex.micro_batches} micro-batches" if ex.micro_batches > 1
+        else "")
+    ax.set_title(f"Collective time per step by mesh axes and phase\n({scope})\n{_title(ex)}",
+                 fontsize=9)
+    if not rows:
+        ax.text(0.5, 0.5, "no collectives: every op runs on local data", ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        figure.tight_layout()
+        return figure
+    highest = max(max(r) for r in values) or 1.0
+    scale, unit = _time_scale(highest)
+    image = ax.imshow([[v / scale for v in row] for row in values], cmap="Blues", vmin=0,
+                      vmax=highest / scale, aspect="auto")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            text = f"{human_seconds(value)}\n{counts[i][j]} collectives" if counts[i][j] else "–"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    color="white" if value > 0.6 * highest else "black")
+    ax.set_xticks(range(len(matrix["phases"])), [
+        p if p != "gradient" else "gradient (once per step)" for p in matrix["phases"]])
+    ax.set_yticks(range(len(rows)), [f"axes {r}" for r in rows])
+    colorbar = figure.colorbar(image, ax=ax)
+    colorbar.set_label(f"{unit} per step")
+    figure.tight_layout()
+    return figure
