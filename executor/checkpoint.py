@@ -4,6 +4,7 @@ Every rank saves its own weight shards and optimizer state under rank-qualified 
 shard is not a replica, so no key may be shared). The files go to `<dir>.partial`, and
 rank 0 renames that to `<dir>` after every rank has finished: a crash mid-save leaves the
 previous checkpoint, never a half-written one. Resuming needs the same plan and ranks.
+The optimizer's tensors are named by `targets` (under ZeRO they are chunks of weights).
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from planner.errors import ShardplanError
 
 
 def _state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, rank: int,
-           step: int) -> dict[str, torch.Tensor]:
+           step: int, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {f"rank{rank}/step": torch.tensor(step)}
-    names = {id(p): n for n, p in params.items()}
+    names = {id(p): n for n, p in targets.items()}
     for name, param in params.items():
         state[f"rank{rank}/param/{name}"] = param.detach()
     for param, values in optimizer.state.items():
@@ -32,14 +32,18 @@ def _state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, ra
 
 
 def save(directory: str | Path, params: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer, step: int) -> None:
+         optimizer: torch.optim.Optimizer, step: int,
+         targets: dict[str, torch.Tensor] | None = None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
     if rank == 0 and partial.exists():
         shutil.rmtree(partial)
     _barrier()
-    dcp.save(_state(params, optimizer, rank, step), checkpoint_id=str(partial),
+    import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
+
+    dcp.save(_state(params, optimizer, rank, step, targets or params),
+             checkpoint_id=str(partial),
              no_dist=not dist.is_initialized())
     _barrier()
     if rank == 0:
@@ -50,8 +54,10 @@ def save(directory: str | Path, params: dict[str, torch.Tensor],
 
 
 def load(directory: str | Path, params: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer) -> int:
+         optimizer: torch.optim.Optimizer,
+         targets: dict[str, torch.Tensor] | None = None) -> int:
     """Fill weights and optimizer state in place; return the step the checkpoint was at."""
+    targets = targets if targets is not None else params
     path = Path(directory)
     if not path.is_dir():
         raise ShardplanError(f"{path}: no checkpoint there (a .partial one was never finished)"
@@ -59,10 +65,10 @@ def load(directory: str | Path, params: dict[str, torch.Tensor],
                              else f"{path}: no such checkpoint directory")
     rank = dist.get_rank() if dist.is_initialized() else 0
     # Materialise optimizer state so its tensors exist to be loaded into.
-    for param in params.values():
+    for param in targets.values():
         if param.requires_grad and param not in optimizer.state:
             param.grad = torch.zeros_like(param)
-    if any(p.grad is not None for p in params.values()):
+    if any(p.grad is not None for p in targets.values()):
         lrs = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = 0.0
@@ -70,12 +76,14 @@ def load(directory: str | Path, params: dict[str, torch.Tensor],
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-    state = _state(params, optimizer, rank, 0)
+    state = _state(params, optimizer, rank, 0, targets)
+    import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
+
     with torch.no_grad():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         for name, param in params.items():
             param.copy_(state[f"rank{rank}/param/{name}"])
-    names = {id(p): n for n, p in params.items()}
+    names = {id(p): n for n, p in targets.items()}
     for param, values in optimizer.state.items():
         for key, value in list(values.items()):
             loaded = state[f"rank{rank}/optim/{names[id(param)]}/{key}"]

@@ -5,20 +5,23 @@ Each rank imports the same planning graph, materialises only its shards of the w
 ops in order: every input is moved from the layout it has to the layout the op's strategy
 needs with the planner's own redistribution steps, and the op runs as the planner's local
 program (`planner.sharding.local`). The backward pass runs the transposed steps the plan
-priced; parameter gradients are summed over the axes the plan lists (`phase: gradient`).
-Every collective issued is counted, so a run can be checked against its plan.
+priced; parameter gradients are summed over the axes the plan lists (`phase: gradient`,
+by `executor.update`). Ops run in ranges (a pipeline stage's) and, where the plan says so,
+under activation checkpointing. Every collective issued is counted, so a run can be
+checked against its plan.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from executor.interpreter import run_nodes, to_tensor
 from planner.errors import PlanFileError, ShardplanError
@@ -35,12 +38,26 @@ from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
 
 @dataclass
 class Counters:
-    """Collectives issued by this rank: (kind, axes, phase) -> count."""
+    """Collectives issued by this rank: (kind, axes, phase) -> count. Forward collectives
+    re-issued while a checkpointed segment is recomputed count as phase "recompute"."""
 
     issued: Counter = field(default_factory=Counter)
+    received: Counter = field(default_factory=Counter)  # point-to-point, by phase
+    recompute_calls: int = 0  # checkpointed segments re-run in the backward pass
+    recomputing: bool = False
+
+    def _key(self, kind: str, axes: Sequence[str], phase: str) -> tuple:
+        if self.recomputing and phase == "forward":
+            phase = "recompute"
+        return kind, tuple(axes), phase
 
     def add(self, kind: str, axes: Sequence[str], phase: str) -> None:
-        self.issued[(kind, tuple(axes), phase)] += 1
+        self.issued[self._key(kind, axes, phase)] += 1
+
+    def replace(self, old: str, new: str, axes: Sequence[str], phase: str) -> None:
+        """Recount the last `old` collective as `new` (a step built from another)."""
+        self.issued[self._key(old, axes, phase)] -= 1
+        self.add(new, axes, phase)
 
 
 class MeshComm:
@@ -51,6 +68,7 @@ class MeshComm:
         self.rank = rank
         self.coord = tuple(int(c) for c in np.unravel_index(rank, mesh.shape))
         self.counters = counters
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends not yet waited on
         self.groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
         ids = np.arange(mesh.size).reshape(mesh.shape)
         # Every rank creates every group in the same order, as torch.distributed requires.
@@ -95,6 +113,68 @@ class MeshComm:
         self.counters.add("all_gather", axes, phase)
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_on(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                      axes: Sequence[str], phase: str) -> torch.Tensor:
+        """Sum over an explicit group (tied weights' holders), counted under `axes`."""
+        if group is None:
+            return tensor
+        result = tensor.detach().clone().contiguous()
+        dist.all_reduce(result, group=group)
+        self.counters.add("all_reduce", axes, phase)
+        return result
+
+    def group_rank(self, axes: Sequence[str]) -> int:
+        group = self.group(axes)
+        return dist.get_rank(group) if group is not None else 0
+
+    def reduce_scatter_flat(self, flat: torch.Tensor, axes: Sequence[str],
+                            phase: str) -> torch.Tensor:
+        """This rank's summed chunk of a flat tensor whose length the group size divides."""
+        group = self.group(axes)
+        if group is None:
+            return flat
+        out = torch.empty(flat.numel() // self.mesh.group_size(axes), dtype=flat.dtype)
+        dist.reduce_scatter_single(out, flat.detach().contiguous(), group=group)
+        self.counters.add("reduce_scatter", axes, phase)
+        return out
+
+    def all_gather_flat(self, chunk: torch.Tensor, axes: Sequence[str],
+                        phase: str) -> torch.Tensor:
+        group = self.group(axes)
+        if group is None:
+            return chunk
+        out = torch.empty(chunk.numel() * self.mesh.group_size(axes), dtype=chunk.dtype)
+        dist.all_gather_single(out, chunk.detach().contiguous(), group=group)
+        self.counters.add("all_gather", axes, phase)
+        return out
+
+    def peer(self, stage: int) -> int:
+        """The rank of pipeline stage `stage` with this rank's dp/tp coordinates."""
+        coord = list(self.coord)
+        coord[self.mesh.axis_names.index("pp")] = stage
+        return int(np.ravel_multi_index(tuple(coord), self.mesh.shape))
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, phase: str) -> None:
+        """Non-blocking: the handle and buffer are kept until `wait_sends`."""
+        buffer = tensor.detach().contiguous()
+        if buffer.dtype == torch.bool:  # gloo moves no bool buffers
+            buffer = buffer.to(torch.uint8)
+        self.pending.append((dist.isend(buffer, peer, tag=tag), buffer))
+        self.counters.add("send_recv", ("pp",), phase)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int,
+             phase: str) -> torch.Tensor:
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        buffer = torch.empty(tuple(shape), dtype=wire)
+        dist.irecv(buffer, peer, tag=tag).wait()
+        self.counters.received[phase] += 1
+        return buffer.to(torch.bool) if dtype == torch.bool else buffer
+
+    def wait_sends(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
     def local_slice(self, tensor: torch.Tensor, axes: Sequence[str], dim: int) -> torch.Tensor:
         parts = self.mesh.group_size(axes)
         chunk = tensor.shape[dim] // parts
@@ -111,13 +191,11 @@ class MeshComm:
                 tensor = self.all_reduce(tensor, step.axes, phase)
             elif step.kind == "reduce_scatter":
                 reduced = self.all_reduce(tensor, step.axes, phase)
-                self.counters.issued[("all_reduce", tuple(step.axes), phase)] -= 1
-                self.counters.add("reduce_scatter", step.axes, phase)
+                self.counters.replace("all_reduce", "reduce_scatter", step.axes, phase)
                 tensor = self.local_slice(reduced, step.axes, step.dst_dim)
             elif step.kind == "all_to_all":
                 gathered = self.all_gather(tensor, step.axes, step.src_dim, phase)
-                self.counters.issued[("all_gather", tuple(step.axes), phase)] -= 1
-                self.counters.add("all_to_all", step.axes, phase)
+                self.counters.replace("all_gather", "all_to_all", step.axes, phase)
                 tensor = self.local_slice(gathered, step.axes, step.dst_dim)
             elif step.kind == "zero":
                 if any(self.coord[self.mesh.axis_names.index(a)] for a in step.axes):
@@ -223,10 +301,15 @@ def shard_of(value: torch.Tensor, layout: Layout, comm: MeshComm) -> torch.Tenso
 
 
 class PlanRunner:
-    """One rank's view of a plan: its shards, and a training step that issues the plan."""
+    """One rank's view of a plan: its shards, and the ops it runs, as the plan issues them.
+
+    `held` names the weights this rank keeps (a pipeline stage keeps those its ops read);
+    every weight is still drawn, so each one gets the values the unsplit run gives it.
+    """
 
     def __init__(self, graph: PlanningGraph, plan: Plan, rank: int, seed: int = 0,
-                 stored: Mapping[str, np.ndarray] | None = None) -> None:
+                 stored: Mapping[str, np.ndarray] | None = None,
+                 held: Collection[str] | None = None) -> None:
         check_plan_matches(plan, graph)
         self.graph, self.plan = graph, plan
         self.mesh = plan.mesh
@@ -238,50 +321,138 @@ class PlanRunner:
         full = full_parameters(graph, seed, stored)
         self.params: dict[str, torch.Tensor] = {}
         for name, value in full.items():
+            if held is not None and name not in held:
+                continue
             local = shard_of(value, plan.tensors[name].layout, self.comm)
             if graph.tensors[name].kind == "parameter":
                 local = local.clone().requires_grad_(True)
             self.params[name] = local
+        # The axes each weight's gradient is summed over; the "pp" entries are the sums
+        # between two stages holding one weight (WeightUpdate's `tied` groups).
         self.gradient_axes = {c.tensor: tuple(c.axes) for c in plan.collectives
-                              if c.phase == "gradient"}
+                              if c.phase in ("gradient", "backward") and c.op == "optimizer"
+                              and "pp" not in c.axes and c.tensor in self.params}
         self._steps: dict[tuple, list[CommStep]] = {}
+        self._programs: dict[int, tuple] = {}
+        self._segments: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
 
-    def forward(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
-        """Run every op; return local values and their layouts."""
-        tensors = self.graph.tensors
+    def inputs(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """The held weights and this rank's shards of the fed inputs, with their layouts."""
         values: dict[str, torch.Tensor] = dict(self.params)
         layouts: dict[str, Layout] = {n: self.plan.tensors[n].layout for n in self.params}
         for name, value in feeds.items():
             values[name] = shard_of(value, self.plan.tensors[name].layout, self.comm)
             layouts[name] = self.plan.tensors[name].layout
-        for node in self.graph.ops:
+        return values, layouts
+
+    def forward(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """Run every op; return local values and their layouts."""
+        values, layouts = self.inputs(feeds)
+        self.run_range(0, len(self.graph.ops), values, layouts)
+        return values, layouts
+
+    def run_range(self, first: int, end: int, values: dict[str, torch.Tensor],
+                  layouts: dict[str, Layout],
+                  segments: Sequence[tuple[int, int]] = ()) -> None:
+        """Ops [first, end) in order; those in `segments` under activation checkpointing."""
+        k = first
+        for a, b in sorted(s for s in segments if first <= s[0] and s[1] <= end):
+            while k < a:
+                self.run_op(k, values, layouts)
+                k += 1
+            self._checkpointed(a, b, values, layouts)
+            k = b
+        while k < end:
+            self.run_op(k, values, layouts)
+            k += 1
+
+    def _checkpointed(self, first: int, end: int, values: dict[str, torch.Tensor],
+                      layouts: dict[str, Layout]) -> None:
+        """Keep only the segment's inputs and outputs; the backward pass re-runs it (its
+        forward collectives too, counted as phase "recompute")."""
+        inputs, outputs = self._segment_io(first, end)
+        for name in inputs:
+            if name not in values:
+                self._constant(name, values, layouts)
+        seen: dict[str, Layout] = {}
+        calls = [0]
+
+        def body(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            calls[0] += 1
+            again = calls[0] > 1
+            local = dict(zip(inputs, tensors, strict=True))
+            local_layouts = {n: layouts[n] for n in inputs}
+            self.counters.recompute_calls += again
+            self.counters.recomputing = again
+            try:
+                for k in range(first, end):
+                    self.run_op(k, local, local_layouts)
+            finally:
+                self.counters.recomputing = False
+            seen.update(local_layouts)
+            return tuple(local[n] for n in outputs)
+
+        results = checkpoint(body, *[values[n] for n in inputs], use_reentrant=False,
+                             early_stop=False)
+        for name, value in zip(outputs, results, strict=True):
+            values[name], layouts[name] = value, seen[name]
+
+    def _segment_io(self, first: int, end: int) -> tuple[list[str], list[str]]:
+        """(inputs, outputs) of ops [first, end): read from outside, read from outside."""
+        key = (first, end)
+        if key not in self._segments:
+            ops = self.graph.ops
+            inside = {n for node in ops[first:end] for n in node.outputs if n}
+            inputs = sorted({n for node in ops[first:end] for n in node.inputs
+                             if n and n not in inside})
+            later = {n for node in ops[:first] + ops[end:] for n in node.inputs if n}
+            outputs = sorted(n for n in inside
+                             if n in later or n in self.graph.outputs)
+            self._segments[key] = (inputs, outputs)
+        return self._segments[key]
+
+    def _constant(self, name: str, values: dict[str, torch.Tensor],
+                  layouts: dict[str, Layout]) -> None:
+        info = self.graph.tensors[name]
+        if info.value is None:
+            raise ShardplanError(f"constant {name} has no value in the planning graph (larger "
+                                 "than the folding limit); the executor cannot run it")
+        values[name] = to_tensor(np.asarray(info.value))
+        layouts[name] = Layout.replicated(len(info.shape))
+
+    def _program(self, k: int) -> tuple:
+        """(labels, strategy, local program) of op k: the same every micro-batch."""
+        if k not in self._programs:
+            node, tensors = self.graph.ops[k], self.graph.tensors
             entry = self.entries[node.name]
             labels = safe_labels(node, tensors)
             strategy = OpStrategy.of(entry.assignment) if labels is not None else REPLICATED
             labels = labels or replicated_labels(node, tensors)
-            env: dict[str, torch.Tensor] = {}
-            for index, (name, binding) in enumerate(zip(node.inputs, entry.inputs,
-                                                        strict=True)):
-                if not name or binding is None:
-                    continue
-                info = tensors[name]
-                if name not in values:
-                    if info.value is None:
-                        raise ShardplanError(f"constant {name} of op {node.name} has no value "
-                                             "in the planning graph (larger than the folding "
-                                             "limit); the executor cannot run it")
-                    values[name] = to_tensor(np.asarray(info.value))
-                    layouts[name] = Layout.replicated(len(info.shape))
-                env[name] = self._move(values[name], layouts[name], binding.layout, info,
-                                       grad_partial_axes(labels, strategy, index))
             program = local_program(node, labels, strategy, tensors, self.mesh, self.comm.coord)
-            for name, value in program.constants.items():
-                env[name] = to_tensor(np.asarray(value))
-            run_nodes(program.nodes, env, self._collective)
-            for name, binding in zip(node.outputs, entry.outputs, strict=True):
-                if name and binding is not None:
-                    values[name], layouts[name] = env[name], binding.layout
-        return values, layouts
+            self._programs[k] = (labels, strategy, program)
+        return self._programs[k]
+
+    def run_op(self, k: int, values: dict[str, torch.Tensor],
+               layouts: dict[str, Layout]) -> None:
+        """Op k: move each input to the layout its strategy needs, run the local program."""
+        node = self.graph.ops[k]
+        entry = self.entries[node.name]
+        labels, strategy, program = self._program(k)
+        env: dict[str, torch.Tensor] = {}
+        for index, (name, binding) in enumerate(zip(node.inputs, entry.inputs, strict=True)):
+            if not name or binding is None:
+                continue
+            if name not in values:
+                self._constant(name, values, layouts)
+            env[name] = self._move(values[name], layouts[name], binding.layout,
+                                   self.graph.tensors[name],
+                                   grad_partial_axes(labels, strategy, index))
+        for name, value in program.constants.items():
+            env[name] = to_tensor(np.asarray(value))
+        run_nodes(program.nodes, env, self._collective)
+        for name, binding in zip(node.outputs, entry.outputs, strict=True):
+            if name and binding is not None:
+                values[name], layouts[name] = env[name], binding.layout
 
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],
@@ -314,13 +485,6 @@ class PlanRunner:
         axes = [a.decode() if isinstance(a, bytes) else a for a in
                 next(a for a in node.attribute if a.name == "axes").strings]
         env[node.output[0]] = _SumOverAxes.apply(env[node.input[0]], self.comm, tuple(axes))
-
-    def sync_gradients(self) -> None:
-        """Sum each weight's partial gradient over the axes the plan lists."""
-        for name, axes in sorted(self.gradient_axes.items()):
-            grad = self.params[name].grad
-            if grad is not None:
-                self.params[name].grad = self.comm.all_reduce(grad, axes, "gradient")
 
     def loss(self, values: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout],
              output: str, targets: torch.Tensor | None,

@@ -1,19 +1,24 @@
 """Train with a plan on N local ranks (gloo), or as one process for reference.
 
-`train(model, plan, nproc, steps)` spawns the ranks, feeds every rank the same synthetic
-global batch (each keeps its shard, the seed's `num_shards`/`shard_id`), runs forward,
-the cross-entropy loss, backward, the plan's gradient sums and an SGD step, and returns
-the losses, step times and collective counts of rank 0.
+`train(model, plan, steps)` spawns the ranks, feeds every rank the same synthetic global
+batch (each keeps its shard), cuts it into the plan's micro-batches, runs each rank's
+pipeline stage through the plan's schedule (`executor.pipeline`), the plan's gradient sums,
+ZeRO sharding and the optimizer (`executor.update`), and returns the losses, step times,
+collective counts (summed over one rank per pipeline stage) and what every rank did.
+`train_reference` trains the same model on the whole global batch in one process.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +28,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from executor import checkpoint as checkpoints
+from executor.pipeline import PipelineEngine
 from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
+from executor.schedule import build_stages, check_schedule
+from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.api import load_graph
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.planfile import Plan
+from planner.pricing import requires_grad_map
 
 
 @dataclass
@@ -36,11 +45,12 @@ class RunLog:
     step_time_s: list[float] = field(default_factory=list)
     predicted_step_time_s: float = 0.0
     collectives: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)  # per rank: stage, counts, state sizes
 
     def to_json(self) -> dict:
         return {"losses": self.losses, "step_time_s": self.step_time_s,
                 "predicted_step_time_s": self.predicted_step_time_s,
-                "collectives": self.collectives}
+                "collectives": self.collectives, "ranks": self.ranks}
 
 
 LOSSES = ("auto", "graph", "ce", "mse")
@@ -60,32 +70,45 @@ def loss_kind(graph: PlanningGraph, wanted: str = "auto") -> tuple[str, str]:
     return ("ce" if wanted == "auto" else wanted), graph.outputs[0]
 
 
+def _global_shape(graph: PlanningGraph, name: str, micro_batches: int,
+                  batch_dim: int | None) -> tuple[int, ...]:
+    """The shape of `name` over the whole step: its batch dim × micro_batches."""
+    shape = list(graph.tensors[name].shape)
+    if batch_dim is not None and micro_batches > 1:
+        shape[batch_dim] *= micro_batches
+    return tuple(shape)
+
+
 def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
-               data: str = "") -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+               data: str = "", micro_batches: int = 1,
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The global batch: `<data>/<input>.npy` (and `targets.npy`) when given, else
-    synthetic: valid token ids for embeddings, normal floats, class or float targets."""
+    synthetic: valid token ids for embeddings, normal floats, class or float targets.
+    `graph` may be imported at the micro-batch: the data are drawn at micro_batches times
+    its batch, exactly as for the graph of the whole batch."""
     generator = torch.Generator().manual_seed(seed + 1)
     feeds: dict[str, torch.Tensor] = {}
     for name in graph.inputs:
         info = graph.tensors[name]
+        shape = _global_shape(graph, name, micro_batches, graph.batch_inputs.get(name))
         stored = Path(data) / f"{name}.npy" if data else None
         if stored is not None and stored.exists():
             array = np.load(stored, allow_pickle=False)
-            if tuple(array.shape) != info.shape:
+            if tuple(array.shape) != shape:
                 raise ShardplanError(f"{stored}: shape {list(array.shape)}, but input {name} "
-                                     f"is {list(info.shape)} in the plan")
+                                     f"is {list(shape)} in the plan's step")
             feeds[name] = torch.from_numpy(array.astype(info.dtype))
         elif info.dtype.startswith("int"):
             high = min((graph.tensors[graph.op(c).inputs[0]].shape[0] for c in info.consumers
                         if graph.op(c).op_type == "Gather" and graph.op(c).inputs[1] == name),
                        default=2)
-            feeds[name] = torch.randint(0, high, info.shape, generator=generator,
+            feeds[name] = torch.randint(0, high, shape, generator=generator,
                                         dtype=getattr(torch, info.dtype))
         else:
-            feeds[name] = torch.randn(info.shape, generator=generator)
+            feeds[name] = torch.randn(shape, generator=generator)
     if kind == "graph":
         return feeds, None
-    shape = graph.tensors[output].shape
+    shape = _global_shape(graph, output, micro_batches, 0)
     stored = Path(data) / "targets.npy" if data else None
     if stored is not None and stored.exists():
         return feeds, torch.from_numpy(np.load(stored, allow_pickle=False))
@@ -102,49 +125,119 @@ def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Te
     return feeds, targets, output
 
 
-OPTIMIZERS = ("sgd", "adamw")
+def micro_batches_of(graph: PlanningGraph, feeds: dict[str, torch.Tensor],
+                     targets: torch.Tensor | None, count: int,
+                     ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor | None]]:
+    """The global batch cut along its batch dims into `count` equal micro-batches, in
+    order (inputs without a batch dim go to every micro-batch whole)."""
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    for name, value in feeds.items():
+        dim = graph.batch_inputs.get(name)
+        for k in range(count):
+            parts[k][name] = value if dim is None else value.chunk(count, dim)[k]
+    if targets is None:
+        return parts, [None] * count
+    return parts, list(targets.chunk(count, 0))
 
 
-def _fault_drill(rank: int) -> int | None:
-    """SHARDPLAN_FAULT="RANK:STEP" kills that rank before that step (for fault tests)."""
-    spec = os.environ.get("SHARDPLAN_FAULT", "")
+def _fault_drill(rank: int, spec: str = "") -> int | None:
+    """SHARDPLAN_FAULT="RANK:STEP" kills that rank before that step (for fault tests).
+    Ranks forked from the fork server get the caller's value through RunSettings."""
+    spec = spec or os.environ.get("SHARDPLAN_FAULT", "")
     victim, _, step = spec.partition(":")
     return int(step) if spec and victim == str(rank) and step.isdigit() else None
 
 
-def _optimizer(runner: PlanRunner, name: str, lr: float) -> torch.optim.Optimizer:
-    """Elementwise optimizers act on local shards exactly as on the whole tensor."""
-    params = [p for p in runner.params.values() if p.requires_grad]
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+def _micro_batches(plan: Plan) -> int:
+    return int((plan.pipeline or {}).get("micro_batches", 1))
 
 
-def _steps(runner: PlanRunner, graph: PlanningGraph, steps: int, lr: float, seed: int,
-           log: RunLog, optimizer: str, resume: str = "", checkpoint: str = "",
-           loss: str = "auto", data: str = "") -> None:
+def _holders(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Per weight, the pipeline device stages whose ops read it (stage 0 for a plain plan)."""
+    rows = (plan.pipeline or {}).get("stages") or [{"ops": [[0, len(plan.ops)]]}]
+    result: dict[str, set[int]] = {}
+    for d, row in enumerate(rows):
+        for a, b in row["ops"]:
+            for op in plan.ops[a:b]:
+                for binding in op.inputs:
+                    if binding and plan.tensors[binding.tensor].kind in ("parameter",
+                                                                          "buffer"):
+                        result.setdefault(binding.tensor, set()).add(d)
+    return {name: tuple(sorted(stages)) for name, stages in result.items()}
+
+
+def _engine(graph: PlanningGraph, plan: Plan, rank: int, seed: int, model: str,
+            optimizer: str, lr: float, loss: str) -> PipelineEngine:
+    """This rank's runner (its stage's weights only), weight update and schedule."""
     kind, output = loss_kind(graph, loss)
-    feeds, targets = batch_data(graph, seed, kind, output, data)
-    step = _optimizer(runner, optimizer, lr)
-    done = checkpoints.load(resume, runner.params, step) if resume else 0
-    fault = _fault_drill(runner.comm.rank)
+    holders = _holders(plan)
+    mesh = plan.mesh
+    device = 0
+    if "pp" in mesh.axis_names:
+        device = int(np.unravel_index(rank, mesh.shape)[mesh.axis_names.index("pp")])
+    held = {name for name, stages in holders.items() if device in stages}
+    runner = PlanRunner(graph, plan, rank, seed, onnx_weights(model), held)
+    stages = build_stages(graph, plan, output, runner.needs_grad)
+    tied = tied_groups(runner.comm, {n: h for n, h in holders.items()
+                                     if graph.tensors[n].kind == "parameter"})
+    update = WeightUpdate(runner, plan.parallel.zero, optimizer, lr, tied)
+    return PipelineEngine(runner, stages, update, output, kind)
+
+
+def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
+           log: RunLog, resume: str = "", checkpoint: str = "", loss: str = "auto",
+           data: str = "", fault_spec: str = "") -> None:
+    kind, output = loss_kind(graph, loss)
+    count = engine.stages.micro_batches
+    feeds, targets = batch_data(graph, seed, kind, output, data, count)
+    micro_feeds, micro_targets = micro_batches_of(graph, feeds, targets, count)
+    update = engine.update
+    params = engine.runner.params
+    done = checkpoints.load(resume, params, update.optimizer, update.targets) if resume else 0
+    fault = _fault_drill(engine.runner.comm.rank, fault_spec)
     for _ in range(steps):
         if fault is not None and done == fault:
             os._exit(17)  # a fault drill: this rank dies in the middle of training
         started = time.perf_counter()
-        values, layouts = runner.forward(feeds)
-        local, reported = runner.loss(values, layouts, output, targets, kind)
-        local.backward()
-        runner.sync_gradients()
-        step.step()
-        step.zero_grad(set_to_none=True)
+        reported = engine.step(micro_feeds, micro_targets)
         log.step_time_s.append(time.perf_counter() - started)
         log.losses.append(reported)
         done += 1
     if checkpoint:
-        checkpoints.save(checkpoint, runner.params, step, done)
+        checkpoints.save(checkpoint, params, update.optimizer, done, update.targets)
+
+
+def _rank_record(engine: PipelineEngine) -> dict:
+    """What one rank did: its stage, collectives, p2p messages, recompute, state sizes."""
+    runner = engine.runner
+    counters = runner.counters
+    return {
+        "rank": runner.comm.rank, "stage": engine.device,
+        "representative": all(c == 0 for a, c in zip(runner.mesh.axis_names,
+                                                      runner.comm.coord, strict=True)
+                              if a != "pp"),
+        "issued": {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in counters.issued.items()
+                   if n},
+        "received": dict(counters.received),
+        "recompute_calls": counters.recompute_calls,
+        "actions": [f"{a.kind}{a.micro}@{a.chunk}" for a in engine.actions],  # per step
+        "parameters": sorted(n for n, p in runner.params.items() if p.requires_grad),
+        "parameter_elements": sum(p.numel() for p in runner.params.values()
+                                  if p.requires_grad),
+        "optimizer_tensor_elements": sum(t.numel() for t in engine.update.targets.values()),
+        "optimizer_state_elements": engine.update.state_elements(),
+    }
+
+
+def _issued(records: list[dict]) -> dict[str, int]:
+    """Collectives of one rank per pipeline stage, summed: each planned collective once
+    (every rank of a stage issues the same ones)."""
+    total: Counter = Counter()
+    for record in records:
+        if record["representative"]:
+            total.update({k: v for k, v in record["issued"].items()
+                          if not k.endswith("|recompute")})
+    return dict(total)
 
 
 @dataclass(frozen=True)
@@ -161,6 +254,7 @@ class RunSettings:
     loss: str = "auto"  # graph | ce | mse | auto (the graph's own loss, else ce)
     data: str = ""  # a folder of <input>.npy arrays (and targets.npy); "" = synthetic
     timeout_s: float = 120.0  # a dead rank makes the others fail within this
+    fault: str = ""  # SHARDPLAN_FAULT of the caller (a fault drill), see _fault_drill
 
 
 def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> RunLog:
@@ -176,14 +270,15 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
             raise ShardplanError(f"the plan is for {plan.mesh.size} devices but {world} ranks "
                                  "were started; start as many ranks as the plan has devices")
         graph = _graph_for(settings.model, plan)
-        runner = PlanRunner(graph, plan, rank, settings.seed, onnx_weights(settings.model))
+        engine = _engine(graph, plan, rank, settings.seed, settings.model, settings.optimizer,
+                         settings.lr, settings.loss)
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
-        _steps(runner, graph, settings.steps, settings.lr, settings.seed, log,
-               settings.optimizer, settings.resume, settings.checkpoint, settings.loss,
-               settings.data)
-        issued = {f"{k}|{','.join(a)}|{p}": n for (k, a, p), n in runner.counters.issued.items()
-                  if n}
-        log.collectives = {"issued": issued}
+        _steps(engine, graph, settings.steps, settings.seed, log, settings.resume,
+               settings.checkpoint, settings.loss, settings.data, settings.fault)
+        records: list = [None] * world
+        dist.all_gather_object(records, _rank_record(engine))
+        log.ranks = records
+        log.collectives = {"issued": _issued(records)}
         if rank == 0 and settings.out:
             Path(settings.out).write_text(json.dumps(log.to_json()))
         return log
@@ -193,11 +288,49 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
 
 def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
     run_rank(rank, world, f"tcp://127.0.0.1:{port}", settings)
+    # Everything is written and the process group is gone. Tearing down an interpreter
+    # that loaded torch takes seconds per rank on a busy host: leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
-    """The model imported with the dims the plan was made for."""
+    """The model imported with the dims the plan was made for (at its micro-batch)."""
     return load_graph(model, batch=plan.model.batch, dims=plan.model.bound_dims)
+
+
+def _whole_batch_graph(model: str | os.PathLike, plan: Plan,
+                       micro: PlanningGraph) -> PlanningGraph:
+    """The model at the step's whole batch (micro_batch_size × micro_batches)."""
+    count = _micro_batches(plan)
+    if count == 1:
+        return micro
+    if not micro.batch:
+        raise ShardplanError(f"{micro.path}: the plan has {count} micro-batches but the model "
+                             "has no batch dimension to cut")
+    dims = {k: v for k, v in plan.model.bound_dims.items() if k != micro.batch_symbol}
+    return load_graph(model, batch=micro.batch * count, dims=dims)
+
+
+def _start_ranks(world: int, settings: RunSettings) -> None:
+    """Start the ranks from a fork server that has imported torch and the executor once,
+    so that ranks do not each pay seconds of imports (fresh interpreters, not forks of
+    this process, whose thread pools may be running)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["executor.train", "torch._dynamo"])
+    mp.start_processes(_worker, args=(world, _free_port(), settings), nprocs=world,
+                       join=True, start_method="forkserver")
+
+
+def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
+    """Refuse, before any rank starts, a plan for another model or one this executor
+    cannot run (its stages, schedule or ZeRO stage), with the one-line reason."""
+    graph = _graph_for(model, plan)
+    check_plan_matches(plan, graph)
+    _, output = loss_kind(graph, loss)
+    check_schedule(build_stages(graph, plan, output, requires_grad_map(graph)))
+    check_zero(plan.parallel.zero)
 
 
 def _free_port() -> int:
@@ -210,17 +343,16 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
           seed: int = 0, optimizer: str = "sgd", resume: str = "",
           checkpoint: str = "", loss: str = "auto", data: str = "") -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
-    check_plan_matches(plan, _graph_for(model, plan))  # refuse before any rank starts
+    preflight(model, plan, loss)
     with tempfile.TemporaryDirectory() as scratch:
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)
         out = Path(scratch) / "log.json"
         settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
                                resume=str(resume), checkpoint=str(checkpoint), loss=loss,
-                               data=str(data))
+                               data=str(data), fault=os.environ.get("SHARDPLAN_FAULT", ""))
         try:
-            mp.spawn(_worker, args=(plan.mesh.size, _free_port(), settings),
-                     nprocs=plan.mesh.size, join=True)
+            _start_ranks(plan.mesh.size, settings)
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]
             raise ShardplanError(f"rank {exc.error_index} failed ({last}); the other ranks "
@@ -238,24 +370,30 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
     """The same model, data and optimizer in one process with nothing split."""
     from planner.api import plan as make_plan
 
-    graph = _graph_for(model, plan)
-    check_plan_matches(plan, graph)
+    micro = _graph_for(model, plan)
+    check_plan_matches(plan, micro)
+    graph = _whole_batch_graph(model, plan, micro)
     try:  # price the one-device run on the plan's hardware where that profile is bundled
         single = make_plan(graph, devices=1, mode="data", profile=plan.cluster.profile)
     except ShardplanError:
         single = make_plan(graph, devices=1, mode="data", profile="cpu")
-    runner = PlanRunner(graph, single, 0, seed, onnx_weights(str(model)))
+    engine = _engine(graph, single, 0, seed, str(model), optimizer, lr, loss)
     log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
-    _steps(runner, graph, steps, lr, seed, log, optimizer, loss=loss, data=data)
+    _steps(engine, graph, steps, seed, log, loss=loss, data=data)
     return log
 
 
 def planned_counts(plan: Plan, steps: int) -> dict[str, int]:
-    """What the plan says a run of `steps` steps issues, keyed like RunLog.collectives."""
-    counts: dict[str, int] = {}
+    """What the plan says a run of `steps` steps issues, keyed like RunLog.collectives.
+
+    The plan lists every collective of one step on the ranks holding it: forward,
+    backward and point-to-point entries happen once per micro-batch (ZeRO 2's
+    reduce-scatter is a backward entry), gradient entries once per step; a weight held by
+    two pipeline stages is listed once per holder, with the sum between the holders.
+    """
+    micro = _micro_batches(plan)
+    counts: Counter = Counter()
     for c in plan.collectives:
         key = f"{c.kind}|{','.join(c.axes)}|{c.phase}"
-        counts[key] = counts.get(key, 0) + steps
-    return counts
-
-
+        counts[key] += steps * (micro if c.phase != "gradient" else 1)
+    return dict(counts)

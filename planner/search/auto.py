@@ -487,7 +487,9 @@ def _no_plan(graph: PlanningGraph, profile: HardwareProfile, devices: int,
                 smallest, where = memory, "mesh " + "x".join(map(str, mesh.shape))
     limit = training.memory_limit_bytes or int(profile.memory_bytes.value)
     if smallest == float("inf"):
-        return ShardplanError(f"no mesh of {devices} devices admits a plan: {reasons}")
+        why = "; ".join(joint.unformed) if joint is not None and joint.unformed else reasons
+        return ShardplanError(f"no configuration of {devices} devices admits a plan: "
+                              f"{why or 'no mesh or configuration could be formed'}")
     factor = smallest / limit
     levers = ("a smaller batch or sequence" if joint is not None else
               "a smaller batch, recompute or optimizer sharding, or pipeline stages")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction, pipeline_time
@@ -97,6 +97,7 @@ class JointResult:
     tried: int
     smallest_memory: float  # the least peak memory any configuration tried needs
     smallest_where: str
+    unformed: dict[str, int] = field(default_factory=dict)  # why configurations had no price
 
 
 def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1) -> DeviceMesh:
@@ -271,6 +272,7 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     smallest, where = math.inf, ""
     tried = 0
     with_dp: dict[tuple[int, int], UnitProfile] = {}
+    unformed: dict[str, int] = {}
     for bound, choice in bounds:
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
             break
@@ -286,7 +288,10 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
         found = partition(profile, config, hardware, mesh, limit, modes)
         if found is None:
             least = partition(profile, config, hardware, mesh, math.inf, ["full"])
-            if least is not None and least.price.peak_memory < smallest:
+            if least is None:
+                reason = _unformed(choice, small_units)
+                unformed[reason] = unformed.get(reason, 0) + 1
+            elif least.price.peak_memory < smallest:
                 smallest, where = least.price.peak_memory, choice.describe()
             continue
         if found.price.peak_memory < smallest:
@@ -296,7 +301,18 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
-    return JointResult(ranked, tried, smallest, where)
+    return JointResult(ranked, tried, smallest, where, unformed)
+
+
+def _unformed(choice: Choice, units: Units) -> str:
+    """Why a configuration cannot be laid on the model's units at all."""
+    layers = len(units.layer_units)
+    if choice.schedule == "interleaved":
+        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs a layer "
+                f"count divisible by {choice.pp * choice.virtual_stages}; the model has "
+                f"{layers} repeated layers")
+    return (f"pp={choice.pp} needs at least as many units as stages; the model has "
+            f"{units.count} (prefix, {layers} layers, suffix)")
 
 
 def _with_data_axis(profile: UnitProfile, dp: int) -> UnitProfile:
@@ -336,6 +352,11 @@ def pipeline_plan(graph: PlanningGraph, hardware: HardwareProfile, choice: Choic
                               optimizer=training.optimizer)
     record = record or SolverRecord("joint", "optimal", 0.0, 0.0, 0.0, 0.0)
     plan = assemble(micro, mesh, strategies, hardware, parallel, record, training, labels)
+    if choice.tp > 1 and not any("tp" in s.used_axes for s in strategies.values()):
+        plan.warnings.append(
+            f"tp={choice.tp}: no op of this model is worth splitting over tp on "
+            f"{hardware.name} (its tensors are too small), so the {choice.tp} tp ranks repeat "
+            "the same work; pin tp=1 or leave tp to the search")
     units = find_units(micro)
     profile = unit_profile(micro, plan, units)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
@@ -389,39 +410,70 @@ def finish_pipeline(plan: Plan, graph: PlanningGraph, units: Units, profile: Uni
     plan.predicted = predicted_from(price, plan.predicted.memory_limit_bytes)
 
 
+#: Per ZeRO stage, the collectives of one weight: (kind, phase). Forward and backward
+#: entries run once per micro-batch, gradient entries once per step (as priced by
+#: `planner.stages._WeightTables`).
+ZERO_COLLECTIVES = {
+    0: (("all_reduce", "gradient"),),
+    1: (("reduce_scatter", "gradient"), ("all_gather", "gradient")),
+    2: (("reduce_scatter", "backward"), ("all_gather", "gradient")),
+    3: (("all_gather", "forward"), ("all_gather", "backward"), ("reduce_scatter", "backward")),
+}
+
+
 def _collectives(plan: Plan, profile: UnitProfile, sends: list[dict], choice: Choice,
                  hardware: HardwareProfile) -> list[Collective]:
-    """Op-level collectives as assembled, gradient ones as ZeRO runs them, and the
-    point-to-point transfers between stages."""
+    """Op-level collectives as assembled; the weights' collectives as ZeRO runs them, once
+    per pipeline stage holding the weight, plus the sum between the holders of a weight
+    read in two stages (a tied embedding); the point-to-point transfers between stages."""
     from planner.pricing import collective_seconds
 
     mesh = plan.mesh
     result = [c for c in plan.collectives if c.phase != "gradient"]
-    kinds = {0: ("all_reduce",), 1: ("reduce_scatter", "all_gather"),
-             2: ("reduce_scatter", "all_gather"), 3: ("reduce_scatter", "all_gather")}
+    stage_of_op = _stage_of_op(plan)
+    holders: dict[str, set[int]] = {}
+    for index, op in enumerate(plan.ops):
+        for binding in op.inputs:
+            if binding and binding.tensor in plan.tensors and \
+                    plan.tensors[binding.tensor].kind == "parameter":
+                holders.setdefault(binding.tensor, set()).add(stage_of_op[index])
     for param in profile.params:
         axes = [a for a in param.axes if a in mesh.axis_names and mesh.axis_size(a) > 1]
-        if not axes:
-            continue
-        for kind in kinds[choice.zero]:
-            seconds = collective_seconds(hardware, kind, param.bytes, axes, mesh)
-            result.append(Collective(kind, param.name, axes, round(param.bytes), "gradient",
-                                     "optimizer", seconds))
-    first_reader = {}
-    for op in plan.ops:
+        stages = sorted(holders.get(param.name, {0}))
+        for _ in stages:
+            for kind, phase in ZERO_COLLECTIVES[choice.zero] if axes else ():
+                seconds = collective_seconds(hardware, kind, param.bytes, axes, mesh)
+                result.append(Collective(kind, param.name, axes, round(param.bytes), phase,
+                                         "optimizer", seconds))
+            if len(stages) > 1:  # priced as one exchange with the other holder
+                seconds = collective_seconds(hardware, "send_recv", param.bytes,
+                                             [PIPELINE_AXIS], mesh)
+                result.append(Collective("all_reduce", param.name, [PIPELINE_AXIS],
+                                         round(param.bytes), "gradient", "optimizer", seconds))
+    first_reader: dict[tuple[str, int], str] = {}
+    for index, op in enumerate(plan.ops):
         for binding in op.inputs:
-            if binding and binding.tensor not in first_reader:
-                first_reader[binding.tensor] = op.name
+            if binding:
+                first_reader.setdefault((binding.tensor, stage_of_op[index]), op.name)
     for send in sends:
         seconds = collective_seconds(hardware, "send_recv", send["bytes"], [PIPELINE_AXIS],
                                      mesh) if PIPELINE_AXIS in mesh.axis_names else 0.0
-        op = first_reader.get(send["tensor"], "pipeline")
+        op = first_reader.get((send["tensor"], send["to_stage"]), "pipeline")
         result.append(Collective("send_recv", send["tensor"], [PIPELINE_AXIS], send["bytes"],
                                  "forward", op, seconds))
         if send["grad"]:
             result.append(Collective("send_recv", send["tensor"], [PIPELINE_AXIS],
                                      send["bytes"], "backward", op, seconds))
     return result
+
+
+def _stage_of_op(plan: Plan) -> list[int]:
+    """The pipeline device stage of every op (0 without a pipeline section)."""
+    stage = [0] * len(plan.ops)
+    for row in (plan.pipeline or {}).get("stages", []):
+        for a, b in row["ops"]:
+            stage[a:b] = [row["device_stage"]] * (b - a)
+    return stage
 
 
 def predicted_from(price: PipelinePrice, limit: int) -> Predicted:

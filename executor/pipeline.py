@@ -1,0 +1,171 @@
+"""One training step of a plan on one rank: its chunks' passes in schedule order.
+
+The rank runs the actions its device stage's schedule lists (`executor.schedule`). A
+forward pass of micro-batch m on a chunk takes that micro-batch's inputs, receives the
+activations earlier chunks send it (cut from autograd: a fresh leaf), runs the chunk's ops
+(checkpointed segments under `torch.utils.checkpoint`), and sends on what later chunks
+read. Its backward pass receives the gradients of what it sent, back-propagates them (and
+the loss, on the chunk that computes it), and sends back the gradients of what it received.
+Sends are non-blocking and waited for at the end of the step; receives block. After the
+last pass the weights are updated (`executor.update`), and the step's loss, known on the
+last stage, is summed over the pipeline axis so that every rank reports it.
+
+A mean loss over the global batch is the mean of the micro-batches' mean losses, so each
+micro-batch's loss is scaled by 1/micro_batches; gradients accumulate in `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.runtime import PlanRunner
+from executor.schedule import Action, Stages, Transfer, check_schedule
+from executor.update import WeightUpdate
+from planner.errors import ShardplanError
+
+
+@dataclass
+class _Pass:
+    """What a forward pass leaves for its backward pass."""
+
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # transfer -> received
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # sent, with gradients
+    loss: torch.Tensor | None = None
+
+
+class PipelineEngine:
+    """This rank's part of every training step of `stages`."""
+
+    def __init__(self, runner: PlanRunner, stages: Stages, update: WeightUpdate,
+                 output: str, kind: str) -> None:
+        self.runner, self.stages, self.update = runner, stages, update
+        self.output, self.kind = output, kind
+        mesh = runner.mesh
+        self.device = runner.comm.coord[mesh.axis_names.index("pp")] if (
+            "pp" in mesh.axis_names) else 0
+        self.actions: list[Action] = check_schedule(stages)[self.device]
+        self.last_chunk = min(c.index for c in stages.of_device(self.device))
+        ops = runner.graph.ops
+        self.reads = {c.index: {n for node in ops[c.first:c.end] for n in node.inputs if n}
+                      for c in stages.chunks}
+        self._passes: dict[tuple[int, int], _Pass] = {}
+        self._mail: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._loss = 0.0
+
+    def step(self, feeds: Sequence[Mapping[str, torch.Tensor]],
+             targets: Sequence[torch.Tensor | None]) -> float:
+        """Every micro-batch through the schedule, then the weight update; the loss."""
+        if len(feeds) != self.stages.micro_batches:
+            raise ShardplanError(f"{len(feeds)} micro-batches fed, the plan has "
+                                 f"{self.stages.micro_batches}")
+        self._loss = 0.0
+        for action in self.actions:
+            if action.kind == "F":
+                self._forward(action.micro, action.chunk, feeds[action.micro],
+                              targets[action.micro])
+            else:
+                self._backward(action.micro, action.chunk)
+                if action.chunk == self.last_chunk:  # this device is done with it
+                    self.update.after_micro_batch()
+        self.runner.comm.wait_sends()
+        self.update.step()
+        return self._report()
+
+    def _forward(self, micro: int, chunk: int, feeds: Mapping[str, torch.Tensor],
+                 targets: torch.Tensor | None) -> None:
+        runner, stages = self.runner, self.stages
+        span = stages.chunks[chunk]
+        values, layouts = runner.inputs({n: v for n, v in feeds.items()
+                                         if n in self.reads[chunk]})
+        record = _Pass()
+        for transfer in stages.inbound(chunk):
+            value = self._take(transfer, micro, "forward")
+            if transfer.grad:
+                value = value.detach().requires_grad_(True)
+                record.leaves[transfer.index] = value
+            values[transfer.tensor] = value
+            layouts[transfer.tensor] = runner.plan.tensors[transfer.tensor].layout
+        runner.run_range(span.first, span.end, values, layouts, stages.recompute)
+        for transfer in stages.outbound(chunk):
+            self._check_sent(transfer.tensor, values[transfer.tensor], layouts)
+            self._post(transfer, micro, "forward", values[transfer.tensor])
+            if transfer.grad:
+                record.outputs[transfer.tensor] = values[transfer.tensor]
+        if chunk == stages.loss_chunk:
+            local, reported = runner.loss(values, layouts, self.output, targets, self.kind)
+            record.loss = local / stages.micro_batches
+            self._loss += reported / stages.micro_batches
+        self._passes[(micro, chunk)] = record
+
+    def _backward(self, micro: int, chunk: int) -> None:
+        record = self._passes.pop((micro, chunk))
+        incoming: dict[str, torch.Tensor] = {}
+        for transfer in self.stages.outbound(chunk):
+            if transfer.grad:
+                grad = self._take(transfer, micro, "backward")
+                name = transfer.tensor
+                incoming[name] = grad if name not in incoming else incoming[name] + grad
+        roots = [record.loss] if record.loss is not None else []
+        grads: list[torch.Tensor | None] = [None] * len(roots)
+        for name, grad in incoming.items():
+            if record.outputs[name].requires_grad:
+                roots.append(record.outputs[name])
+                grads.append(grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for transfer in self.stages.inbound(chunk):
+            if transfer.grad:
+                leaf = record.leaves[transfer.index]
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self._post(transfer, micro, "backward", grad)
+
+    def _tag(self, transfer: Transfer, micro: int, phase: str) -> int:
+        """Unique within a step: every message of a step has its own tag."""
+        return (micro * len(self.stages.transfers) + transfer.index) * 2 + (phase == "backward")
+
+    def _post(self, transfer: Transfer, micro: int, phase: str, value: torch.Tensor) -> None:
+        """Forward: to the reading chunk; backward: the gradient to the sending chunk."""
+        if not transfer.p2p:
+            self._mail[(transfer.index, micro, phase)] = value.detach() if transfer.grad \
+                else value
+            return
+        to = transfer.dst if phase == "forward" else transfer.src
+        comm = self.runner.comm
+        comm.send(value, comm.peer(self.stages.chunks[to].device),
+                  self._tag(transfer, micro, phase), phase)
+
+    def _take(self, transfer: Transfer, micro: int, phase: str) -> torch.Tensor:
+        if not transfer.p2p:
+            return self._mail.pop((transfer.index, micro, phase))
+        runner = self.runner
+        origin = transfer.src if phase == "forward" else transfer.dst
+        shape, dtype = self._wire(transfer.tensor)
+        return runner.comm.recv(shape, dtype, runner.comm.peer(self.stages.chunks[origin].device),
+                                self._tag(transfer, micro, phase), phase)
+
+    def _wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Local shape and dtype of a transferred tensor, as the receiver allocates it."""
+        info = self.runner.graph.tensors[name]
+        layout = self.runner.plan.tensors[name].layout
+        return layout.local_shape(info.shape, self.runner.mesh), getattr(torch, info.dtype)
+
+    def _check_sent(self, name: str, value: torch.Tensor, layouts: Mapping) -> None:
+        """The receiver allocates the plan's layout, shape and dtype: the sender must match."""
+        layout = self.runner.plan.tensors[name].layout
+        shape, dtype = self._wire(name)
+        if layouts[name] != layout or tuple(value.shape) != shape or value.dtype != dtype:
+            raise ShardplanError(f"{name} leaves its stage as {tuple(value.shape)} {value.dtype} "
+                                 f"in layout {layouts[name]}, but the plan stores it as {shape} "
+                                 f"{dtype} in {layout}")
+
+    def _report(self) -> float:
+        """The step's loss, from the stage that computed it to every rank."""
+        comm = self.runner.comm
+        if "pp" not in comm.mesh.axis_names:
+            return self._loss
+        total = comm.all_reduce(torch.tensor([self._loss], dtype=torch.float64), ("pp",),
+                                "loss")
+        return float(total.item())

@@ -1,0 +1,264 @@
+"""Pipeline stages of a plan as the executor runs them: chunks, transfers, schedules.
+
+A *chunk* is one op range [first, end) of `plan.pipeline.stages[d].ops`; sorted by their
+first op, the chunks are the virtual stages of the pipeline (one per device with 1F1B and
+GPipe, several per device with the interleaved schedule). Every activation produced in one
+chunk and read in a later one is a *transfer*: point-to-point between devices, or a local
+hand-off between two chunks of one device. Each chunk's backward runs on its own, so a
+tensor crossing chunks is cut out of autograd on the receiving side and its gradient is
+passed back the same way.
+
+A schedule is one list of actions per device (forward or backward of one micro-batch on
+one chunk). Sends never block, receives do, so a schedule cannot deadlock exactly when the
+greedy simulation in `check_schedule` completes it; every run checks this first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planner.errors import PlanFileError, ShardplanError
+from planner.graph import PlanningGraph
+from planner.planfile import Plan
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One virtual stage: ops [first, end) on device stage `device` (its `slot`-th range)."""
+
+    index: int
+    first: int
+    end: int
+    device: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`tensor` from chunk `src` to chunk `dst`; `grad`: its gradient flows back."""
+
+    index: int
+    tensor: str
+    src: int
+    dst: int
+    grad: bool
+    p2p: bool  # between devices (else a hand-off inside one device)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" forward or "B" backward
+    micro: int
+    chunk: int  # global chunk index
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The whole pipeline as every rank sees it (the same on all ranks)."""
+
+    pp: int
+    micro_batches: int
+    schedule: str
+    chunks: tuple[Chunk, ...]
+    transfers: tuple[Transfer, ...]
+    recompute: tuple[tuple[int, int], ...]  # op ranges run under activation checkpointing
+    loss_chunk: int
+
+    def of_device(self, device: int) -> list[Chunk]:
+        return [c for c in self.chunks if c.device == device]
+
+    def inbound(self, chunk: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.dst == chunk]
+
+    def outbound(self, chunk: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src == chunk]
+
+
+def _pipeline_section(plan: Plan) -> Mapping:
+    pipeline = plan.pipeline or {}
+    if not pipeline:
+        if plan.parallel.micro_batches > 1 or plan.parallel.pp > 1:
+            raise PlanFileError("the plan sets pp/micro_batches but has no `pipeline` section; "
+                                "re-create it with this version of shardplan")
+        if plan.parallel.recompute != "none":
+            raise PlanFileError("the plan asks for recompute but has no `pipeline` section "
+                                "naming the segments; re-create it with this version")
+    return pipeline
+
+
+def build_stages(graph: PlanningGraph, plan: Plan, output: str,
+                 needs_grad: Mapping[str, bool]) -> Stages:
+    """Chunks, transfers and checkpointed segments of `plan` (a plain plan: one chunk)."""
+    pipeline = _pipeline_section(plan)
+    pp = plan.mesh.axis_size("pp") if "pp" in plan.mesh.axis_names else 1
+    schedule = str(pipeline.get("schedule", "1f1b"))
+    if schedule not in SCHEDULES:
+        raise PlanFileError(f"pipeline.schedule {schedule!r}: the executor runs "
+                            f"{', '.join(SCHEDULES)}")
+    micro = int(pipeline.get("micro_batches", 1))
+    rows = pipeline.get("stages") or [{"ops": [[0, len(graph.ops)]], "recompute_segments": []}]
+    if len(rows) != pp:
+        raise PlanFileError(f"pipeline.stages has {len(rows)} entries but the mesh has "
+                            f"pp={pp}; re-create the plan")
+    chunks = _chunks(rows, len(graph.ops))
+    if schedule == "interleaved":
+        _check_interleaving(chunks, pp, micro)
+    segments = tuple(sorted((int(a), int(b)) for row in rows
+                            for a, b in row.get("recompute_segments", [])))
+    _check_segments(segments, chunks)
+    producer = {name: k for k, node in enumerate(graph.ops) for name in node.outputs if name}
+    if output not in producer:
+        raise ShardplanError(f"output {output} is not computed by any op; nothing to train")
+    loss_chunk = _chunk_of(chunks, producer[output])
+    return Stages(pp, micro, schedule, tuple(chunks),
+                  tuple(_transfers(graph, chunks, producer, needs_grad)), segments, loss_chunk)
+
+
+def _chunks(rows: Sequence[Mapping], count: int) -> list[Chunk]:
+    """Every op range of every device stage, in op order; they must tile the graph."""
+    ranges = sorted((int(a), int(b), d, slot) for d, row in enumerate(rows)
+                    for slot, (a, b) in enumerate(row["ops"]))
+    chunks = [Chunk(k, a, b, d, slot) for k, (a, b, d, slot) in enumerate(ranges)]
+    position = 0
+    for chunk in chunks:
+        if chunk.first != position or chunk.end <= chunk.first:
+            raise PlanFileError(f"pipeline.stages[{chunk.device}].ops: range "
+                                f"[{chunk.first}, {chunk.end}) leaves a gap or overlaps at op "
+                                f"{position}; the ranges must tile ops 0..{count}")
+        position = chunk.end
+    if position != count:
+        raise PlanFileError(f"pipeline.stages: the op ranges end at {position}, the graph has "
+                            f"{count} ops")
+    return chunks
+
+
+def _check_interleaving(chunks: Sequence[Chunk], pp: int, micro: int) -> None:
+    """Megatron's interleaving: chunk k lives on device k mod pp; micro-batches in
+    groups of pp."""
+    if any(c.device != c.index % pp for c in chunks) or len(chunks) % pp:
+        raise PlanFileError("pipeline.stages: an interleaved plan must give device d the "
+                            "chunks d, d+pp, d+2pp, ... (round robin)")
+    if micro % pp:
+        raise PlanFileError(f"pipeline.micro_batches {micro}: the interleaved schedule needs "
+                            f"a multiple of pp={pp}")
+
+
+def _check_segments(segments: Sequence[tuple[int, int]], chunks: Sequence[Chunk]) -> None:
+    for a, b in segments:
+        inside = [c for c in chunks if c.first <= a and b <= c.end]
+        if not inside or b <= a:
+            raise PlanFileError(f"pipeline recompute segment [{a}, {b}) is not inside one "
+                                "stage's op range")
+
+
+def _chunk_of(chunks: Sequence[Chunk], op: int) -> int:
+    return next(c.index for c in chunks if c.first <= op < c.end)
+
+
+def _transfers(graph: PlanningGraph, chunks: Sequence[Chunk], producer: Mapping[str, int],
+               needs_grad: Mapping[str, bool]) -> list[Transfer]:
+    """Activations read outside their producing chunk. One without a gradient reaches a
+    device once: its first reader there hands it on to the device's later chunks."""
+    readers: dict[str, set[int]] = {}
+    for k, node in enumerate(graph.ops):
+        for name in node.inputs:
+            if name in producer and _chunk_of(chunks, producer[name]) != _chunk_of(chunks, k):
+                readers.setdefault(name, set()).add(_chunk_of(chunks, k))
+    result: list[Transfer] = []
+    for name in sorted(readers):
+        src = _chunk_of(chunks, producer[name])
+        grad = bool(needs_grad.get(name, False) and graph.tensors[name].is_float)
+        holder: dict[int, int] = {}  # device -> the chunk that first received it there
+        for dst in sorted(readers[name]):
+            device = chunks[dst].device
+            if grad or device == chunks[src].device:
+                origin = src
+            elif device in holder:
+                origin = holder[device]
+            else:
+                origin, holder[device] = src, dst
+            result.append(Transfer(len(result), name, origin, dst, grad,
+                                   chunks[origin].device != device))
+    return result
+
+
+def schedule_actions(stages: Stages, device: int) -> list[Action]:
+    """The order in which `device` runs forward and backward passes of its chunks."""
+    mine = stages.of_device(device)
+    m, pp = stages.micro_batches, stages.pp
+    if stages.schedule == "gpipe":
+        return ([Action("F", i, c.index) for i in range(m) for c in mine]
+                + [Action("B", i, c.index) for i in range(m) for c in reversed(mine)])
+    if stages.schedule == "1f1b" and len(mine) == 1:
+        chunk = mine[0].index
+        warmup = min(pp - device - 1, m)
+        actions = [Action("F", i, chunk) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", warmup + i, chunk), Action("B", i, chunk)]
+        return actions + [Action("B", i, chunk) for i in range(m - warmup, m)]
+    if stages.schedule == "1f1b":
+        raise PlanFileError(f"pipeline: device stage {device} holds {len(mine)} op ranges; "
+                            "1F1B runs one per device (use the interleaved schedule)")
+    return _interleaved(mine, device, pp, m)
+
+
+def _interleaved(mine: Sequence[Chunk], device: int, pp: int, m: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): micro-batches in groups of
+    pp through chunk 0, then chunk 1, ...; backward through the chunks in reverse."""
+    v = len(mine)
+    total = m * v
+
+    def micro(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    def forward(k: int) -> Action:
+        return Action("F", micro(k), mine[(k // pp) % v].index)
+
+    def backward(k: int) -> Action:
+        return Action("B", micro(k), mine[v - 1 - (k // pp) % v].index)
+
+    warmup = min((pp - device - 1) * 2 + (v - 1) * pp, total)
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    return actions + [backward(k) for k in range(total - warmup, total)]
+
+
+def check_schedule(stages: Stages) -> dict[int, list[Action]]:
+    """Every device's actions, after proving by simulation that they finish: a forward
+    waits for its inputs, a backward for its forward and its outputs' gradients."""
+    actions = {d: schedule_actions(stages, d) for d in range(stages.pp)}
+    done: set[tuple[str, int, int]] = set()
+    position = dict.fromkeys(actions, 0)
+    progress = True
+    while progress:
+        progress = False
+        for device, todo in actions.items():
+            while position[device] < len(todo) and _ready(todo[position[device]], stages,
+                                                          done):
+                action = todo[position[device]]
+                done.add((action.kind, action.micro, action.chunk))
+                position[device] += 1
+                progress = True
+    stuck = [d for d, todo in actions.items() if position[d] < len(todo)]
+    if stuck:
+        d = stuck[0]
+        action = actions[d][position[d]]
+        raise ShardplanError(f"pipeline schedule {stages.schedule} would deadlock: device "
+                             f"stage {d} waits at {action.kind} of micro-batch {action.micro} "
+                             f"on chunk {action.chunk}")
+    expected = {(k, i, c.index) for k in "FB" for i in range(stages.micro_batches)
+                for c in stages.chunks}
+    if done != expected:
+        raise ShardplanError(f"pipeline schedule {stages.schedule} misses or repeats passes")
+    return actions
+
+
+def _ready(action: Action, stages: Stages, done: set[tuple[str, int, int]]) -> bool:
+    if action.kind == "F":
+        return all(("F", action.micro, t.src) in done for t in stages.inbound(action.chunk))
+    return ("F", action.micro, action.chunk) in done and all(
+        ("B", action.micro, t.dst) in done for t in stages.outbound(action.chunk) if t.grad)
