@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -30,6 +31,13 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 #: Values of a level's `fabric`: "switch" (the default) or "full_mesh" (one link per peer).
 FABRICS = ("switch", "full_mesh")
 FORMAT_HINT = "see docs/hardware-profiles.md for the format"
+#: Plausible range of every positive figure (seconds, B/s, FLOP/s, fractions, factors).
+#: Outside it the cost model's products and quotients underflow to 0 or overflow to inf,
+#: so a typo in a unit (5e-324, 1e308) would price every plan at 0 s or inf s.
+POSITIVE_RANGE = (1e-12, 1e18)
+#: Largest device count (per node, per level group) and device memory a profile may state.
+MAX_DEVICES = 1 << 20
+MAX_MEMORY_BYTES = 1 << 60
 
 _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
@@ -114,6 +122,10 @@ class HardwareProfile:
     #: GEMM ramp R in seconds (costmodels.compute): one value, or one per peak_flops key.
     matmul_overhead_s: Cited | dict[str, Cited] | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickle the fields only, not the pricing memo (`planner.pricing`) a run adds."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     def __hash__(self) -> int:  # dict fields are not hashable; a profile is its file
         return hash((self.name, self.path))
 
@@ -161,10 +173,10 @@ class HardwareProfile:
                 return level
         return self.inter_node_level  # unreachable: validation ends levels with a null one
 
-    def _within_node_counts(self) -> tuple[int, ...]:
+    def _within_node_counts(self) -> Sequence[int]:
         if self.allowed_devices_within_node is not None:
             return tuple(self.allowed_devices_within_node.value)  # type: ignore[arg-type]
-        return tuple(range(1, int(self.devices_per_node.value) + 1))
+        return range(1, int(self.devices_per_node.value) + 1)  # a range: `in` is O(1)
 
     def matmul_overhead(self, peak_key: str) -> float | None:
         """The profile's GEMM ramp R for a peak_flops key, or None when it gives none."""
@@ -264,16 +276,25 @@ class _Reader:
     def positive(self, value: Any, field: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(field, f"must be a positive number, got {_show(value)}")
-        if not math.isfinite(value) or value <= 0:
+        number = _as_float(value)
+        if not math.isfinite(number) or number <= 0:
             self.fail(field, f"must be a finite positive number, got {_show(value)}")
+        self.in_range(number, value, field, POSITIVE_RANGE[0])
         return value
 
     def non_negative(self, value: Any, field: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(field, f"must be a number of seconds, got {_show(value)}")
-        if not math.isfinite(value) or value < 0:
+        number = _as_float(value)
+        if not math.isfinite(number) or number < 0:
             self.fail(field, f"must be a finite number >= 0, got {_show(value)}")
+        self.in_range(number, value, field, 0.0)
         return value
+
+    def in_range(self, number: float, value: Any, field: str, low: float) -> None:
+        if not low <= number <= POSITIVE_RANGE[1]:
+            self.fail(field, f"must lie between {low:g} and {POSITIVE_RANGE[1]:g}, got "
+                      f"{_show(value)}; check its unit")
 
     def fabric_word(self, value: Any, field: str) -> str:
         if value not in FABRICS:
@@ -287,10 +308,15 @@ class _Reader:
             self.fail(field, f"must be a fraction in (0, 1], got {_show(value)}")
         return number
 
-    def count(self, value: Any, field: str) -> int:
+    def count(self, value: Any, field: str, most: int = MAX_DEVICES) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             self.fail(field, f"must be a positive integer, got {_show(value)}")
+        if value > most:
+            self.fail(field, f"must be at most {most}, got {_show(value)}")
         return value
+
+    def memory(self, value: Any, field: str) -> int:
+        return self.count(value, field, MAX_MEMORY_BYTES)
 
     def counts(self, value: Any, field: str) -> tuple[int, ...]:
         if not isinstance(value, list) or not value:
@@ -335,7 +361,7 @@ class _Reader:
             name=name,
             description=description,
             sources=dict(self.sources),
-            memory_bytes=self.cited(device["memory_bytes"], "device.memory_bytes", self.count),
+            memory_bytes=self.cited(device["memory_bytes"], "device.memory_bytes", self.memory),
             memory_bandwidth_Bps=self.cited(device["memory_bandwidth_Bps"],
                                             "device.memory_bandwidth_Bps", self.positive),
             peak_flops=self.peaks(device["peak_flops"]),
@@ -467,6 +493,14 @@ class _Reader:
             where = f"{field}[{len(levels) - 2}].group_size" if len(levels) > 1 else field
             self.fail(where, f"must equal topology.devices_per_node ({per_node}) for the last "
                       f"intra-node level, got {inner}")
+
+
+def _as_float(value: int | float) -> float:
+    """The value as a float; inf for integers too large for one (10**400 parses as an int)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _join(field: str, key: str) -> str:

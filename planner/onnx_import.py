@@ -9,15 +9,17 @@ left are tensor ops with static shapes, which are costed by `planner.opcount`.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cache
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from onnx import numpy_helper, shape_inference
 
 from planner.errors import ModelError
@@ -28,6 +30,8 @@ from planner.reference import run_node
 #: Folded constants larger than this stay ops: they are data, not shape arithmetic.
 FOLD_LIMIT_ELEMENTS = 1 << 16
 MAX_FOLD_ROUNDS = 12
+#: Largest element count of one tensor: beyond 2**53, float64 sizes and FLOPs are inexact.
+MAX_TENSOR_ELEMENTS = 1 << 53
 #: Op semantics changed up to opset 13 (Softmax axis, Split/Unsqueeze/Reduce axes as inputs).
 MIN_OPSET = 13
 UNSUPPORTED_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -80,7 +84,151 @@ def load_onnx(path: str | os.PathLike) -> tuple[onnx.ModelProto, str]:
         raise ModelError(
             f"{file}: the ONNX graph has no nodes (truncated or not an ONNX model); re-export it"
         )
+    _check_text(model, file)
+    _check_external_data(model, file)
+    _check_definitions(model, file)
     return model, hashlib.sha256(data).hexdigest()
+
+
+def _check_text(model: onnx.ModelProto, file: Path) -> None:
+    """Refuse string fields that are not UTF-8: protobuf hands them over as bytes, which
+    fail far from here (as a name, a path, a dict key) with a TypeError or decode error."""
+    bad = _non_utf8_string(model)
+    if bad is not None:
+        field, raw = bad
+        raise ModelError(
+            f"{file}: the {field} {raw[:40]!r} is not UTF-8 text; the file is corrupt: "
+            "re-export it"
+        )
+
+
+def _non_utf8_string(root: Message) -> tuple[str, bytes] | None:
+    """(field name, raw value) of the first string field holding undecodable bytes."""
+    stack = [root]
+    while stack:
+        message = stack.pop()
+        for descriptor, value in message.ListFields():
+            if descriptor.type == descriptor.TYPE_MESSAGE:
+                stack.extend([value] if isinstance(value, Message) else value)
+            elif descriptor.type == descriptor.TYPE_STRING:
+                for text in [value] if isinstance(value, str | bytes) else value:
+                    if isinstance(text, bytes):
+                        return f"{message.DESCRIPTOR.name}.{descriptor.name}", text
+    return None
+
+
+def _check_external_data(model: onnx.ModelProto, file: Path) -> None:
+    """Refuse external-data entries that point outside the model's folder.
+
+    shardplan never reads weight data, but the executor and ONNX's own loader do: a
+    `location` that is absolute, has a `..` component or resolves through a symlink to
+    outside the folder would make them read (or, when saving, write) any file.
+    """
+    folder = file.resolve().parent
+    problems: dict[str | None, str] = {}  # most tensors share one location: resolve it once
+    for tensor in _all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        location = entries.get("location")
+        if location not in problems:
+            problems[location] = _location_problem(location, folder)
+        problem = problems[location]
+        if problem:
+            raise ModelError(
+                f"{file}: tensor {tensor.name} keeps its data at location {location!r}, "
+                f"which {problem}; external data must be a relative path inside the model's "
+                "folder: move the weights file next to the model and re-save it"
+            )
+        for key in ("offset", "length"):
+            if key in entries and not (entries[key].isascii() and entries[key].isdigit()):
+                raise ModelError(
+                    f"{file}: tensor {tensor.name}: external data {key} {entries[key]!r} is "
+                    "not a non-negative integer; re-save the model with onnx.save"
+                )
+
+
+def _location_problem(location: str | None, folder: Path) -> str:
+    """Why `location` may not be read relative to `folder`; "" when it may."""
+    if not location:
+        return "is missing or empty"
+    if "\x00" in location:
+        return "contains a NUL byte"
+    posix = PurePosixPath(location.replace("\\", "/"))
+    if posix.is_absolute() or PureWindowsPath(location).drive:
+        return "is an absolute path"
+    if ".." in posix.parts:
+        return "has a '..' component"
+    try:
+        resolved = (folder / posix).resolve()
+    except (OSError, RuntimeError):
+        return "cannot be resolved (a symlink loop?)"
+    if not resolved.is_relative_to(folder):
+        return f"resolves (through a symlink) to {resolved}, outside the model's folder"
+    return ""
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of the model: initializers, attribute tensors, subgraphs, functions."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        yield from _node_tensors(function.node)
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sparse in [*attr.sparse_tensors, *([attr.sparse_tensor]
+                                                   if attr.HasField("sparse_tensor") else [])]:
+                yield from (sparse.values, sparse.indices)
+            for graph in [*attr.graphs, *([attr.g] if attr.HasField("g") else [])]:
+                yield from _graph_tensors(graph)
+
+
+def _check_definitions(model: onnx.ModelProto, file: Path) -> None:
+    """Every tensor of the main graph is defined once (SSA) and every output is defined.
+
+    Two producers of one name would make shapes, consumers and costs depend on which
+    definition the importer happened to see last.
+    """
+    graph = model.graph
+    defined: dict[str, str] = {}
+    for init in graph.initializer:
+        _define(defined, init.name, "an initializer", file)
+    listed: dict[str, str] = {}
+    for value in graph.input:
+        _define(listed, value.name, "a graph input", file)
+        if defined.get(value.name) != "an initializer":  # old exporters list weights as inputs
+            _define(defined, value.name, "a graph input", file)
+    for node in graph.node:
+        for output in node.output:
+            if output:
+                _define(defined, output, f"node {node.name or node.op_type}", file)
+    if not graph.output:
+        raise ModelError(f"{file}: the graph declares no outputs, so no op contributes to a "
+                         "result; re-export the model with its outputs (logits or loss)")
+    for value in graph.output:
+        if value.name not in defined:
+            raise ModelError(f"{file}: graph output {value.name!r} is produced by no node, "
+                             "input or initializer; re-export the model")
+
+
+def _define(defined: dict[str, str], name: str, what: str, file: Path) -> None:
+    if name in defined:
+        raise ModelError(f"{file}: tensor {name!r} is defined twice (by {defined[name]} and "
+                         f"by {what}); each tensor name must have one producer: re-export "
+                         "the model")
+    defined[name] = what
 
 
 def import_model(
@@ -96,10 +244,13 @@ def import_model(
     model = _inline_functions(model, name)
     _reject_control_flow(model, name)
     _name_nodes(model)
+    batch_symbol = _batch_axis(_data_inputs(model))[0]
     bound, batch_size, batch_inputs = _bind_dims(model, name, batch, dict(dims or {}))
     model, shapes, known = _fold_until_stable(model, opset, name)
-    return _build_graph(model, shapes, known, name, digest, opset, bound, batch_size,
-                        batch_inputs)
+    graph = _build_graph(model, shapes, known, name, digest, opset, bound, batch_size,
+                         batch_inputs)
+    graph.batch_symbol = batch_symbol
+    return graph
 
 
 # --------------------------------------------------------------------------- loading
@@ -112,6 +263,13 @@ def _default_opset(model: onnx.ModelProto, name: str) -> int:
                 raise ModelError(
                     f"{name}: opset {entry.version} is older than shardplan plans "
                     f"(>= {MIN_OPSET}); re-export with opset_version={MIN_OPSET} or newer"
+                )
+            newest = onnx.defs.onnx_opset_version()
+            if entry.version > newest:
+                raise ModelError(
+                    f"{name}: opset {entry.version} is newer than the installed onnx package "
+                    f"knows ({newest}); upgrade onnx or re-export with opset_version={newest} "
+                    "or older"
                 )
             return int(entry.version)
     raise ModelError(f"{name}: the model imports no default ONNX opset; re-export it")
@@ -139,14 +297,22 @@ def _reject_control_flow(model: onnx.ModelProto, name: str) -> None:
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node a unique, stable name: plans and errors refer to ops by name."""
+    """Give every node a unique, stable name: plans and errors refer to ops by name.
+
+    The k-th repeat of a name gets the first free suffix `_k`; the next suffix to try is
+    kept per name, so a graph whose 100k nodes share one name stays linear, not quadratic.
+    """
     seen: set[str] = set()
+    next_suffix: dict[str, int] = {}
     for index, node in enumerate(model.graph.node):
         base = node.name or f"{node.op_type}_{index}"
-        unique, suffix = base, 1
-        while unique in seen:
+        unique = base
+        if unique in seen:
+            suffix = next_suffix.get(base, 1)
+            while f"{base}_{suffix}" in seen:
+                suffix += 1
             unique = f"{base}_{suffix}"
-            suffix += 1
+            next_suffix[base] = suffix + 1
         node.name = unique
         seen.add(unique)
 
@@ -192,8 +358,11 @@ def _bind_dims(
     for value in inputs:
         for axis, dim in enumerate(_shape_dims(value)):
             if dim.HasField("dim_value"):
-                if dim.dim_value < 0:
-                    raise ModelError(f"{name}: input {value.name} dim {axis} is negative")
+                if dim.dim_value < 1:
+                    raise ModelError(
+                        f"{name}: input {value.name} dim {axis} is {dim.dim_value}; a training "
+                        "step needs positive input dims: re-export with the real size or a "
+                        "symbolic dim")
                 continue
             symbol = dim.dim_param
             if symbol and symbol in bound:
@@ -308,7 +477,7 @@ def _collect_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...] |
 def _has_inline_data(tensor: onnx.TensorProto) -> bool:
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         return False
-    numel = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    numel = math.prod(tensor.dims)  # exact: int64 products of corrupt dims wrap around
     return numel == 0 or bool(
         tensor.raw_data or tensor.float_data or tensor.int32_data or tensor.int64_data
         or tensor.double_data or tensor.uint64_data or tensor.string_data
@@ -323,7 +492,7 @@ def _known_initializer_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """
     known: dict[str, np.ndarray] = {}
     for init in model.graph.initializer:
-        numel = int(np.prod(init.dims, dtype=np.int64)) if init.dims else 1
+        numel = math.prod(init.dims)
         dtype = _ONNX_TO_NUMPY.get(init.data_type, "")
         if numel > FOLD_LIMIT_ELEMENTS or not _has_inline_data(init):
             continue
@@ -379,7 +548,7 @@ def _try_fold(
         return _evaluate(node, {}, opset)
     for output in node.output:
         shape = shapes.get(output, (None, 0))[0]
-        if shape is not None and int(np.prod(shape, dtype=np.int64)) > FOLD_LIMIT_ELEMENTS:
+        if shape is not None and math.prod(shape) > FOLD_LIMIT_ELEMENTS:
             return None
     arrays = _evaluate(node, {name: known[name] for name in node.input if name}, opset)
     if arrays is None or any(a.size > FOLD_LIMIT_ELEMENTS for a in arrays):
@@ -406,7 +575,8 @@ def _fold_shape_query(
     if shape is None:
         return None
     if node.op_type == "Size":
-        return [np.array(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)]
+        size = math.prod(shape)
+        return [np.array(size, dtype=np.int64)] if 0 <= size < 1 << 63 else None
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     start, end = attrs.get("start", 0), attrs.get("end", len(shape))
     return [np.array(shape[start:end], dtype=np.int64)]
@@ -518,15 +688,24 @@ def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
 
 
 def _remove_dead_nodes(model: onnx.ModelProto) -> None:
-    """Drop nodes none of whose outputs is used (e.g. folded shape chains' leftovers)."""
+    """Drop nodes no graph output depends on (e.g. folded shape chains' leftovers).
+
+    One walk back from the outputs, linear in the graph: peeling dead nodes a layer at a
+    time would take one pass per node of a dead chain (quadratic, minutes at 100k nodes).
+    """
     graph_outputs = {o.name for o in model.graph.output}
-    nodes = list(model.graph.node)
-    while True:
-        used = {name for node in nodes for name in node.input} | graph_outputs
-        alive = [n for n in nodes if any(o in used for o in n.output if o)]
-        if len(alive) == len(nodes):
-            break
-        nodes = alive
+    everything = list(model.graph.node)
+    producer = {out: i for i, node in enumerate(everything) for out in node.output if out}
+    live: set[int] = set()
+    stack = [producer[name] for name in graph_outputs if name in producer]
+    while stack:
+        index = stack.pop()
+        if index in live:
+            continue
+        live.add(index)
+        stack.extend(producer[name] for name in everything[index].input
+                     if name in producer and producer[name] not in live)
+    nodes = [node for i, node in enumerate(everything) if i in live]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input} | graph_outputs
@@ -584,7 +763,7 @@ def _build_graph(
             tensors[output] = TensorInfo(output, shape, _dtype_name(elem, name, output),
                                          "activation", producer=node.name)
             outputs.append(output)
-        attrs = {a.name: _attribute_value(a) for a in node.attribute}
+        attrs = _node_attributes(node, name, opset)
         ops.append(OpNode(node.name, node.op_type, node.domain, tuple(node.input),
                           tuple(outputs), attrs))
     if problems:
@@ -597,6 +776,10 @@ def _build_graph(
     missing = [t for node in ops for t in node.inputs if t and t not in tensors]
     if missing:
         raise ModelError(f"{name}: tensor {missing[0]} is used but never defined (dangling input)")
+    if not ops:
+        raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
+                         "): they are inputs or constants, so there is nothing to plan")
+    _check_sizes(tensors, name)
     for node in ops:
         for tensor in node.inputs:
             if tensor:
@@ -609,6 +792,21 @@ def _build_graph(
     )
     _check_topological(planning)
     return planning
+
+
+def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
+    """Refuse negative dims and tensors too large to count exactly (corrupt or mistyped
+    dims): sizes, bytes and FLOPs would silently wrap around or lose precision."""
+    for tensor in tensors.values():
+        if any(d < 0 for d in tensor.shape):
+            raise ModelError(f"{model_name}: tensor {tensor.name} has a negative dim (shape "
+                             f"{list(tensor.shape)}); the file is corrupt: re-export it")
+        if math.prod(tensor.shape) > MAX_TENSOR_ELEMENTS:
+            raise ModelError(
+                f"{model_name}: tensor {tensor.name} of shape {list(tensor.shape)} has more "
+                f"than 2**53 elements, beyond what shardplan counts exactly; check the bound "
+                "dims (--batch, --dim) and the shapes stored in the model"
+            )
 
 
 def _classify_initializers(
@@ -627,7 +825,7 @@ def _classify_initializers(
     kinds: dict[str, str] = {}
     for init in model.graph.initializer:
         dtype = _ONNX_TO_NUMPY.get(init.data_type, "")
-        numel = int(np.prod(init.dims, dtype=np.int64)) if init.dims else 1
+        numel = math.prod(init.dims)
         if dtype not in FLOAT_DTYPES or numel <= 1 or init.name in known:
             kinds[init.name] = "constant"
         elif init.name in buffer_uses or BUFFER_NAME.search(init.name):
@@ -640,12 +838,58 @@ def _classify_initializers(
 def _dtype_name(elem_type: int, model_name: str, tensor: str) -> str:
     dtype = _ONNX_TO_NUMPY.get(elem_type)
     if dtype is None:
-        type_name = onnx.TensorProto.DataType.Name(elem_type) if elem_type else "unknown"
+        try:
+            type_name = onnx.TensorProto.DataType.Name(elem_type) if elem_type else "unknown"
+        except ValueError:  # a number no ONNX version defines (a corrupt file)
+            type_name = f"number {elem_type} (not an ONNX type)"
         raise ModelError(
             f"{model_name}: tensor {tensor} has element type {type_name}, which shardplan "
             "cannot plan; export with float/int tensors"
         )
     return dtype
+
+
+def _node_attributes(node: onnx.NodeProto, model_name: str, opset: int) -> dict[str, object]:
+    """The node's attributes as Python values; a corrupt one names the node and attribute.
+
+    Types are checked against the op's ONNX schema: the sharding rules read `axis` or
+    `perm` as the type ONNX defines, and shape inference does not refuse a wrong one.
+    """
+    expected = _attribute_types(node.op_type, opset) if node.domain in ("", "ai.onnx") else {}
+    attrs: dict[str, object] = {}
+    for attribute in node.attribute:
+        want = expected.get(attribute.name)
+        if want is not None and attribute.type != want:
+            raise ModelError(
+                f"{model_name}: node {node.name} ({node.op_type}) attribute {attribute.name} "
+                f"is {_attribute_type_name(attribute.type)}, but ONNX defines it as "
+                f"{_attribute_type_name(want)}; the file is corrupt or hand-edited: re-export it"
+            )
+        try:
+            attrs[attribute.name] = _attribute_value(attribute)
+        except Exception as exc:  # onnx raises TypeError/ValueError/RuntimeError for these
+            raise ModelError(
+                f"{model_name}: node {node.name} ({node.op_type}) attribute {attribute.name} "
+                f"cannot be read ({exc}); the file is corrupt or hand-edited: re-export it"
+            ) from None
+    return attrs
+
+
+@cache
+def _attribute_types(op_type: str, opset: int) -> dict[str, int]:
+    """Attribute name -> AttributeProto type of a default-domain op; {} when unknown."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return {}
+    return {name: int(attr.type) for name, attr in schema.attributes.items()}
+
+
+def _attribute_type_name(kind: int) -> str:
+    try:
+        return onnx.AttributeProto.AttributeType.Name(kind)
+    except ValueError:
+        return f"type number {kind}"
 
 
 def _attribute_value(attribute: onnx.AttributeProto):

@@ -7,9 +7,8 @@ but move bytes; view ops (Reshape and friends) move nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-
-import numpy as np
 
 from planner.graph import OpNode, TensorInfo
 
@@ -64,7 +63,7 @@ def cost_op(node: OpNode, tensors: Mapping[str, TensorInfo]) -> None:
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return math.prod(shape)
 
 
 def _flops(node: OpNode, inputs: list[TensorInfo | None], outputs: list[TensorInfo]) -> float:

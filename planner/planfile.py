@@ -273,10 +273,14 @@ def _op_from_json(data: dict[str, Any]) -> OpEntry:
     def binding(item: dict[str, Any] | None) -> TensorBinding | None:
         return TensorBinding(item["tensor"], Layout.from_json(item["layout"])) if item else None
 
+    cost = data.get("cost", {})
+    if not isinstance(cost, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in cost.values()):
+        raise TypeError(f"op {data['name']!r}: cost must be an object of numbers")
     return OpEntry(
         name=data["name"], op_type=data["op_type"], strategy=data["strategy"],
         inputs=[binding(b) for b in data["inputs"]],
         outputs=[binding(b) for b in data["outputs"]],
         assignment=data.get("assignment", {}), note=data.get("note", ""),
-        cost=dict(data.get("cost", {})),
+        cost=dict(cost),
     )

@@ -1,0 +1,238 @@
+"""Check a plan read from a file: its JSON against the schema, its layouts against its mesh.
+
+Plans are written by `shardplan plan` but read back later by the executor and the
+exporters, possibly after a hand edit, a merge or a truncated copy. A wrong type or an
+axis the mesh lacks would otherwise surface as a traceback deep in the executor, or as a
+run that splits tensors differently from the plan. So `Plan.from_json` checks the JSON
+against `planner/strategy.schema.json` (the documented contract, with a small validator:
+no extra dependency) and then that every layout can be laid on the plan's mesh. Every
+refusal names the file and the JSON path of the first problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planner.errors import PlanFileError
+
+if TYPE_CHECKING:
+    from planner.planfile import Plan
+    from planner.sharding.layout import Layout
+    from planner.sharding.mesh import DeviceMesh
+
+SCHEMA_FILE = Path(__file__).with_name("strategy.schema.json")
+REMEDY = "re-create the plan with `shardplan plan -o`"
+
+_KINDS = {"object": "an object", "array": "an array", "string": "a string",
+          "boolean": "true or false", "null": "null", "integer": "an integer",
+          "number": "a number"}
+
+Path_ = tuple[str | int, ...]
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_FILE.read_text())
+
+
+def check_plan_json(data: Any, source: str) -> None:
+    """Refuse JSON that breaks the strategy schema, naming the first offending path."""
+    problem = _Validator(_schema()).check(data, _schema(), ())
+    if problem is not None:
+        path, message = problem
+        raise PlanFileError(f"{source}: {_show(path)} {message}; {REMEDY}")
+
+
+def _show(path: Path_) -> str:
+    if not path:
+        return "the plan"
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int | float | str):
+        text = json.dumps(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return "an object" if isinstance(value, dict) else "an array"
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "null":
+        return value is None
+    return isinstance(value, {"object": dict, "array": list, "string": str}[kind])
+
+
+class _Validator:
+    """The JSON Schema keywords the strategy schema uses; returns (path, problem) or None."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+
+    def check(self, value: Any, schema: dict[str, Any], path: Path_) -> tuple[Path_, str] | None:
+        if "$ref" in schema:
+            schema = self._resolve(schema["$ref"])
+        if "oneOf" in schema:
+            return self._one_of(value, schema["oneOf"], path)
+        for step in (self._kind, self._choice, self._number, self._string):
+            problem = step(value, schema)
+            if problem:
+                return path, problem
+        if isinstance(value, dict):
+            return self._object(value, schema, path)
+        if isinstance(value, list):
+            return self._array(value, schema, path)
+        return None
+
+    def _resolve(self, ref: str) -> dict[str, Any]:
+        node: Any = self.root
+        for part in ref.removeprefix("#/").split("/"):
+            node = node[part]
+        return node
+
+    def _one_of(self, value: Any, options: Sequence[dict[str, Any]],
+                path: Path_) -> tuple[Path_, str] | None:
+        problems = [self.check(value, option, path) for option in options]
+        if sum(p is None for p in problems) == 1:
+            return None
+        deepest = max((p for p in problems if p is not None), key=lambda p: len(p[0]),
+                      default=(path, "matches more than one allowed form"))
+        return deepest
+
+    @staticmethod
+    def _kind(value: Any, schema: dict[str, Any]) -> str:
+        kinds = schema.get("type")
+        if kinds is None:
+            return ""
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if any(_is(value, k) for k in kinds):
+            return ""
+        wanted = " or ".join(_KINDS[k] for k in kinds)
+        return f"must be {wanted}, got {_describe(value)}"
+
+    @staticmethod
+    def _choice(value: Any, schema: dict[str, Any]) -> str:
+        if "const" in schema and value != schema["const"]:
+            return f"must be {json.dumps(schema['const'])}, got {_describe(value)}"
+        if "enum" in schema and value not in schema["enum"]:
+            allowed = ", ".join(json.dumps(v) for v in schema["enum"])
+            return f"must be one of {allowed}, got {_describe(value)}"
+        return ""
+
+    @staticmethod
+    def _number(value: Any, schema: dict[str, Any]) -> str:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return ""
+        if isinstance(value, float) and math.isnan(value):
+            return "is NaN"
+        if "minimum" in schema and value < schema["minimum"]:
+            return f"must be at least {schema['minimum']}, got {_describe(value)}"
+        if "maximum" in schema and value > schema["maximum"]:
+            return f"must be at most {schema['maximum']}, got {_describe(value)}"
+        return ""
+
+    @staticmethod
+    def _string(value: Any, schema: dict[str, Any]) -> str:
+        if isinstance(value, str) and "pattern" in schema and not re.search(
+                schema["pattern"], value):
+            return f"must match {schema['pattern']}, got {_describe(value)}"
+        return ""
+
+    def _object(self, value: dict[str, Any], schema: dict[str, Any],
+                path: Path_) -> tuple[Path_, str] | None:
+        for key in schema.get("required", ()):
+            if key not in value:
+                return (*path, key), "is missing"
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = properties.get(key, extra if isinstance(extra, dict) else None)
+            problem = self.check(item, sub, (*path, key)) if sub is not None else None
+            if problem:
+                return problem
+        return None
+
+    def _array(self, value: list[Any], schema: dict[str, Any],
+               path: Path_) -> tuple[Path_, str] | None:
+        if len(value) < schema.get("minItems", 0):
+            return path, f"must have at least {schema['minItems']} items, got {len(value)}"
+        if len(value) > schema.get("maxItems", len(value)):
+            return path, f"must have at most {schema['maxItems']} items, got {len(value)}"
+        items = schema.get("items")
+        if items is None:
+            return None
+        for index, item in enumerate(value):
+            problem = self.check(item, items, (*path, index))
+            if problem:
+                return problem
+        return None
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def check_plan_fits(plan: Plan, source: str) -> None:
+    """Refuse layouts the plan's mesh cannot hold and bindings to unknown tensors."""
+    mesh = plan.mesh
+    if plan.cluster.devices != mesh.size:
+        raise PlanFileError(f"{source}: mesh {list(mesh.shape)} has {mesh.size} devices but "
+                            f"cluster.devices is {plan.cluster.devices}; {REMEDY}")
+    for name, entry in plan.tensors.items():
+        _check_layout(entry.layout, entry.shape, mesh, f"{source}: tensors.{name}.layout")
+    seen: set[str] = set()
+    for index, op in enumerate(plan.ops):
+        where = f"{source}: ops[{index}] ({op.name})"
+        if op.name in seen:
+            raise PlanFileError(f"{where}: a second entry for op {op.name}; {REMEDY}")
+        seen.add(op.name)
+        for side, bindings in (("inputs", op.inputs), ("outputs", op.outputs)):
+            for slot, binding in enumerate(bindings):
+                if binding is None:
+                    continue
+                tensor = plan.tensors.get(binding.tensor)
+                if tensor is None:
+                    raise PlanFileError(f"{where}.{side}[{slot}]: tensor {binding.tensor!r} "
+                                        f"is not in the plan's tensors; {REMEDY}")
+                _check_layout(binding.layout, tensor.shape, mesh,
+                              f"{where}.{side}[{slot}].layout")
+    for index, collective in enumerate(plan.collectives):
+        _check_axes(collective.axes, mesh, f"{source}: collectives[{index}].axes")
+
+
+def _check_axes(axes: Sequence[str], mesh: DeviceMesh, where: str) -> None:
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise PlanFileError(f"{where}: mesh axis {axis!r} is not one of the mesh's axes "
+                                f"{list(mesh.axis_names)}; {REMEDY}")
+
+
+def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where: str) -> None:
+    """The checks of Layout.check, each refusal naming the file and the JSON path."""
+    if len(shape) != layout.rank:
+        raise PlanFileError(f"{where}: {layout.rank} dims for a tensor of shape {list(shape)}; "
+                            f"{REMEDY}")
+    used = layout.used_axes
+    _check_axes(used, mesh, where)
+    twice = sorted({a for a in used if used.count(a) > 1})
+    if twice:
+        raise PlanFileError(f"{where}: mesh axis {twice[0]!r} is used twice; {REMEDY}")
+    for dim, (size, factor) in enumerate(zip(shape, layout.split_factors(mesh), strict=True)):
+        if size % factor:
+            raise PlanFileError(f"{where}: dim {dim} of size {size} cannot be split into "
+                                f"{factor} equal parts; {REMEDY}")
