@@ -31,6 +31,14 @@ def _state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, ra
     return state
 
 
+def check_target(directory: str | Path) -> None:
+    """Refuse to save over a folder that is not a checkpoint: saving replaces the folder."""
+    path = Path(directory)
+    if path.exists() and not (path.is_dir() and (path / ".metadata").exists()):
+        raise ShardplanError(f"{path}: exists and is not a shardplan checkpoint; saving would "
+                             "replace it: choose a new --checkpoint folder")
+
+
 def save(directory: str | Path, params: dict[str, torch.Tensor],
          optimizer: torch.optim.Optimizer, step: int,
          targets: dict[str, torch.Tensor] | None = None) -> None:

@@ -233,16 +233,28 @@ class _SumOverAxes(torch.autograd.Function):
 
 def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
     """Refuse a plan made for another model or other dims before anything runs."""
-    if plan.model.sha256 != graph.sha256:
-        raise PlanFileError(
-            f"the plan was made for a model with sha256 {plan.model.sha256[:12]}…, but "
-            f"{graph.path} has {graph.sha256[:12]}…; re-plan this model")
+    check_model_digest(plan, graph.sha256, graph.path)
     if dict(plan.model.bound_dims) != dict(graph.bound_dims):
         raise PlanFileError(f"the plan bound dims {plan.model.bound_dims}, the run binds "
                             f"{graph.bound_dims}; use the same --batch and --dim values")
     missing = [n.name for n in graph.ops if n.name not in {op.name for op in plan.ops}]
     if missing:
         raise PlanFileError(f"the plan has no entry for op {missing[0]} of {graph.path}")
+    # The dims could be edited by hand: the shapes the plan splits must be the model's.
+    for name, info in graph.tensors.items():
+        entry = plan.tensors.get(name)
+        if entry is not None and list(entry.shape) != list(info.shape):
+            raise PlanFileError(
+                f"tensor {name} has shape {list(info.shape)} in {graph.path} but "
+                f"{list(entry.shape)} in the plan; re-plan with the dims you run with")
+
+
+def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
+    """Refuse a plan made for another model file (full digests: a prefix can collide)."""
+    if plan.model.sha256 != sha256:
+        raise PlanFileError(
+            f"the plan was made for a model with sha256 {plan.model.sha256}, but {path} has "
+            f"{sha256}; re-plan this model")
 
 
 def onnx_weights(path: str) -> dict[str, np.ndarray]:

@@ -296,7 +296,19 @@ def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
 
 
 def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
-    """The model imported with the dims the plan was made for (at its micro-batch)."""
+    """The model imported with the dims the plan was made for (at its micro-batch); the
+    file's digest is checked first, so another model gets "made for another model"
+    rather than an error about its dims."""
+    import hashlib
+
+    from executor.runtime import check_model_digest
+
+    if not isinstance(model, PlanningGraph):
+        try:
+            digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
+        check_model_digest(plan, digest, str(model))
     return load_graph(model, batch=plan.model.batch, dims=plan.model.bound_dims)
 
 
@@ -344,6 +356,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
           checkpoint: str = "", loss: str = "auto", data: str = "") -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
     preflight(model, plan, loss)
+    if checkpoint:
+        checkpoints.check_target(checkpoint)
     with tempfile.TemporaryDirectory() as scratch:
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)

@@ -221,6 +221,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("shardplan: error: this machine ran out of memory planning the model; try "
+              "fewer devices per search (--parallel pins, --mesh) or a smaller --max-mesh-axes",
+              file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `shardplan ... | head`: the reader left; not an error
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush
+    does not raise again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _plan(args: argparse.Namespace) -> int:

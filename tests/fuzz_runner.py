@@ -326,18 +326,7 @@ def format_table(results: list[Result]) -> str:
 #: contain, what is wrong). They still count as failures in bench/fuzz.py; the CI corpus
 #: lists them and fails only on failures not listed here. tests/test_robustness.py holds
 #: a strict xfail reproduction of each, which fails once the bug is fixed (drop it here).
-KNOWN_ISSUES: dict[str, tuple[tuple[str, ...], str]] = {
-    "elimination-dp-memory": (
-        ("planner/search/elimination.py", "MemoryError"),
-        "the elimination DP's series step builds a dense float64 table of choices^3 "
-        "entries: 4.45 GiB for llama-tiny on 2 devices (since commit fe35dbf also with its "
-        "layers tied; before it, when they were not: a renamed node, or --no-tie-layers)"),
-    "plan-shapes-unchecked": (
-        ("accepted a bad input", ": bound_dims."),
-        "executor.runtime.check_plan_matches compares the model's sha256 and the bound dims "
-        "with the plan's, not the tensor shapes: a plan whose bound_dims were edited to other "
-        "valid sizes passes, and its layouts and predictions are applied to other shapes"),
-}
+KNOWN_ISSUES: dict[str, tuple[tuple[str, ...], str]] = {}
 
 
 def failures(results: list[Result]) -> list[Result]:

@@ -447,9 +447,6 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
 
-@pytest.mark.xfail(strict=True, reason="planner/search/elimination.py builds a choices^3 "
-                   "float64 table (4.45 GiB for llama-tiny); reported to the search module's "
-                   "owner. Strict: when this passes, drop KNOWN_ISSUES['elimination-dp-memory']")
 def test_planning_llama_tiny_on_two_devices_stays_within_3_gib(tmp_path: Path) -> None:
     path = tmp_path / "llama.onnx"
     path.write_bytes(fuzz_cases.base_bytes("llama-tiny"))
@@ -463,9 +460,6 @@ def test_planning_llama_tiny_on_two_devices_stays_within_3_gib(tmp_path: Path) -
             extra, done.stderr[-500:])
 
 
-@pytest.mark.xfail(strict=True, reason="executor.runtime.check_plan_matches compares sha256 "
-                   "and bound dims, not tensor shapes; reported to the executor's owner. "
-                   "Strict: when this passes, drop KNOWN_ISSUES['plan-shapes-unchecked']")
 def test_the_executor_refuses_a_plan_whose_shapes_are_not_the_models(tmp_path: Path) -> None:
     data = json.loads(fuzz_cases.base_plan("gpt-tiny", 4))
     data["model"]["bound_dims"]["seq"] *= 2  # valid, but the plan's tensors are for seq 4

@@ -27,6 +27,8 @@ from planner.search.ilp import Solution
 from planner.search.problem import StrategyProblem
 
 MAX_MERGED = 4096
+SERIES_BLOCK = 1 << 24  # elements of one series step's temporary (128 MiB of float64)
+MAX_SERIES_WORK = 1 << 29  # beyond this a series step is slower than the ILP
 
 
 @dataclass
@@ -67,10 +69,12 @@ def solve_elimination(problem: StrategyProblem) -> Solution | None:
             u, w = neighbours
             left = _oriented(edges, u, node)  # [u, node]
             right = _oriented(edges, node, w)  # [node, w]
-            total = left[:, :, None] + costs[node][None, :, None] + right[None, :, :]
-            steps.append(_Step("series", node, (u, w), total.argmin(axis=1)))
+            if left.shape[0] * left.shape[1] * right.shape[1] > MAX_SERIES_WORK:
+                return None  # merged nodes made the table too large: the ILP takes over
+            best, where = _series(left, costs[node], right)
+            steps.append(_Step("series", node, (u, w), where))
             del edges[_key(u, node)], edges[_key(node, w)]
-            _add_edge(edges, costs, u, w, total.min(axis=1))
+            _add_edge(edges, costs, u, w, best)
         alive.discard(node)
     picked: dict[int, int] = {}
     for step in reversed(steps):
@@ -90,6 +94,23 @@ def solve_elimination(problem: StrategyProblem) -> Solution | None:
     return Solution(choice, status, objective, objective, time.perf_counter() - started,
                     "dp-elimination", {"groups": len(problem.groups), "steps": len(steps),
                                        "memory_bytes": memory})
+
+
+def _series(left: np.ndarray, middle: np.ndarray,
+            right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """min and argmin over j of left[i, j] + middle[j] + right[j, k], in row blocks that
+    keep the [i, j, k] temporary under SERIES_BLOCK elements."""
+    rows, inner = left.shape
+    cols = right.shape[1]
+    best = np.empty((rows, cols))
+    where = np.empty((rows, cols), dtype=np.int64)
+    block = max(1, SERIES_BLOCK // max(1, inner * cols))
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        total = (left[start:stop, :, None] + middle[None, :, None]) + right[None, :, :]
+        where[start:stop] = total.argmin(axis=1)
+        best[start:stop] = np.take_along_axis(total, where[start:stop, None, :], 1)[:, 0, :]
+    return best, where
 
 
 def _key(a: int, b: int) -> tuple[int, int]:
