@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-json", default="")
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--resume", default="")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"])
     parser.add_argument("--data", default="")
     args = parser.parse_args(argv)
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     settings = RunSettings(args.model, args.plan, args.steps, args.lr, args.seed,
                            args.optimizer, args.log_json, resume=args.resume,
-                           checkpoint=args.checkpoint, loss=args.loss, data=args.data)
+                           checkpoint=args.checkpoint, loss=args.loss, data=args.data,
+                           checkpoint_every=args.checkpoint_every)
     try:
         log = run_rank(rank, world, "env://", settings)
     except ShardplanError as exc:

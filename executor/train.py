@@ -186,7 +186,7 @@ def _engine(graph: PlanningGraph, plan: Plan, rank: int, seed: int, model: str,
 
 def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
            log: RunLog, resume: str = "", checkpoint: str = "", loss: str = "auto",
-           data: str = "", fault_spec: str = "") -> None:
+           data: str = "", fault_spec: str = "", checkpoint_every: int = 0) -> None:
     kind, output = loss_kind(graph, loss)
     count = engine.stages.micro_batches
     feeds, targets = batch_data(graph, seed, kind, output, data, count)
@@ -203,7 +203,9 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
         log.step_time_s.append(time.perf_counter() - started)
         log.losses.append(reported)
         done += 1
-    if checkpoint:
+        if checkpoint and checkpoint_every and done % checkpoint_every == 0:
+            checkpoints.save(checkpoint, params, update.optimizer, done, update.targets)
+    if checkpoint and not (checkpoint_every and done % checkpoint_every == 0):
         checkpoints.save(checkpoint, params, update.optimizer, done, update.targets)
 
 
@@ -255,6 +257,7 @@ class RunSettings:
     data: str = ""  # a folder of <input>.npy arrays (and targets.npy); "" = synthetic
     timeout_s: float = 120.0  # a dead rank makes the others fail within this
     fault: str = ""  # SHARDPLAN_FAULT of the caller (a fault drill), see _fault_drill
+    checkpoint_every: int = 0  # also save every N steps (atomically), so a kill loses < N
 
 
 def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> RunLog:
@@ -274,7 +277,8 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
                          settings.lr, settings.loss)
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(engine, graph, settings.steps, settings.seed, log, settings.resume,
-               settings.checkpoint, settings.loss, settings.data, settings.fault)
+               settings.checkpoint, settings.loss, settings.data, settings.fault,
+               settings.checkpoint_every)
         records: list = [None] * world
         dist.all_gather_object(records, _rank_record(engine))
         log.ranks = records
@@ -353,7 +357,8 @@ def _free_port() -> int:
 
 def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
           seed: int = 0, optimizer: str = "sgd", resume: str = "",
-          checkpoint: str = "", loss: str = "auto", data: str = "") -> RunLog:
+          checkpoint: str = "", loss: str = "auto", data: str = "",
+          checkpoint_every: int = 0) -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
     preflight(model, plan, loss)
     if checkpoint:
@@ -364,7 +369,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
         out = Path(scratch) / "log.json"
         settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
                                resume=str(resume), checkpoint=str(checkpoint), loss=loss,
-                               data=str(data), fault=os.environ.get("SHARDPLAN_FAULT", ""))
+                               data=str(data), fault=os.environ.get("SHARDPLAN_FAULT", ""),
+                               checkpoint_every=checkpoint_every)
         try:
             _start_ranks(plan.mesh.size, settings)
         except mp.ProcessRaisedException as exc:

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")
     run.add_argument("--checkpoint", metavar="DIR", default="",
                      help="save the sharded weights and optimizer state here at the end")
+    run.add_argument("--checkpoint-every", metavar="N", type=_positive_int, default=None,
+                     help="also save the checkpoint every N steps (atomically): a run killed "
+                          "midway resumes from the last one with --resume")
     run.add_argument("--resume", metavar="DIR", default="",
                      help="start from a checkpoint saved by the same plan")
     run.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"],
@@ -475,12 +478,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
+    if args.checkpoint_every and not args.checkpoint:
+        raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
     if args.nproc == 1 and (args.checkpoint or args.resume):
         raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if args.nproc > 1:
         log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
                     optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
-                    loss=args.loss, data=args.data)
+                    loss=args.loss, data=args.data, checkpoint_every=args.checkpoint_every or 0)
     else:
         log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
                               seed=args.seed, optimizer=args.optimizer, loss=args.loss,

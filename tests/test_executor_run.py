@@ -179,6 +179,26 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
     assert first.losses + rest.losses == pytest.approx(whole.losses, rel=1e-6)
 
 
+def test_a_run_killed_midway_resumes_on_the_same_trajectory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints every 2 steps; rank 1 dies before step 4; resuming from the last
+    complete checkpoint (step 2, never a half-written one) continues the same losses."""
+    from planner.errors import ShardplanError
+
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
+    whole = train(path, chosen, steps=6, optimizer="adamw", lr=0.01)
+    saved = tmp_path / "ckpt"
+    monkeypatch.setenv("SHARDPLAN_FAULT", "1:3")
+    with pytest.raises(ShardplanError, match="rank 1 died"):
+        train(path, chosen, steps=6, optimizer="adamw", lr=0.01, checkpoint=str(saved),
+              checkpoint_every=2)
+    monkeypatch.delenv("SHARDPLAN_FAULT")
+    assert (saved / ".metadata").exists()
+    rest = train(path, chosen, steps=4, optimizer="adamw", lr=0.01, resume=str(saved))
+    assert rest.losses == pytest.approx(whole.losses[2:], rel=1e-6)
+
+
 def _regression_with_loss(path: Path) -> Path:
     """x @ w1 -> relu -> @ w2, loss = ReduceMean((y - labels)^2): the graph's own loss."""
     import numpy as np
