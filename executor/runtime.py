@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from executor.interpreter import run_nodes, to_tensor
-from planner.errors import PlanFileError, ShardplanError
+from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.planfile import Plan
 from planner.pricing import replicated_labels, requires_grad_map, weight_roots_map
@@ -34,6 +34,7 @@ from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
 from planner.sharding.rules import safe_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
+from planner.validate import check_model_digest, check_plan_matches  # noqa: F401
 
 
 @dataclass
@@ -229,32 +230,6 @@ class _SumOverAxes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduce(grad, ctx.axes, "backward"), None, None
-
-
-def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
-    """Refuse a plan made for another model or other dims before anything runs."""
-    check_model_digest(plan, graph.sha256, graph.path)
-    if dict(plan.model.bound_dims) != dict(graph.bound_dims):
-        raise PlanFileError(f"the plan bound dims {plan.model.bound_dims}, the run binds "
-                            f"{graph.bound_dims}; use the same --batch and --dim values")
-    missing = [n.name for n in graph.ops if n.name not in {op.name for op in plan.ops}]
-    if missing:
-        raise PlanFileError(f"the plan has no entry for op {missing[0]} of {graph.path}")
-    # The dims could be edited by hand: the shapes the plan splits must be the model's.
-    for name, info in graph.tensors.items():
-        entry = plan.tensors.get(name)
-        if entry is not None and list(entry.shape) != list(info.shape):
-            raise PlanFileError(
-                f"tensor {name} has shape {list(info.shape)} in {graph.path} but "
-                f"{list(entry.shape)} in the plan; re-plan with the dims you run with")
-
-
-def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
-    """Refuse a plan made for another model file (full digests: a prefix can collide)."""
-    if plan.model.sha256 != sha256:
-        raise PlanFileError(
-            f"the plan was made for a model with sha256 {plan.model.sha256}, but {path} has "
-            f"{sha256}; re-plan this model")
 
 
 def onnx_weights(path: str) -> dict[str, np.ndarray]:

@@ -33,7 +33,7 @@ from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
 from executor.schedule import build_stages, check_schedule
 from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.api import load_graph
-from planner.errors import ShardplanError
+from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.planfile import Plan
 from planner.pricing import requires_grad_map
@@ -342,8 +342,16 @@ def _start_ranks(world: int, settings: RunSettings) -> None:
 def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
     """Refuse, before any rank starts, a plan for another model or one this executor
     cannot run (its stages, schedule or ZeRO stage), with the one-line reason."""
+    from planner.validate import validate
+
     graph = _graph_for(model, plan)
     check_plan_matches(plan, graph)
+    report = validate(plan, graph)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more: shardplan validate)" \
+            if len(report.problems) > 1 else ""
+        raise PlanFileError(f"the plan does not validate against {model}: "
+                            f"{report.problems[0]}{more}")
     _, output = loss_kind(graph, loss)
     check_schedule(build_stages(graph, plan, output, requires_grad_map(graph)))
     check_zero(plan.parallel.zero)

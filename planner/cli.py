@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("plans", nargs="+", metavar="PLAN",
                          help="two or more strategy JSON files")
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+    validate = verbs.add_parser("validate", help="check a plan: schema, mesh, pipeline, "
+                                "collectives, and (given the model) ops, layouts, shapes")
+    validate.add_argument("plan", metavar="PLAN", help="the strategy JSON")
+    validate.add_argument("model", metavar="MODEL", nargs="?",
+                          help="the ONNX model it was made for (imported at the plan's dims)")
+    validate.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
 
 
@@ -217,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _explain(args)
         if args.verb == "compare":
             return _compare(args)
+        if args.verb == "validate":
+            return _validate(args)
         return _profiles(args)
     except ShardplanError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)
@@ -568,6 +577,30 @@ def _explain(args: argparse.Namespace) -> int:
             print("\nplots: " + ", ".join(str(p) for p in written if p.suffix == ".png")
                   + " (and .svg)")
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Exit 0 when the plan is valid, 2 with every problem listed otherwise."""
+    from planner.api import load_graph
+    from planner.planfile import Plan
+    from planner.validate import validate
+
+    loaded = Plan.load(args.plan)
+    graph = None
+    if args.model:
+        graph = load_graph(args.model, batch=loaded.model.batch,
+                           dims=loaded.model.bound_dims)
+    report = validate(loaded, graph)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+    else:
+        checked = ", ".join(f"{n} {what}" for what, n in report.checked.items())
+        against = f" against {args.model}" if args.model else ""
+        if report.ok:
+            print(f"{args.plan}: valid{against} ({checked} checked)")
+        for problem in report.problems:
+            print(f"{args.plan}: {problem}", file=sys.stderr)
+    return 0 if report.ok else 2
 
 
 def _compare(args: argparse.Namespace) -> int:

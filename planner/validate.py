@@ -1,0 +1,242 @@
+"""`shardplan validate`: is a plan file one that runs, and (given the model) this model's?
+
+Loading a plan already checks its JSON against the schema and its layouts against its
+mesh (`planner.plancheck`). Validation goes further, and lists every problem it finds:
+
+- without the model: the pipeline section partitions the ops and the ranks; every tensor
+  an op reads in another layout than the one it is stored in has the forward collectives
+  of that move listed (the redistribution the planner prices);
+- with the model: the plan is this file's (digest, dims, every op, every shape); every
+  op's layouts are the ones its assignment implies under the op's sharding rule, and the
+  assignment is valid; re-deriving the op-level collectives from the assignments gives the
+  plan's (forward, backward and the weights whose gradients are summed).
+
+The executor validates against the model before any rank starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from planner.errors import PlanFileError
+from planner.graph import PlanningGraph
+from planner.planfile import Plan
+from planner.sharding.redistribute import redistribute
+from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
+
+MAX_LISTED = 20
+ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
+            "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, problem: str) -> None:
+        self.problems.append(problem)
+
+    def to_json(self) -> dict:
+        return {"valid": self.ok, "problems": self.problems, "checked": self.checked}
+
+
+def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
+    """Every problem found in `plan` (and against `graph`, the model imported at the plan's
+    dims, when given)."""
+    report = Report()
+    _pipeline(plan, report)
+    _edges(plan, report)
+    if graph is not None:
+        _model(plan, graph, report)
+    return report
+
+
+def _pipeline(plan: Plan, report: Report) -> None:
+    pipe = plan.pipeline
+    parallel = plan.parallel
+    if pipe is None:
+        if parallel.pp > 1 or parallel.micro_batches > 1:
+            report.add(f"parallel says pp={parallel.pp}, micro_batches="
+                       f"{parallel.micro_batches} but the plan has no pipeline section")
+        return
+    stages = pipe["stages"]
+    n = len(plan.ops)
+    if len(stages) != parallel.pp:
+        report.add(f"parallel.pp is {parallel.pp} but the pipeline has {len(stages)} stages")
+    if pipe["micro_batches"] != parallel.micro_batches:
+        report.add(f"pipeline.micro_batches {pipe['micro_batches']} differs from "
+                   f"parallel.micro_batches {parallel.micro_batches}")
+    size, batch = pipe.get("micro_batch_size"), pipe.get("global_batch")
+    if size and batch and size * pipe["micro_batches"] != batch:
+        report.add(f"pipeline: {pipe['micro_batches']} micro-batches of {size} are not the "
+                   f"global batch {batch}")
+    if size and plan.model.batch and size != plan.model.batch:
+        report.add(f"pipeline.micro_batch_size {size} differs from model.batch "
+                   f"{plan.model.batch} (the plan's shapes are per micro-batch)")
+    covered = [0] * n
+    for stage in stages:
+        for first, end in stage["ops"]:
+            if not 0 <= first < end <= n:
+                report.add(f"stage {stage['device_stage']}: op range [{first}, {end}) is "
+                           f"outside the plan's {n} ops")
+                continue
+            for k in range(first, end):
+                covered[k] += 1
+        for first, end in stage["recompute_segments"]:
+            if not any(a <= first < end <= b for a, b in stage["ops"]):
+                report.add(f"stage {stage['device_stage']}: recompute segment [{first}, "
+                           f"{end}) is not inside the stage's ops")
+    wrong = [k for k, count in enumerate(covered) if count != 1]
+    if wrong:
+        report.add(f"pipeline stages must hold every op exactly once: op {wrong[0]} "
+                   f"({plan.ops[wrong[0]].name}) is held {covered[wrong[0]]} times")
+    per_stage = plan.mesh.size // max(1, len(stages))
+    for index, stage in enumerate(stages):
+        expected = list(range(index * per_stage, (index + 1) * per_stage))
+        if stage["device_stage"] != index or stage["ranks"] != expected:
+            report.add(f"stage {index}: ranks {stage['ranks'][:4]}… are not the mesh's "
+                       f"block {expected[0]}..{expected[-1]} (pp is the outermost axis)")
+    for send in pipe["sends"]:
+        if send["tensor"] not in plan.tensors:
+            report.add(f"pipeline send of unknown tensor {send['tensor']!r}")
+        if send["from_stage"] == send["to_stage"] or not all(
+                0 <= send[k] < len(stages) for k in ("from_stage", "to_stage")):
+            report.add(f"pipeline send of {send['tensor']}: stages {send['from_stage']} → "
+                       f"{send['to_stage']} are not two of the {len(stages)} stages")
+    report.checked["stages"] = len(stages)
+
+
+def _edges(plan: Plan, report: Report) -> None:
+    """Each read in another layout than the stored one has its forward moves listed."""
+    listed = Counter((c.kind, c.tensor, tuple(c.axes), c.op) for c in plan.collectives
+                     if c.phase == "forward")
+    needed: Counter = Counter()
+    for op in plan.ops:
+        for binding in op.inputs:
+            if binding is None:
+                continue
+            entry = plan.tensors[binding.tensor]
+            if entry.layout == binding.layout:
+                continue
+            itemsize = ITEMSIZE.get(entry.dtype, 4)
+            try:
+                steps = redistribute(entry.layout, binding.layout, entry.shape, itemsize,
+                                     plan.mesh)
+            except Exception as exc:
+                report.add(f"op {op.name} reads {binding.tensor} in a layout no "
+                           f"redistribution reaches from its stored one ({exc})")
+                continue
+            for step in steps:
+                if step.communicates:
+                    needed[(step.kind, binding.tensor, tuple(step.axes), op.name)] += 1
+    missing = needed - listed
+    for (kind, tensor, axes, op), count in sorted(missing.items())[:MAX_LISTED]:
+        report.add(f"op {op} reads {tensor} after a {kind} over {list(axes)} that the plan's "
+                   f"collectives do not list ({count}×)")
+    report.checked["redistributions"] = sum(needed.values())
+
+
+def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
+    """Refuse a plan made for another model or other dims before anything runs."""
+    check_model_digest(plan, graph.sha256, graph.path)
+    if dict(plan.model.bound_dims) != dict(graph.bound_dims):
+        raise PlanFileError(f"the plan bound dims {plan.model.bound_dims}, the run binds "
+                            f"{graph.bound_dims}; use the same --batch and --dim values")
+    missing = [n.name for n in graph.ops if n.name not in {op.name for op in plan.ops}]
+    if missing:
+        raise PlanFileError(f"the plan has no entry for op {missing[0]} of {graph.path}")
+    # The dims could be edited by hand: the shapes the plan splits must be the model's.
+    for name, info in graph.tensors.items():
+        entry = plan.tensors.get(name)
+        if entry is not None and list(entry.shape) != list(info.shape):
+            raise PlanFileError(
+                f"tensor {name} has shape {list(info.shape)} in {graph.path} but "
+                f"{list(entry.shape)} in the plan; re-plan with the dims you run with")
+
+
+def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
+    """Refuse a plan made for another model file (full digests: a prefix can collide)."""
+    if plan.model.sha256 != sha256:
+        raise PlanFileError(
+            f"the plan was made for a model with sha256 {plan.model.sha256}, but {path} has "
+            f"{sha256}; re-plan this model")
+
+
+def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
+    from planner.assemble import TrainingOptions, assemble
+    from planner.errors import ShardplanError
+    from planner.pricing import replicated_labels
+    from planner.sharding.rules import safe_labels
+
+    try:
+        check_plan_matches(plan, graph)
+    except ShardplanError as exc:
+        report.add(str(exc))
+        return
+    entries = {op.name: op for op in plan.ops}
+    strategies: dict[str, OpStrategy] = {}
+    for node in graph.ops:
+        entry = entries.get(node.name)
+        if entry is None:
+            report.add(f"op {node.name} of {graph.path} has no entry in the plan")
+            continue
+        labels = safe_labels(node, graph.tensors)
+        strategy = OpStrategy.of({k: tuple(v) for k, v in entry.assignment.items()})
+        strategies[node.name] = strategy
+        if labels is None:
+            labels = replicated_labels(node, graph.tensors)
+            if strategy.assignment:
+                report.add(f"op {node.name} ({node.op_type}) has no sharding rule but the "
+                           f"plan splits it: {entry.assignment}")
+            continue
+        if not is_valid(node, labels, strategy, graph.tensors, plan.mesh):
+            report.add(f"op {node.name} ({node.op_type}): assignment {entry.assignment} is "
+                       "not a valid strategy of its sharding rule on this mesh")
+            continue
+        in_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.inputs]
+        out_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.outputs]
+        for side, wanted, bindings in (
+                ("input", input_layouts(labels, strategy, in_ranks), entry.inputs),
+                ("output", output_layouts(labels, strategy, out_ranks), entry.outputs)):
+            for slot, (layout, binding) in enumerate(zip(wanted, bindings, strict=False)):
+                if layout is not None and binding is not None and layout != binding.layout:
+                    report.add(f"op {node.name} {side} {slot} ({binding.tensor}): the plan "
+                               f"says {binding.layout.to_json()}, its assignment implies "
+                               f"{layout.to_json()}")
+    report.checked["ops"] = len(graph.ops)
+    if report.problems:
+        return
+    from costmodels.profile import load_profile
+
+    try:
+        hardware = load_profile(plan.cluster.profile)
+    except ShardplanError:
+        return  # a calibrated profile not on this machine: skip re-deriving collectives
+    again = assemble(graph, plan.mesh, strategies, hardware, plan.parallel, plan.solver,
+                     TrainingOptions(optimizer=plan.parallel.optimizer))
+
+    def op_level(collectives) -> Counter:
+        return Counter((c.kind, c.tensor, tuple(c.axes), c.phase, c.op) for c in collectives
+                       if c.phase in ("forward", "backward") and c.op != "optimizer"
+                       and c.kind != "send_recv")
+
+    expected, got = op_level(again.collectives), op_level(plan.collectives)
+    for (kind, tensor, axes, phase, op), count in sorted((expected - got).items())[:MAX_LISTED]:
+        report.add(f"missing {phase} {kind} of {tensor} over {list(axes)} at op {op} "
+                   f"({count}×): the assignments need it")
+    for (kind, tensor, axes, phase, op), count in sorted((got - expected).items())[:MAX_LISTED]:
+        report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
+                   f"({count}×): no assignment needs it")
+    summed = {c.tensor for c in again.collectives if c.phase == "gradient"}
+    listed = {c.tensor for c in plan.collectives if c.op == "optimizer" and "pp" not in c.axes}
+    for name in sorted(summed - listed)[:MAX_LISTED]:
+        report.add(f"weight {name}: its gradient must be summed over "
+                   f"{next(c.axes for c in again.collectives if c.tensor == name)} but the "
+                   "plan lists no such collective")
+    report.checked["collectives"] = sum(expected.values()) + len(summed)

@@ -1,0 +1,132 @@
+"""`shardplan validate`: valid plans pass; each kind of tampering is found and named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from planner import zoo
+from planner.api import plan
+from planner.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("validate")
+    model = folder / "gpt.onnx"
+    onnx.save(zoo.build("gpt-tiny", hidden=128, heads=4, vocab=512, layers=2), model)
+    found = {"model": model}
+    for name, pins in (("tensor", {"dp": 2, "tp": 2}),
+                       ("pipeline", {"pp": 2, "dp": 2, "micro_batches": 2, "zero": 1,
+                                     "recompute": "selective", "schedule": "1f1b"})):
+        chosen = plan(model, devices=4, batch=8, dims={"seq": 16}, profile="cpu",
+                      parallel=pins)
+        found[name] = chosen.save(folder / f"{name}.json")
+    return found
+
+
+def _validate(plan_file: Path, model: Path | None, capsys) -> tuple[int, str]:
+    argv = ["validate", str(plan_file)] + ([str(model)] if model else [])
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("name", ["tensor", "pipeline"])
+def test_plans_the_planner_writes_are_valid(files: dict[str, Path], name: str,
+                                            capsys) -> None:
+    for model in (None, files["model"]):
+        code, text = _validate(files[name], model, capsys)
+        assert code == 0, text
+        assert "valid" in text
+    assert main(["validate", str(files[name]), str(files["model"]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] and report["checked"]["ops"] > 0
+
+
+def _tampered(source: Path, tmp_path: Path, change) -> Path:
+    data = json.loads(source.read_text())
+    change(data)
+    target = tmp_path / "tampered.json"
+    target.write_text(json.dumps(data))
+    return target
+
+
+def _first_split_binding(data: dict) -> tuple[dict, dict]:
+    for op in data["ops"]:
+        for binding in op["inputs"]:
+            if binding and any(binding["layout"]["dims"]) and \
+                    data["tensors"][binding["tensor"]]["kind"] == "activation":
+                return op, binding
+    raise AssertionError("no split activation input in the plan")
+
+
+def test_a_layout_its_assignment_does_not_imply_is_found(files: dict[str, Path],
+                                                         tmp_path: Path, capsys) -> None:
+    def change(data: dict) -> None:
+        _, binding = _first_split_binding(data)
+        binding["layout"]["dims"] = [[] for _ in binding["layout"]["dims"]]
+
+    code, text = _validate(_tampered(files["tensor"], tmp_path, change), files["model"], capsys)
+    assert code == 2 and "assignment implies" in text
+
+
+def test_a_missing_collective_is_found(files: dict[str, Path], tmp_path: Path,
+                                       capsys) -> None:
+    def change(data: dict) -> None:
+        index = next(i for i, c in enumerate(data["collectives"])
+                     if c["phase"] == "backward" and c["op"] != "optimizer"
+                     and c["kind"] != "send_recv")
+        del data["collectives"][index]
+
+    code, text = _validate(_tampered(files["tensor"], tmp_path, change), files["model"], capsys)
+    assert code == 2 and "missing backward" in text
+
+
+def test_a_missing_gradient_sum_is_found(files: dict[str, Path], tmp_path: Path,
+                                         capsys) -> None:
+    def change(data: dict) -> None:
+        data["collectives"] = [c for c in data["collectives"] if c["phase"] != "gradient"]
+
+    code, text = _validate(_tampered(files["tensor"], tmp_path, change), files["model"], capsys)
+    assert code == 2 and "gradient must be summed" in text
+
+
+def test_an_unlisted_redistribution_is_found_without_the_model(
+        files: dict[str, Path], tmp_path: Path, capsys) -> None:
+    def change(data: dict) -> None:  # read whole what is stored split: an all-gather
+        _, binding = _first_split_binding(data)
+        data["tensors"][binding["tensor"]]["layout"] = dict(binding["layout"])
+        binding["layout"] = {**binding["layout"],
+                             "dims": [[] for _ in binding["layout"]["dims"]]}
+        data["collectives"] = [c for c in data["collectives"]
+                               if not (c["tensor"] == binding["tensor"]
+                                       and c["phase"] == "forward")]
+
+    code, text = _validate(_tampered(files["tensor"], tmp_path, change), None, capsys)
+    assert code == 2 and "do not list" in text
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d["pipeline"]["stages"][1]["ops"].__setitem__(0, [0, 5]), "exactly once"),
+    (lambda d: d["pipeline"]["stages"][1].__setitem__("ranks", [0, 1]), "block"),
+    (lambda d: d["parallel"].__setitem__("pp", 3), "parallel.pp"),
+    (lambda d: d["pipeline"].__setitem__("global_batch", 99), "global batch"),
+    (lambda d: d["pipeline"]["stages"][0]["recompute_segments"].append([10_000, 10_001]),
+     "not inside"),
+])
+def test_pipeline_tampering_is_found(files: dict[str, Path], tmp_path: Path, capsys,
+                                     change, needle: str) -> None:
+    code, text = _validate(_tampered(files["pipeline"], tmp_path, change), None, capsys)
+    assert code == 2 and needle in text, text
+
+
+def test_another_models_plan_is_refused(files: dict[str, Path], tmp_path: Path,
+                                        capsys) -> None:
+    other = tmp_path / "other.onnx"
+    onnx.save(zoo.build("gpt-tiny", hidden=128, heads=4, vocab=512, layers=3), other)
+    code, text = _validate(files["tensor"], other, capsys)
+    assert code == 2 and "sha256" in text
