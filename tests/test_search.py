@@ -247,3 +247,19 @@ def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
     assert hidden.predicted.step_time_s == pytest.approx(train.predicted.step_time_s - gradient)
     with pytest.raises(ShardplanError, match="overlap"):
         plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, overlap=1.5)
+
+
+def test_time_limit_returns_the_best_plan_so_far_with_its_gap(tmp_path: Path) -> None:
+    """CP-SAT stopped before it finds a plan: the warm start comes back, with the gap."""
+    path = tmp_path / "gpt.onnx"
+    onnx.save(zoo.build("gpt2-small", layers=4), path)
+    common = dict(devices=8, batch=8, dims={"seq": 256}, solver="cpsat", tie_layers=False,
+                  mesh=(2, 4))
+    rushed = plan(path, time_limit=0.01, **common)
+    settled = plan(path, time_limit=60, **common)
+    assert settled.solver.status == "optimal" and settled.solver.gap == 0.0
+    assert rushed.solver.status in ("feasible", "optimal")
+    assert rushed.predicted.step_time_s >= settled.predicted.step_time_s * (1 - 1e-9)
+    if rushed.solver.status == "feasible":
+        assert 0.0 < rushed.solver.gap <= 1.0
+        assert rushed.solver.bound <= settled.predicted.step_time_s * (1 + 1e-9)

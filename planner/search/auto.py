@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import SCHEDULES
 from planner.assemble import TrainingOptions, assemble, op_labels
@@ -197,9 +199,26 @@ def _solve(problem: StrategyProblem, options: SearchOptions) -> Solution:
         if found is not None and (found.status == "optimal" or options.solver == "dp"):
             return found
         hint = found.choice if found is not None else solve_propagation(problem).choice
-        return solve_ilp(problem, time_limit=options.time_limit, solver="cpsat", hint=hint)
-    hint = solve_propagation(problem).choice if options.solver == "cpsat" else None
-    return solve_ilp(problem, time_limit=options.time_limit, solver=options.solver, hint=hint)
+        return _best_so_far(problem, solve_ilp(problem, time_limit=options.time_limit,
+                                               solver="cpsat", hint=hint), hint)
+    hint = solve_propagation(problem).choice
+    solution = solve_ilp(problem, time_limit=options.time_limit, solver=options.solver,
+                         hint=hint if options.solver == "cpsat" else None)
+    return _best_so_far(problem, solution, hint)
+
+
+def _best_so_far(problem: StrategyProblem, solution: Solution, hint: list[int]) -> Solution:
+    """When the time limit ends the ILP before it found a plan, the warm start is the best
+    plan so far: return it with the ILP's bound, so the gap says how far it may be off."""
+    if solution.choice or not hint:
+        return solution
+    objective, memory = problem.evaluate(hint)
+    status = "feasible" if memory <= problem.memory_limit else "unknown"
+    bound = solution.bound if np.isfinite(solution.bound) else 0.0
+    return Solution(list(hint), status, objective, min(bound, objective), solution.time_s,
+                    f"{solution.solver}+warm-start",
+                    {**solution.detail, "note": "the time limit ended the ILP before it "
+                     "found a plan; this is its warm start"})
 
 
 def _solve_in_process(args: tuple) -> tuple[MeshResult, None]:
