@@ -96,13 +96,7 @@ class MeshComm:
         return position
 
     def all_reduce(self, tensor: torch.Tensor, axes: Sequence[str], phase: str) -> torch.Tensor:
-        group = self.group(axes)
-        if group is None:
-            return tensor
-        result = tensor.detach().clone().contiguous()
-        dist.all_reduce(result, group=group)
-        self.counters.add("all_reduce", axes, phase)
-        return result
+        return self.all_reduce_on(tensor, self.group(axes), axes, phase)
 
     def all_gather(self, tensor: torch.Tensor, axes: Sequence[str], dim: int,
                    phase: str) -> torch.Tensor:
@@ -116,7 +110,8 @@ class MeshComm:
 
     def all_reduce_on(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                       axes: Sequence[str], phase: str) -> torch.Tensor:
-        """Sum over an explicit group (tied weights' holders), counted under `axes`."""
+        """Sum over `group` (a mesh axis group, or the holders of a tied weight), counted
+        under `axes`."""
         if group is None:
             return tensor
         result = tensor.detach().clone().contiguous()

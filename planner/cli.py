@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
-    zoo = verbs.add_parser("zoo", help="write an ONNX graph of a standard model from a config")
+    zoo = verbs.add_parser("zoo", help="write an ONNX graph of a standard model from a config",
+                           epilog=_zoo_epilog(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     zoo.add_argument("family", help="gpt, bert, llama, resnet or moe, or a preset name")
     zoo.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     zoo.add_argument("--with-weights", action="store_true",
@@ -197,6 +199,22 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the ONNX model it was made for (imported at the plan's dims)")
     validate.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
+
+
+def _zoo_epilog() -> str:
+    """The presets and each family's config flags, for `shardplan zoo --help`."""
+    import dataclasses
+
+    from planner import zoo
+
+    lines = ["presets: " + ", ".join(sorted(zoo.PRESETS)), "",
+             "config flags (override a preset or the family's defaults):"]
+    for family, cls in sorted(zoo.FAMILIES.items()):
+        flags = " ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(cls))
+        lines.append(f"  {family}: {flags}")
+    lines += ["", "e.g. shardplan zoo gpt3-175b --dtype bfloat16 -o gpt3.onnx;",
+              "     shardplan zoo llama --layers 4 --kv-heads 2 -o llama.onnx"]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -413,6 +431,7 @@ def _write_demo_model(folder: Path) -> Path:
 
 def _zoo(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from planner import zoo
+    from planner.report import human_bytes, human_count
 
     if args.family in zoo.FAMILIES:
         family, config = args.family, zoo.FAMILIES[args.family]()
@@ -429,8 +448,8 @@ def _zoo(args: argparse.Namespace, extra: Sequence[str]) -> int:
     model = zoo.build(family, config, with_weights=args.with_weights, seed=args.seed)
     path = zoo.save(model, args.output)
     count = zoo.parameter_count(family, config)
-    print(f"wrote {path} ({family}, {count / 1e6:,.1f} M parameters, "
-          f"{path.stat().st_size / 1e6:.1f} MB)")
+    print(f"wrote {path} ({family}, {human_count(count)} parameters, "
+          f"{human_bytes(path.stat().st_size)})")
     return 0
 
 
@@ -455,6 +474,13 @@ def _config_overrides(family: str, config: object, extra: Sequence[str]) -> dict
 
 
 def _convert(current: object, text: str, family: str, flag: str) -> object:
+    if current is None:  # an optional field (None = derived): a number, else the text
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+        return text
     try:
         if isinstance(current, bool):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):

@@ -15,6 +15,14 @@ def human_bytes(value: float) -> str:
     raise AssertionError("unreachable")
 
 
+def human_count(value: float) -> str:
+    """1,234 → "1.2 K", 124,439,808 → "124.4 M": counts of parameters at any scale."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:,.1f} {unit}"
+    return f"{int(value)}"
+
+
 def human_seconds(value: float) -> str:
     if value >= 1:
         return f"{value:.3f} s"
@@ -32,7 +40,7 @@ def summary(plan: Plan) -> str:
         for a, s in zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
     total = p.step_time_s or 1.0
     lines = [
-        f"model      {plan.model.path}  ({plan.model.parameters / 1e6:,.1f} M parameters, "
+        f"model      {plan.model.path}  ({human_count(plan.model.parameters)} parameters, "
         f"batch {plan.model.batch}, dims {plan.model.bound_dims})",
         f"cluster    {plan.cluster.devices} × {plan.cluster.profile} "
         f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
@@ -73,9 +81,15 @@ def summary(plan: Plan) -> str:
             shape = "x".join(map(str, alt["mesh"]))
             if "parallel" in alt:
                 par = alt["parallel"]
-                shape = (f"pp={par['pp']} dp={par['dp']} tp={par['tp']} "
+                axes = ",".join(f"{a}={n}" for a, n in zip(alt["axes"], alt["mesh"],
+                                                           strict=True))
+                shape = (f"mesh {axes}: dp={par['dp']} tp={par['tp']} pp={par['pp']} "
                          f"mb={par['micro_batches']} zero={par['zero']} "
                          f"recompute={par['recompute']}")
+                if alt.get("schedule") and par["pp"] > 1:
+                    shape += f" {alt['schedule']}"
+                if alt.get("chosen"):
+                    shape += " (this plan)"
             figure = (human_seconds(alt["objective"]) if alt["objective"] != float("inf")
                       else alt.get("reason") or alt["status"])
             lines.append(f"  {shape:<10} {alt['status']:<12}{figure}")

@@ -181,6 +181,8 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         return
     entries = {op.name: op for op in plan.ops}
     strategies: dict[str, OpStrategy] = {}
+    before = len(report.problems)
+    cosmetic = 0  # strategy tuples out of step with layouts: the collectives still follow
     for node in graph.ops:
         entry = entries.get(node.name)
         if entry is None:
@@ -199,6 +201,11 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
             report.add(f"op {node.name} ({node.op_type}): assignment {entry.assignment} is "
                        "not a valid strategy of its sharding rule on this mesh")
             continue
+        tuples = [list(b.layout.split_factors(plan.mesh)) if b else [] for b in entry.inputs]
+        if entry.strategy != tuples:
+            cosmetic += 1
+            report.add(f"op {node.name}: strategy {entry.strategy} does not match its input "
+                       f"layouts, which cut the inputs {tuples}")
         in_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.inputs]
         out_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.outputs]
         for side, wanted, bindings in (
@@ -210,8 +217,8 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
                                f"says {binding.layout.to_json()}, its assignment implies "
                                f"{layout.to_json()}")
     report.checked["ops"] = len(graph.ops)
-    if report.problems:
-        return
+    if len(report.problems) - before > cosmetic:
+        return  # layouts or assignments are wrong: re-deriving collectives would mislead
     from costmodels.profile import load_profile
 
     try:
@@ -239,4 +246,16 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         report.add(f"weight {name}: its gradient must be summed over "
                    f"{next(c.axes for c in again.collectives if c.tensor == name)} but the "
                    "plan lists no such collective")
+    needed_axes = {c.tensor: set(c.axes) for c in again.collectives if c.phase == "gradient"}
+    listed_axes: dict[str, set[str]] = {}
+    for c in plan.collectives:
+        if c.op == "optimizer" and "pp" not in c.axes:
+            listed_axes.setdefault(c.tensor, set()).update(c.axes)
+    for name, axes in sorted(listed_axes.items())[:MAX_LISTED]:
+        if name not in needed_axes:
+            report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, but no "
+                       "op splits work on it there (the sum would multiply it)")
+        elif axes != needed_axes[name]:
+            report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, the "
+                       f"assignments need {sorted(needed_axes[name])}")
     report.checked["collectives"] = sum(expected.values()) + len(summed)

@@ -156,7 +156,7 @@ def test_zoo_cli_builds_from_flags(tmp_path: Path, capsys: pytest.CaptureFixture
     path = tmp_path / "g.onnx"
     assert main(["zoo", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab",
                  "100", "-o", str(path)]) == 0
-    assert "M parameters" in capsys.readouterr().out
+    assert "172.0 K parameters" in capsys.readouterr().out
     graph_plan = plan(path, devices=2, batch=2, dims={"seq": 8}, mode="data")
     assert graph_plan.model.parameters == zoo.parameter_count(
         "gpt", zoo.FAMILIES["gpt"](layers=2, hidden=64, heads=4, vocab=100))

@@ -130,3 +130,21 @@ def test_another_models_plan_is_refused(files: dict[str, Path], tmp_path: Path,
     onnx.save(zoo.build("gpt-tiny", hidden=128, heads=4, vocab=512, layers=3), other)
     code, text = _validate(files["tensor"], other, capsys)
     assert code == 2 and "sha256" in text
+
+
+def test_an_extra_gradient_sum_and_a_wrong_strategy_tuple_are_found(
+        files: dict[str, Path], tmp_path: Path, capsys) -> None:
+    def change(data: dict) -> None:
+        weight = next(c["tensor"] for c in data["collectives"]
+                      if c["phase"] == "gradient" and c["axes"] == ["dp"])
+        data["collectives"].append({"kind": "all_reduce", "tensor": weight, "axes": ["tp"],
+                                    "bytes": 4, "phase": "gradient", "op": "optimizer",
+                                    "time_s": 0.0})
+        op = next(op for op in data["ops"] if any(max(t, default=1) > 1
+                                                  for t in op["strategy"]))
+        op["strategy"] = [[1] * len(t) for t in op["strategy"]]
+
+    code, text = _validate(_tampered(files["tensor"], tmp_path, change), files["model"], capsys)
+    assert code == 2
+    assert "the assignments need ['dp']" in text
+    assert "does not match its input layouts" in text

@@ -112,21 +112,26 @@ def _product(values: Sequence[int]) -> int:
     return result
 
 
+def matched_ops(graph: PlanningGraph, pattern: str) -> list[str]:
+    """Op names a strategy pattern (a name or glob) selects; an error naming it if none."""
+    names = [node.name for node in graph.ops]
+    matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+    if not matched:
+        close = [n for n in names if pattern.lower().strip("*") in n.lower()][:5] or names[:5]
+        raise StrategyError(
+            f"strategy pattern {pattern!r} matches no op of {graph.path}; op names look "
+            f"like: {', '.join(close)}, ..."
+        )
+    return matched
+
+
 def fixed_strategies(graph: PlanningGraph, labels: Mapping[str, DimLabels | None],
                      mesh: DeviceMesh,
                      given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, OpStrategy]:
     """Resolve `name or glob pattern -> MindSpore tuples` into strategies on `mesh`."""
     fixed: dict[str, OpStrategy] = {}
-    names = [node.name for node in graph.ops]
     for pattern, tuples in given.items():
-        matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matched:
-            sample = ", ".join(names[:5])
-            raise StrategyError(
-                f"strategy pattern {pattern!r} matches no op of {graph.path}; op names look "
-                f"like: {sample}, ..."
-            )
-        for name in matched:
+        for name in matched_ops(graph, pattern):
             node = graph.op(name)
             op_labels_ = labels.get(name)
             if op_labels_ is None:
@@ -234,6 +239,8 @@ def search(graph: PlanningGraph, profile: HardwareProfile, devices: int,
     if options.solver not in SOLVERS:
         raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
     pins = check_pins(options.parallel)
+    for pattern in options.strategies:  # a typo is the same on every mesh: say it once
+        matched_ops(graph, pattern)
     started = time.perf_counter()
     labels = op_labels(graph)
     joint_only = any(k in pins for k in JOINT_KEYS)
@@ -512,8 +519,13 @@ def _no_plan(graph: PlanningGraph, profile: HardwareProfile, devices: int,
     factor = smallest / limit
     levers = ("a smaller batch or sequence" if joint is not None else
               "a smaller batch, recompute or optimizer sharding, or pipeline stages")
+    parts = ""
+    if joint is not None and joint.smallest_memory_by_category:
+        shown = {k: v for k, v in joint.smallest_memory_by_category.items() if k != "peak"}
+        parts = " = " + ", ".join(f"{k} {human_bytes(v)}" for k, v in shown.items())
+    more = f"about {max(2, int(factor + 0.999))}× more devices, or "
     return NoPlanFits(
         f"no plan fits {human_bytes(limit)} per device on {devices} × {profile.name}: the "
-        f"smallest any plan needs is {human_bytes(smallest)} ({where}). To fit: about "
-        f"{max(2, int(factor + 0.999))}× more devices, or {levers}"
+        f"smallest any plan needs is {human_bytes(smallest)}{parts} ({where}). To fit: "
+        f"{more}{levers}"
     )

@@ -98,6 +98,7 @@ class JointResult:
     smallest_memory: float  # the least peak memory any configuration tried needs
     smallest_where: str
     unformed: dict[str, int] = field(default_factory=dict)  # why configurations had no price
+    smallest_memory_by_category: dict[str, int] = field(default_factory=dict)
 
 
 def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1) -> DeviceMesh:
@@ -273,6 +274,7 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     tried = 0
     with_dp: dict[tuple[int, int], UnitProfile] = {}
     unformed: dict[str, int] = {}
+    categories: dict[str, int] = {}
     for bound, choice in bounds:
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
             break
@@ -293,15 +295,21 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                 unformed[reason] = unformed.get(reason, 0) + 1
             elif least.price.peak_memory < smallest:
                 smallest, where = least.price.peak_memory, choice.describe()
+                categories = _peak_stage_memory(least.price)
             continue
         if found.price.peak_memory < smallest:
             smallest, where = found.price.peak_memory, choice.describe()
+            categories = _peak_stage_memory(found.price)
         ranked.append(Scored(choice, found, small_units))
         ranked.sort(key=lambda s: s.step_time_s)
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
-    return JointResult(ranked, tried, smallest, where, unformed)
+    return JointResult(ranked, tried, smallest, where, unformed, categories)
+
+
+def _peak_stage_memory(price: PipelinePrice) -> dict[str, int]:
+    return max(price.stages, key=lambda s: s.memory.peak).memory.to_json()
 
 
 def _unformed(choice: Choice, units: Units) -> str:
@@ -353,10 +361,13 @@ def pipeline_plan(graph: PlanningGraph, hardware: HardwareProfile, choice: Choic
     record = record or SolverRecord("joint", "optimal", 0.0, 0.0, 0.0, 0.0)
     plan = assemble(micro, mesh, strategies, hardware, parallel, record, training, labels)
     if choice.tp > 1 and not any("tp" in s.used_axes for s in strategies.values()):
+        # Nothing splits over tp: its ranks repeat the same work (replication), which is
+        # what `parallel.tp` = 1 says; the mesh keeps the axis, the ranks exist.
+        plan.parallel.tp = 1
         plan.warnings.append(
-            f"tp={choice.tp}: no op of this model is worth splitting over tp on "
-            f"{hardware.name} (its tensors are too small), so the {choice.tp} tp ranks repeat "
-            "the same work; pin tp=1 or leave tp to the search")
+            f"mesh axis tp={choice.tp}: no op of this model is worth splitting over it on "
+            f"{hardware.name} (its tensors are too small), so those {choice.tp} ranks repeat "
+            "the same work")
     units = find_units(micro)
     profile = unit_profile(micro, plan, units)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
@@ -529,6 +540,8 @@ def plan_joint(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
         plan = pipeline_plan(graph, hardware, scored.choice, training, modes, time_limit,
                              graphs, record)
         if plan is not None:
+            if "tp" in pins:  # the user's pin names the mesh axis: report it as given
+                plan.parallel.tp = int(pins["tp"])
             plan.solver.time_s = time.perf_counter() - started
             plans.append(plan)
     plans.sort(key=lambda p: p.predicted.step_time_s)

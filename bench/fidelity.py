@@ -1,0 +1,113 @@
+"""Fidelity: does the cost model rank and price plans as the executor measures them?
+
+1. Calibrate this machine (`shardplan calibrate --nproc 2`): a profile of its matmul and
+   memory rates and its gloo collectives.
+2. Plan one model for 2 ranks under several strategies with that profile: data parallel,
+   tensor parallel, the automatic plan, a 2-stage pipeline (1F1B and GPipe), ZeRO-1, and
+   full and selective recompute.
+3. Run each plan with the executor (`executor.train.train`) and take the median step time
+   after a warm-up step.
+4. Print predicted and measured step time per plan, their ratio, the Spearman rank
+   correlation of the two orders and the median relative error.
+
+    python bench/fidelity.py [--steps 6] [--profile local.json] [--layers 2 --hidden 256]
+
+The executor interprets the graph op by op in torch, so measured times include its
+per-op overhead, which the cost model does not price (it predicts the device's time):
+the ratio column shows how large that is, and the rank correlation whether the order of
+plans survives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+from scipy.stats import spearmanr
+
+from costmodels.calibrate import calibrate
+from executor.train import train
+from planner import zoo
+from planner.api import plan
+from planner.report import human_seconds
+
+STRATEGIES: list[tuple[str, dict]] = [
+    ("data parallel", {"mode": "data"}),
+    ("tensor parallel", {"parallel": {"tp": 2}}),
+    ("automatic", {}),
+    ("pipeline 1F1B, 4 micro-batches", {"parallel": {"pp": 2, "micro_batches": 4,
+                                                     "schedule": "1f1b"}}),
+    ("pipeline GPipe, 2 micro-batches", {"parallel": {"pp": 2, "micro_batches": 2,
+                                                      "schedule": "gpipe"}}),
+    ("data parallel, ZeRO-1", {"parallel": {"dp": 2, "zero": 1, "micro_batches": 1}}),
+    ("data parallel, full recompute", {"parallel": {"dp": 2, "recompute": "full",
+                                                    "micro_batches": 1}}),
+    ("tensor parallel, selective recompute", {"parallel": {"tp": 2, "recompute": "selective",
+                                                           "micro_batches": 1}}),
+    ("data parallel, 4 micro-batches", {"parallel": {"dp": 2, "micro_batches": 4}}),
+]
+
+
+def measure(model: Path, chosen, steps: int) -> float:
+    log = train(model, chosen, steps=steps, optimizer="adamw", lr=0.001)
+    return statistics.median(log.step_time_s[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--profile", help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        scratch = Path(folder)
+        profile = Path(args.profile) if args.profile else scratch / "local.json"
+        if not args.profile:
+            calibrate(nproc=2, output=profile)
+            print(f"calibrated this machine in {time.perf_counter() - started:.0f} s")
+        model = scratch / "gpt.onnx"
+        onnx.save(zoo.build("gpt", layers=args.layers, hidden=args.hidden, heads=8,
+                            vocab=2048, max_positions=args.seq, with_weights=True), model)
+        print(f"model: zoo GPT, {args.layers} layers, hidden {args.hidden}, vocab 2048; "
+              f"batch {args.batch} × {args.seq} tokens; 2 gloo ranks; median of "
+              f"{args.steps - 1} steps after one warm-up")
+        rows = []
+        for name, settings in STRATEGIES:
+            chosen = plan(model, profile=str(profile), devices=2, batch=args.batch,
+                          dims={"seq": args.seq}, **settings)
+            measured = measure(model, chosen, args.steps)
+            par = chosen.parallel
+            config = (f"dp={par.dp} tp={par.tp} pp={par.pp} mb={par.micro_batches} "
+                      f"zero={par.zero} rc={par.recompute}")
+            rows.append((name, config, chosen.predicted.step_time_s, measured))
+            print(f"  measured {name}", flush=True)
+    print()
+    print(f"{'plan':<38}{'configuration':<44}{'predicted':>11}{'measured':>11}{'meas/pred':>10}")
+    print("-" * 114)
+    for name, config, predicted, measured in rows:
+        print(f"{name:<38}{config:<44}{human_seconds(predicted):>11}"
+              f"{human_seconds(measured):>11}{measured / predicted:>10.2f}")
+    predicted = [r[2] for r in rows]
+    measured = [r[3] for r in rows]
+    rho = spearmanr(predicted, measured).statistic
+    errors = [abs(m - p) / m for p, m in zip(predicted, measured, strict=True)]
+    ratios = [m / p for p, m in zip(predicted, measured, strict=True)]
+    print()
+    print(f"Spearman rank correlation (predicted vs measured order): {rho:.2f}")
+    print(f"median relative error |measured − predicted| / measured: "
+          f"{100 * statistics.median(errors):.0f} %")
+    print(f"measured/predicted: median {statistics.median(ratios):.2f}, "
+          f"range {min(ratios):.2f}–{max(ratios):.2f}")
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
