@@ -44,6 +44,9 @@ from planner.sharding.mesh import DeviceMesh
 RECOMPUTE_MODES = ("none", "selective", "full")
 PIPELINE_AXIS = "pp"
 MAX_PLAIN_UNITS = 32  # a graph without repeated layers is cut into this many FLOP-equal units
+# Repeats covering less of the graph than this are not its layers (a run of small ops, or
+# layers whose ops an exporter emitted in a different order each time): cut by FLOPs.
+MIN_LAYER_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,11 @@ class Units:
 
 
 def find_units(graph: PlanningGraph) -> Units:
-    """Prefix, one unit per repeated layer, suffix; FLOP-equal chunks without repeats."""
+    """Prefix, one unit per repeated layer, suffix; FLOP-equal chunks when no repeated
+    block covers at least half the graph."""
     n = len(graph.ops)
     repeats = find_repeats(graph)
-    if repeats is not None and repeats.count >= 2:
+    if repeats is not None and repeats.count >= 2 and repeats.covered >= MIN_LAYER_SHARE * n:
         bounds, names = [0], []
         if repeats.start > 0:
             bounds.append(repeats.start)
