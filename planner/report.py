@@ -108,12 +108,21 @@ def _pipeline(plan: Plan) -> str:
              f"  {'stage':<7}{'units':<34}{'recompute':<11}{'per micro-batch':>16}"
              f"{'memory':>12}"]
     for row in pipe["stages"]:
-        units = ", ".join(a if a == b else f"{a} … {b}" for a, b in row.get("units", []))
+        units = " + ".join(_unit_span(a, b) for a, b in row.get("units", []))
         per_micro = sum(row.get(k, 0.0) for k in ("forward_s", "backward_s", "recompute_s",
                                                     "p2p_s", "zero_s"))
         lines.append(f"  {row['device_stage']:<7}{units[:33]:<34}{row['recompute']:<11}"
                      f"{human_seconds(per_micro):>16}{human_bytes(row['memory']['peak']):>12}")
     return "\n".join(lines)
+
+
+def _unit_span(first: str, last: str) -> str:
+    """"layer 6", "layer 11" -> "layers 6-11"; "prefix", "layer 5" -> "prefix-layer 5"."""
+    if first == last:
+        return first
+    if first.startswith("layer ") and last.startswith("layer "):
+        return f"layers {first[6:]}-{last[6:]}"
+    return f"{first}-{last}"
 
 
 def memory_shortfall(plan: Plan) -> str:
