@@ -162,8 +162,9 @@ def find_units(plan: Plan) -> tuple[list[Unit], str]:
        role, which is what `op_signature` reads except attributes and folded constant
        values. So op-level plans are grouped as the search grouped them, without the model
        file (often gone, or on another machine) and without seconds of import.
-    3. No repeated block (a small or irregular graph): consecutive ops sharing the first
-       segment of their names, which exporters and the zoo set from the module path.
+    3. No repeated block covering half the ops (a small or irregular graph, or a run of
+       a few alike ops): consecutive ops sharing the first segment of their names, which
+       exporters and the zoo set from the module path.
     """
     from planner.search.layers import find_repeats
 
@@ -171,8 +172,10 @@ def find_units(plan: Plan) -> tuple[list[Unit], str]:
         units = [Unit(u["name"], ((int(u["ops"][0]), int(u["ops"][1])),),
                       u["name"].startswith("layer ")) for u in plan.pipeline["units"]]
         return units, "the plan's pipeline units (the cut points its stages respect)"
+    from planner.stages import MIN_LAYER_SHARE
+
     repeats = find_repeats(_graph_view(plan)) if len(plan.ops) >= 4 else None
-    if repeats is not None:
+    if repeats is not None and repeats.covered >= MIN_LAYER_SHARE * len(plan.ops):
         return (_layer_units(repeats.start, repeats.period, repeats.count, len(plan.ops)),
                 f"repeated layers found in the plan's op sequence ({repeats.count} layers "
                 f"of {repeats.period} ops)")
