@@ -392,11 +392,14 @@ class _Reader:
         if not isinstance(value, dict) or not value:
             self.fail(field, f"must be a non-empty object of dtype -> cited FLOP/s, "
                       f"got {_show(value)}")
+        self.dtype_keys(field, value)
+        return {d: self.cited(v, f"{field}.{d}", self.positive) for d, v in value.items()}
+
+    def dtype_keys(self, field: str, value: dict[str, Any]) -> None:
         for dtype in value:
             if dtype not in DTYPES:
                 self.fail(f"{field}.{dtype}", f"is not a known dtype (known: "
                           f"{', '.join(DTYPES)})")
-        return {d: self.cited(v, f"{field}.{d}", self.positive) for d, v in value.items()}
 
     def overhead(self, device: dict[str, Any]) -> Cited | dict[str, Cited] | None:
         """`device.matmul_overhead_s`: one cited time, or one per peak_flops key."""
@@ -410,10 +413,8 @@ class _Reader:
         if not isinstance(value, dict) or not value:
             self.fail(field, f"must be a cited time {{value, source, note}} or a non-empty "
                       f"object of dtype -> cited time, got {_show(value)}")
+        self.dtype_keys(field, value)
         for dtype in value:
-            if dtype not in DTYPES:
-                self.fail(f"{field}.{dtype}", f"is not a known dtype (known: "
-                          f"{', '.join(DTYPES)})")
             if dtype not in peaks:
                 self.fail(f"{field}.{dtype}", f"has no device.peak_flops.{dtype} to go with "
                           f"it (peaks: {', '.join(peaks)})")

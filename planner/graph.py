@@ -16,6 +16,12 @@ import numpy as np
 TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name as the importer records it (numpy's names, plus
+    bfloat16, which numpy lacks)."""
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
 @dataclass
 class TensorInfo:
     """One value of the graph: its static shape, element type and role."""
@@ -34,7 +40,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        return dtype_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,8 @@ re-runs the unit's forward pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -129,7 +130,6 @@ class UnitProfile:
     workspace: np.ndarray  # largest output or collective buffer
     params: list[ParamShare]
     crossings: list[Crossing]
-    op_names: list[str] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -188,8 +188,7 @@ def unit_profile(graph: PlanningGraph, plan: Plan, units: Units,
                  "full": saved_all - saved["full"]}
     return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
                        transient,
-                       workspace, _params(graph, plan, unit_of, extra_axes), crossings,
-                       [op.name for op in plan.ops])
+                       workspace, _params(graph, plan, unit_of, extra_axes), crossings)
 
 
 def _crossings(graph: PlanningGraph, plan: Plan,
@@ -297,17 +296,13 @@ class PipelinePrice:
 
 
 class _Prices:
-    """Collective times on one mesh, cached: many params share sizes and axes."""
+    """Collective times on one mesh (`collective_seconds` memoises them per profile)."""
 
     def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh) -> None:
         self.hardware, self.mesh = hardware, mesh
-        self.cache: dict[tuple, float] = {}
 
     def __call__(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
-        key = (kind, round(nbytes), axes)
-        if key not in self.cache:
-            self.cache[key] = collective_seconds(self.hardware, kind, nbytes, axes, self.mesh)
-        return self.cache[key]
+        return collective_seconds(self.hardware, kind, nbytes, axes, self.mesh)
 
     def p2p(self, nbytes: float) -> float:
         if PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
@@ -412,6 +407,11 @@ class Pricer:
         self.prices = _Prices(hardware, mesh)
         self.weights = _WeightTables(profile, config, hardware, mesh, self.prices)
 
+    @cached_property
+    def tables(self) -> _StageTables:
+        """Every contiguous range's prices, for the partition DP (built on first use)."""
+        return _StageTables(self)
+
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: str) -> StagePrice:
         profile, config = self.profile, self.config
@@ -503,16 +503,16 @@ class Partition:
     price: PipelinePrice
 
 
-def partition(profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
-              mesh: DeviceMesh, limit: float,
+def partition(pricer: Pricer, limit: float,
               modes: Sequence[str] = RECOMPUTE_MODES) -> Partition | None:
     """The cheapest partition that fits `limit` bytes per device, or None.
 
     Interleaved schedules use the even chunking; otherwise a DP over cut points minimises
     the largest stage load m·t_s + e_s (its time through the pipeline), choosing each
-    stage's recompute mode, and the result is priced exactly by `Pricer`.
+    stage's recompute mode, and the result is priced exactly by `pricer`. One pricer
+    serves several calls (other limits or modes) without rebuilding its tables.
     """
-    pricer = Pricer(profile, config, hardware, mesh)
+    profile, config = pricer.profile, pricer.config
     if config.schedule == "interleaved":
         devices = interleaved(profile.units, config.pp, config.virtual_stages)
         if devices is None:
@@ -520,7 +520,7 @@ def partition(profile: UnitProfile, config: PipelineConfig, hardware: HardwarePr
         return _best_modes(pricer, devices, limit, modes)
     if config.pp > profile.count:
         return None
-    found = _StageTables(pricer).solve(limit, modes)
+    found = pricer.tables.solve(limit, modes)
     if found is None:
         return None
     cuts, chosen = found

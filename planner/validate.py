@@ -20,14 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from planner.errors import PlanFileError
-from planner.graph import PlanningGraph
+from planner.graph import PlanningGraph, dtype_itemsize
 from planner.planfile import Plan
 from planner.sharding.redistribute import redistribute
 from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
 
 MAX_LISTED = 20
-ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
-            "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 @dataclass
@@ -124,7 +122,10 @@ def _edges(plan: Plan, report: Report) -> None:
             entry = plan.tensors[binding.tensor]
             if entry.layout == binding.layout:
                 continue
-            itemsize = ITEMSIZE.get(entry.dtype, 4)
+            try:
+                itemsize = dtype_itemsize(entry.dtype)
+            except TypeError:  # a dtype numpy does not know: price the move as fp32
+                itemsize = 4
             try:
                 steps = redistribute(entry.layout, binding.layout, entry.shape, itemsize,
                                      plan.mesh)

@@ -363,7 +363,6 @@ def _op_level(graph: PlanningGraph, profile: HardwareProfile, meshes: list[Devic
     feasible = [r for r in results if r.solution is not None and r.solution.choice
                 and r.solution.status in ("optimal", "feasible")]
     feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
-    alternatives = [_summary(r) for r in results]
     reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: "
                         f"{r.reason or (r.solution.status if r.solution else 'no plan')}"
                         for r in results)

@@ -45,6 +45,7 @@ from planner.stages import (
     Partition,
     PipelineConfig,
     PipelinePrice,
+    Pricer,
     UnitProfile,
     Units,
     find_units,
@@ -97,6 +98,7 @@ class JointResult:
     tried: int
     smallest_memory: float  # the least peak memory any configuration tried needs
     smallest_where: str
+    considered: int = 0  # configurations the pins allow
     unformed: dict[str, int] = field(default_factory=dict)  # why configurations had no price
     smallest_memory_by_category: dict[str, int] = field(default_factory=dict)
 
@@ -272,7 +274,7 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
-    with_dp: dict[tuple[int, int], UnitProfile] = {}
+    with_dp: dict[tuple[int, int, bool], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     for bound, choice in bounds:
@@ -280,16 +282,16 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
             break
         local = graph.batch // (choice.dp * choice.micro_batches)
         profile, small_units = profile_of(choice.tp, local)
-        key = (choice.tp, local) if choice.dp > 1 else (-choice.tp, local)
+        key = (choice.tp, local, choice.dp > 1)
         if key not in with_dp:
             with_dp[key] = _with_data_axis(profile, choice.dp)
         profile = with_dp[key]
         mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
-        config = _config(choice, training)
+        pricer = Pricer(profile, _config(choice, training), hardware, mesh)
         tried += 1
-        found = partition(profile, config, hardware, mesh, limit, modes)
+        found = partition(pricer, limit, modes)
         if found is None:
-            least = partition(profile, config, hardware, mesh, math.inf, ["full"])
+            least = partition(pricer, math.inf, ["full"])
             if least is None:
                 reason = _unformed(choice, small_units)
                 unformed[reason] = unformed.get(reason, 0) + 1
@@ -305,7 +307,7 @@ def joint_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
-    return JointResult(ranked, tried, smallest, where, unformed, categories)
+    return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories)
 
 
 def _peak_stage_memory(price: PipelinePrice) -> dict[str, int]:
@@ -372,7 +374,8 @@ def pipeline_plan(graph: PlanningGraph, hardware: HardwareProfile, choice: Choic
     profile = unit_profile(micro, plan, units)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     config = _config(choice, training)
-    found = partition(profile, config, hardware, mesh, limit, modes or list(RECOMPUTE_MODES))
+    found = partition(Pricer(profile, config, hardware, mesh), limit,
+                      modes or list(RECOMPUTE_MODES))
     if found is None:
         return None
     finish_pipeline(plan, micro, units, profile, found, choice, graph.batch, hardware)
@@ -531,11 +534,9 @@ def plan_joint(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
         record = SolverRecord(
             name="joint", status="optimal", objective=scored.step_time_s,
             bound=scored.step_time_s, gap=0.0, time_s=0.0,
-            detail={"configurations": len(enumerate_choices(
-                devices, graph.batch or 1, len(scored.units.layer_units) or scored.units.count,
-                int(hardware.devices_per_node.value), pins)),
-                "priced": result.tried, "surrogate_step_time_s": scored.step_time_s,
-                "stages": "partition DP over units (layers), recompute per stage"},
+            detail={"configurations": result.considered, "priced": result.tried,
+                    "surrogate_step_time_s": scored.step_time_s,
+                    "stages": "partition DP over units (layers), recompute per stage"},
         )
         plan = pipeline_plan(graph, hardware, scored.choice, training, modes, time_limit,
                              graphs, record)
