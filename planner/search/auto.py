@@ -25,7 +25,11 @@ from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError, StrategyError
 from planner.graph import PlanningGraph
 from planner.planfile import ParallelConfig, Plan, SolverRecord
-from planner.search.data_parallel import DP_AXIS, data_parallel_strategies
+from planner.search.data_parallel import (
+    DP_AXIS,
+    data_parallel_strategies,
+    dp_splits_exactly,
+)
 from planner.search.elimination import solve_elimination
 from planner.search.ilp import Solution, solve_ilp
 from planner.search.layers import find_repeats, tie_classes
@@ -152,13 +156,8 @@ def _restrict_pinned(problem: StrategyProblem, graph: PlanningGraph, mesh: Devic
     for index, group in enumerate(problem.groups):
         wanted = dict(batch[group.ops[0]].assignment)  # {batch label: ("dp",)} or {}
         keep = [position for position, candidate in enumerate(group.candidates)
-                if _dp_matches(dict(candidate.strategy.assignment), wanted)]
+                if dp_splits_exactly(dict(candidate.strategy.assignment), wanted)]
         restrict_candidates(problem, index, keep or list(range(len(group.candidates))))
-
-
-def _dp_matches(assigned: dict[str, tuple[str, ...]], wanted: dict[str, tuple[str, ...]]) -> bool:
-    on_dp = {label for label, axes in assigned.items() if "dp" in axes}
-    return on_dp == set(wanted) and all(assigned[label] == ("dp",) for label in wanted)
 
 
 def solve_mesh(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,

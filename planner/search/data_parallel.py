@@ -8,7 +8,7 @@ must stay whole, or no rule exists) runs replicated and its inputs are gathered.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from planner.errors import StrategyError
 from planner.graph import PlanningGraph
@@ -62,3 +62,11 @@ def data_parallel_strategies(
             if name and names is not None and label in names:
                 split_dim[name] = names.index(label)
     return strategies
+
+
+def dp_splits_exactly(assigned: Mapping[str, tuple[str, ...]], batch: Collection[str],
+                      axis: str = DP_AXIS) -> bool:
+    """Whether an op's assignment puts `axis` on exactly its batch labels, alone: what
+    pinning dp means (the axis splits the batch and nothing else)."""
+    on_axis = {label for label, axes in assigned.items() if axis in axes}
+    return on_axis == set(batch) and all(assigned[label] == (axis,) for label in batch)

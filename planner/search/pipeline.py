@@ -33,7 +33,7 @@ from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.onnx_import import import_model
 from planner.planfile import Collective, ParallelConfig, Plan, Predicted, SolverRecord
-from planner.search.data_parallel import data_parallel_strategies
+from planner.search.data_parallel import data_parallel_strategies, dp_splits_exactly
 from planner.search.layers import find_repeats, tie_classes
 from planner.search.problem import build_problem, prune_dominated, restrict_candidates
 from planner.sharding.mesh import DeviceMesh
@@ -140,11 +140,9 @@ def model_parallel_strategies(graph: PlanningGraph, mesh: DeviceMesh, hardware: 
         keep = []
         for position, candidate in enumerate(group.candidates):
             assigned = dict(candidate.strategy.assignment)
-            on_dp = {label for label, axes in assigned.items() if "dp" in axes}
             tp_on_batch = any("tp" in axes and label in batch.get(group.ops[0], set())
                               for label, axes in assigned.items())
-            dp_exact = on_dp == wanted and all(assigned[label] == ("dp",) for label in wanted)
-            if dp_exact and not tp_on_batch:
+            if dp_splits_exactly(assigned, wanted) and not tp_on_batch:
                 keep.append(position)
         if keep:
             restrict_candidates(problem, index, keep)
