@@ -123,7 +123,7 @@ class HardwareProfile:
     matmul_overhead_s: Cited | dict[str, Cited] | None = None
 
     def __getstate__(self) -> dict:
-        """Pickle the fields only, not the pricing memo (`planner.pricing`) a run adds."""
+        """Pickle the fields only, not the pricing memo (`planner.cost.pricing`) a run adds."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __hash__(self) -> int:  # dict fields are not hashable; a profile is its file

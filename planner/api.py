@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 from costmodels.profile import HardwareProfile, load_profile
-from planner.assemble import TrainingOptions, assemble, op_labels
+from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.onnx_import import import_model
-from planner.planfile import ParallelConfig, Plan, SolverRecord
-from planner.search.auto import SearchOptions, price_baselines, search
-from planner.search.data_parallel import DP_AXIS, data_parallel_strategies
-from planner.sharding.mesh import DeviceMesh
+from planner.plan.model import Plan
+from planner.plan.planning import plan_data_parallel, plan_search
+from planner.search.options import SearchOptions
 
 MODES = ("data", "semi", "auto")
 GIB = 1 << 30
@@ -83,35 +81,10 @@ def plan(
         inference=inference, overlap=overlap,
     )
     if mode == "data":
-        return _data_parallel(graph, hardware, devices, training, optimizer)
+        return plan_data_parallel(graph, hardware, devices, training)
     options = SearchOptions(
         mode=mode, solver=solver, time_limit=time_limit, max_mesh_axes=max_mesh_axes,
         mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
-    result = search(graph, hardware, devices, options, training, progress)
-    chosen = result.plan
-    chosen.parallel.optimizer = optimizer
-    chosen.alternatives = result.alternatives
-    chosen.baselines = {name: p.brief() for name, p in result.baselines.items()}
-    return chosen
-
-
-def _data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
-                   training: TrainingOptions, optimizer: str) -> Plan:
-    started = time.perf_counter()
-    mesh = DeviceMesh.build({DP_AXIS: devices}, int(hardware.devices_per_node.value))
-    labels = op_labels(graph)
-    strategies = data_parallel_strategies(graph, mesh, labels)
-    parallel = ParallelConfig(dp=devices, optimizer=optimizer)
-    draft = SolverRecord("data-parallel", "fixed", 0.0, 0.0, 0.0, 0.0)
-    result = assemble(graph, mesh, strategies, hardware, parallel, draft, training, labels)
-    step = result.predicted.step_time_s
-    result.solver = SolverRecord(
-        name="data-parallel", status="fixed", objective=step, bound=step, gap=0.0,
-        time_s=time.perf_counter() - started,
-        detail={"note": "the data-parallel baseline has one candidate: no search"},
-    )
-    baselines = price_baselines(graph, hardware, devices, training, labels)
-    result.baselines = {name: p.brief() for name, p in baselines.items()}
-    return result
+    return plan_search(graph, hardware, devices, options, training, progress)

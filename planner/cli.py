@@ -500,7 +500,7 @@ def _convert(current: object, text: str, family: str, flag: str) -> object:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
 
     try:
         from executor.train import planned_counts, train, train_reference
@@ -546,8 +546,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from planner.planfile import Plan
-    from planner.sharding.convert import to_dtensor_placements, to_mindspore_checkpoint
+    from planner.plan.model import Plan
+    from planner.exports.dtensor import to_dtensor_placements
+    from planner.exports.mindspore import to_mindspore_checkpoint
 
     loaded = Plan.load(args.plan)
     data = (to_mindspore_checkpoint(loaded) if args.format == "mindspore"
@@ -584,7 +585,7 @@ def _profiles(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from planner.explain import explain, render
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
 
     loaded = Plan.load(args.plan)
     result = explain(loaded, source=args.plan, top=args.top)
@@ -608,7 +609,7 @@ def _explain(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     """Exit 0 when the plan is valid, 2 with every problem listed otherwise."""
     from planner.api import load_graph
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
     from planner.validate import validate
 
     loaded = Plan.load(args.plan)
@@ -631,7 +632,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from planner.explain import compare_rows, render_compare
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
 
     if len(args.plans) < 2:
         raise ShardplanError("compare: give two or more plan files, e.g. "

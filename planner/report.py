@@ -2,33 +2,10 @@
 
 from __future__ import annotations
 
-from planner.planfile import Plan
+from planner.humanize import human_bytes, human_count, human_seconds
+from planner.plan.model import Plan
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
-
-
-def human_bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_count(value: float) -> str:
-    """1,234 → "1.2 K", 124,439,808 → "124.4 M": counts of parameters at any scale."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:,.1f} {unit}"
-    return f"{int(value)}"
-
-
-def human_seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.3f} ms"
-    return f"{value * 1e6:.1f} us"
 
 
 def summary(plan: Plan) -> str:
@@ -78,21 +55,20 @@ def summary(plan: Plan) -> str:
     if plan.alternatives:
         lines += ["", "best plans per mesh shape and configuration"]
         for alt in plan.alternatives:
-            shape = "x".join(map(str, alt["mesh"]))
-            if "parallel" in alt:
-                par = alt["parallel"]
-                axes = ",".join(f"{a}={n}" for a, n in zip(alt["axes"], alt["mesh"],
-                                                           strict=True))
-                shape = (f"mesh {axes}: dp={par['dp']} tp={par['tp']} pp={par['pp']} "
-                         f"mb={par['micro_batches']} zero={par['zero']} "
-                         f"recompute={par['recompute']}")
-                if alt.get("schedule") and par["pp"] > 1:
-                    shape += f" {alt['schedule']}"
-                if alt.get("chosen"):
+            shape = "x".join(map(str, alt.mesh))
+            if alt.brief is not None:
+                par = alt.brief.parallel
+                axes = ",".join(f"{a}={n}" for a, n in zip(alt.axes, alt.mesh, strict=True))
+                shape = (f"mesh {axes}: dp={par.dp} tp={par.tp} pp={par.pp} "
+                         f"mb={par.micro_batches} zero={par.zero} "
+                         f"recompute={par.recompute}")
+                if alt.brief.schedule and par.pp > 1:
+                    shape += f" {alt.brief.schedule}"
+                if alt.chosen:
                     shape += " (this plan)"
-            figure = (human_seconds(alt["objective"]) if alt["objective"] != float("inf")
-                      else alt.get("reason") or alt["status"])
-            lines.append(f"  {shape:<10} {alt['status']:<12}{figure}")
+            figure = (human_seconds(alt.objective) if alt.objective != float("inf")
+                      else alt.reason or alt.status)
+            lines.append(f"  {shape:<10} {alt.status:<12}{figure}")
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
@@ -100,19 +76,19 @@ def summary(plan: Plan) -> str:
 
 def _pipeline(plan: Plan) -> str:
     """The stages: which units each device stage holds, its time per micro-batch, memory."""
-    pipe = plan.pipeline or {}
-    lines = [f"pipeline   {len(pipe['stages'])} stage(s), schedule {pipe['schedule']}"
-             + (f" ×{pipe['virtual_stages']} chunks" if pipe["virtual_stages"] > 1 else "")
-             + f", {pipe['micro_batches']} micro-batch(es) of {pipe['micro_batch_size']}"
-             + f", bubble {100 * pipe.get('bubble_fraction', 0.0):.1f} %",
+    pipe = plan.pipeline
+    assert pipe is not None
+    lines = [f"pipeline   {len(pipe.stages)} stage(s), schedule {pipe.schedule}"
+             + (f" ×{pipe.virtual_stages} chunks" if pipe.virtual_stages > 1 else "")
+             + f", {pipe.micro_batches} micro-batch(es) of {pipe.micro_batch_size}"
+             + f", bubble {100 * pipe.bubble_fraction:.1f} %",
              f"  {'stage':<7}{'units':<34}{'recompute':<11}{'per micro-batch':>16}"
              f"{'memory':>12}"]
-    for row in pipe["stages"]:
-        units = " + ".join(_unit_span(a, b) for a, b in row.get("units", []))
-        per_micro = sum(row.get(k, 0.0) for k in ("forward_s", "backward_s", "recompute_s",
-                                                    "p2p_s", "zero_s"))
-        lines.append(f"  {row['device_stage']:<7}{units[:33]:<34}{row['recompute']:<11}"
-                     f"{human_seconds(per_micro):>16}{human_bytes(row['memory']['peak']):>12}")
+    for row in pipe.stages:
+        units = " + ".join(_unit_span(a, b) for a, b in row.units)
+        lines.append(f"  {row.device_stage:<7}{units[:33]:<34}{row.recompute:<11}"
+                     f"{human_seconds(row.per_micro_batch_s):>16}"
+                     f"{human_bytes(row.memory.peak):>12}")
     return "\n".join(lines)
 
 
@@ -143,10 +119,10 @@ def _comparison(plan: Plan) -> str:
     lines = [f"{'plan':<16}{'mesh':<12}{'dp':>5}{'tp':>5}{'step time':>14}{'vs this':>9}"
              f"{'peak memory':>14}  fits"]
     for name, row in rows:
-        shape = "x".join(map(str, row["mesh"]))
-        ratio = row["step_time_s"] / best
-        lines.append(f"{name:<16}{shape:<12}{row['parallel']['dp']:>5}{row['parallel']['tp']:>5}"
-                     f"{human_seconds(row['step_time_s']):>14}{ratio:>8.2f}x"
-                     f"{human_bytes(row['peak_memory_bytes']):>14}  "
-                     f"{'yes' if row['fits'] else 'no'}")
+        shape = "x".join(map(str, row.mesh))
+        ratio = row.step_time_s / best
+        lines.append(f"{name:<16}{shape:<12}{row.parallel.dp:>5}{row.parallel.tp:>5}"
+                     f"{human_seconds(row.step_time_s):>14}{ratio:>8.2f}x"
+                     f"{human_bytes(row.peak_memory_bytes):>14}  "
+                     f"{'yes' if row.fits else 'no'}")
     return "\n".join(lines)

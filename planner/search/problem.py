@@ -1,7 +1,7 @@
 """The strategy-choice problem: one choice per op group, costs on choices and on edges.
 
-Every search solves this one table, built from `planner.pricing`, so what a solver
-minimises is what `planner.assemble` reports for the chosen plan:
+Every search solves this one table, built from `planner.cost.pricing`, so what a solver
+minimises is what the plan builder reports for the chosen plan (`planner.cost.oplevel`):
 
 - a *group* is a set of ops that take the same choice (one op, or the same op of every
   repeated transformer layer); each candidate has a time (compute, its own collectives,
@@ -24,23 +24,22 @@ import numpy as np
 
 from costmodels.memory import optimizer_state_bytes
 from costmodels.profile import HardwareProfile
-from planner.assemble import BACKWARD_FLOP_RATIO, TrainingOptions
-from planner.graph import OpNode, PlanningGraph
-from planner.pricing import (
-    Edge,
-    edge_collectives,
-    fraction_of_layout,
+from planner.cost.oplevel import BACKWARD_FLOP_RATIO
+from planner.cost.pricing import (
+    collective_seconds,
+    edge_seconds,
+    exposed,
     op_seconds,
     optimizer_seconds,
-    price_collective,
-    replicated_labels,
-    requires_grad_map,
-    weight_roots_map,
 )
+from planner.cost.step import TrainingOptions
+from planner.graph import OpNode, PlanningGraph
+from planner.kinds import CollectiveKind
+from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
-from planner.sharding.layout import Layout
+from planner.sharding.derive import fraction_of_layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
+from planner.sharding.rules import DimLabels, replicated_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
 
@@ -96,10 +95,9 @@ class StrategyProblem:
 
 
 def build_problem(
-    graph: PlanningGraph,
+    analysis: GraphAnalysis,
     mesh: DeviceMesh,
     profile: HardwareProfile,
-    labels: Mapping[str, DimLabels | None],
     options: TrainingOptions,
     fixed: Mapping[str, OpStrategy] | None = None,
     classes: Sequence[Sequence[str]] | None = None,
@@ -110,9 +108,10 @@ def build_problem(
     must choose alike (repeated layers), defaulting to one group per op.
     """
     fixed = dict(fixed or {})
+    graph, labels = analysis.graph, analysis.labels
     tensors = graph.tensors
-    needs_grad = {} if options.inference else requires_grad_map(graph)
-    roots = weight_roots_map(graph)
+    needs_grad = {} if options.inference else analysis.needs_grad
+    roots = analysis.weight_roots
     ops = {node.name: node for node in graph.ops}
     groups_ops = [list(c) for c in classes] if classes else [[n.name] for n in graph.ops]
     candidates: dict[str, list[Candidate]] = {}
@@ -122,7 +121,7 @@ def build_problem(
         for member in members:
             candidates[member] = found
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
-    owner = _first_consumers(graph)
+    owner = analysis.first_consumers
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
                needs_grad, owner)
@@ -142,16 +141,6 @@ def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMes
         return [describe(node, labels, fixed, tensors, mesh)]
     return [describe(node, labels, s, tensors, mesh)
             for s in candidate_strategies(node, labels, tensors, mesh)]
-
-
-def _first_consumers(graph: PlanningGraph) -> dict[str, tuple[str, int]]:
-    """For inputs, weights and buffers: the (op, input slot) that places them."""
-    owner: dict[str, tuple[str, int]] = {}
-    for node in graph.ops:
-        for slot, name in enumerate(node.inputs):
-            if name and graph.tensors[name].producer is None and name not in owner:
-                owner[name] = (node.name, slot)
-    return owner
 
 
 def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, list[Candidate]],
@@ -194,8 +183,7 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
     seconds = forward * (1.0 + (BACKWARD_FLOP_RATIO if outputs_need_grad else 0.0))
     for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
-        seconds += price_collective(kind, node.name, axes, nbytes, "forward", node.name, mesh,
-                                    profile).time_s
+        seconds += collective_seconds(profile, kind, nbytes, axes, mesh)
     owned = 0.0
     for slot, name in enumerate(node.inputs):
         if not name or owner.get(name) != (node.name, slot):
@@ -214,9 +202,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
         seconds += optimizer_seconds(profile, local_bytes, states)
         axes = candidate.grad_partial[slot]
         if axes:
-            seconds += (1.0 - options.overlap) * price_collective(
-                "all_reduce", name, axes, local_bytes, "gradient", "optimizer", mesh,
-                profile).time_s
+            seconds += exposed(collective_seconds(profile, CollectiveKind.ALL_REDUCE,
+                                                  local_bytes, axes, mesh), options.overlap)[0]
     saved = largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if not name or layout is None:
@@ -298,26 +285,10 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
                 continue
             key = (info.shape, info.dtype, src, dst, axes, grad, derived)
             if key not in cache:
-                cache[key] = _edge_seconds(info, src, dst, axes, consumer, mesh, profile, grad,
-                                           derived, overlap)
+                cache[key] = edge_seconds(info, src, dst, consumer.name, mesh, profile, grad,
+                                          axes, derived, overlap)
             matrix[a, b], buffer[a, b] = cache[key]
     return matrix, buffer
-
-
-def _edge_seconds(info, src: Layout, dst: Layout, partial_axes: tuple[str, ...],
-                  consumer: OpNode, mesh: DeviceMesh, profile: HardwareProfile,
-                  requires_grad: bool, weight_derived: bool,
-                  overlap: float) -> tuple[float, float]:
-    found, deferred = edge_collectives(Edge(info.name, src, dst), info, consumer, mesh, profile,
-                                       requires_grad, partial_axes, weight_derived)
-    seconds = sum(c.time_s for c in found)
-    buffer = max([0.0, *(float(c.bytes) for c in found)])
-    if deferred:
-        local = info.nbytes * fraction_of_layout(src, mesh)
-        seconds += (1.0 - overlap) * price_collective(
-            "all_reduce", info.name, tuple(sorted(deferred)), local, "gradient", "optimizer",
-            mesh, profile).time_s
-    return seconds, buffer
 
 
 def prune_dominated(problem: StrategyProblem) -> StrategyProblem:

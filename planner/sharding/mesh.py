@@ -9,7 +9,7 @@ ring, inside one node, or across nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,6 +27,9 @@ class DeviceMesh:
     devices_per_node: int
 
     def __post_init__(self) -> None:
+        # Plain strings (an AxisRole member is one, but prints as the enum in messages).
+        object.__setattr__(self, "axis_names", tuple(str(a) for a in self.axis_names))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if len(self.shape) != len(self.axis_names):
             raise StrategyError(
                 f"mesh shape {self.shape} and axis names {self.axis_names} differ in length"
@@ -41,7 +44,7 @@ class DeviceMesh:
             raise StrategyError("devices_per_node must be positive")
 
     @classmethod
-    def build(cls, axes: dict[str, int], devices_per_node: int) -> DeviceMesh:
+    def build(cls, axes: Mapping[str, int], devices_per_node: int) -> DeviceMesh:
         return cls(tuple(axes.values()), tuple(axes), devices_per_node)
 
     @property

@@ -273,6 +273,11 @@ def _einsum(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
                      whole_labels=frozenset(repeated | whole))
 
 
+def replicated_labels(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """The labelling of an op without a rule: nothing labelled, so everything replicated."""
+    return DimLabels(tuple(None for _ in node.inputs), tuple(None for _ in node.outputs))
+
+
 class _NoRule(Exception):
     """Raised by a rule that cannot label this instance (e.g. an ellipsis einsum)."""
 

@@ -1,9 +1,11 @@
-"""The data-parallel baseline: split the batch over every device, replicate the weights.
+"""Which label of each op carries the batch: the batch split followed through the graph.
 
-The batch dim of each graph input is split over the one mesh axis; each op then splits
+The batch dim of each graph input is split over one mesh axis; each op then splits
 whichever of its labels carries an already-split input dim, so the split follows the
 batch through reshapes and transposes. An op that cannot keep it (a rule says the dim
-must stay whole, or no rule exists) runs replicated and its inputs are gathered.
+must stay whole, or no rule exists) runs replicated and its inputs are gathered. This one
+trace is the data-parallel baseline, the meaning of a pinned dp axis, and (at the whole
+batch) the graph analysis's batch labels.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from collections.abc import Collection, Mapping
 
 from planner.errors import StrategyError
 from planner.graph import PlanningGraph
+from planner.kinds import AxisRole
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
-DP_AXIS = "dp"
+DP_AXIS: str = AxisRole.DATA
 
 
 def data_parallel_strategies(

@@ -1,12 +1,11 @@
-"""Check a plan read from a file: its JSON against the schema, its layouts against its mesh.
+"""Check a plan file's JSON against the strategy schema, naming the first bad JSON path.
 
 Plans are written by `shardplan plan` but read back later by the executor and the
-exporters, possibly after a hand edit, a merge or a truncated copy. A wrong type or an
-axis the mesh lacks would otherwise surface as a traceback deep in the executor, or as a
-run that splits tensors differently from the plan. So `Plan.from_json` checks the JSON
-against `planner/strategy.schema.json` (the documented contract, with a small validator:
-no extra dependency) and then that every layout can be laid on the plan's mesh. Every
-refusal names the file and the JSON path of the first problem.
+exporters, possibly after a hand edit, a merge or a truncated copy. A wrong type would
+otherwise surface as a traceback deep in the executor. So loading a plan checks its JSON
+against `planner/plan/strategy.schema.json` (the documented contract, with a small
+validator: no extra dependency) before building the typed Plan, and then
+(`planner.plan.checks`) that every layout can be laid on the plan's mesh.
 """
 
 from __future__ import annotations
@@ -17,14 +16,9 @@ import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planner.errors import PlanFileError
-
-if TYPE_CHECKING:
-    from planner.planfile import Plan
-    from planner.sharding.layout import Layout
-    from planner.sharding.mesh import DeviceMesh
 
 SCHEMA_FILE = Path(__file__).with_name("strategy.schema.json")
 REMEDY = "re-create the plan with `shardplan plan -o`"
@@ -182,57 +176,3 @@ class _Validator:
             if problem:
                 return problem
         return None
-
-
-# --------------------------------------------------------------------------- the mesh
-
-
-def check_plan_fits(plan: Plan, source: str) -> None:
-    """Refuse layouts the plan's mesh cannot hold and bindings to unknown tensors."""
-    mesh = plan.mesh
-    if plan.cluster.devices != mesh.size:
-        raise PlanFileError(f"{source}: mesh {list(mesh.shape)} has {mesh.size} devices but "
-                            f"cluster.devices is {plan.cluster.devices}; {REMEDY}")
-    for name, entry in plan.tensors.items():
-        _check_layout(entry.layout, entry.shape, mesh, f"{source}: tensors.{name}.layout")
-    seen: set[str] = set()
-    for index, op in enumerate(plan.ops):
-        where = f"{source}: ops[{index}] ({op.name})"
-        if op.name in seen:
-            raise PlanFileError(f"{where}: a second entry for op {op.name}; {REMEDY}")
-        seen.add(op.name)
-        for side, bindings in (("inputs", op.inputs), ("outputs", op.outputs)):
-            for slot, binding in enumerate(bindings):
-                if binding is None:
-                    continue
-                tensor = plan.tensors.get(binding.tensor)
-                if tensor is None:
-                    raise PlanFileError(f"{where}.{side}[{slot}]: tensor {binding.tensor!r} "
-                                        f"is not in the plan's tensors; {REMEDY}")
-                _check_layout(binding.layout, tensor.shape, mesh,
-                              f"{where}.{side}[{slot}].layout")
-    for index, collective in enumerate(plan.collectives):
-        _check_axes(collective.axes, mesh, f"{source}: collectives[{index}].axes")
-
-
-def _check_axes(axes: Sequence[str], mesh: DeviceMesh, where: str) -> None:
-    for axis in axes:
-        if axis not in mesh.axis_names:
-            raise PlanFileError(f"{where}: mesh axis {axis!r} is not one of the mesh's axes "
-                                f"{list(mesh.axis_names)}; {REMEDY}")
-
-
-def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where: str) -> None:
-    """The checks of Layout.check, each refusal naming the file and the JSON path."""
-    if len(shape) != layout.rank:
-        raise PlanFileError(f"{where}: {layout.rank} dims for a tensor of shape {list(shape)}; "
-                            f"{REMEDY}")
-    used = layout.used_axes
-    _check_axes(used, mesh, where)
-    twice = sorted({a for a in used if used.count(a) > 1})
-    if twice:
-        raise PlanFileError(f"{where}: mesh axis {twice[0]!r} is used twice; {REMEDY}")
-    for dim, (size, factor) in enumerate(zip(shape, layout.split_factors(mesh), strict=True)):
-        if size % factor:
-            raise PlanFileError(f"{where}: dim {dim} of size {size} cannot be split into "
-                                f"{factor} equal parts; {REMEDY}")

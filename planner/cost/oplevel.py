@@ -1,0 +1,163 @@
+"""The price of one op-level choice: every op's compute, every collective, and the step.
+
+`price_graph` prices a derivation (`planner.sharding.derive`): each op's forward and
+backward time on its share of the work, the activations it saves for the backward pass,
+its local outputs, and every collective. Added up, they are one pipeline stage running
+one micro-batch (`StagePrice`), which the one step model turns into the step
+(`planner.cost.step`). Forward-only steps keep, instead of saved activations, the largest
+set of activations alive at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from costmodels.memory import MemoryBreakdown, optimizer_state_bytes, training_memory
+from costmodels.profile import HardwareProfile
+from planner.cost.pricing import Collective, exposed, op_seconds, optimizer_seconds, price
+from planner.cost.step import (
+    PipelineConfig,
+    StagePrice,
+    StepPrice,
+    TrainingOptions,
+    step_price,
+)
+from planner.graph import OpNode, PlanningGraph
+from planner.kinds import Phase, Recompute
+from planner.sharding.derive import ShardedGraph, fraction_of_layout
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
+
+BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2 × forward: gradients of inputs and of weights
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op on one device, one micro-batch: compute seconds, the bytes of activations
+    it keeps for the backward pass, and of its local outputs."""
+
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+    output_bytes: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"forward_s": self.forward_s, "backward_s": self.backward_s,
+                "saved_bytes": self.saved_bytes, "output_bytes": self.output_bytes}
+
+
+@dataclass(frozen=True)
+class PricedGraph:
+    """A derivation with its prices: per op, every collective, and the one-stage step."""
+
+    sharded: ShardedGraph
+    costs: tuple[OpCost, ...]  # per op, in order
+    collectives: tuple[Collective, ...]  # the derivation's, in the same order, priced
+    stage: StagePrice  # the whole graph as one stage running one micro-batch
+    options: TrainingOptions
+
+    def step(self) -> StepPrice:
+        """The op-level plan's step: a pipeline of one stage and one micro-batch."""
+        return step_price([self.stage], PipelineConfig(optimizer=self.options.optimizer,
+                                                        overlap=self.options.overlap))
+
+
+def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
+                options: TrainingOptions) -> PricedGraph:
+    graph = sharded.analysis.graph
+    tensors, mesh = graph.tensors, sharded.mesh
+    needs_grad = sharded.analysis.needs_grad if not options.inference else {}
+    live_peak = _LivePeak(graph) if options.inference else None
+    costs: list[OpCost] = []
+    compute_forward = compute_backward = saved_total = workspace = 0.0
+    for op in sharded.ops:
+        node = op.node
+        forward = op_seconds(node, tensors, op.fraction, profile)
+        backward = saved = 0.0
+        compute_forward += forward
+        if any(needs_grad.get(o, False) for o in node.outputs if o):
+            backward = BACKWARD_FLOP_RATIO * forward
+            if not node.is_view:
+                saved = sum(tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh)
+                            for o in node.outputs if o and tensors[o].is_float)
+        compute_backward += backward
+        saved_total += saved
+        output_bytes = sum(tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh)
+                           for o in node.outputs if o)
+        workspace = max(workspace, output_bytes)
+        if live_peak is not None:
+            live_peak.step(node, sharded.layouts, mesh)
+        costs.append(OpCost(forward, backward, saved, output_bytes))
+    collectives = tuple(price(spec, mesh, profile) for spec in sharded.collectives)
+    # Activation collectives need their own buffer (the gathered or unreduced tensor);
+    # gradient reductions run in place on the gradient buffers.
+    workspace = max([workspace, *(c.bytes for c in collectives if c.phase != Phase.GRADIENT)])
+    times = {phase: 0.0 for phase in Phase}
+    sync = hidden = 0.0
+    for collective in collectives:
+        times[collective.phase] += collective.time_s
+        if collective.phase == Phase.GRADIENT:
+            shown, behind = exposed(collective.time_s, options.overlap)
+            sync, hidden = sync + shown, hidden + behind
+    memory, optimizer_s = _memory(graph, sharded, profile, options,
+                                  live_peak.peak if live_peak is not None else saved_total,
+                                  workspace)
+    stage = StagePrice(
+        ranges=((0, sharded.analysis.units.count),), recompute=Recompute.NONE,
+        forward_compute_s=compute_forward, backward_compute_s=compute_backward,
+        forward_communication_s=times[Phase.FORWARD],
+        backward_communication_s=times[Phase.BACKWARD], recompute_s=0.0, p2p_s=0.0,
+        zero_s=0.0, sync_s=sync, hidden_s=hidden, optimizer_s=optimizer_s, in_flight=1.0,
+        memory=memory)
+    return PricedGraph(sharded, tuple(costs), collectives, stage, options)
+
+
+def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfile,
+            options: TrainingOptions, activation_bytes: float,
+            workspace: float) -> tuple[MemoryBreakdown, float]:
+    """Memory per device by category, and the optimizer pass's seconds."""
+    parameters = graph.parameters
+    mesh, layouts = sharded.mesh, sharded.layouts
+    local_bytes = sum(p.nbytes * fraction_of_layout(layouts[p.name], mesh)
+                      if p.name in layouts else p.nbytes for p in parameters)
+    local_elements = sum(p.numel * fraction_of_layout(layouts[p.name], mesh)
+                         if p.name in layouts else p.numel for p in parameters)
+    itemsize = parameters[0].itemsize if parameters else 4
+    if options.inference:
+        return MemoryBreakdown(parameters=round(local_bytes), gradients=0, optimizer=0,
+                               activations=round(activation_bytes),
+                               workspace=round(workspace)), 0.0
+    memory = training_memory(
+        parameter_bytes=local_bytes, parameter_elements=local_elements,
+        parameter_itemsize=itemsize, activation_bytes=activation_bytes,
+        workspace_bytes=workspace, optimizer=options.optimizer)
+    states = optimizer_state_bytes(local_elements, itemsize, options.optimizer)
+    return memory, optimizer_seconds(profile, local_bytes, states)
+
+
+class _LivePeak:
+    """Forward-only memory: the largest set of activations alive at once (liveness)."""
+
+    def __init__(self, graph: PlanningGraph) -> None:
+        self.graph = graph
+        self.last_use: dict[str, int] = {}
+        for index, node in enumerate(graph.ops):
+            for name in node.inputs:
+                if name:
+                    self.last_use[name] = index
+        self.keep = set(graph.outputs)
+        self.live: dict[str, float] = {}
+        self.index = 0
+        self.peak = 0.0
+
+    def step(self, node: OpNode, layout_of: Mapping[str, Layout], mesh: DeviceMesh) -> None:
+        for name in node.outputs:
+            if name and not node.is_view:
+                info = self.graph.tensors[name]
+                self.live[name] = info.nbytes * fraction_of_layout(layout_of[name], mesh)
+        self.peak = max(self.peak, sum(self.live.values()))
+        for name in list(self.live):
+            if name not in self.keep and self.last_use.get(name, -1) <= self.index:
+                del self.live[name]
+        self.index += 1

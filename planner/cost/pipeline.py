@@ -1,0 +1,213 @@
+"""The price of a pipeline: each device stage's time and memory, from a unit profile.
+
+`Pricer` prices the devices of one configuration (stages, micro-batches, schedule, ZeRO)
+on one mesh: per device its units' compute and collectives, the recompute its mode
+re-runs, the point-to-point transfers it receives and sends back, the weights it holds
+with their synchronisation (`planner.sharding.weights`), and its memory with the
+activations of the micro-batches in flight (`costmodels.schedule.in_flight`). The step
+follows from the one step model (`planner.cost.step`). The partition search
+(`planner.search.stages`) asks it for every contiguous range at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodels.memory import optimizer_state_bytes, training_memory
+from costmodels.profile import HardwareProfile
+from costmodels.schedule import in_flight
+from planner.cost.pricing import collective_seconds, exposed, optimizer_seconds
+from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
+from planner.cost.units import ParamShare, UnitProfile
+from planner.kinds import AxisRole, CollectiveKind, Recompute
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.weights import sync_steps
+
+PIPELINE_AXIS: str = AxisRole.PIPELINE
+
+
+class Prices:
+    """Collective times on one mesh (`collective_seconds` memoises them per profile)."""
+
+    def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh) -> None:
+        self.hardware, self.mesh = hardware, mesh
+
+    def __call__(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
+        return collective_seconds(self.hardware, kind, nbytes, axes, self.mesh)
+
+    def p2p(self, nbytes: float) -> float:
+        """One send between neighbouring stages (nothing without a pipeline axis)."""
+        if PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
+            return 0.0
+        return self(CollectiveKind.SEND_RECV, nbytes, (PIPELINE_AXIS,))
+
+
+@dataclass(frozen=True)
+class WeightTerms:
+    """What one weight costs a device that holds it."""
+
+    bytes: float
+    elements: float
+    sharded_bytes: float  # its ZeRO shard over its gradient group
+    sharded_elements: float
+    micro: float  # seconds per micro-batch (ZeRO-2/3 collectives)
+    end: float  # seconds once per step, exposed (gradient reduction, parameter gathers)
+    hidden: float  # the part of the end-of-step synchronisation overlap hides
+    optimizer: float  # seconds of its optimizer pass
+    largest: float  # the buffer ZeRO-3 gathers it into
+
+    def as_row(self) -> dict[str, float]:
+        return {key: getattr(self, key) for key in WEIGHT_TERMS}
+
+
+WEIGHT_TERMS = ("bytes", "elements", "sharded_bytes", "sharded_elements", "micro", "end",
+                "hidden", "optimizer", "largest")
+
+
+def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwareProfile,
+                 mesh: DeviceMesh, prices: Prices) -> WeightTerms:
+    """One weight under `config.zero`: its memory, shards, and the collectives of
+    `planner.sharding.weights.sync_steps` over its gradient axes."""
+    axes = tuple(a for a in param.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+    shards = mesh.group_size(axes)
+    micro = end = 0.0
+    if axes:
+        for step in sync_steps(config.zero):
+            seconds = prices(step.kind, param.bytes, axes)
+            if step.per_micro_batch:
+                micro += seconds
+            else:
+                end += seconds
+    shown, hidden = exposed(end, config.overlap)
+    divide = shards if config.zero >= 1 else 1
+    states = optimizer_state_bytes(param.elements, param.itemsize, config.optimizer)
+    return WeightTerms(param.bytes, param.elements, param.bytes / shards,
+                       param.elements / shards, micro, shown, hidden,
+                       optimizer_seconds(hardware, param.bytes / divide, states / divide),
+                       param.bytes)
+
+
+class WeightTables:
+    """What the weights cost, summed per unit, under one configuration and mesh.
+
+    A weight read by one unit is summed into that unit; one read by several (a tied
+    embedding and head) is kept apart so that a stage holding it twice counts it once, and
+    two stages holding it exchange its gradient.
+    """
+
+    def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
+                 mesh: DeviceMesh, prices: Prices) -> None:
+        n = profile.count
+        self.own = {key: np.zeros(n) for key in WEIGHT_TERMS}
+        self.shared: list[tuple[ParamShare, dict[str, float], float]] = []
+        self.itemsize = profile.params[0].itemsize if profile.params else 4
+        memo: dict[tuple, dict[str, float]] = {}  # the same weight in every layer
+        for param in profile.params:
+            key = (param.bytes, param.elements, param.itemsize, param.axes)
+            values = memo.get(key)
+            if values is None:
+                values = memo[key] = weight_terms(param, config, hardware, mesh,
+                                                  prices).as_row()
+            if len(param.units) == 1:
+                u = param.units[0]
+                for name, value in values.items():
+                    if name == "largest":
+                        self.own[name][u] = max(self.own[name][u], value)
+                    else:
+                        self.own[name][u] += value
+            else:
+                self.shared.append((param, values, prices.p2p(param.bytes)))
+
+    def over(self, chosen: np.ndarray) -> dict[str, float]:
+        """Totals for the units marked in `chosen` (shared weights once)."""
+        totals = {key: float(values[chosen].sum()) for key, values in self.own.items()}
+        totals["largest"] = float(self.own["largest"][chosen].max()) if chosen.any() else 0.0
+        for param, values, _ in self.shared:
+            if chosen[list(param.units)].any():
+                for key, value in values.items():
+                    if key == "largest":
+                        totals[key] = max(totals[key], value)
+                    else:
+                        totals[key] += value
+        return totals
+
+
+def received(profile: UnitProfile, ranges: Sequence[tuple[int, int]],
+             prices: Prices) -> tuple[float, float]:
+    """(bytes kept, seconds) of the activations a device receives from other devices:
+    received in the forward pass, their gradients sent back in the backward pass.
+
+    As the plan's sends list them (`planner.plan.build`): a tensor produced on the device
+    itself is handed on locally; one with a gradient comes to every chunk (unit range)
+    reading it, one without once per device.
+    """
+    kept = seconds = 0.0
+    for crossing in profile.crossings:
+        if any(a <= crossing.producer < b for a, b in ranges):
+            continue
+        reading = sum(1 for a, b in ranges if any(a <= u < b for u in crossing.consumers))
+        copies = reading if crossing.grad else min(reading, 1)
+        for _ in range(copies):
+            kept += crossing.bytes
+            seconds += prices.p2p(crossing.bytes) * (2.0 if crossing.grad else 1.0)
+    return kept, seconds
+
+
+class Pricer:
+    """Prices devices of a pipeline (one configuration on one mesh)."""
+
+    def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
+                 mesh: DeviceMesh) -> None:
+        self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
+        self.prices = Prices(hardware, mesh)
+        self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
+
+    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
+               mode: Recompute) -> StagePrice:
+        profile, config = self.profile, self.config
+        ranges = devices[index]
+        chosen = np.zeros(profile.count, dtype=bool)
+        for a, b in ranges:
+            chosen[a:b] = True
+        forward_compute = float(profile.forward_compute[chosen].sum())
+        backward_compute = float(profile.backward_compute[chosen].sum())
+        forward_comm = float(profile.forward_communication[chosen].sum())
+        backward_comm = float(profile.backward_communication[chosen].sum())
+        extra = {Recompute.NONE: 0.0,
+                 Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
+                 Recompute.FULL: forward_compute + forward_comm}[mode]
+        kept, p2p = received(profile, ranges, self.prices)
+        weights = self.weights.over(chosen)
+        end = weights["end"]
+        for param, _, exchange in self.weights.shared:
+            mine = chosen[list(param.units)].any()
+            if mine and any(any(a <= u < b for a, b in other for u in param.units)
+                            for k, other in enumerate(devices) if k != index):
+                end += exchange
+        flight = in_flight(index, len(devices), config.micro_batches, config.schedule,
+                           config.virtual_stages)
+        any_unit = bool(chosen.any())
+        workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
+        if config.zero >= 3:
+            workspace = max(workspace, weights["largest"])
+        transient = float(profile.transient[mode][chosen].max()) if any_unit else 0.0
+        memory = training_memory(
+            parameter_bytes=weights["bytes"], parameter_elements=weights["elements"],
+            parameter_itemsize=self.weights.itemsize,
+            activation_bytes=flight * (float(profile.saved[mode][chosen].sum()) + kept)
+            + transient,
+            workspace_bytes=workspace, optimizer=config.optimizer, zero=config.zero,
+            sharded_bytes=weights["sharded_bytes"],
+            sharded_elements=weights["sharded_elements"],
+        )
+        return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
+                          backward_comm, extra, p2p, weights["micro"], end, weights["hidden"],
+                          weights["optimizer"], flight, memory)
+
+    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
+              recompute: Sequence[Recompute]) -> StepPrice:
+        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
+        return step_price(stages, self.config)

@@ -1,0 +1,206 @@
+"""The one step model: a training (or inference) step's time and memory from its stages.
+
+Every plan is priced here. A pipeline plan has one `StagePrice` per device stage; an
+op-level plan is a pipeline of one stage and one micro-batch. The step is the schedule's
+time for the stages' per-micro-batch times (`costmodels.schedule.pipeline_time`) plus, on
+every device at once, the exposed gradient synchronisation and the optimizer pass
+(`StepPrice`). `predicted` reports it as the plan file's `predicted` section: the busiest
+device's compute and communication over the whole step, the bubble as the rest, and the
+fullest device's memory. The search's objective and every plan's `predicted` come from
+these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from costmodels.memory import MemoryBreakdown
+from costmodels.schedule import pipeline_time
+from planner.kinds import Recompute, Schedule
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """What one step is: a training step (default) or a forward pass, and its settings."""
+
+    optimizer: str = "adam"
+    memory_limit_bytes: int | None = None  # None: the profile's device memory
+    inference: bool = False  # forward only: no gradients, optimizer or saved activations
+    overlap: float = 0.0  # share of gradient synchronisation hidden behind backward compute
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The step's pipelining: stages, micro-batches, schedule, ZeRO stage."""
+
+    pp: int = 1
+    micro_batches: int = 1
+    zero: int = 0
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1  # model chunks per device (interleaved schedule)
+    optimizer: str = "adam"
+    overlap: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePrice:
+    """One pipeline device's share: its unit ranges, recompute mode, times and memory.
+
+    Times are per micro-batch except `sync_s`, `hidden_s` and `optimizer_s` (per step).
+    """
+
+    ranges: tuple[tuple[int, int], ...]  # [first unit, end unit) per chunk
+    recompute: Recompute
+    forward_compute_s: float
+    backward_compute_s: float
+    forward_communication_s: float  # the op-level collectives of the forward pass
+    backward_communication_s: float
+    recompute_s: float  # what the backward pass re-runs (compute and its collectives)
+    p2p_s: float  # sends and receives between stages
+    zero_s: float  # ZeRO-2/3 collectives of every micro-batch
+    sync_s: float  # once per step: the exposed gradient reduction and parameter gathers
+    hidden_s: float  # once per step: the part of the synchronisation overlap hides
+    optimizer_s: float
+    in_flight: float  # micro-batches whose activations the stage holds at its peak
+    memory: MemoryBreakdown
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward_compute_s + self.forward_communication_s
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_compute_s + self.backward_communication_s
+
+    @property
+    def per_micro_batch_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.p2p_s + self.zero_s
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    config: PipelineConfig
+    stages: tuple[StagePrice, ...]
+    step_time_s: float
+    pipeline_s: float
+
+    @property
+    def peak_memory(self) -> int:
+        return max(s.memory.peak for s in self.stages)
+
+    @property
+    def busiest(self) -> StagePrice:
+        return max(self.stages, key=lambda s: s.per_micro_batch_s)
+
+    @property
+    def fullest(self) -> StagePrice:
+        return max(self.stages, key=lambda s: s.memory.peak)
+
+
+def step_price(stages: Sequence[StagePrice], config: PipelineConfig) -> StepPrice:
+    """The step: the pipeline's time for every micro-batch, then (on every device at once)
+    the end-of-step gradient reduction and optimizer pass."""
+    pipeline = pipeline_time([s.per_micro_batch_s for s in stages], config.micro_batches,
+                             config.schedule, config.virtual_stages)
+    tail = max(s.sync_s + s.optimizer_s for s in stages)
+    return StepPrice(config, tuple(stages), pipeline + tail, pipeline)
+
+
+@dataclass(frozen=True)
+class StepBreakdown(Mapping[str, float]):
+    """The step time's parts on the busiest device, per step (micro-batches multiplied in).
+
+    Read by attribute or by key like the plan file's `breakdown` object.
+    """
+
+    forward_s: float = 0.0  # compute
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    optimizer_s: float = 0.0
+    forward_communication_s: float = 0.0  # op-level collectives
+    backward_communication_s: float = 0.0
+    p2p_s: float = 0.0  # between pipeline stages
+    zero_s: float = 0.0  # ZeRO-2/3 collectives of every micro-batch
+    gradient_communication_s: float = 0.0  # the whole end-of-step synchronisation
+    hidden_communication_s: float = 0.0  # the part of it hidden behind backward compute
+    bubble_s: float = 0.0  # pipeline fill and drain
+    pipeline_s: float = 0.0  # a total, not a term: the schedule's time for all micro-batches
+
+    def __getitem__(self, key: str) -> float:
+        if key not in _BREAKDOWN_KEYS:
+            raise KeyError(key)
+        return float(getattr(self, key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_BREAKDOWN_KEYS)
+
+    def __len__(self) -> int:
+        return len(_BREAKDOWN_KEYS)
+
+    def to_json(self) -> dict[str, float]:
+        return {key: float(getattr(self, key)) for key in _BREAKDOWN_KEYS}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepBreakdown:
+        """Known keys of a plan file's `breakdown` (older files lack some: zero)."""
+        return cls(**{key: float(data[key]) for key in _BREAKDOWN_KEYS if key in data})
+
+
+_BREAKDOWN_KEYS = tuple(f.name for f in fields(StepBreakdown))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A plan's predicted step: time, its split, memory per device against the limit."""
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    memory: MemoryBreakdown
+    memory_limit_bytes: int
+    fits: bool
+    breakdown: StepBreakdown = field(default_factory=StepBreakdown)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "compute_s": self.compute_s,
+                "communication_s": self.communication_s, "memory": self.memory.to_json(),
+                "memory_limit_bytes": self.memory_limit_bytes, "fits": self.fits,
+                "breakdown": self.breakdown.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Predicted:
+        return cls(float(data["step_time_s"]), float(data["compute_s"]),
+                   float(data["communication_s"]), MemoryBreakdown.from_json(data["memory"]),
+                   int(data["memory_limit_bytes"]), bool(data["fits"]),
+                   StepBreakdown.from_json(data.get("breakdown", {})))
+
+
+def predicted(price: StepPrice, limit: int) -> Predicted:
+    """The plan's figures: the busiest device's compute and communication over the step,
+    the pipeline bubble as the rest, the fullest device's memory."""
+    m = price.config.micro_batches
+    busiest = price.busiest
+    compute = m * (busiest.forward_compute_s + busiest.backward_compute_s
+                   + busiest.recompute_s) + busiest.optimizer_s
+    communication = m * (busiest.forward_communication_s + busiest.backward_communication_s
+                         + busiest.p2p_s + busiest.zero_s) + busiest.sync_s
+    # One stage has no fill or drain: what is left is rounding, not a bubble.
+    bubble = max(0.0, price.step_time_s - compute - communication) if len(
+        price.stages) > 1 else 0.0
+    memory = price.fullest.memory
+    return Predicted(
+        step_time_s=price.step_time_s, compute_s=compute, communication_s=communication,
+        memory=memory, memory_limit_bytes=int(limit), fits=memory.peak <= limit,
+        breakdown=StepBreakdown(
+            forward_s=m * busiest.forward_compute_s, backward_s=m * busiest.backward_compute_s,
+            recompute_s=m * busiest.recompute_s, optimizer_s=busiest.optimizer_s,
+            forward_communication_s=m * busiest.forward_communication_s,
+            backward_communication_s=m * busiest.backward_communication_s,
+            p2p_s=m * busiest.p2p_s, zero_s=m * busiest.zero_s,
+            gradient_communication_s=busiest.sync_s + busiest.hidden_s,
+            hidden_communication_s=busiest.hidden_s, bubble_s=bubble,
+            pipeline_s=price.pipeline_s,
+        ),
+    )

@@ -1,0 +1,183 @@
+"""An op-level plan's prices added up per unit: what each layer costs one device.
+
+A *unit* is a run of consecutive ops a stage boundary may not cut (`planner.layers`). A
+`UnitProfile` holds what one micro-batch costs per unit on one device under an op-level
+choice: forward and backward compute and collectives, the activations kept under each
+recompute mode, the weights each unit reads and how their gradients are reduced, and the
+tensors crossing unit boundaries. The pipeline price (`planner.cost.pipeline`) sums it
+over any partition into stages.
+
+Recompute modes (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
+"none" keeps every activation; "selective" keeps the outputs of ops that read weights and
+those leaving the unit, and re-runs the weight-free ops (attention core, activations,
+norms' arithmetic) in the backward pass; "full" keeps only what leaves each unit and
+re-runs the unit's forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from planner.cost.oplevel import PricedGraph
+from planner.kinds import Phase, Recompute
+from planner.layers import Units
+from planner.sharding.derive import fraction_of_layout
+
+
+@dataclass(frozen=True)
+class ParamShare:
+    """One parameter as a device holds it: local size and how its gradient is reduced."""
+
+    name: str
+    bytes: float
+    elements: float
+    itemsize: int
+    axes: tuple[str, ...]  # mesh axes its gradient is summed (and ZeRO shards it) over
+    units: tuple[int, ...]  # units whose ops read it
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """An activation read by later units than the one producing it (sent between stages)."""
+
+    tensor: str
+    bytes: float  # local to one device
+    producer: int  # unit
+    consumers: tuple[int, ...]  # units, ascending
+    grad: bool  # a gradient flows back
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    units: Units
+    forward_compute: np.ndarray  # seconds per micro-batch
+    backward_compute: np.ndarray
+    forward_communication: np.ndarray  # the op-level collectives of the forward pass
+    backward_communication: np.ndarray
+    selective_extra: np.ndarray  # seconds re-run by selective recompute
+    saved: dict[Recompute, np.ndarray]  # recompute mode -> bytes kept per micro-batch
+    transient: dict[Recompute, np.ndarray]  # bytes rebuilt while the unit's backward runs
+    workspace: np.ndarray  # largest output or collective buffer
+    params: tuple[ParamShare, ...]
+    crossings: tuple[Crossing, ...]
+
+    @property
+    def count(self) -> int:
+        return self.units.count
+
+    @property
+    def forward(self) -> np.ndarray:
+        """Seconds per micro-batch of each unit's forward pass, collectives included."""
+        return self.forward_compute + self.forward_communication
+
+    @property
+    def backward(self) -> np.ndarray:
+        return self.backward_compute + self.backward_communication
+
+    def with_gradient_axes(self, axes: Sequence[str]) -> UnitProfile:
+        """The same units where every weight's gradient is also summed over `axes` (the
+        data-parallel axis of a profile priced on a model-parallel group alone)."""
+        if not axes:
+            return self
+        return replace(self, params=tuple(replace(p, axes=(*axes, *p.axes))
+                                          for p in self.params))
+
+
+def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
+    """Per-unit prices of one op-level choice."""
+    sharded = priced.sharded
+    analysis = sharded.analysis
+    graph = analysis.graph
+    count = units.count
+    unit_of = units.unit_of_ops()
+    index_of = {node.name: k for k, node in enumerate(graph.ops)}
+    forward, backward = np.zeros(count), np.zeros(count)
+    forward_comm, backward_comm = np.zeros(count), np.zeros(count)
+    selective = np.zeros(count)
+    saved_all, saved_weights = np.zeros(count), np.zeros(count)
+    workspace = np.zeros(count)
+    reads_weight = analysis.reads_weight
+    for k, (node, cost) in enumerate(zip(graph.ops, priced.costs, strict=True)):
+        u = unit_of[k]
+        forward[u] += cost.forward_s
+        backward[u] += cost.backward_s
+        saved_all[u] += cost.saved_bytes
+        workspace[u] = max(workspace[u], cost.output_bytes)
+        if reads_weight[k]:
+            saved_weights[u] += cost.saved_bytes
+        elif not node.is_view:
+            selective[u] += cost.forward_s
+    for collective in priced.collectives:
+        k = index_of.get(collective.op)
+        if k is None or collective.phase == Phase.GRADIENT:
+            continue
+        u = unit_of[k]
+        if collective.phase == Phase.FORWARD:
+            forward_comm[u] += collective.time_s
+            if not reads_weight[k]:
+                selective[u] += collective.time_s
+        else:
+            backward_comm[u] += collective.time_s
+        workspace[u] = max(workspace[u], float(collective.bytes))
+    crossings, leaving = _crossings(priced, unit_of)
+    keep_selective = np.minimum(saved_all, saved_weights + leaving)
+    saved = {Recompute.NONE: saved_all, Recompute.SELECTIVE: keep_selective,
+             Recompute.FULL: np.minimum(saved_all, leaving)}
+    transient = {Recompute.NONE: np.zeros(count),
+                 Recompute.SELECTIVE: saved_all - saved[Recompute.SELECTIVE],
+                 Recompute.FULL: saved_all - saved[Recompute.FULL]}
+    return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
+                       transient, workspace, _params(priced, unit_of), crossings)
+
+
+def _crossings(priced: PricedGraph,
+               unit_of: np.ndarray) -> tuple[tuple[Crossing, ...], np.ndarray]:
+    """Activations consumed outside their producing unit, and the saved bytes leaving each
+    unit (kept under every recompute mode: the next unit, or a recompute, needs them)."""
+    sharded = priced.sharded
+    graph = sharded.analysis.graph
+    needs_grad = sharded.analysis.needs_grad
+    producer_unit: dict[str, int] = {}
+    consumers: dict[str, set[int]] = {}
+    for k, node in enumerate(graph.ops):
+        for name in node.outputs:
+            if name:
+                producer_unit[name] = int(unit_of[k])
+        for name in node.inputs:
+            if name and graph.tensors[name].producer is not None:
+                consumers.setdefault(name, set()).add(int(unit_of[k]))
+    leaving = np.zeros(int(unit_of.max()) + 1 if len(unit_of) else 0)
+    result = []
+    for name, units in consumers.items():
+        source = producer_unit[name]
+        later = sorted(u for u in units if u != source)
+        if not later:
+            continue
+        info = graph.tensors[name]
+        local = info.nbytes * fraction_of_layout(sharded.layouts[name], sharded.mesh)
+        grad = needs_grad.get(name, False)
+        result.append(Crossing(name, local, source, tuple(later), grad))
+        if grad:
+            leaving[source] += local
+    return tuple(result), leaving
+
+
+def _params(priced: PricedGraph, unit_of: np.ndarray) -> tuple[ParamShare, ...]:
+    sharded = priced.sharded
+    graph, mesh = sharded.analysis.graph, sharded.mesh
+    readers: dict[str, set[int]] = {}
+    for k, node in enumerate(graph.ops):
+        for name in node.inputs:
+            if name and graph.tensors[name].kind == "parameter":
+                readers.setdefault(name, set()).add(int(unit_of[k]))
+    result = []
+    for name in sorted(readers):
+        info = graph.tensors[name]
+        share = fraction_of_layout(sharded.layouts[name], mesh)
+        result.append(ParamShare(name, info.nbytes * share, info.numel * share, info.itemsize,
+                                 sharded.gradient_axes.get(name, ()),
+                                 tuple(sorted(readers[name]))))
+    return tuple(result)

@@ -1,0 +1,72 @@
+"""The closed sets of names every layer shares: collective kinds, phases, schedules, ...
+
+They are `StrEnum`s, so a value is also its plan-file string (`Phase.GRADIENT ==
+"gradient"`): the JSON keeps its spelling, while code that builds, prices or reads a plan
+names members the type checker knows. Each set is defined here once; the layers above
+import it (this module imports nothing of the project).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class CollectiveKind(StrEnum):
+    """What one collective does (as torch.distributed, NCCL and HCCL name them)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND_RECV = "send_recv"  # point to point, between pipeline stages
+
+
+class Phase(StrEnum):
+    """When a planned collective runs: per micro-batch in the forward or backward pass, or
+    once per step at the gradient synchronisation."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    GRADIENT = "gradient"
+
+
+class Schedule(StrEnum):
+    """Pipeline schedules (costmodels.schedule has their formulas)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation of one pipeline stage (Korthikanti et al. 2022).
+
+    PER_STAGE is no mode of its own: `parallel.recompute` says it of a plan whose stages
+    recompute differently (each stage's row names its mode)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+    PER_STAGE = "per-stage"
+
+
+#: The modes a stage can run.
+RECOMPUTE_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
+class StepKind(StrEnum):
+    TRAINING = "training"
+    INFERENCE = "inference"
+
+
+class AxisRole(StrEnum):
+    """The named mesh axes of pinned and pipelined plans; searched meshes name theirs
+    a0, a1, a2 (`GENERIC_AXES`) and say in `parallel` what each turned out to do."""
+
+    DATA = "dp"
+    TENSOR = "tp"
+    PIPELINE = "pp"
+
+
+GENERIC_AXES = ("a0", "a1", "a2")

@@ -1,0 +1,408 @@
+"""The one plan builder: a search's decision in, a frozen Plan out, every fact derived once.
+
+`derive` turns a decision (`planner.search.decisions`) into everything the plan file
+states: each op's layouts and strategy tuples, every tensor's stored layout, every
+collective with its phase (`planner.sharding.derive`, priced by `planner.cost`), and for
+pipelines the stages with their op ranges, ranks, recompute segments and the weights each
+holds, the sends between them, and each weight's synchronisation as its ZeRO stage issues
+it (`planner.sharding.weights`), once per stage holding it, with the sum between two
+holders of a tied weight; and the predicted step from the one step model
+(`planner.cost.step`). `build` adds the search's own record (solver, alternatives,
+baselines) and returns the Plan. Nothing patches a Plan afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from costmodels.profile import HardwareProfile
+from costmodels.schedule import bubble_fraction
+from planner.cost.oplevel import PricedGraph, price_graph
+from planner.cost.pipeline import PIPELINE_AXIS, Pricer
+from planner.cost.pricing import Collective, collective_seconds
+from planner.cost.step import Predicted, StepPrice, TrainingOptions, predicted
+from planner.cost.units import UnitProfile, unit_profile
+from planner.graph import PlanningGraph
+from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute, StepKind
+from planner.layers import Units
+from planner.plan.model import Plan
+from planner.plan.sections import (
+    Alternative,
+    Brief,
+    ClusterRef,
+    ModelRef,
+    OpEntry,
+    ParallelConfig,
+    PipelineSection,
+    SendEntry,
+    SolverRecord,
+    StageEntry,
+    StepSpec,
+    TensorBinding,
+    TensorEntry,
+    UnitEntry,
+)
+from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
+from planner.search.joint import pipeline_config, stage_mesh
+from planner.sharding.analysis import Analyses, GraphAnalysis
+from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
+from planner.sharding.derive import derive as derive_layouts
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.weights import sync_steps
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What every plan of one request shares: the graph (at any batch), the hardware and
+    what a step is."""
+
+    graphs: Analyses
+    hardware: HardwareProfile
+    training: TrainingOptions
+
+    @property
+    def limit(self) -> int:
+        return int(self.training.memory_limit_bytes or int(self.hardware.memory_bytes.value))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Every section of a plan that follows from its decision, and the step price it
+    came to (the search's objective for this decision)."""
+
+    decision: Decision
+    model: ModelRef
+    cluster: ClusterRef
+    mesh: DeviceMesh
+    parallel: ParallelConfig
+    ops: tuple[OpEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    collectives: tuple[Collective, ...]
+    predicted: Predicted
+    warnings: tuple[str, ...]
+    step: StepSpec
+    pipeline: PipelineSection | None
+    units: tuple[UnitEntry, ...]
+    price: StepPrice = field(repr=False)
+
+    def brief(self) -> Brief:
+        return self.plan_body().brief()
+
+    def plan_body(self, solver: SolverRecord | None = None,
+                  alternatives: Sequence[Alternative] = (),
+                  baselines: Mapping[str, Brief] | None = None) -> Plan:
+        return Plan(model=self.model, cluster=self.cluster, mesh=self.mesh,
+                    parallel=self.parallel, ops=self.ops, tensors=self.tensors,
+                    collectives=self.collectives, predicted=self.predicted,
+                    solver=solver or SolverRecord("", "fixed", 0.0, 0.0, 0.0),
+                    warnings=self.warnings, step=self.step, alternatives=tuple(alternatives),
+                    baselines=dict(baselines or {}), pipeline=self.pipeline, units=self.units)
+
+
+def derive(context: BuildContext, decision: Decision) -> Derived:
+    """Every section of the decision's plan, priced."""
+    if isinstance(decision, PipelineDecision):
+        return _pipeline(context, decision)
+    return _op_level(context, decision)
+
+
+def build(derived: Derived, solver: SolverRecord, alternatives: Sequence[Alternative] = (),
+          baselines: Mapping[str, Brief] | None = None) -> Plan:
+    """The plan: the derived sections and the search's record of how it was found."""
+    return derived.plan_body(solver, alternatives, baselines)
+
+
+# ---------------------------------------------------------------- op-level plans
+
+
+def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
+    analysis = context.graphs.root
+    training = context.training
+    sharded = derive_layouts(analysis, decision.mesh, decision.strategies,
+                             training=not training.inference)
+    priced = price_graph(sharded, context.hardware, training)
+    price = priced.step()
+    dp, tp = decision.degrees or _degrees(analysis, sharded)
+    return Derived(
+        decision=decision, model=_model_ref(analysis.graph),
+        cluster=_cluster_ref(context.hardware, decision.mesh), mesh=decision.mesh,
+        parallel=ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer),
+        ops=_op_entries(priced), tensors=_tensor_entries(sharded),
+        collectives=priced.collectives, predicted=predicted(price, context.limit),
+        warnings=_warnings(analysis.graph, sharded), step=_step(training), pipeline=None,
+        units=_layer_units(analysis.units), price=price)
+
+
+def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
+    """dp: the axes that split the batch in the ops doing most of the work; tp: the other
+    axes in use (an axis no op uses means replicated work, counted in neither).
+
+    The batch labels of each op are the analysis's (the batch split traced through the
+    graph); an axis counts as data parallel when it splits that label in ops holding most
+    of the FLOPs.
+    """
+    mesh = sharded.mesh
+    flops_on: dict[str, float] = {axis: 0.0 for axis in mesh.axis_names}
+    graph = analysis.graph
+    total = sum(node.flops for node in graph.ops) or 1.0
+    for op in sharded.ops:
+        for label in analysis.batch_labels.get(op.node.name, ()):
+            for axis in op.strategy.axes_of(label):
+                flops_on[axis] += op.node.flops
+    data_axes = {axis for axis, flops in flops_on.items() if flops > total / 2}
+    used = {axis for op in sharded.ops for axis in op.strategy.used_axes}
+    dp = tp = 1
+    for axis in mesh.axis_names:
+        if axis in data_axes:
+            dp *= mesh.axis_size(axis)
+        elif axis in used:  # an axis splitting weights or other dims; unused ones replicate
+            tp *= mesh.axis_size(axis)
+    return dp, tp
+
+
+# ---------------------------------------------------------------- pipeline plans
+
+
+def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
+    choice = decision.choice
+    analysis = context.graphs.at(decision.micro_batch_size)
+    graph = analysis.graph
+    training = context.training
+    per_node = int(context.hardware.devices_per_node.value)
+    mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+    sharded = derive_layouts(analysis, mesh, decision.strategies)
+    priced = price_graph(sharded, context.hardware, training)
+    profile = unit_profile(priced, analysis.units)
+    config = pipeline_config(choice, training)
+    price = Pricer(profile, config, context.hardware, mesh).price(decision.devices,
+                                                                   decision.recompute)
+    warnings = list(_warnings(graph, sharded))
+    tp = choice.tp
+    if choice.tp > 1 and not decision.tp_pinned and not any(
+            AxisRole.TENSOR in op.strategy.used_axes for op in sharded.ops):
+        # Nothing splits over tp: its ranks repeat the same work (replication), which is
+        # what `parallel.tp` = 1 says; the mesh keeps the axis, the ranks exist.
+        tp = 1
+        warnings.append(
+            f"mesh axis tp={choice.tp}: no op of this model is worth splitting over it on "
+            f"{context.hardware.name} (its tensors are too small), so those {choice.tp} ranks "
+            "repeat the same work")
+    modes = set(decision.recompute)
+    parallel = ParallelConfig(
+        dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
+        zero=choice.zero,
+        recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
+        optimizer=training.optimizer)
+    stages = _stage_entries(analysis, sharded, price, decision, mesh.size // choice.pp)
+    sends = _sends(analysis, profile, stages)
+    global_batch = decision.micro_batch_size * choice.micro_batches
+    section = PipelineSection(
+        schedule=config.schedule, micro_batches=config.micro_batches,
+        micro_batch_size=graph.batch, global_batch=global_batch,
+        virtual_stages=config.virtual_stages,
+        bubble_fraction=bubble_fraction(choice.pp, config.micro_batches, config.schedule,
+                                        config.virtual_stages),
+        units=_unit_entries(analysis.units), stages=stages, sends=sends)
+    collectives = (*(c for c in priced.collectives if c.phase != Phase.GRADIENT),
+                   *_weight_collectives(profile, stages, choice.zero, context.hardware, mesh),
+                   *_send_collectives(sends, stages, graph, context.hardware, mesh))
+    return Derived(
+        decision=decision, model=_model_ref(graph),
+        cluster=_cluster_ref(context.hardware, mesh), mesh=mesh, parallel=parallel,
+        ops=_op_entries(priced), tensors=_tensor_entries(sharded), collectives=collectives,
+        predicted=predicted(price, context.limit), warnings=tuple(warnings),
+        step=_step(training), pipeline=section, units=_layer_units(analysis.units),
+        price=price)
+
+
+def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, price: StepPrice,
+                   decision: PipelineDecision, stage_size: int) -> tuple[StageEntry, ...]:
+    units = analysis.units
+    rows = []
+    for d, (stage, ranges, mode) in enumerate(zip(price.stages, decision.devices,
+                                                  decision.recompute, strict=True)):
+        ops = tuple((units.bounds[a], units.bounds[b]) for a, b in ranges)
+        rows.append(StageEntry(
+            device_stage=d, ops=ops, ranks=tuple(range(d * stage_size, (d + 1) * stage_size)),
+            recompute=mode, recompute_segments=recompute_segments(analysis, ranges, mode),
+            memory=stage.memory, holds=_holds(sharded, ops),
+            units=tuple((units.names[a], units.names[b - 1]) for a, b in ranges),
+            forward_s=stage.forward_s, backward_s=stage.backward_s,
+            recompute_s=stage.recompute_s, p2p_s=stage.p2p_s, zero_s=stage.zero_s,
+            gradient_sync_s=stage.sync_s, optimizer_s=stage.optimizer_s,
+            in_flight=stage.in_flight))
+    return tuple(rows)
+
+
+def recompute_segments(analysis: GraphAnalysis, ranges: Sequence[tuple[int, int]],
+                       mode: Recompute) -> tuple[tuple[int, int], ...]:
+    """Op index ranges the executor runs under activation checkpointing: each unit (full),
+    or each maximal run of weight-free ops inside a unit (selective)."""
+    if mode == Recompute.NONE:
+        return ()
+    units, reads_weight = analysis.units, analysis.reads_weight
+    segments: list[tuple[int, int]] = []
+    for a, b in ranges:
+        for u in range(a, b):
+            first, end = units.bounds[u], units.bounds[u + 1]
+            if mode == Recompute.FULL:
+                segments.append((first, end))
+                continue
+            run_start = None
+            for k in range(first, end + 1):
+                free = k < end and not reads_weight[k]
+                if free and run_start is None:
+                    run_start = k
+                elif not free and run_start is not None:
+                    segments.append((run_start, k))
+                    run_start = None
+    return tuple(segments)
+
+
+def _holds(sharded: ShardedGraph, ops: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """The parameters and buffers the stage's ops read: what its ranks keep."""
+    tensors = sharded.analysis.graph.tensors
+    held = {name for a, b in ops for op in sharded.ops[a:b] for name in op.node.inputs
+            if name and tensors[name].kind in ("parameter", "buffer")}
+    return tuple(sorted(held))
+
+
+def _sends(analysis: GraphAnalysis, profile: UnitProfile,
+           stages: Sequence[StageEntry]) -> tuple[SendEntry, ...]:
+    """Every activation a device stage receives from another, chunk to chunk.
+
+    A tensor that carries a gradient goes to every chunk reading it (each chunk's
+    backward pass returns its own gradient); one without reaches a device once, at the
+    first of its chunks reading it, which hands it on to the device's later chunks.
+    """
+    units = analysis.units
+    chunks = sorted((r, stage.device_stage) for stage in stages for r in stage.ops)
+    chunk_of_unit: dict[int, int] = {}
+    for index, ((first, end), _) in enumerate(chunks):
+        for u in range(units.bounds.index(first), units.bounds.index(end)):
+            chunk_of_unit[u] = index
+    sends = []
+    for crossing in profile.crossings:
+        source = chunk_of_unit[crossing.producer]
+        source_device = chunks[source][1]
+        readers = sorted({chunk_of_unit[u] for u in crossing.consumers} - {source})
+        reached: set[int] = set()
+        for target in readers:
+            device = chunks[target][1]
+            if device == source_device or (not crossing.grad and device in reached):
+                continue
+            reached.add(device)
+            sends.append(SendEntry(crossing.tensor, source_device, device,
+                                   round(crossing.bytes), crossing.grad, source, target))
+    return tuple(sends)
+
+
+def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
+                        hardware: HardwareProfile, mesh: DeviceMesh) -> list[Collective]:
+    """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
+    holding it, and the sum between the holders of a weight two stages read (a tied
+    embedding), priced as one exchange with the other holder."""
+    holders: dict[str, list[int]] = {}
+    for stage in stages:
+        for name in stage.holds:
+            holders.setdefault(name, []).append(stage.device_stage)
+    result = []
+    for param in profile.params:
+        axes = tuple(a for a in param.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+        held_by = holders.get(param.name, [0])
+        for _ in held_by:
+            for step in sync_steps(zero) if axes else ():
+                seconds = collective_seconds(hardware, step.kind, param.bytes, axes, mesh)
+                result.append(Collective(step.kind, param.name, axes, round(param.bytes),
+                                         step.phase, OPTIMIZER_OP, seconds))
+            if len(held_by) > 1:
+                seconds = collective_seconds(hardware, CollectiveKind.SEND_RECV, param.bytes,
+                                             (PIPELINE_AXIS,), mesh)
+                result.append(Collective(CollectiveKind.ALL_REDUCE, param.name,
+                                         (PIPELINE_AXIS,), round(param.bytes), Phase.GRADIENT,
+                                         OPTIMIZER_OP, seconds))
+    return result
+
+
+def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
+                      graph: PlanningGraph, hardware: HardwareProfile,
+                      mesh: DeviceMesh) -> list[Collective]:
+    """Each send's point-to-point transfer every micro-batch (its gradient back too),
+    named after the first op of the receiving chunk that reads it."""
+    chunks = sorted(r for stage in stages for r in stage.ops)
+    result = []
+    for send in sends:
+        seconds = collective_seconds(hardware, CollectiveKind.SEND_RECV, send.bytes,
+                                     (PIPELINE_AXIS,), mesh) \
+            if PIPELINE_AXIS in mesh.axis_names else 0.0
+        first, end = chunks[send.to_chunk]
+        op = next((node.name for node in graph.ops[first:end] if send.tensor in node.inputs),
+                  "pipeline")
+        phases = (Phase.FORWARD, Phase.BACKWARD) if send.grad else (Phase.FORWARD,)
+        result += [Collective(CollectiveKind.SEND_RECV, send.tensor, (PIPELINE_AXIS,),
+                              send.bytes, phase, op, seconds) for phase in phases]
+    return result
+
+
+# ---------------------------------------------------------------- shared sections
+
+
+def _op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
+    mesh = priced.sharded.mesh
+    entries = []
+    for op, cost in zip(priced.sharded.ops, priced.costs, strict=True):
+        node = op.node
+        inputs = tuple(TensorBinding(name, layout) if name and layout is not None else None
+                       for name, layout in zip(node.inputs, op.inputs, strict=True))
+        outputs = tuple(TensorBinding(name, layout) if name and layout is not None else None
+                        for name, layout in zip(node.outputs, op.outputs, strict=True))
+        entries.append(OpEntry(
+            name=node.name, op_type=node.qualified_type,
+            strategy=tuple(b.layout.split_factors(mesh) if b else () for b in inputs),
+            inputs=inputs, outputs=outputs,
+            assignment={label: tuple(axes) for label, axes in op.strategy.assignment},
+            note="" if op.has_rule else "no sharding rule: runs replicated", cost=cost))
+    return tuple(entries)
+
+
+def _tensor_entries(sharded: ShardedGraph) -> dict[str, TensorEntry]:
+    return {name: TensorEntry(tuple(info.shape), info.dtype, info.kind, sharded.layout(name))
+            for name, info in sharded.analysis.graph.tensors.items()}
+
+
+def _warnings(graph: PlanningGraph, sharded: ShardedGraph) -> tuple[str, ...]:
+    warnings = list(graph.warnings)
+    no_rule = sharded.no_rule
+    if no_rule:
+        kinds = sorted(set(no_rule))
+        warnings.append(
+            f"{len(no_rule)} op(s) of type {', '.join(kinds)} have no sharding rule; "
+            "they are kept and planned replicated (their inputs are gathered)")
+    return tuple(warnings)
+
+
+def _model_ref(graph: PlanningGraph) -> ModelRef:
+    return ModelRef(graph.path, graph.sha256, dict(graph.bound_dims), graph.batch, graph.opset,
+                    graph.parameter_count)
+
+
+def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh) -> ClusterRef:
+    nodes = max(1, mesh.size // mesh.devices_per_node) if mesh.size > mesh.devices_per_node \
+        else 1
+    return ClusterRef(hardware.name, mesh.size, nodes, int(hardware.devices_per_node.value))
+
+
+def _step(training: TrainingOptions) -> StepSpec:
+    return StepSpec(StepKind.INFERENCE if training.inference else StepKind.TRAINING,
+                    training.overlap)
+
+
+def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:
+    return tuple(UnitEntry(name, (units.bounds[k], units.bounds[k + 1]))
+                 for k, name in enumerate(units.names))
+
+
+def _layer_units(units: Units) -> tuple[UnitEntry, ...]:
+    """The units as readers group ops: only when they are the model's repeated layers."""
+    return _unit_entries(units) if units.layer_units else ()

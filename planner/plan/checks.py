@@ -1,0 +1,69 @@
+"""Check a loaded plan against its own mesh: layouts it can hold, tensors it names.
+
+A layout over an axis the mesh lacks, or splitting a dim unevenly, would surface as a
+traceback in the executor or a run that splits tensors otherwise than the plan says.
+Every refusal names the file and the JSON path of the first problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from planner.cost.pricing import Collective
+from planner.errors import PlanFileError
+from planner.plan.schema import REMEDY
+from planner.plan.sections import ClusterRef, OpEntry, TensorEntry
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
+
+
+def check_plan_fits(cluster: ClusterRef, mesh: DeviceMesh, tensors: Mapping[str, TensorEntry],
+                    ops: Sequence[OpEntry], collectives: Sequence[Collective],
+                    source: str) -> None:
+    """Refuse layouts the plan's mesh cannot hold and bindings to unknown tensors."""
+    if cluster.devices != mesh.size:
+        raise PlanFileError(f"{source}: mesh {list(mesh.shape)} has {mesh.size} devices but "
+                            f"cluster.devices is {cluster.devices}; {REMEDY}")
+    for name, entry in tensors.items():
+        _check_layout(entry.layout, entry.shape, mesh, f"{source}: tensors.{name}.layout")
+    seen: set[str] = set()
+    for index, op in enumerate(ops):
+        where = f"{source}: ops[{index}] ({op.name})"
+        if op.name in seen:
+            raise PlanFileError(f"{where}: a second entry for op {op.name}; {REMEDY}")
+        seen.add(op.name)
+        for side, bindings in (("inputs", op.inputs), ("outputs", op.outputs)):
+            for slot, binding in enumerate(bindings):
+                if binding is None:
+                    continue
+                tensor = tensors.get(binding.tensor)
+                if tensor is None:
+                    raise PlanFileError(f"{where}.{side}[{slot}]: tensor {binding.tensor!r} "
+                                        f"is not in the plan's tensors; {REMEDY}")
+                _check_layout(binding.layout, tensor.shape, mesh,
+                              f"{where}.{side}[{slot}].layout")
+    for index, collective in enumerate(collectives):
+        _check_axes(collective.axes, mesh, f"{source}: collectives[{index}].axes")
+
+
+def _check_axes(axes: Sequence[str], mesh: DeviceMesh, where: str) -> None:
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise PlanFileError(f"{where}: mesh axis {axis!r} is not one of the mesh's axes "
+                                f"{list(mesh.axis_names)}; {REMEDY}")
+
+
+def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where: str) -> None:
+    """The checks of Layout.check, each refusal naming the file and the JSON path."""
+    if len(shape) != layout.rank:
+        raise PlanFileError(f"{where}: {layout.rank} dims for a tensor of shape {list(shape)}; "
+                            f"{REMEDY}")
+    used = layout.used_axes
+    _check_axes(used, mesh, where)
+    twice = sorted({a for a in used if used.count(a) > 1})
+    if twice:
+        raise PlanFileError(f"{where}: mesh axis {twice[0]!r} is used twice; {REMEDY}")
+    for dim, (size, factor) in enumerate(zip(shape, layout.split_factors(mesh), strict=True)):
+        if size % factor:
+            raise PlanFileError(f"{where}: dim {dim} of size {size} cannot be split into "
+                                f"{factor} equal parts; {REMEDY}")

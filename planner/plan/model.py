@@ -1,0 +1,174 @@
+"""The Plan: what the plan builder writes, every reader reads, and the strategy JSON holds.
+
+A Plan is frozen: `planner.plan.build` derives every section once from the search's
+decision (layouts, collectives with their phases, the pipeline's stages with the weights
+each holds and the sends between them, the predicted cost) and nothing changes it
+afterwards. The file is versioned (`shardplan.strategy/1`, docs/strategy-schema.md);
+loading checks it against the JSON Schema (`planner.plan.schema`) and its layouts against
+its mesh (`planner.plan.checks`), and brings files of earlier releases up to date
+(`planner.plan.upgrade`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.cost.pricing import Collective
+from planner.cost.step import Predicted
+from planner.errors import PlanFileError, StrategyError
+from planner.plan.checks import check_plan_fits
+from planner.plan.schema import check_plan_json
+from planner.plan.sections import (
+    SCHEMA,
+    Alternative,
+    Brief,
+    ClusterRef,
+    ModelRef,
+    OpEntry,
+    ParallelConfig,
+    PipelineSection,
+    SolverRecord,
+    StepSpec,
+    TensorEntry,
+    UnitEntry,
+    collective_from_json,
+    collective_to_json,
+)
+from planner.plan.upgrade import upgrade_pipeline
+from planner.sharding.mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How every op and tensor of one model is split over a device mesh, with its cost."""
+
+    model: ModelRef
+    cluster: ClusterRef
+    mesh: DeviceMesh
+    parallel: ParallelConfig
+    ops: tuple[OpEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    collectives: tuple[Collective, ...]
+    predicted: Predicted
+    solver: SolverRecord
+    warnings: tuple[str, ...] = ()
+    step: StepSpec = field(default_factory=StepSpec)
+    alternatives: tuple[Alternative, ...] = ()  # other meshes and configurations tried
+    baselines: Mapping[str, Brief] = field(default_factory=dict)  # priced side by side
+    # Pipeline stages, micro-batches, ZeRO and recompute; None for a plan that runs the
+    # whole graph on every device in one pass.
+    pipeline: PipelineSection | None = None
+    # The model's layers as the planner found them (prefix, layer k, suffix), for readers;
+    # empty when no repeated block covers half the graph.
+    units: tuple[UnitEntry, ...] = ()
+
+    def brief(self) -> Brief:
+        return Brief(
+            mesh=tuple(self.mesh.shape), axes=tuple(self.mesh.axis_names),
+            parallel=self.parallel, step_time_s=self.predicted.step_time_s,
+            compute_s=self.predicted.compute_s,
+            communication_s=self.predicted.communication_s,
+            peak_memory_bytes=int(self.predicted.memory.peak), fits=self.predicted.fits,
+            memory=self.predicted.memory, breakdown=self.predicted.breakdown,
+            schedule=self.pipeline.schedule if self.pipeline else None,
+            virtual_stages=self.pipeline.virtual_stages if self.pipeline else 1)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.pipeline.micro_batches if self.pipeline else 1
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "schema": SCHEMA, "model": self.model.to_json(), "cluster": self.cluster.to_json(),
+            "mesh": self.mesh.to_json(), "parallel": self.parallel.to_json(),
+            "ops": [op.to_json() for op in self.ops],
+            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+            "collectives": [collective_to_json(c) for c in self.collectives],
+            "predicted": self.predicted.to_json(), "solver": self.solver.to_json(),
+            "warnings": list(self.warnings), "step": self.step.to_json(),
+            "alternatives": [a.to_json() for a in self.alternatives],
+            "baselines": {name: b.to_json() for name, b in self.baselines.items()},
+        }
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_json()
+        if self.units:
+            data["units"] = [u.to_json() for u in self.units]
+        return data
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        target = Path(path)
+        target.write_text(self.dumps() + "\n")
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        file = Path(path)
+        try:
+            data = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise PlanFileError(f"{file}: no such plan file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanFileError(f"{file}: cannot read the plan ({exc})") from None
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(
+                f"{file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+            ) from None
+        return cls.from_json(data, source=str(file))
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> Plan:
+        """The typed plan of a file's JSON: checked against the schema first (naming the
+        first bad JSON path), then every layout against the plan's mesh."""
+        if not isinstance(data, dict):
+            raise PlanFileError(f"{source}: a plan is a JSON object")
+        if data.get("schema") != SCHEMA:
+            raise PlanFileError(
+                f"{source}: schema is {data.get('schema')!r}, expected {SCHEMA!r}; "
+                "re-create the plan with this version of shardplan"
+            )
+        check_plan_json(data, source)  # every field's type and range, naming its JSON path
+        try:
+            plan = cls._from_checked(data)
+        except PlanFileError:
+            raise
+        except StrategyError as exc:  # e.g. a mesh whose shape and axes differ in length
+            raise PlanFileError(f"{source}: {exc}") from None
+        except KeyError as exc:
+            raise PlanFileError(f"{source}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise PlanFileError(f"{source}: malformed plan ({exc})") from None
+        check_plan_fits(plan.cluster, plan.mesh, plan.tensors, plan.ops, plan.collectives,
+                        source)
+        return plan
+
+    @classmethod
+    def _from_checked(cls, data: dict[str, Any]) -> Plan:
+        ops = tuple(OpEntry.from_json(op) for op in data["ops"])
+        tensors = {name: TensorEntry.from_json(t) for name, t in data["tensors"].items()}
+        pipeline = data.get("pipeline")
+        return cls(
+            model=ModelRef.from_json(data["model"]),
+            cluster=ClusterRef.from_json(data["cluster"]),
+            mesh=DeviceMesh.from_json(data["mesh"]),
+            parallel=ParallelConfig.from_json(data["parallel"]),
+            ops=ops, tensors=tensors,
+            collectives=tuple(collective_from_json(c) for c in data["collectives"]),
+            predicted=Predicted.from_json(data["predicted"]),
+            solver=SolverRecord.from_json(data["solver"]),
+            warnings=tuple(str(w) for w in data.get("warnings", [])),
+            step=StepSpec.from_json(data.get("step", {})),
+            alternatives=tuple(Alternative.from_json(a) for a in data.get("alternatives", [])),
+            baselines={name: Brief.from_json(b)
+                       for name, b in data.get("baselines", {}).items()},
+            pipeline=upgrade_pipeline(PipelineSection.from_json(pipeline), ops, tensors)
+            if pipeline is not None else None,
+            units=tuple(UnitEntry.from_json(u) for u in data.get("units", [])),
+        )

@@ -1,0 +1,179 @@
+"""From a graph to the plan: run the searches, build every finalist, keep the fastest.
+
+The op-level search (one decision per mesh shape) and, for training with a batch, the
+joint search (pipeline decisions) propose decisions; the plan builder derives and prices
+each one exactly; the fastest that fits wins, unless a baseline (data parallel,
+Megatron-style) is faster under the same exact pricing. The winner is built once with the
+record of how it was found: its solver, the alternatives tried and the baselines' figures.
+When nothing fits, the error names the least memory any plan needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from costmodels.profile import HardwareProfile
+from planner.cost.step import TrainingOptions
+from planner.errors import ShardplanError
+from planner.graph import PlanningGraph
+from planner.humanize import human_bytes
+from planner.plan.build import BuildContext, Derived, build, derive
+from planner.plan.model import Plan
+from planner.plan.sections import Alternative
+from planner.search.baselines import baselines, data_parallel
+from planner.search.decisions import SolverDetail, SolverRecord
+from planner.search.failure import no_plan, op_level_memory_floor
+from planner.search.joint import joint_decisions
+from planner.search.oplevel import MeshResult, candidate_meshes, matched_ops, search_meshes
+from planner.search.options import JOINT_KEYS, SearchOptions, check_pins
+from planner.search.solve import SOLVERS
+from planner.sharding.analysis import Analyses, GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Finalist:
+    """A decision built and priced, and what its alternative row says of it."""
+
+    derived: Derived
+    record: SolverRecord
+
+
+def plan_data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
+                       training: TrainingOptions) -> Plan:
+    """The data-parallel baseline as the plan (`--mode data`): one candidate, no search."""
+    started = time.perf_counter()
+    context = BuildContext(Analyses(GraphAnalysis.of(graph)), hardware, training)
+    derived = derive(context, data_parallel(context.graphs.root, hardware, devices))
+    step = derived.predicted.step_time_s
+    record = SolverRecord(
+        "data-parallel", "fixed", step, step, 0.0, time.perf_counter() - started,
+        SolverDetail(note="the data-parallel baseline has one candidate: no search"))
+    return build(derived, record, (), _baseline_briefs(context, devices))
+
+
+def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
+                options: SearchOptions, training: TrainingOptions,
+                progress: Progress | None = None) -> Plan:
+    """Op-level plans over mesh shapes, and (for training with a batch) the joint search
+    over pipeline stages, micro-batches, ZeRO and recompute; the fastest plan that fits."""
+    if options.solver not in SOLVERS:
+        raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
+    pins = check_pins(options.parallel)
+    analysis = GraphAnalysis.of(graph)
+    context = BuildContext(Analyses(analysis), hardware, training)
+    for pattern in options.strategies:  # a typo is the same on every mesh: say it once
+        matched_ops(analysis, pattern)
+    started = time.perf_counter()
+    joint_only = any(k in pins for k in JOINT_KEYS)
+    joint_wanted = (options.mode == "auto" and not training.inference and bool(graph.batch)
+                    and options.mesh is None)
+    if joint_only and not joint_wanted:
+        raise ShardplanError(
+            f"--parallel {', '.join(k for k in pins if k in JOINT_KEYS)}: pipeline stages, "
+            "micro-batches, ZeRO and recompute are planned for training in --mode auto, for "
+            "a model with a batch dimension (--batch) and without --mesh")
+    finalists: list[Finalist] = []
+    alternatives: list[tuple[Alternative, Derived | None]] = []
+    meshes: list[DeviceMesh] = []
+    reasons = ""
+    floor = op_level_memory_floor(analysis, training) / devices
+    skip_op_level = joint_wanted and floor > context.limit
+    if skip_op_level and progress is not None:
+        progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
+                 "per device (weights, gradients, states and activations spread evenly)")
+    if not joint_only and not skip_op_level:
+        meshes = candidate_meshes(devices, hardware, options)
+        results = search_meshes(analysis, hardware, meshes, options, training, progress)
+        reasons = _reasons(results)
+        found, rows = _op_level(context, results, options, started)
+        finalists += found
+        alternatives += rows
+    joint = None
+    if joint_wanted:
+        decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
+                                           options.time_limit, options.top_k, progress)
+        for decision in decisions:
+            derived = derive(context, decision)
+            record = replace(decision.solver, time_s=time.perf_counter() - started,
+                             detail=replace(decision.solver.detail, mode=options.mode))
+            finalists.append(Finalist(derived, record))
+            alternatives.append((_alternative(derived, record), derived))
+    fitting = [f for f in finalists if f.derived.predicted.fits]
+    if not fitting:
+        raise no_plan(analysis, hardware, devices, options.strategies, options.time_limit,
+                      training, meshes, reasons, joint)
+    best = min(fitting, key=lambda f: f.derived.predicted.step_time_s)
+    winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
+                                                                         pins=dict(pins)))
+    briefs = {}
+    for name, decision in baselines(analysis, hardware, devices).items():
+        baseline = derive(context, decision)
+        briefs[name] = baseline.brief()
+        searched_freely = not options.strategies and not options.parallel and \
+            options.mesh is None
+        if searched_freely and baseline.predicted.fits and \
+                baseline.predicted.step_time_s < winner.predicted.step_time_s:
+            winner = baseline
+            record = replace(record, detail=replace(
+                record.detail, chosen=f"the {name} baseline: cheaper under exact pricing"))
+    alternatives.sort(key=lambda row: row[0].objective)
+    rows = tuple(replace(alt, chosen=derived is winner)
+                 for alt, derived in alternatives[: max(1, options.top_k)])
+    return build(winner, record, rows, briefs)
+
+
+def _op_level(context: BuildContext, results: list[MeshResult], options: SearchOptions,
+              started: float) -> tuple[list[Finalist], list[tuple[Alternative, Derived | None]]]:
+    """Per mesh shape with a plan, its decision built and exactly priced; a row for every
+    mesh (the priced plan, or the reason there is none)."""
+    feasible = [r for r in results if r.decision is not None and r.solution is not None
+                and r.solution.status in ("optimal", "feasible")]
+    feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
+    finalists, rows = [], []
+    # The ILP prices a weight used twice (a tied embedding) once per use; the built plan
+    # sums its gradient once. Compare the candidates by the built, exact price.
+    for result in feasible:
+        assert result.decision is not None
+        solver = result.decision.solver
+        record = replace(solver, time_s=time.perf_counter() - started, detail=replace(
+            solver.detail, mode=options.mode, meshes_tried=len(results),
+            tied_layers=bool(options.tie_layers)))
+        derived = derive(context, result.decision)
+        finalists.append(Finalist(derived, record))
+        rows.append((_alternative(derived, record), derived))
+    rows += [(_unplanned(r), None) for r in results if r not in feasible]
+    return finalists, rows
+
+
+def _alternative(derived: Derived, record: SolverRecord) -> Alternative:
+    """A built finalist as `alternatives` lists it: its exact price and memory."""
+    brief = derived.brief()
+    return Alternative(brief.mesh, brief.axes, record.status, derived.predicted.step_time_s,
+                       record.gap, "", record.name, False, brief)
+
+
+def _unplanned(result: MeshResult) -> Alternative:
+    solution = result.solution
+    planned = solution is not None and bool(solution.choice)
+    return Alternative(
+        tuple(result.mesh.shape), tuple(result.mesh.axis_names),
+        solution.status if solution else "skipped",
+        solution.objective if planned and solution else float("inf"),
+        solution.gap if planned and solution else None, result.reason)
+
+
+def _reasons(results: list[MeshResult]) -> str:
+    return "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: "
+                     f"{r.reason or (r.solution.status if r.solution else 'no plan')}"
+                     for r in results)
+
+
+def _baseline_briefs(context: BuildContext, devices: int) -> dict:
+    return {name: derive(context, decision).brief()
+            for name, decision in baselines(context.graphs.root, context.hardware,
+                                            devices).items()}

@@ -1,0 +1,425 @@
+"""The sections of a plan, as typed frozen records with their JSON form.
+
+Sequences are tuples; `memory` and `breakdown` are typed records that also read like
+the plan file's objects (`predicted.memory["peak"]`). Each section's JSON form is its
+`to_json`/`from_json`; the JSON exists only at the plan file's edge (`planner.plan.model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from costmodels.memory import MemoryBreakdown
+from planner.cost.oplevel import OpCost
+from planner.cost.pricing import Collective
+from planner.cost.step import StepBreakdown
+from planner.kinds import CollectiveKind, Phase, Recompute, Schedule, StepKind
+from planner.sharding.layout import Layout
+
+SCHEMA = "shardplan.strategy/1"
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    path: str
+    sha256: str
+    bound_dims: Mapping[str, int]
+    batch: int | None
+    opset: int
+    parameters: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "sha256": self.sha256, "bound_dims": dict(self.bound_dims),
+                "batch": self.batch, "opset": self.opset, "parameters": self.parameters}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelRef:
+        return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    profile: str
+    devices: int
+    nodes: int
+    devices_per_node: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ClusterRef:
+        return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The plan's degrees as a user reads them; `recompute` is one mode or "per-stage"."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+    zero: int = 0
+    recompute: Recompute = Recompute.NONE
+    optimizer: str = "adam"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "micro_batches": self.micro_batches, "zero": self.zero,
+                "recompute": str(self.recompute), "optimizer": self.optimizer}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParallelConfig:
+        known = _known(cls, data)
+        if "recompute" in known:
+            known["recompute"] = _enum(Recompute, known["recompute"], "parallel.recompute")
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one step is: a training step or a forward pass, and the overlap priced."""
+
+    kind: StepKind = StepKind.TRAINING
+    overlap: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "overlap": self.overlap}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepSpec:
+        return cls(_enum(StepKind, data.get("kind", "training"), "step.kind"),
+                   float(data.get("overlap", 0.0)))
+
+
+@dataclass(frozen=True)
+class TensorBinding:
+    """One input or output slot of an op and the layout the op sees it in."""
+
+    tensor: str
+    layout: Layout
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "layout": self.layout.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> TensorBinding | None:
+        return cls(data["tensor"], Layout.from_json(data["layout"])) if data else None
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    name: str
+    op_type: str
+    strategy: tuple[tuple[int, ...], ...]  # MindSpore form: per input, the cut of each dim
+    inputs: tuple[TensorBinding | None, ...]
+    outputs: tuple[TensorBinding | None, ...]
+    assignment: Mapping[str, tuple[str, ...]]  # the op's labels split over mesh axes
+    note: str = ""
+    cost: OpCost | None = None  # per device, one micro-batch
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "name": self.name, "op_type": self.op_type,
+            "strategy": [list(t) for t in self.strategy],
+            "inputs": [b.to_json() if b else None for b in self.inputs],
+            "outputs": [b.to_json() if b else None for b in self.outputs],
+            "assignment": {label: list(axes) for label, axes in self.assignment.items()},
+        }
+        if self.note:
+            entry["note"] = self.note
+        if self.cost is not None:
+            entry["cost"] = self.cost.to_json()
+        return entry
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OpEntry:
+        cost = data.get("cost")
+        if cost is not None and (not isinstance(cost, dict) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in cost.values())):
+            raise TypeError(f"op {data['name']!r}: cost must be an object of numbers")
+        return cls(
+            name=data["name"], op_type=data["op_type"],
+            strategy=tuple(tuple(t) for t in data["strategy"]),
+            inputs=tuple(TensorBinding.from_json(b) for b in data["inputs"]),
+            outputs=tuple(TensorBinding.from_json(b) for b in data["outputs"]),
+            assignment={label: tuple(axes)
+                        for label, axes in data.get("assignment", {}).items()},
+            note=data.get("note", ""),
+            cost=OpCost(**{k: float(cost.get(k, 0.0)) for k in
+                           ("forward_s", "backward_s", "saved_bytes", "output_bytes")})
+            if cost is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # input | parameter | buffer | constant | activation
+    layout: Layout
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+                "layout": self.layout.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorEntry:
+        return cls(tuple(data["shape"]), data["dtype"], data["kind"],
+                   Layout.from_json(data["layout"]))
+
+
+def collective_to_json(c: Collective) -> dict[str, Any]:
+    return {"kind": str(c.kind), "tensor": c.tensor, "axes": list(c.axes), "bytes": c.bytes,
+            "phase": str(c.phase), "op": c.op, "time_s": c.time_s}
+
+
+def collective_from_json(data: Mapping[str, Any]) -> Collective:
+    return Collective(_enum(CollectiveKind, data["kind"], "collectives[].kind"), data["tensor"],
+                      tuple(data["axes"]), int(data["bytes"]),
+                      _enum(Phase, data["phase"], "collectives[].phase"), data["op"],
+                      float(data["time_s"]))
+
+
+@dataclass(frozen=True)
+class Brief:
+    """The figures that compare plans: mesh, degrees, step time, memory, fit."""
+
+    mesh: tuple[int, ...]
+    axes: tuple[str, ...]
+    parallel: ParallelConfig
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    peak_memory_bytes: int
+    fits: bool
+    memory: MemoryBreakdown
+    breakdown: StepBreakdown
+    schedule: Schedule | None = None
+    virtual_stages: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mesh": list(self.mesh), "axes": list(self.axes),
+                "parallel": self.parallel.to_json(), "step_time_s": self.step_time_s,
+                "compute_s": self.compute_s, "communication_s": self.communication_s,
+                "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
+                "memory": self.memory.to_json(), "breakdown": self.breakdown.to_json(),
+                "schedule": str(self.schedule) if self.schedule is not None else None,
+                "virtual_stages": self.virtual_stages}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Brief:
+        schedule = data.get("schedule")
+        return cls(tuple(data["mesh"]), tuple(data["axes"]),
+                   ParallelConfig.from_json(data["parallel"]), float(data["step_time_s"]),
+                   float(data["compute_s"]), float(data["communication_s"]),
+                   int(data["peak_memory_bytes"]), bool(data["fits"]),
+                   MemoryBreakdown.from_json(data["memory"]),
+                   StepBreakdown.from_json(data.get("breakdown", {})),
+                   _enum(Schedule, schedule, "schedule") if schedule is not None else None,
+                   int(data.get("virtual_stages", 1)))
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A mesh shape or configuration the search tried: with its exact price (`brief`) when
+    it has a plan, else the reason it has none."""
+
+    mesh: tuple[int, ...]
+    axes: tuple[str, ...]
+    status: str
+    objective: float  # the exact step time, inf without a plan
+    gap: float | None
+    reason: str = ""
+    solver: str | None = None
+    chosen: bool = False  # this is the plan
+    brief: Brief | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.brief.to_json() if self.brief is not None else {
+            "mesh": list(self.mesh), "axes": list(self.axes)}
+        data.update({"status": self.status, "objective": self.objective, "gap": self.gap,
+                     "reason": self.reason, "chosen": self.chosen})
+        if self.solver is not None:
+            data["solver"] = self.solver
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Alternative:
+        brief = Brief.from_json(data) if "parallel" in data else None
+        gap = data.get("gap")
+        return cls(tuple(data["mesh"]), tuple(data["axes"]), str(data.get("status", "")),
+                   float(data.get("objective", float("inf"))),
+                   float(gap) if gap is not None else None, str(data.get("reason", "")),
+                   data.get("solver"), bool(data.get("chosen", False)), brief)
+
+
+@dataclass(frozen=True)
+class UnitEntry:
+    """A run of ops a pipeline stage boundary may not cut: the prefix, a layer, ..."""
+
+    name: str
+    ops: Range
+
+    @property
+    def is_layer(self) -> bool:
+        return self.name.startswith("layer ")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ops": list(self.ops)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> UnitEntry:
+        return cls(data["name"], _range(data["ops"]))
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One device stage: its op ranges (chunks), ranks, recompute, the weights it holds,
+    its figures per micro-batch (gradient sync and optimizer: per step) and memory."""
+
+    device_stage: int
+    ops: tuple[Range, ...]
+    ranks: tuple[int, ...]
+    recompute: Recompute
+    recompute_segments: tuple[Range, ...]
+    memory: MemoryBreakdown
+    holds: tuple[str, ...] = ()  # parameters and buffers its ops read
+    units: tuple[tuple[str, str], ...] = ()  # (first, last) unit name per chunk
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    p2p_s: float = 0.0
+    zero_s: float = 0.0
+    gradient_sync_s: float = 0.0
+    optimizer_s: float = 0.0
+    in_flight: float = 0.0
+
+    @property
+    def per_micro_batch_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.p2p_s + self.zero_s
+
+    def op_indices(self) -> range | list[int]:
+        return [k for a, b in self.ops for k in range(a, b)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device_stage": self.device_stage, "ops": [list(r) for r in self.ops],
+            "ranks": list(self.ranks), "recompute": str(self.recompute),
+            "recompute_segments": [list(r) for r in self.recompute_segments],
+            "memory": self.memory.to_json(), "holds": list(self.holds),
+            "units": [list(u) for u in self.units], "forward_s": self.forward_s,
+            "backward_s": self.backward_s, "recompute_s": self.recompute_s,
+            "p2p_s": self.p2p_s, "zero_s": self.zero_s,
+            "gradient_sync_s": self.gradient_sync_s, "optimizer_s": self.optimizer_s,
+            "in_flight": self.in_flight,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StageEntry:
+        return cls(
+            device_stage=int(data["device_stage"]),
+            ops=tuple(_range(r) for r in data["ops"]),
+            ranks=tuple(int(r) for r in data["ranks"]),
+            recompute=_enum(Recompute, data["recompute"], "pipeline.stages[].recompute"),
+            recompute_segments=tuple(_range(r) for r in data["recompute_segments"]),
+            memory=MemoryBreakdown.from_json(data["memory"]),
+            holds=tuple(str(h) for h in data.get("holds", ())),
+            units=tuple((str(a), str(b)) for a, b in data.get("units", ())),
+            **{key: float(data.get(key, 0.0)) for key in _STAGE_FIGURES},
+        )
+
+
+_STAGE_FIGURES = ("forward_s", "backward_s", "recompute_s", "p2p_s", "zero_s",
+                  "gradient_sync_s", "optimizer_s", "in_flight")
+
+
+@dataclass(frozen=True)
+class SendEntry:
+    """An activation sent from one device stage to another every micro-batch (and its
+    gradient back when `grad`), from the chunk producing it to the first chunk of the
+    receiving stage that reads it."""
+
+    tensor: str
+    from_stage: int
+    to_stage: int
+    bytes: int
+    grad: bool
+    from_chunk: int
+    to_chunk: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SendEntry:
+        return cls(str(data["tensor"]), int(data["from_stage"]), int(data["to_stage"]),
+                   int(data["bytes"]), bool(data["grad"]), int(data.get("from_chunk", -1)),
+                   int(data.get("to_chunk", -1)))
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """Stages, micro-batches and schedule of a plan that pipelines (or micro-batches, or
+    shards its optimizer, or recomputes)."""
+
+    schedule: Schedule
+    micro_batches: int
+    micro_batch_size: int | None
+    global_batch: int | None
+    virtual_stages: int
+    bubble_fraction: float
+    units: tuple[UnitEntry, ...]
+    stages: tuple[StageEntry, ...]
+    sends: tuple[SendEntry, ...]
+
+    def chunks(self) -> list[tuple[Range, int]]:
+        """Every op range with the device stage running it, in op order: the chunks
+        (virtual stages) that sends name by index."""
+        return sorted((r, stage.device_stage) for stage in self.stages for r in stage.ops)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
+                "micro_batch_size": self.micro_batch_size, "global_batch": self.global_batch,
+                "virtual_stages": self.virtual_stages,
+                "bubble_fraction": self.bubble_fraction,
+                "units": [u.to_json() for u in self.units],
+                "stages": [s.to_json() for s in self.stages],
+                "sends": [s.to_json() for s in self.sends]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PipelineSection:
+        return cls(_enum(Schedule, data["schedule"], "pipeline.schedule"),
+                   int(data["micro_batches"]), data.get("micro_batch_size"),
+                   data.get("global_batch"), int(data["virtual_stages"]),
+                   float(data.get("bubble_fraction", 0.0)),
+                   tuple(UnitEntry.from_json(u) for u in data["units"]),
+                   tuple(StageEntry.from_json(s) for s in data["stages"]),
+                   tuple(SendEntry.from_json(s) for s in data["sends"]))
+
+
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of `cls` in `data`; an unknown key is a malformed section."""
+    names = {f.name for f in fields(cls)}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise TypeError(f"unexpected field {unknown[0]!r}")
+    return dict(data)
+
+
+def _range(value: Any) -> Range:
+    first, end = value
+    return int(first), int(end)
+
+
+def _enum(kind: type, value: Any, where: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(str(member) for member in kind)  # type: ignore[attr-defined]
+        raise ValueError(f"{where} {value!r}: one of {allowed}") from None

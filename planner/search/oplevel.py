@@ -1,0 +1,212 @@
+"""The op-level search: for each mesh shape, the cheapest strategy per op.
+
+For each mesh shape (every factorisation of the device count into 1..max axes, or the one
+the user pinned) the strategy problem is built and solved. Each mesh with a plan gives an
+`OpLevelDecision`; the plan builder prices it exactly and the caller keeps the fastest
+that fits. Meshes are solved in parallel processes when there are several and the problem
+is large enough to pay for the process start.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from costmodels.profile import HardwareProfile
+from planner.cost.step import TrainingOptions
+from planner.errors import ShardplanError, StrategyError
+from planner.kinds import GENERIC_AXES, AxisRole
+from planner.search.decisions import OpLevelDecision, SolverDetail, SolverRecord
+from planner.search.ilp import Solution
+from planner.search.layers import tie_classes
+from planner.search.options import SearchOptions
+from planner.search.problem import (
+    StrategyProblem,
+    build_problem,
+    prune_dominated,
+    restrict_candidates,
+)
+from planner.search.solve import Engine, solve
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.batch import data_parallel_strategies, dp_splits_exactly
+from planner.sharding.convert import strategy_from_tuples
+from planner.sharding.mesh import DeviceMesh, factorizations
+from planner.sharding.strategy import OpStrategy
+
+PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is faster
+
+
+@dataclass(frozen=True)
+class MeshResult:
+    """One mesh shape's outcome: its decision, or why it has none."""
+
+    mesh: DeviceMesh
+    solution: Solution | None
+    reason: str = ""  # why this mesh has no plan
+    decision: OpLevelDecision | None = None
+
+
+def candidate_meshes(devices: int, profile: HardwareProfile,
+                     options: SearchOptions) -> list[DeviceMesh]:
+    """Mesh shapes to try, with axis names ("dp", "tp" when pinned, else a0, a1, ...)."""
+    per_node = int(profile.devices_per_node.value)
+    pinned = {k: int(v) for k, v in options.parallel.items() if k in ("dp", "tp")}
+    if pinned:
+        dp = pinned.get("dp") or devices // max(1, pinned.get("tp", 1))
+        tp = pinned.get("tp") or devices // max(1, dp)
+        if dp * tp != devices:
+            raise ShardplanError(
+                f"--parallel dp={dp} tp={tp} uses {dp * tp} devices, but --devices is "
+                f"{devices}; make dp × tp equal the device count"
+            )
+        return [DeviceMesh.build({AxisRole.DATA: dp, AxisRole.TENSOR: tp}, per_node)]
+    if options.mesh is not None:
+        shape = options.mesh
+        if _product(shape) != devices:
+            raise ShardplanError(
+                f"--mesh {'x'.join(map(str, shape))} has {_product(shape)} devices, but "
+                f"--devices is {devices}")
+        return [DeviceMesh(tuple(shape), GENERIC_AXES[: len(shape)], per_node)]
+    shapes = factorizations(devices, options.max_mesh_axes)
+    return [DeviceMesh(shape, GENERIC_AXES[: len(shape)], per_node) for shape in shapes]
+
+
+def _product(values: Sequence[int]) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def matched_ops(analysis: GraphAnalysis, pattern: str) -> list[str]:
+    """Op names a strategy pattern (a name or glob) selects; an error naming it if none."""
+    names = [node.name for node in analysis.graph.ops]
+    matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+    if not matched:
+        close = [n for n in names if pattern.lower().strip("*") in n.lower()][:5] or names[:5]
+        raise StrategyError(
+            f"strategy pattern {pattern!r} matches no op of {analysis.graph.path}; op names "
+            f"look like: {', '.join(close)}, ..."
+        )
+    return matched
+
+
+def fixed_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
+                     given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, OpStrategy]:
+    """Resolve `name or glob pattern -> MindSpore tuples` into strategies on `mesh`."""
+    graph = analysis.graph
+    fixed: dict[str, OpStrategy] = {}
+    for pattern, tuples in given.items():
+        for name in matched_ops(analysis, pattern):
+            node = graph.op(name)
+            op_labels = analysis.labels.get(name)
+            if op_labels is None:
+                raise StrategyError(f"op {name} ({node.op_type}) has no sharding rule; it "
+                                    "can only run replicated, so it cannot take a strategy")
+            fixed[name] = strategy_from_tuples(node, op_labels, graph.tensors, mesh,
+                                               [tuple(t) for t in tuples])
+    return fixed
+
+
+def _restrict_pinned(problem: StrategyProblem, analysis: GraphAnalysis,
+                     mesh: DeviceMesh) -> None:
+    """With --parallel dp=..: the dp axis splits exactly the batch, as data parallelism does."""
+    if AxisRole.DATA not in mesh.axis_names:
+        return
+    batch = data_parallel_strategies(analysis.graph, DeviceMesh.build(
+        {AxisRole.DATA: mesh.axis_size(AxisRole.DATA)}, mesh.devices_per_node),
+        analysis.labels)
+    for index, group in enumerate(problem.groups):
+        wanted = dict(batch[group.ops[0]].assignment)  # {batch label: ("dp",)} or {}
+        keep = [position for position, candidate in enumerate(group.candidates)
+                if dp_splits_exactly(dict(candidate.strategy.assignment), wanted)]
+        restrict_candidates(problem, index, keep or list(range(len(group.candidates))))
+
+
+def solve_mesh(analysis: GraphAnalysis, mesh: DeviceMesh, profile: HardwareProfile,
+               options: SearchOptions, training: TrainingOptions) -> MeshResult:
+    """The mesh's optimum under the options (pins, strategies, tied layers)."""
+    try:
+        fixed = fixed_strategies(analysis, mesh, options.strategies)
+    except StrategyError as exc:
+        if options.mesh is not None or options.parallel:
+            raise
+        return MeshResult(mesh, None, f"user strategies do not fit: {exc}")
+    classes = tie_classes(analysis.graph, analysis.repeats if options.tie_layers else None)
+    if fixed:  # a pinned op must not share a choice with ops pinned otherwise
+        classes = _split_classes(classes, fixed)
+    problem = build_problem(analysis, mesh, profile, training, fixed, classes)
+    if options.parallel:
+        _restrict_pinned(problem, analysis, mesh)
+    prune_dominated(problem)
+    solution = solve(problem, Engine(options.solver, options.time_limit))
+    if not solution.choice:
+        return MeshResult(mesh, solution)
+    degrees = None
+    if options.parallel:  # the user's pins name the mesh axes: report them as given
+        degrees = (mesh.axis_size(AxisRole.DATA), mesh.axis_size(AxisRole.TENSOR))
+    decision = OpLevelDecision(mesh, problem.strategies(solution.choice), record_of(solution),
+                               degrees)
+    return MeshResult(mesh, solution, decision=decision)
+
+
+def record_of(solution: Solution) -> SolverRecord:
+    """A solver's report as the decision carries it: its counts, and its note when the
+    time limit cut the ILP short."""
+    detail = dict(solution.detail)
+    note = detail.pop("note", None)
+    counts = {k: v for k, v in detail.items() if isinstance(v, int | float)}
+    return SolverRecord(solution.solver, solution.status, solution.objective, solution.bound,
+                        solution.gap, solution.time_s,
+                        SolverDetail(note=note, counts=counts, solve_time_s=solution.time_s))
+
+
+def _split_classes(classes: list[list[str]], fixed: Mapping[str, OpStrategy]) -> list[list[str]]:
+    result = []
+    for members in classes:
+        keys: dict[object, list[str]] = {}
+        for member in members:
+            keys.setdefault(fixed.get(member), []).append(member)
+        result += list(keys.values())
+    return result
+
+
+def _solve_in_process(args: tuple) -> MeshResult:
+    return solve_mesh(*args)
+
+
+def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile, meshes: list[DeviceMesh],
+                  options: SearchOptions, training: TrainingOptions,
+                  progress: Callable[[str], None] | None = None) -> list[MeshResult]:
+    """Every mesh's outcome, in the order of `meshes`."""
+    results: list[MeshResult] = []
+    args = [(analysis, mesh, profile, options, training) for mesh in meshes]
+    if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1]):
+        with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1)) as pool:
+            for result in pool.map(_solve_in_process, args):
+                results.append(result)
+                _report(progress, result)
+    else:
+        for arg in args:
+            result = solve_mesh(*arg)
+            results.append(result)
+            _report(progress, result)
+    return results
+
+
+def _large(analysis: GraphAnalysis, mesh: DeviceMesh) -> bool:
+    return len(analysis.graph.ops) * (len(mesh.shape) ** 3) * 4 > PARALLEL_PROCESS_THRESHOLD
+
+
+def _report(progress: Callable[[str], None] | None, result: MeshResult) -> None:
+    if progress is None:
+        return
+    shape = "x".join(map(str, result.mesh.shape))
+    if result.solution is None:
+        progress(f"mesh {shape}: skipped ({result.reason})")
+    else:
+        progress(f"mesh {shape}: {result.solution.status} {result.solution.objective:.6g} s "
+                 f"in {result.solution.time_s:.2f} s")

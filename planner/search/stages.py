@@ -1,0 +1,214 @@
+"""Where to cut the pipeline: the partition of units into stages, and their recompute.
+
+`partition` is the dynamic programme over unit boundaries, in the style of Alpa's
+inter-op pass (Zheng et al., OSDI 2022): it minimises the bottleneck stage load
+m·t_s + e_s under the memory limit, choosing each stage's recompute mode, vectorised over
+every contiguous range with numpy (`StageTables`). Interleaved schedules use Megatron's
+even chunking instead. The result is a decision (unit ranges and a recompute mode per
+device) with its exact price from `planner.cost.pipeline.Pricer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from costmodels.memory import training_memory
+from costmodels.schedule import in_flight
+from planner.cost.pipeline import Pricer
+from planner.cost.step import StepPrice, step_price
+from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
+from planner.layers import Units
+
+
+def contiguous(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Stages of consecutive units from cut points [0, c1, ..., units]."""
+    return [[(bounds[k], bounds[k + 1])] for k in range(len(bounds) - 1)]
+
+
+def interleaved(units: Units, pp: int, chunks: int) -> list[list[tuple[int, int]]] | None:
+    """Megatron's interleaved assignment: the layers in pp·chunks equal chunks, chunk c on
+    device c mod pp; the prefix joins the first chunk and the suffix the last. None when
+    the layers do not divide evenly."""
+    layers = units.layer_units
+    pieces = pp * chunks
+    if not layers or len(layers) % pieces:
+        return None
+    size = len(layers) // pieces
+    starts = [layers[0] + k * size for k in range(pieces)] + [layers[-1] + 1]
+    starts[0], starts[-1] = 0, units.count
+    devices: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    for c in range(pieces):
+        devices[c % pp].append((starts[c], starts[c + 1]))
+    return devices
+
+
+@dataclass
+class Partition:
+    devices: list[list[tuple[int, int]]]
+    recompute: list[Recompute]
+    price: StepPrice
+
+
+class Partitioner:
+    """Partitions of one configuration (one pricer) under any limit and modes; the DP's
+    tables are built on first use and serve every later call."""
+
+    def __init__(self, pricer: Pricer) -> None:
+        self.pricer = pricer
+
+    @cached_property
+    def tables(self) -> StageTables:
+        return StageTables(self.pricer)
+
+    def solve(self, limit: float,
+              modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
+        """The cheapest partition that fits `limit` bytes per device, or None.
+
+        Interleaved schedules use the even chunking; otherwise a DP over cut points
+        minimises the largest stage load m·t_s + e_s (its time through the pipeline),
+        choosing each stage's recompute mode, and the result is priced exactly by the
+        pricer.
+        """
+        pricer = self.pricer
+        profile, config = pricer.profile, pricer.config
+        if config.schedule == Schedule.INTERLEAVED:
+            devices = interleaved(profile.units, config.pp, config.virtual_stages)
+            if devices is None:
+                return None
+            return _best_modes(pricer, devices, limit, modes)
+        if config.pp > profile.count:
+            return None
+        found = self.tables.solve(limit, modes)
+        if found is None:
+            return None
+        cuts, chosen = found
+        devices = contiguous(cuts)
+        return Partition(devices, list(chosen), pricer.price(devices, chosen))
+
+
+def partition(pricer: Pricer, limit: float,
+              modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
+    """`Partitioner(pricer).solve(limit, modes)`: one partition of one configuration."""
+    return Partitioner(pricer).solve(limit, modes)
+
+
+def _best_modes(pricer: Pricer, devices: list[list[tuple[int, int]]], limit: float,
+                modes: Sequence[Recompute]) -> Partition | None:
+    """Per device, the fastest recompute mode that fits (devices are priced apart)."""
+    stages = []
+    for d in range(len(devices)):
+        fitting = [stage for stage in (pricer.device(d, devices, mode) for mode in modes)
+                   if stage.memory.peak <= limit]
+        if not fitting:
+            return None
+        stages.append(min(fitting, key=lambda s: s.per_micro_batch_s))
+    return Partition(devices, [s.recompute for s in stages], step_price(stages, pricer.config))
+
+
+class StageTables:
+    """Every contiguous range's time and memory as (units+1)² matrices, for the DP."""
+
+    def __init__(self, pricer: Pricer) -> None:
+        profile, config = pricer.profile, pricer.config
+        self.config = config
+        n = profile.count
+        self.n = n
+
+        def span(values: np.ndarray) -> np.ndarray:  # [j, i]: sum of values[j:i]
+            prefix = np.concatenate(([0.0], np.cumsum(values)))
+            return prefix[None, :] - prefix[:, None]
+
+        def running_max(values: np.ndarray) -> np.ndarray:
+            table = np.zeros((n + 1, n + 1))
+            for j in range(n):
+                table[j, j + 1:] = np.maximum.accumulate(values[j:])
+            return table
+
+        base = span(profile.forward + profile.backward)
+        self.time = {Recompute.NONE: base,
+                     Recompute.SELECTIVE: base + span(profile.selective_extra),
+                     Recompute.FULL: base + span(profile.forward)}
+        self.saved = {mode: span(profile.saved[mode]) for mode in RECOMPUTE_MODES}
+        self.transient = {mode: running_max(profile.transient[mode]) for mode in RECOMPUTE_MODES}
+        # A crossing enters range [j, i) when produced before j and read by a unit in it.
+        received = np.zeros((n + 1, n + 1))
+        p2p = np.zeros((n + 1, n + 1))
+        for crossing in profile.crossings:
+            seconds = pricer.prices.p2p(crossing.bytes) * (2.0 if crossing.grad else 1.0)
+            for j in range(crossing.producer + 1, crossing.consumers[-1] + 1):
+                first = next(u for u in crossing.consumers if u >= j)
+                received[j, first + 1:] += crossing.bytes
+                p2p[j, first + 1:] += seconds
+        self.received, self.p2p = received, p2p
+        weights = pricer.weights
+        totals = {key: span(values) for key, values in weights.own.items() if key != "largest"}
+        largest = running_max(weights.own["largest"])
+        for param, values, exchange in weights.shared:
+            inside = np.zeros((n + 1, n + 1), dtype=bool)
+            for u in param.units:
+                inside[: u + 1, u + 1:] = True
+            for key, value in values.items():
+                if key == "largest":
+                    largest = np.where(inside, np.maximum(largest, value), largest)
+                else:
+                    totals[key] += inside * value
+            # Held by more than one stage: the holders exchange its gradient at the end.
+            holds_all = np.zeros((n + 1, n + 1), dtype=bool)
+            holds_all[: param.units[0] + 1, param.units[-1] + 1:] = True
+            totals["end"] += (inside & ~holds_all) * exchange
+        self.totals = totals
+        workspace = running_max(profile.workspace)
+        self.workspace = np.maximum(workspace, largest) if config.zero >= 3 else workspace
+        self.itemsize = weights.itemsize
+
+    def memory(self, mode: Recompute, stage: int) -> np.ndarray:
+        config, t = self.config, self.totals
+        flight = in_flight(stage, config.pp, config.micro_batches, config.schedule,
+                           config.virtual_stages)
+        memory = training_memory(
+            parameter_bytes=t["bytes"], parameter_elements=t["elements"],
+            parameter_itemsize=self.itemsize,
+            activation_bytes=flight * (self.saved[mode] + self.received)
+            + self.transient[mode], workspace_bytes=self.workspace,
+            optimizer=config.optimizer, zero=config.zero, sharded_bytes=t["sharded_bytes"],
+            sharded_elements=t["sharded_elements"], rounded=False)
+        return memory.peak
+
+    def solve(self, limit: float,
+              modes: Sequence[Recompute]) -> tuple[list[int], list[Recompute]] | None:
+        config, n = self.config, self.n
+        m = config.micro_batches
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        best = np.full(n + 1, np.inf)
+        best[0] = 0.0
+        back: list[tuple[np.ndarray, np.ndarray]] = []
+        for stage in range(config.pp):
+            load = np.full((n + 1, n + 1), np.inf)
+            mode_of = np.zeros((n + 1, n + 1), dtype=np.int64)
+            for index, mode in enumerate(RECOMPUTE_MODES):
+                if mode not in modes:
+                    continue
+                per_micro = self.time[mode] + self.p2p + self.totals["micro"]
+                cost = m * per_micro + self.totals["end"] + self.totals["optimizer"]
+                fits = valid & (self.memory(mode, stage) <= limit)
+                better = fits & (cost < load)
+                load = np.where(better, cost, load)
+                mode_of = np.where(better, index, mode_of)
+            through = np.maximum(best[:, None], load)
+            choice = np.argmin(through, axis=0)
+            best = through[choice, np.arange(n + 1)]
+            back.append((choice, mode_of[choice, np.arange(n + 1)]))
+        if not np.isfinite(best[n]):
+            return None
+        cuts, chosen = [n], []
+        end = n
+        for choice, mode_index in reversed(back):
+            start = int(choice[end])
+            chosen.append(RECOMPUTE_MODES[int(mode_index[end])])
+            cuts.append(start)
+            end = start
+        return cuts[::-1], chosen[::-1]

@@ -1,0 +1,126 @@
+"""What a planning graph is, computed once: labels, gradients, weight roots, layers, batch.
+
+Every layer above needs the same few facts about a graph: each op's labelling (its
+sharding rule), which tensors carry gradients, which are computed from weights alone,
+which op places each weight or input, the repeated layers and the units they cut the op
+sequence into, and which label of each op carries the batch. `GraphAnalysis.of(graph)`
+computes them once; the search, the pricing and the plan builder take the analysis
+instead of deriving any of them again. The executor uses the same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.graph import PlanningGraph
+from planner.kinds import AxisRole
+from planner.layers import Repeats, Units, find_repeats, find_units
+from planner.sharding.batch import data_parallel_strategies
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.rules import DimLabels, safe_labels
+
+
+@dataclass(frozen=True)
+class GraphAnalysis:
+    graph: PlanningGraph
+    labels: Mapping[str, DimLabels | None]  # op -> labelling; None: no sharding rule
+    needs_grad: Mapping[str, bool]  # tensor -> a gradient flows back to it
+    weight_roots: Mapping[str, frozenset[str]]  # tensor computed from weights alone -> them
+    first_consumers: Mapping[str, tuple[str, int]]  # input/weight/buffer -> (op, slot)
+    repeats: Repeats | None
+    units: Units
+    batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
+    reads_weight: tuple[bool, ...]  # per op (in order): it reads a parameter
+
+    @classmethod
+    def of(cls, graph: PlanningGraph) -> GraphAnalysis:
+        labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
+        repeats = find_repeats(graph)
+        params = {p.name for p in graph.parameters}
+        return cls(
+            graph=graph, labels=labels, needs_grad=needs_grad_map(graph),
+            weight_roots=weight_roots_map(graph), first_consumers=first_consumers(graph),
+            repeats=repeats, units=find_units(graph, repeats),
+            batch_labels=_batch_labels(graph, labels),
+            reads_weight=tuple(any(i in params for i in node.inputs if i)
+                               for node in graph.ops),
+        )
+
+
+def needs_grad_map(graph: PlanningGraph) -> dict[str, bool]:
+    """Float tensors that depend on a parameter carry gradients in the backward pass."""
+    flag = {t.name: t.kind == "parameter" for t in graph.tensors.values()}
+    for node in graph.ops:
+        needs = any(flag.get(i, False) for i in node.inputs if i)
+        for output in node.outputs:
+            if output:
+                flag[output] = needs and graph.tensors[output].is_float
+    return flag
+
+
+def weight_roots_map(graph: PlanningGraph) -> dict[str, frozenset[str]]:
+    """Tensors computed from parameters alone (a tied head's transposed table), by root.
+
+    Their partial gradients need no reduction of their own: backward ops are linear in the
+    incoming gradient, so summing once at the parameters gives the same result.
+    """
+    roots: dict[str, frozenset[str]] = {
+        t.name: frozenset({t.name}) for t in graph.tensors.values() if t.kind == "parameter"
+    }
+    constant = {t.name for t in graph.tensors.values() if t.kind in ("constant", "buffer")}
+    for node in graph.ops:
+        sources = [i for i in node.inputs if i]
+        if not sources or not all(i in roots or i in constant for i in sources):
+            continue
+        found = frozenset().union(*(roots.get(i, frozenset()) for i in sources))
+        if not found:
+            continue
+        for output in node.outputs:
+            if output and graph.tensors[output].is_float:
+                roots[output] = found
+    return roots
+
+
+def first_consumers(graph: PlanningGraph) -> dict[str, tuple[str, int]]:
+    """For inputs, weights and buffers: the (op, input slot) that places them (they are
+    laid out as their first consumer needs them)."""
+    owner: dict[str, tuple[str, int]] = {}
+    for node in graph.ops:
+        for slot, name in enumerate(node.inputs):
+            if name and graph.tensors[name].producer is None and name not in owner:
+                owner[name] = (node.name, slot)
+    return owner
+
+
+def _batch_labels(graph: PlanningGraph,
+                  labels: Mapping[str, DimLabels | None]) -> dict[str, frozenset[str]]:
+    """Per op, the labels that carry the batch: the batch split traced at the whole batch
+    (so a label qualifies only when every dim it labels holds the whole batch)."""
+    if not graph.batch:
+        return {}
+    tracer = data_parallel_strategies(
+        graph, DeviceMesh.build({AxisRole.DATA: graph.batch}, 1), labels)
+    return {name: frozenset(label for label, _ in strategy.assignment)
+            for name, strategy in tracer.items()}
+
+
+class Analyses:
+    """A graph's analysis at its own batch and at any other: the joint search and the
+    plan builder price one micro-batch, so they need the graph re-bound at that size."""
+
+    def __init__(self, analysis: GraphAnalysis) -> None:
+        self.root = analysis
+        graph = analysis.graph
+        self._at: dict[int, GraphAnalysis] = {graph.batch: analysis} if graph.batch else {}
+
+    def at(self, batch: int) -> GraphAnalysis:
+        found = self._at.get(batch)
+        if found is None:
+            from planner.onnx_import import import_model
+
+            graph = self.root.graph
+            dims = {k: v for k, v in graph.bound_dims.items() if k != graph.batch_symbol}
+            found = self._at[batch] = GraphAnalysis.of(
+                import_model(graph.path, batch=batch, dims=dims))
+        return found

@@ -1,0 +1,183 @@
+"""Everything one choice of strategies implies, before any price: layouts and collectives.
+
+Given a strategy per op on a mesh, each op's input and output layouts follow from its
+labelling; every tensor is stored as its producer writes it (inputs and weights as their
+first consumer needs them); every read in another layout is a redistribution, whose
+forward steps and transposed backward steps are collectives; the op's own collectives
+(a split training batch norm's statistics) follow from the strategy; and every weight's
+gradient is summed over the axes its consumers split work on. `derive` computes this
+once, in op order, as typed records. The cost layer prices them; the plan builder writes
+them; `shardplan validate` re-derives them to check a plan file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.graph import OpNode, TensorInfo
+from planner.kinds import CollectiveKind, Phase
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.candidates import describe
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
+from planner.sharding.redistribute import backward_steps, redistribute
+from planner.sharding.rules import DimLabels, replicated_labels
+from planner.sharding.strategy import (
+    REPLICATED,
+    OpStrategy,
+    grad_partial_axes,
+    input_layouts,
+    output_layouts,
+    work_fraction,
+)
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One collective a run issues: per micro-batch (forward, backward) or per step
+    (gradient). `nbytes` is the per-device buffer the formulas price (a weight's local
+    share may be fractional before rounding); `op` is the consuming op, or "optimizer"
+    for a weight's gradient synchronisation."""
+
+    kind: CollectiveKind
+    tensor: str
+    axes: tuple[str, ...]
+    nbytes: float
+    phase: Phase
+    op: str
+
+
+OPTIMIZER_OP = "optimizer"
+
+
+@dataclass(frozen=True)
+class OpSharding:
+    """One op under its strategy: its labelling, layouts and its share of the work."""
+
+    node: OpNode
+    labels: DimLabels  # the op's rule, or the all-replicated labelling of an op without one
+    has_rule: bool
+    strategy: OpStrategy
+    inputs: tuple[Layout | None, ...]  # as the op reads them (None: absent input)
+    outputs: tuple[Layout | None, ...]
+    fraction: float  # share of the op's work one device does
+    collectives: tuple[CollectiveSpec, ...]  # its inputs' moves, then its own
+
+
+@dataclass(frozen=True)
+class ShardedGraph:
+    """The derivation of one choice: per op, the stored layout of every tensor, every
+    per-micro-batch collective in op order, and the weights' gradient sums."""
+
+    analysis: GraphAnalysis
+    mesh: DeviceMesh
+    training: bool
+    ops: tuple[OpSharding, ...]
+    layouts: Mapping[str, Layout]  # tensor -> stored layout (absent: never read)
+    gradient_axes: Mapping[str, tuple[str, ...]]  # parameter -> axes its gradient sums over
+    gradients: tuple[CollectiveSpec, ...]  # the op-level plan's gradient all-reduces
+
+    @property
+    def collectives(self) -> tuple[CollectiveSpec, ...]:
+        """Every op-level collective: forward and backward ones in op order, then the
+        gradient synchronisation."""
+        return tuple(c for op in self.ops for c in op.collectives) + self.gradients
+
+    @property
+    def no_rule(self) -> tuple[str, ...]:
+        return tuple(op.node.qualified_type for op in self.ops if not op.has_rule)
+
+    def layout(self, tensor: str) -> Layout:
+        """The stored layout of a tensor; replicated for one no op reads or writes."""
+        found = self.layouts.get(tensor)
+        return found if found is not None else Layout.replicated(
+            len(self.analysis.graph.tensors[tensor].shape))
+
+
+def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
+           training: bool = True) -> ShardedGraph:
+    """The layouts and collectives of `strategies` (missing ops run replicated)."""
+    graph = analysis.graph
+    tensors = graph.tensors
+    needs_grad = analysis.needs_grad if training else {}
+    layout_of: dict[str, Layout] = {}
+    deferred_axes: dict[str, set[str]] = {}
+    ops: list[OpSharding] = []
+    for node in graph.ops:
+        rule = analysis.labels.get(node.name)
+        strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
+        labels = rule if rule is not None else replicated_labels(node, tensors)
+        in_ranks = [len(tensors[t].shape) if t else -1 for t in node.inputs]
+        out_ranks = [len(tensors[t].shape) if t else -1 for t in node.outputs]
+        wanted = input_layouts(labels, strategy, in_ranks)
+        produced = output_layouts(labels, strategy, out_ranks)
+        specs: list[CollectiveSpec] = []
+        for index, (name, want) in enumerate(zip(node.inputs, wanted, strict=True)):
+            if not name or want is None:
+                continue
+            if name not in layout_of:  # inputs and weights are placed as first consumed
+                layout_of[name] = want
+            roots = analysis.weight_roots.get(name)
+            found, deferred = edge_steps(tensors[name], layout_of[name], want, node.name, mesh,
+                                         needs_grad.get(name, False),
+                                         grad_partial_axes(labels, strategy, index),
+                                         weight_derived=roots is not None)
+            specs += found
+            for root in roots or ():
+                if deferred:
+                    deferred_axes.setdefault(root, set()).update(deferred)
+        own = describe(node, labels, strategy, tensors, mesh)
+        for phase, steps in ((Phase.FORWARD, own.forward_collectives),
+                             (Phase.BACKWARD, own.backward_collectives)):
+            specs += [CollectiveSpec(CollectiveKind(kind), node.outputs[0], tuple(axes), nbytes,
+                                     phase, node.name) for kind, axes, nbytes in steps]
+        for name, layout in zip(node.outputs, produced, strict=True):
+            if name and layout is not None:
+                layout_of[name] = layout
+        ops.append(OpSharding(node, labels, rule is not None, strategy, tuple(wanted),
+                              tuple(produced), work_fraction(strategy, mesh), tuple(specs)))
+    gradient_axes = {name: tuple(a for a in mesh.axis_names if a in deferred_axes[name])
+                     for name in sorted(deferred_axes)}
+    gradients = tuple(
+        CollectiveSpec(CollectiveKind.ALL_REDUCE, name, axes,
+                       tensors[name].nbytes * fraction_of_layout(layout_of[name], mesh),
+                       Phase.GRADIENT, OPTIMIZER_OP)
+        for name, axes in gradient_axes.items())
+    return ShardedGraph(analysis, mesh, training, tuple(ops), layout_of, gradient_axes,
+                        gradients)
+
+
+def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: DeviceMesh,
+               requires_grad: bool, partial_axes: tuple[str, ...],
+               weight_derived: bool) -> tuple[list[CollectiveSpec], set[str]]:
+    """The collectives of reading `info` in layout `dst` when it is stored in `src`, and
+    the gradient axes deferred to its weights.
+
+    A weight-derived tensor (a parameter, or computed from parameters alone) is the same
+    on every device, so its gradient need not be reduced here: a partial gradient, or the
+    zero-padded gradient of a local slice, is summed once at the parameter instead.
+    """
+    forward = redistribute(src, dst, info.shape, info.itemsize, mesh)
+    result = [CollectiveSpec(CollectiveKind(s.kind), info.name, tuple(s.axes), s.nbytes,
+                             Phase.FORWARD, consumer) for s in forward if s.communicates]
+    if not requires_grad:
+        return result, set()
+    deferred: set[str] = set()
+    if weight_derived:
+        deferred = set(partial_axes) | {a for s in forward if s.kind == "slice" for a in s.axes}
+        forward = [s for s in forward if s.kind != "slice"]
+        partial_axes = ()
+    src_bytes = int(info.nbytes * fraction_of_layout(src, mesh))
+    steps = backward_steps(forward, partial_axes, src_bytes)
+    result += [CollectiveSpec(CollectiveKind(s.kind), info.name, tuple(s.axes), s.nbytes,
+                              Phase.BACKWARD, consumer) for s in steps if s.communicates]
+    return result, deferred
+
+
+def fraction_of_layout(layout: Layout, mesh: DeviceMesh) -> float:
+    """Share of a tensor one device holds."""
+    share = 1.0
+    for factor in layout.split_factors(mesh):
+        share /= factor
+    return share
