@@ -19,16 +19,16 @@ Each point is the lower quartile of its per-call times (costmodels.measure says 
 Every number cites a `measured-<date>` source that states what was run. The fabric between
 nodes cannot be measured on one machine: the profile gives it a nominal 10 GbE NIC per
 node, cited as such. The written file is loaded back with load_profile before returning.
+
+The `shardplan calibrate` verb itself is planner/cli/calibrate.py; nothing here imports the CLI.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -397,33 +397,3 @@ def _memory_total() -> int:
     except (ValueError, OSError, AttributeError):
         raise ShardplanError("cannot read this machine's memory size") from None
 
-
-# -- command line -------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `shardplan calibrate` flags, for the main CLI's subparser."""
-    parser.add_argument("--nproc", type=int, default=2,
-                        help="ranks to start (one per core or GPU; default 2)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                        help="torch.distributed backend (gloo: CPU, nccl: CUDA GPUs)")
-    parser.add_argument("-o", "--output", type=Path, required=True,
-                        help="where to write the profile JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed `shardplan calibrate`; raises ShardplanError on bad input."""
-    calibrate(args.nproc, args.backend, args.output,
-              progress=lambda text: print(f"calibrate: {text}", file=sys.stderr, flush=True))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m costmodels.calibrate ...`: the same as `shardplan calibrate ...`."""
-    from planner.cli import main as shardplan
-
-    return shardplan(["calibrate", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,20 @@
 """`shardplan validate`: is a plan file one that runs, and (given the model) this model's?
 
 Loading a plan already checks its JSON against the schema and its layouts against its
-mesh (`planner.plancheck`). Validation goes further, and lists every problem it finds:
+mesh (`planner.plan.schema`, `planner.plan.checks`). Validation goes further, and lists
+every problem it finds:
 
 - without the model: the pipeline section partitions the ops and the ranks; every tensor
   an op reads in another layout than the one it is stored in has the forward collectives
   of that move listed (the redistribution the planner prices);
 - with the model: the plan is this file's (digest, dims, every op, every shape); every
   op's layouts are the ones its assignment implies under the op's sharding rule, and the
-  assignment is valid; re-deriving the op-level collectives from the assignments gives the
-  plan's (forward, backward and the weights whose gradients are summed).
+  assignment is valid; re-deriving the op-level collectives from the assignments
+  (`planner.sharding.derive`, no prices needed) gives the plan's (forward, backward and the
+  weights whose gradients are summed).
 
-The executor validates against the model before any rank starts.
+The executor validates against the model before any rank starts. Validation is a reader:
+it re-derives from the sharding layer, never from the search or the pricing.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from planner.errors import PlanFileError
+from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
-from planner.planfile import Plan
+from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
+from planner.plan.model import Plan
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.derive import OPTIMIZER_OP, derive
 from planner.sharding.redistribute import redistribute
+from planner.sharding.rules import replicated_labels
 from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
 
 MAX_LISTED = 20
@@ -63,32 +70,32 @@ def _pipeline(plan: Plan, report: Report) -> None:
             report.add(f"parallel says pp={parallel.pp}, micro_batches="
                        f"{parallel.micro_batches} but the plan has no pipeline section")
         return
-    stages = pipe["stages"]
+    stages = pipe.stages
     n = len(plan.ops)
     if len(stages) != parallel.pp:
         report.add(f"parallel.pp is {parallel.pp} but the pipeline has {len(stages)} stages")
-    if pipe["micro_batches"] != parallel.micro_batches:
-        report.add(f"pipeline.micro_batches {pipe['micro_batches']} differs from "
+    if pipe.micro_batches != parallel.micro_batches:
+        report.add(f"pipeline.micro_batches {pipe.micro_batches} differs from "
                    f"parallel.micro_batches {parallel.micro_batches}")
-    size, batch = pipe.get("micro_batch_size"), pipe.get("global_batch")
-    if size and batch and size * pipe["micro_batches"] != batch:
-        report.add(f"pipeline: {pipe['micro_batches']} micro-batches of {size} are not the "
+    size, batch = pipe.micro_batch_size, pipe.global_batch
+    if size and batch and size * pipe.micro_batches != batch:
+        report.add(f"pipeline: {pipe.micro_batches} micro-batches of {size} are not the "
                    f"global batch {batch}")
     if size and plan.model.batch and size != plan.model.batch:
         report.add(f"pipeline.micro_batch_size {size} differs from model.batch "
                    f"{plan.model.batch} (the plan's shapes are per micro-batch)")
     covered = [0] * n
     for stage in stages:
-        for first, end in stage["ops"]:
+        for first, end in stage.ops:
             if not 0 <= first < end <= n:
-                report.add(f"stage {stage['device_stage']}: op range [{first}, {end}) is "
+                report.add(f"stage {stage.device_stage}: op range [{first}, {end}) is "
                            f"outside the plan's {n} ops")
                 continue
             for k in range(first, end):
                 covered[k] += 1
-        for first, end in stage["recompute_segments"]:
-            if not any(a <= first < end <= b for a, b in stage["ops"]):
-                report.add(f"stage {stage['device_stage']}: recompute segment [{first}, "
+        for first, end in stage.recompute_segments:
+            if not any(a <= first < end <= b for a, b in stage.ops):
+                report.add(f"stage {stage.device_stage}: recompute segment [{first}, "
                            f"{end}) is not inside the stage's ops")
     wrong = [k for k, count in enumerate(covered) if count != 1]
     if wrong:
@@ -97,23 +104,30 @@ def _pipeline(plan: Plan, report: Report) -> None:
     per_stage = plan.mesh.size // max(1, len(stages))
     for index, stage in enumerate(stages):
         expected = list(range(index * per_stage, (index + 1) * per_stage))
-        if stage["device_stage"] != index or stage["ranks"] != expected:
-            report.add(f"stage {index}: ranks {stage['ranks'][:4]}… are not the mesh's "
+        if stage.device_stage != index or list(stage.ranks) != expected:
+            report.add(f"stage {index}: ranks {list(stage.ranks[:4])}… are not the mesh's "
                        f"block {expected[0]}..{expected[-1]} (pp is the outermost axis)")
-    for send in pipe["sends"]:
-        if send["tensor"] not in plan.tensors:
-            report.add(f"pipeline send of unknown tensor {send['tensor']!r}")
-        if send["from_stage"] == send["to_stage"] or not all(
-                0 <= send[k] < len(stages) for k in ("from_stage", "to_stage")):
-            report.add(f"pipeline send of {send['tensor']}: stages {send['from_stage']} → "
-                       f"{send['to_stage']} are not two of the {len(stages)} stages")
+    chunks = pipe.chunks()
+    for send in pipe.sends:
+        if send.tensor not in plan.tensors:
+            report.add(f"pipeline send of unknown tensor {send.tensor!r}")
+        if send.from_stage == send.to_stage or not all(
+                0 <= stage < len(stages) for stage in (send.from_stage, send.to_stage)):
+            report.add(f"pipeline send of {send.tensor}: stages {send.from_stage} → "
+                       f"{send.to_stage} are not two of the {len(stages)} stages")
+        elif not (0 <= send.from_chunk < len(chunks) and 0 <= send.to_chunk < len(chunks)
+                  and chunks[send.from_chunk][1] == send.from_stage
+                  and chunks[send.to_chunk][1] == send.to_stage):
+            report.add(f"pipeline send of {send.tensor}: chunks {send.from_chunk} → "
+                       f"{send.to_chunk} are not op ranges of stages {send.from_stage} → "
+                       f"{send.to_stage}")
     report.checked["stages"] = len(stages)
 
 
 def _edges(plan: Plan, report: Report) -> None:
     """Each read in another layout than the stored one has its forward moves listed."""
     listed = Counter((c.kind, c.tensor, tuple(c.axes), c.op) for c in plan.collectives
-                     if c.phase == "forward")
+                     if c.phase == Phase.FORWARD)
     needed: Counter = Counter()
     for op in plan.ops:
         for binding in op.inputs:
@@ -170,16 +184,12 @@ def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
 
 
 def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
-    from planner.assemble import TrainingOptions, assemble
-    from planner.errors import ShardplanError
-    from planner.pricing import replicated_labels
-    from planner.sharding.rules import safe_labels
-
     try:
         check_plan_matches(plan, graph)
     except ShardplanError as exc:
         report.add(str(exc))
         return
+    analysis = GraphAnalysis.of(graph)
     entries = {op.name: op for op in plan.ops}
     strategies: dict[str, OpStrategy] = {}
     before = len(report.problems)
@@ -189,24 +199,25 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         if entry is None:
             report.add(f"op {node.name} of {graph.path} has no entry in the plan")
             continue
-        labels = safe_labels(node, graph.tensors)
+        labels = analysis.labels.get(node.name)
         strategy = OpStrategy.of({k: tuple(v) for k, v in entry.assignment.items()})
         strategies[node.name] = strategy
         if labels is None:
             labels = replicated_labels(node, graph.tensors)
             if strategy.assignment:
                 report.add(f"op {node.name} ({node.op_type}) has no sharding rule but the "
-                           f"plan splits it: {entry.assignment}")
+                           f"plan splits it: {_assignment_text(entry.assignment)}")
             continue
         if not is_valid(node, labels, strategy, graph.tensors, plan.mesh):
-            report.add(f"op {node.name} ({node.op_type}): assignment {entry.assignment} is "
-                       "not a valid strategy of its sharding rule on this mesh")
+            report.add(f"op {node.name} ({node.op_type}): assignment "
+                       f"{_assignment_text(entry.assignment)} is not a valid strategy of its "
+                       "sharding rule on this mesh")
             continue
         tuples = [list(b.layout.split_factors(plan.mesh)) if b else [] for b in entry.inputs]
-        if entry.strategy != tuples:
+        if [list(t) for t in entry.strategy] != tuples:
             cosmetic += 1
-            report.add(f"op {node.name}: strategy {entry.strategy} does not match its input "
-                       f"layouts, which cut the inputs {tuples}")
+            report.add(f"op {node.name}: strategy {[list(t) for t in entry.strategy]} does not "
+                       f"match its input layouts, which cut the inputs {tuples}")
         in_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.inputs]
         out_ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.outputs]
         for side, wanted, bindings in (
@@ -220,19 +231,14 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     report.checked["ops"] = len(graph.ops)
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
-    from costmodels.profile import load_profile
-
-    try:
-        hardware = load_profile(plan.cluster.profile)
-    except ShardplanError:
-        return  # a calibrated profile not on this machine: skip re-deriving collectives
-    again = assemble(graph, plan.mesh, strategies, hardware, plan.parallel, plan.solver,
-                     TrainingOptions(optimizer=plan.parallel.optimizer))
+    again = derive(analysis, plan.mesh, strategies,
+                   training=plan.step.kind == StepKind.TRAINING)
 
     def op_level(collectives) -> Counter:
-        return Counter((c.kind, c.tensor, tuple(c.axes), c.phase, c.op) for c in collectives
-                       if c.phase in ("forward", "backward") and c.op != "optimizer"
-                       and c.kind != "send_recv")
+        return Counter((str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op)
+                       for c in collectives
+                       if c.phase in (Phase.FORWARD, Phase.BACKWARD) and c.op != OPTIMIZER_OP
+                       and c.kind != CollectiveKind.SEND_RECV)
 
     expected, got = op_level(again.collectives), op_level(plan.collectives)
     for (kind, tensor, axes, phase, op), count in sorted((expected - got).items())[:MAX_LISTED]:
@@ -241,17 +247,14 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     for (kind, tensor, axes, phase, op), count in sorted((got - expected).items())[:MAX_LISTED]:
         report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
                    f"({count}×): no assignment needs it")
-    summed = {c.tensor for c in again.collectives if c.phase == "gradient"}
-    listed = {c.tensor for c in plan.collectives if c.op == "optimizer" and "pp" not in c.axes}
-    for name in sorted(summed - listed)[:MAX_LISTED]:
-        report.add(f"weight {name}: its gradient must be summed over "
-                   f"{next(c.axes for c in again.collectives if c.tensor == name)} but the "
-                   "plan lists no such collective")
-    needed_axes = {c.tensor: set(c.axes) for c in again.collectives if c.phase == "gradient"}
+    needed_axes = {name: set(axes) for name, axes in again.gradient_axes.items()}
     listed_axes: dict[str, set[str]] = {}
     for c in plan.collectives:
-        if c.op == "optimizer" and "pp" not in c.axes:
+        if c.op == OPTIMIZER_OP and AxisRole.PIPELINE not in c.axes:
             listed_axes.setdefault(c.tensor, set()).update(c.axes)
+    for name in sorted(set(needed_axes) - set(listed_axes))[:MAX_LISTED]:
+        report.add(f"weight {name}: its gradient must be summed over "
+                   f"{list(again.gradient_axes[name])} but the plan lists no such collective")
     for name, axes in sorted(listed_axes.items())[:MAX_LISTED]:
         if name not in needed_axes:
             report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, but no "
@@ -259,4 +262,9 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         elif axes != needed_axes[name]:
             report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, the "
                        f"assignments need {sorted(needed_axes[name])}")
-    report.checked["collectives"] = sum(expected.values()) + len(summed)
+    report.checked["collectives"] = sum(expected.values()) + len(needed_axes)
+
+
+def _assignment_text(assignment) -> dict[str, list[str]]:
+    """An assignment as the plan file spells it (what the user reads and edits)."""
+    return {label: list(axes) for label, axes in assignment.items()}

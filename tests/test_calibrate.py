@@ -13,7 +13,6 @@ from costmodels.calibrate import (
     collective_fits,
     fit_ramp,
     fit_ring,
-    main,
     matmul_fits,
     measurement_plan,
 )
@@ -21,6 +20,7 @@ from costmodels.communication import CommGroup, collective_time, ring_terms
 from costmodels.compute import op_time
 from costmodels.measure import Plan, Results, lower_quartile, run_ranks
 from costmodels.profile import load_profile
+from planner.cli.calibrate import main
 from planner.errors import ShardplanError
 
 ALPHA, BANDWIDTH = 80e-6, 1.5e9  # a gloo-like link: 80 us per step, 1.5 GB/s

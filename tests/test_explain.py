@@ -16,7 +16,8 @@ import pytest
 from costmodels.schedule import pipeline_time
 from planner import zoo
 from planner.api import plan
-from planner.cli import _Progress, main
+from planner.cli import main
+from planner.cli.progress import Progress as _Progress
 from planner.explain import JSON_KEYS, explain, find_units
 from planner.planfile import Plan
 from planner.plots import schedule_events

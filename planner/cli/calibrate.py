@@ -1,0 +1,39 @@
+"""`shardplan calibrate`: the command line of costmodels.calibrate, which measures the machine.
+
+The measuring and the profile it writes stay in costmodels, usable without this CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from planner.cli.args import Verbs
+
+
+def add_parser(verbs: Verbs) -> None:
+    calibrate = verbs.add_parser("calibrate", help="measure this machine and write a profile")
+    calibrate.add_argument("--nproc", type=int, default=2,
+                           help="ranks to start (one per core or GPU; default 2)")
+    calibrate.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                           help="torch.distributed backend (gloo: CPU, nccl: CUDA GPUs)")
+    calibrate.add_argument("-o", "--output", type=Path, required=True,
+                           help="where to write the profile JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure and write the profile, with progress on stderr; bad input is ShardplanError."""
+    from costmodels.calibrate import calibrate
+
+    calibrate(args.nproc, args.backend, args.output,
+              progress=lambda text: print(f"calibrate: {text}", file=sys.stderr, flush=True))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`shardplan calibrate ARGV`, for callers that hold only the calibrate flags."""
+    from planner.cli import main as shardplan
+
+    return shardplan(["calibrate", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,100 @@
+"""`shardplan plan`: search a strategy for an ONNX model (or the bundled demo) and report it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from planner.cli.args import Verbs, dim, mesh, parallel, positive_int
+from planner.errors import NoPlanFits
+
+DEMO_PRESET = "gpt2-small"
+DEMO_DIMS = {"seq": 1024}
+DEMO_BATCH = 32
+
+
+def add_parser(verbs: Verbs) -> None:
+    plan = verbs.add_parser("plan", help="plan a training step of an ONNX model")
+    plan.add_argument("model", nargs="?", help="the .onnx file (default: a bundled GPT-2 demo)")
+    plan.add_argument("--profile", default="a100-80g",
+                      help="hardware profile name or JSON file (see `shardplan profiles`)")
+    plan.add_argument("--devices", type=positive_int, default=8, help="number of devices")
+    plan.add_argument("--batch", type=positive_int, help="global batch size (binds dim 0)")
+    plan.add_argument("--dim", type=dim, action="append", default=[], metavar="NAME=N",
+                      help="bind a symbolic input dim, e.g. --dim seq=2048 (repeatable)")
+    plan.add_argument("--mode", default="auto", choices=["data", "semi", "auto"],
+                      help="data: data-parallel baseline; semi: ops in --strategies keep their "
+                           "strategies, the rest is searched; auto: everything searched")
+    plan.add_argument("--strategies", metavar="FILE",
+                      help="JSON (or YAML) mapping op names or glob patterns to MindSpore-style "
+                           "strategy tuples, e.g. {\"fc1\": [[1, 1], [1, 2]]}")
+    plan.add_argument("--solver", default="auto",
+                      choices=["auto", "cpsat", "highs", "dp", "propagation"],
+                      help="auto: elimination DP when exact, else CP-SAT; cpsat/highs: exact ILP; "
+                           "dp: graph elimination; propagation: heuristic")
+    plan.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                      help="per mesh shape; the best plan found so far is returned with its gap")
+    plan.add_argument("--parallel", type=parallel, default={}, metavar="dp=4,tp=8",
+                      help="pin global choices and search the rest: dp, tp, pp, "
+                           "micro_batches, zero (0-3), recompute (none|selective|full), "
+                           "schedule (1f1b|gpipe|interleaved)")
+    plan.add_argument("--mesh", type=mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
+    plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
+                      help="largest number of mesh axes searched")
+    plan.add_argument("--no-tie-layers", action="store_true",
+                      help="let every repeated layer choose on its own (slower, rarely better)")
+    plan.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "momentum", "sgd"])
+    plan.add_argument("--memory-limit", type=float, metavar="GIB",
+                      help="device memory limit in GiB (default: the profile's capacity)")
+    plan.add_argument("--inference", action="store_true",
+                      help="plan a forward pass only (no gradients, optimizer, saved activations)")
+    plan.add_argument("--overlap", type=float, default=0.0, metavar="SHARE",
+                      help="share (0..1) of gradient synchronisation hidden behind backward")
+    plan.add_argument("-o", "--output", help="write the strategy JSON here")
+    plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan (summary or JSON); exit 3 through NoPlanFits when it does not fit."""
+    from planner.api import plan
+    from planner.cli.progress import Progress
+    from planner.cli.strategies import load_strategies
+    from planner.report import memory_shortfall, summary
+
+    dims = dict(args.dim)
+    with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
+        model = args.model
+        batch = args.batch
+        if model is None:
+            model = _write_demo_model(Path(scratch))
+            dims = {**DEMO_DIMS, **dims}
+            batch = batch or DEMO_BATCH
+            print(f"(no model given: planning the bundled {DEMO_PRESET} at batch {batch}, "
+                  f"seq {dims['seq']})", file=sys.stderr)
+        strategies = load_strategies(args.strategies) if args.strategies else None
+        progress = Progress(sys.stderr) if not args.json else None
+        try:
+            result = plan(model, profile=args.profile, devices=args.devices, batch=batch,
+                          dims=dims, mode=args.mode, strategies=strategies, solver=args.solver,
+                          time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
+                          max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
+                          optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
+                          inference=args.inference, overlap=args.overlap, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+    if args.output:
+        result.save(args.output)
+    print(result.dumps() if args.json else summary(result))
+    if not result.predicted.fits:
+        raise NoPlanFits(memory_shortfall(result))
+    return 0
+
+
+def _write_demo_model(folder: Path) -> Path:
+    from planner import zoo
+
+    family, config = zoo.preset(DEMO_PRESET)
+    return zoo.save(zoo.build(family, config), folder / f"{DEMO_PRESET}.onnx")

@@ -1,0 +1,84 @@
+"""`shardplan run`: train a few steps with a plan on local gloo ranks (torch, imported late)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from planner.cli.args import Verbs, positive_int
+from planner.errors import ShardplanError
+
+
+def add_parser(verbs: Verbs) -> None:
+    run = verbs.add_parser("run", help="train with a plan on local ranks (needs torch)")
+    run.add_argument("model", help="the .onnx file the plan was made for")
+    run.add_argument("--plan", required=True, help="a strategy JSON from `shardplan plan -o`")
+    run.add_argument("--nproc", type=positive_int, required=True,
+                     help="ranks: the plan's device count, or 1 for the unsplit reference")
+    run.add_argument("--steps", type=positive_int, default=5)
+    run.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")
+    run.add_argument("--checkpoint", metavar="DIR", default="",
+                     help="save the sharded weights and optimizer state here at the end")
+    run.add_argument("--checkpoint-every", metavar="N", type=positive_int, default=None,
+                     help="also save the checkpoint every N steps (atomically): a run killed "
+                          "midway resumes from the last one with --resume")
+    run.add_argument("--resume", metavar="DIR", default="",
+                     help="start from a checkpoint saved by the same plan")
+    run.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"],
+                     help="auto: the model's own scalar loss output if it has one, else "
+                          "cross-entropy on the first output")
+    run.add_argument("--data", metavar="DIR", default="",
+                     help="<input>.npy arrays (and targets.npy) of the global batch; each "
+                          "data-parallel rank reads its shard (default: synthetic)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the request before any rank starts, train, then print losses and collectives."""
+    from planner.plan.model import Plan
+
+    try:
+        from executor.train import planned_counts, train, train_reference
+    except ImportError:
+        raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
+                             ) from None
+    if args.backend == "nccl":
+        raise ShardplanError("--backend nccl: this executor runs gloo ranks on CPU only so far")
+    loaded = Plan.load(args.plan)
+    if args.nproc not in (1, loaded.mesh.size):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+                             "devices; use that many ranks, or 1 for the unsplit reference")
+    if args.checkpoint_every and not args.checkpoint:
+        raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
+    if args.nproc == 1 and (args.checkpoint or args.resume):
+        raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
+    if args.nproc > 1:
+        log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
+                    optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
+                    loss=args.loss, data=args.data, checkpoint_every=args.checkpoint_every or 0)
+    else:
+        log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
+                              seed=args.seed, optimizer=args.optimizer, loss=args.loss,
+                              data=args.data)
+    issued = {k: v for k, v in log.collectives.get("issued", {}).items()
+              if not k.endswith("|loss")}
+    planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}
+    log.collectives = {"planned": planned, "issued": issued}
+    for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
+        print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
+    print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
+          f"{loaded.cluster.profile}")
+    if args.nproc > 1:
+        diff = sorted(set(planned) | set(issued))
+        mismatched = [k for k in diff if planned.get(k, 0) != issued.get(k, 0)]
+        print("collectives: as planned" if not mismatched else
+              "collectives differ from the plan: " + ", ".join(
+                  f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
+                  for k in mismatched))
+    if args.log_json:
+        Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
+    return 0

@@ -1,0 +1,44 @@
+"""Reading `plan --strategies FILE`: user input, so every flaw is a one-line ShardplanError."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.errors import ShardplanError
+
+
+def load_strategies(path: str) -> dict[str, list[list[int]]]:
+    """`{"op name or glob": [[1, 1], [1, 2]], ...}` from JSON, or YAML when PyYAML is there."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ShardplanError(f"{file}: cannot read the strategies file ({exc.strerror})") from None
+    if file.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ShardplanError(f"{file}: reading YAML needs PyYAML (pip install pyyaml); "
+                                 "or write the strategies as JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ShardplanError(f"{file}: not valid YAML ({exc})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ShardplanError(f"{file}: not valid JSON (line {exc.lineno}, column "
+                                 f"{exc.colno}: {exc.msg})") from None
+    if isinstance(data, dict) and "strategies" in data and isinstance(data["strategies"], dict):
+        data = data["strategies"]
+    if not isinstance(data, dict) or not data:
+        raise ShardplanError(f"{file}: expected an object mapping op names to strategy tuples")
+    for name, tuples in data.items():
+        if not (isinstance(tuples, list) and all(isinstance(t, list) and t and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in t)
+                for t in tuples)):
+            raise ShardplanError(f"{file}: strategy of {name!r} must be a list of lists of "
+                                 f"positive integers, like [[1, 1], [1, 2]]; got {tuples!r}")
+    return data

@@ -1,0 +1,42 @@
+"""`shardplan validate`: check a saved plan, alone or against the model it was made for."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from planner.cli.args import Verbs
+
+
+def add_parser(verbs: Verbs) -> None:
+    validate = verbs.add_parser("validate", help="check a plan: schema, mesh, pipeline, "
+                                "collectives, and (given the model) ops, layouts, shapes")
+    validate.add_argument("plan", metavar="PLAN", help="the strategy JSON")
+    validate.add_argument("model", metavar="MODEL", nargs="?",
+                          help="the ONNX model it was made for (imported at the plan's dims)")
+    validate.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when the plan is valid, 2 with every problem listed otherwise."""
+    from planner.api import load_graph
+    from planner.plan.model import Plan
+    from planner.validate import validate
+
+    loaded = Plan.load(args.plan)
+    graph = None
+    if args.model:
+        graph = load_graph(args.model, batch=loaded.model.batch,
+                           dims=loaded.model.bound_dims)
+    report = validate(loaded, graph)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+    else:
+        checked = ", ".join(f"{n} {what}" for what, n in report.checked.items())
+        against = f" against {args.model}" if args.model else ""
+        if report.ok:
+            print(f"{args.plan}: valid{against} ({checked} checked)")
+        for problem in report.problems:
+            print(f"{args.plan}: {problem}", file=sys.stderr)
+    return 0 if report.ok else 2
