@@ -33,7 +33,7 @@ from costmodels.calibrate import calibrate
 from executor.train import train
 from planner import zoo
 from planner.api import plan
-from planner.report import human_seconds
+from planner.humanize import human_seconds
 
 STRATEGIES: list[tuple[str, dict]] = [
     ("data parallel", {"mode": "data"}),

@@ -19,7 +19,7 @@ from pathlib import Path
 from planner import zoo
 from planner.api import plan
 from planner.errors import NoPlanFits
-from planner.report import human_bytes, human_seconds
+from planner.humanize import human_bytes, human_seconds
 
 # (model, devices, global batch in sequences of 2048): GPT-3 and Megatron-LM batch sizes
 # scaled to the device count (GPT-3 175B: 1536 sequences; Megatron 1T: 3072 on 3072 GPUs).

@@ -17,7 +17,7 @@ from planner import zoo
 from planner.api import plan
 from planner.errors import NoPlanFits
 from planner.onnx_import import import_model
-from planner.report import human_bytes, human_seconds
+from planner.humanize import human_bytes, human_seconds
 
 #: (preset, sequence length, sequences per device in the global batch)
 MODELS = {

@@ -87,7 +87,7 @@ class PipelineEngine:
                 value = value.detach().requires_grad_(True)
                 record.leaves[transfer.index] = value
             values[transfer.tensor] = value
-            layouts[transfer.tensor] = runner.plan.tensors[transfer.tensor].layout
+            layouts[transfer.tensor] = runner.placement.stored[transfer.tensor]
         runner.run_range(span.first, span.end, values, layouts, stages.recompute)
         for transfer in stages.outbound(chunk):
             self._check_sent(transfer.tensor, values[transfer.tensor], layouts)
@@ -149,12 +149,12 @@ class PipelineEngine:
     def _wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Local shape and dtype of a transferred tensor, as the receiver allocates it."""
         info = self.runner.graph.tensors[name]
-        layout = self.runner.plan.tensors[name].layout
+        layout = self.runner.placement.stored[name]
         return layout.local_shape(info.shape, self.runner.mesh), getattr(torch, info.dtype)
 
     def _check_sent(self, name: str, value: torch.Tensor, layouts: Mapping) -> None:
         """The receiver allocates the plan's layout, shape and dtype: the sender must match."""
-        layout = self.runner.plan.tensors[name].layout
+        layout = self.runner.placement.stored[name]
         shape, dtype = self._wire(name)
         if layouts[name] != layout or tuple(value.shape) != shape or value.dtype != dtype:
             raise ShardplanError(f"{name} leaves its stage as {tuple(value.shape)} {value.dtype} "

@@ -26,15 +26,16 @@ from torch.utils.checkpoint import checkpoint
 from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.planfile import Plan
-from planner.pricing import replicated_labels, requires_grad_map, weight_roots_map
+from planner.kinds import AxisRole, Phase
+from planner.plan.model import Plan
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.derive import OPTIMIZER_OP
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
-from planner.sharding.rules import safe_labels
+from planner.sharding.rules import replicated_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
-from planner.validate import check_model_digest, check_plan_matches  # noqa: F401
 
 
 @dataclass
@@ -274,6 +275,52 @@ def full_parameters(graph: PlanningGraph, seed: int,
     return values
 
 
+@dataclass(frozen=True)
+class OpPlacement:
+    """How one op runs: its strategy and the layouts it reads and writes."""
+
+    strategy: OpStrategy
+    inputs: tuple[Layout | None, ...]  # None: an absent input
+    outputs: tuple[Layout | None, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a run reads off its plan: the mesh, how every op runs, the layout every tensor
+    is kept in, and the axes each weight's gradient is summed over. `unsplit` is the
+    one-device reference: every op whole, nothing summed."""
+
+    mesh: DeviceMesh
+    ops: Mapping[str, OpPlacement]
+    stored: Mapping[str, Layout]
+    gradient_axes: Mapping[str, tuple[str, ...]]
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> Placement:
+        ops = {entry.name: OpPlacement(
+            OpStrategy.of(entry.assignment),
+            tuple(b.layout if b else None for b in entry.inputs),
+            tuple(b.layout if b else None for b in entry.outputs)) for entry in plan.ops}
+        # The axes each weight's gradient is summed over (ZeRO 2 reduce-scatters in the
+        # backward phase); the "pp" entries are sums between two stages holding one weight.
+        gradient_axes = {c.tensor: tuple(c.axes) for c in plan.collectives
+                         if c.phase in (Phase.GRADIENT, Phase.BACKWARD)
+                         and c.op == OPTIMIZER_OP and AxisRole.PIPELINE not in c.axes}
+        return cls(plan.mesh, ops, {n: t.layout for n, t in plan.tensors.items()},
+                   gradient_axes)
+
+    @classmethod
+    def unsplit(cls, graph: PlanningGraph) -> Placement:
+        def whole(names: Sequence[str]) -> tuple[Layout | None, ...]:
+            return tuple(Layout.replicated(len(graph.tensors[n].shape)) if n else None
+                         for n in names)
+
+        ops = {node.name: OpPlacement(REPLICATED, whole(node.inputs), whole(node.outputs))
+               for node in graph.ops}
+        stored = {n: Layout.replicated(len(t.shape)) for n, t in graph.tensors.items()}
+        return cls(DeviceMesh((1,), (str(AxisRole.DATA),), 1), ops, stored, {})
+
+
 def shard_of(value: torch.Tensor, layout: Layout, comm: MeshComm) -> torch.Tensor:
     """This rank's piece of a replicated value (no partial layouts here)."""
     for dim, axes in enumerate(layout.dims):
@@ -289,31 +336,27 @@ class PlanRunner:
     every weight is still drawn, so each one gets the values the unsplit run gives it.
     """
 
-    def __init__(self, graph: PlanningGraph, plan: Plan, rank: int, seed: int = 0,
-                 stored: Mapping[str, np.ndarray] | None = None,
+    def __init__(self, analysis: GraphAnalysis, placement: Placement, rank: int,
+                 seed: int = 0, stored: Mapping[str, np.ndarray] | None = None,
                  held: Collection[str] | None = None) -> None:
-        check_plan_matches(plan, graph)
-        self.graph, self.plan = graph, plan
-        self.mesh = plan.mesh
+        graph = analysis.graph
+        self.graph, self.analysis, self.placement = graph, analysis, placement
+        self.mesh = placement.mesh
         self.counters = Counters()
         self.comm = MeshComm(self.mesh, rank, self.counters)
-        self.entries = {op.name: op for op in plan.ops}
-        self.needs_grad = requires_grad_map(graph)
-        self.weight_derived = set(weight_roots_map(graph))
+        self.needs_grad = analysis.needs_grad
+        self.weight_derived = set(analysis.weight_roots)
         full = full_parameters(graph, seed, stored)
         self.params: dict[str, torch.Tensor] = {}
         for name, value in full.items():
             if held is not None and name not in held:
                 continue
-            local = shard_of(value, plan.tensors[name].layout, self.comm)
+            local = shard_of(value, placement.stored[name], self.comm)
             if graph.tensors[name].kind == "parameter":
                 local = local.clone().requires_grad_(True)
             self.params[name] = local
-        # The axes each weight's gradient is summed over; the "pp" entries are the sums
-        # between two stages holding one weight (WeightUpdate's `tied` groups).
-        self.gradient_axes = {c.tensor: tuple(c.axes) for c in plan.collectives
-                              if c.phase in ("gradient", "backward") and c.op == "optimizer"
-                              and "pp" not in c.axes and c.tensor in self.params}
+        self.gradient_axes = {name: axes for name, axes in placement.gradient_axes.items()
+                              if name in self.params}
         self._steps: dict[tuple, list[CommStep]] = {}
         self._programs: dict[int, tuple] = {}
         self._segments: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
@@ -321,10 +364,11 @@ class PlanRunner:
     def inputs(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """The held weights and this rank's shards of the fed inputs, with their layouts."""
         values: dict[str, torch.Tensor] = dict(self.params)
-        layouts: dict[str, Layout] = {n: self.plan.tensors[n].layout for n in self.params}
+        stored = self.placement.stored
+        layouts: dict[str, Layout] = {n: stored[n] for n in self.params}
         for name, value in feeds.items():
-            values[name] = shard_of(value, self.plan.tensors[name].layout, self.comm)
-            layouts[name] = self.plan.tensors[name].layout
+            values[name] = shard_of(value, stored[name], self.comm)
+            layouts[name] = stored[name]
         return values, layouts
 
     def forward(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -406,9 +450,9 @@ class PlanRunner:
         """(labels, strategy, local program) of op k: the same every micro-batch."""
         if k not in self._programs:
             node, tensors = self.graph.ops[k], self.graph.tensors
-            entry = self.entries[node.name]
-            labels = safe_labels(node, tensors)
-            strategy = OpStrategy.of(entry.assignment) if labels is not None else REPLICATED
+            labels = self.analysis.labels.get(node.name)
+            strategy = self.placement.ops[node.name].strategy if labels is not None \
+                else REPLICATED
             labels = labels or replicated_labels(node, tensors)
             program = local_program(node, labels, strategy, tensors, self.mesh, self.comm.coord)
             self._programs[k] = (labels, strategy, program)
@@ -418,23 +462,23 @@ class PlanRunner:
                layouts: dict[str, Layout]) -> None:
         """Op k: move each input to the layout its strategy needs, run the local program."""
         node = self.graph.ops[k]
-        entry = self.entries[node.name]
+        placed = self.placement.ops[node.name]
         labels, strategy, program = self._program(k)
         env: dict[str, torch.Tensor] = {}
-        for index, (name, binding) in enumerate(zip(node.inputs, entry.inputs, strict=True)):
-            if not name or binding is None:
+        for index, (name, wanted) in enumerate(zip(node.inputs, placed.inputs, strict=True)):
+            if not name or wanted is None:
                 continue
             if name not in values:
                 self._constant(name, values, layouts)
-            env[name] = self._move(values[name], layouts[name], binding.layout,
+            env[name] = self._move(values[name], layouts[name], wanted,
                                    self.graph.tensors[name],
                                    grad_partial_axes(labels, strategy, index))
         for name, value in program.constants.items():
             env[name] = to_tensor(np.asarray(value))
         run_nodes(program.nodes, env, self._collective)
-        for name, binding in zip(node.outputs, entry.outputs, strict=True):
-            if name and binding is not None:
-                values[name], layouts[name] = env[name], binding.layout
+        for name, layout in zip(node.outputs, placed.outputs, strict=True):
+            if name and layout is not None:
+                values[name], layouts[name] = env[name], layout
 
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],

@@ -3,10 +3,11 @@
 A *chunk* is one op range [first, end) of `plan.pipeline.stages[d].ops`; sorted by their
 first op, the chunks are the virtual stages of the pipeline (one per device with 1F1B and
 GPipe, several per device with the interleaved schedule). Every activation produced in one
-chunk and read in a later one is a *transfer*: point-to-point between devices, or a local
-hand-off between two chunks of one device. Each chunk's backward runs on its own, so a
-tensor crossing chunks is cut out of autograd on the receiving side and its gradient is
-passed back the same way.
+chunk and read in a later one is a *transfer*: point-to-point between devices (exactly the
+plan's `pipeline.sends`), or a local hand-off between two chunks of one device (from the
+chunk that produced it, or that received it from another device). Each chunk's backward
+runs on its own, so a tensor crossing chunks is cut out of autograd on the receiving side
+and its gradient is passed back the same way.
 
 A schedule is one list of actions per device (forward or backward of one micro-batch on
 one chunk). Sends never block, receives do, so a schedule cannot deadlock exactly when the
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
-from planner.planfile import Plan
+from planner.kinds import AxisRole, Recompute, Schedule
+from planner.plan.model import Plan
+from planner.plan.sections import PipelineSection, SendEntry
+from planner.sharding.mesh import DeviceMesh
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = tuple(str(s) for s in Schedule)
 
 
 @dataclass(frozen=True)
@@ -77,50 +81,49 @@ class Stages:
         return [t for t in self.transfers if t.src == chunk]
 
 
-def _pipeline_section(plan: Plan) -> Mapping:
-    pipeline = plan.pipeline or {}
-    if not pipeline:
-        if plan.parallel.micro_batches > 1 or plan.parallel.pp > 1:
-            raise PlanFileError("the plan sets pp/micro_batches but has no `pipeline` section; "
-                                "re-create it with this version of shardplan")
-        if plan.parallel.recompute != "none":
-            raise PlanFileError("the plan asks for recompute but has no `pipeline` section "
-                                "naming the segments; re-create it with this version")
-    return pipeline
+def check_pipeline_section(plan: Plan) -> None:
+    """A plan that pipelines, micro-batches or recomputes must say how in its section."""
+    if plan.pipeline is not None:
+        return
+    if plan.parallel.micro_batches > 1 or plan.parallel.pp > 1:
+        raise PlanFileError("the plan sets pp/micro_batches but has no `pipeline` section; "
+                            "re-create it with this version of shardplan")
+    if plan.parallel.recompute != Recompute.NONE:
+        raise PlanFileError("the plan asks for recompute but has no `pipeline` section "
+                            "naming the segments; re-create it with this version")
 
 
-def build_stages(graph: PlanningGraph, plan: Plan, output: str,
-                 needs_grad: Mapping[str, bool]) -> Stages:
-    """Chunks, transfers and checkpointed segments of `plan` (a plain plan: one chunk)."""
-    pipeline = _pipeline_section(plan)
-    pp = plan.mesh.axis_size("pp") if "pp" in plan.mesh.axis_names else 1
-    schedule = str(pipeline.get("schedule", "1f1b"))
-    if schedule not in SCHEDULES:
-        raise PlanFileError(f"pipeline.schedule {schedule!r}: the executor runs "
-                            f"{', '.join(SCHEDULES)}")
-    micro = int(pipeline.get("micro_batches", 1))
-    rows = pipeline.get("stages") or [{"ops": [[0, len(graph.ops)]], "recompute_segments": []}]
+def build_stages(graph: PlanningGraph, pipeline: PipelineSection | None, mesh: DeviceMesh,
+                 output: str, needs_grad: Mapping[str, bool]) -> Stages:
+    """Chunks, transfers and checkpointed segments of a plan's pipeline section (a plan
+    without one: one chunk holding every op)."""
+    pp = mesh.axis_size(AxisRole.PIPELINE) if AxisRole.PIPELINE in mesh.axis_names else 1
+    schedule = str(pipeline.schedule) if pipeline else str(Schedule.ONE_F_ONE_B)
+    micro = pipeline.micro_batches if pipeline else 1
+    rows = [(stage.ops, stage.recompute_segments) for stage in pipeline.stages] \
+        if pipeline else [(((0, len(graph.ops)),), ())]
     if len(rows) != pp:
         raise PlanFileError(f"pipeline.stages has {len(rows)} entries but the mesh has "
                             f"pp={pp}; re-create the plan")
-    chunks = _chunks(rows, len(graph.ops))
-    if schedule == "interleaved":
+    chunks = _chunks([ops for ops, _ in rows], len(graph.ops))
+    if schedule == Schedule.INTERLEAVED:
         _check_interleaving(chunks, pp, micro)
-    segments = tuple(sorted((int(a), int(b)) for row in rows
-                            for a, b in row.get("recompute_segments", [])))
+    segments = tuple(sorted((int(a), int(b)) for _, row in rows for a, b in row))
     _check_segments(segments, chunks)
     producer = {name: k for k, node in enumerate(graph.ops) for name in node.outputs if name}
     if output not in producer:
         raise ShardplanError(f"output {output} is not computed by any op; nothing to train")
     loss_chunk = _chunk_of(chunks, producer[output])
+    sends = pipeline.sends if pipeline else ()
     return Stages(pp, micro, schedule, tuple(chunks),
-                  tuple(_transfers(graph, chunks, producer, needs_grad)), segments, loss_chunk)
+                  tuple(_transfers(graph, chunks, producer, needs_grad, sends)), segments,
+                  loss_chunk)
 
 
-def _chunks(rows: Sequence[Mapping], count: int) -> list[Chunk]:
+def _chunks(rows: Sequence[Sequence[tuple[int, int]]], count: int) -> list[Chunk]:
     """Every op range of every device stage, in op order; they must tile the graph."""
-    ranges = sorted((int(a), int(b), d, slot) for d, row in enumerate(rows)
-                    for slot, (a, b) in enumerate(row["ops"]))
+    ranges = sorted((int(a), int(b), d, slot) for d, ops in enumerate(rows)
+                    for slot, (a, b) in enumerate(ops))
     chunks = [Chunk(k, a, b, d, slot) for k, (a, b, d, slot) in enumerate(ranges)]
     position = 0
     for chunk in chunks:
@@ -159,27 +162,39 @@ def _chunk_of(chunks: Sequence[Chunk], op: int) -> int:
 
 
 def _transfers(graph: PlanningGraph, chunks: Sequence[Chunk], producer: Mapping[str, int],
-               needs_grad: Mapping[str, bool]) -> list[Transfer]:
-    """Activations read outside their producing chunk. One without a gradient reaches a
-    device once: its first reader there hands it on to the device's later chunks."""
+               needs_grad: Mapping[str, bool], sends: Sequence[SendEntry]) -> list[Transfer]:
+    """Activations read outside their producing chunk: the plan's sends between devices,
+    and hand-offs inside one device (from the producing chunk, or from the chunk that
+    received the tensor from another device)."""
     readers: dict[str, set[int]] = {}
     for k, node in enumerate(graph.ops):
         for name in node.inputs:
             if name in producer and _chunk_of(chunks, producer[name]) != _chunk_of(chunks, k):
                 readers.setdefault(name, set()).add(_chunk_of(chunks, k))
+    sent = {(send.tensor, send.to_chunk): send for send in sends}
+    for send in sends:
+        if send.tensor not in producer or send.to_chunk not in readers.get(send.tensor, ()) \
+                or send.from_chunk != _chunk_of(chunks, producer[send.tensor]):
+            raise PlanFileError(f"pipeline send of {send.tensor} from chunk {send.from_chunk} "
+                                f"to chunk {send.to_chunk}: no such transfer in the model "
+                                "(the chunk does not read it, or another produces it); "
+                                "re-create the plan")
     result: list[Transfer] = []
     for name in sorted(readers):
         src = _chunk_of(chunks, producer[name])
         grad = bool(needs_grad.get(name, False) and graph.tensors[name].is_float)
-        holder: dict[int, int] = {}  # device -> the chunk that first received it there
         for dst in sorted(readers[name]):
             device = chunks[dst].device
-            if grad or device == chunks[src].device:
+            if (name, dst) in sent or device == chunks[src].device:
                 origin = src
-            elif device in holder:
-                origin = holder[device]
             else:
-                origin, holder[device] = src, dst
+                held = [c for (tensor, c) in sent if tensor == name and c < dst
+                        and chunks[c].device == device]
+                if not held:
+                    raise PlanFileError(f"chunk {dst} (device stage {device}) reads {name}, "
+                                        "which the plan sends to no chunk of that stage; "
+                                        "re-create the plan")
+                origin = min(held)
             result.append(Transfer(len(result), name, origin, dst, grad,
                                    chunks[origin].device != device))
     return result

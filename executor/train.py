@@ -29,14 +29,16 @@ import torch.multiprocessing as mp
 
 from executor import checkpoint as checkpoints
 from executor.pipeline import PipelineEngine
-from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
-from executor.schedule import build_stages, check_schedule
+from executor.runtime import Placement, PlanRunner, onnx_weights
+from executor.schedule import build_stages, check_pipeline_section, check_schedule
 from executor.update import WeightUpdate, check_zero, tied_groups
-from planner.api import load_graph
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
-from planner.planfile import Plan
-from planner.pricing import requires_grad_map
+from planner.kinds import AxisRole
+from planner.onnx_import import import_model
+from planner.plan.model import Plan
+from planner.sharding.analysis import GraphAnalysis
+from planner.validate import check_model_digest, check_plan_matches
 
 
 @dataclass
@@ -148,39 +150,40 @@ def _fault_drill(rank: int, spec: str = "") -> int | None:
     return int(step) if spec and victim == str(rank) and step.isdigit() else None
 
 
-def _micro_batches(plan: Plan) -> int:
-    return int((plan.pipeline or {}).get("micro_batches", 1))
+def _holders(plan: Plan) -> dict[str, tuple[int, ...]] | None:
+    """Per weight, the pipeline device stages holding it (the plan's `holds`); None for a
+    plan without stages, whose ranks hold every weight."""
+    if plan.pipeline is None:
+        return None
+    result: dict[str, list[int]] = {}
+    for stage in plan.pipeline.stages:
+        for name in stage.holds:
+            result.setdefault(name, []).append(stage.device_stage)
+    return {name: tuple(stages) for name, stages in result.items()}
 
 
-def _holders(plan: Plan) -> dict[str, tuple[int, ...]]:
-    """Per weight, the pipeline device stages whose ops read it (stage 0 for a plain plan)."""
-    rows = (plan.pipeline or {}).get("stages") or [{"ops": [[0, len(plan.ops)]]}]
-    result: dict[str, set[int]] = {}
-    for d, row in enumerate(rows):
-        for a, b in row["ops"]:
-            for op in plan.ops[a:b]:
-                for binding in op.inputs:
-                    if binding and plan.tensors[binding.tensor].kind in ("parameter",
-                                                                          "buffer"):
-                        result.setdefault(binding.tensor, set()).add(d)
-    return {name: tuple(sorted(stages)) for name, stages in result.items()}
-
-
-def _engine(graph: PlanningGraph, plan: Plan, rank: int, seed: int, model: str,
+def _engine(analysis: GraphAnalysis, plan: Plan | None, rank: int, seed: int, model: str,
             optimizer: str, lr: float, loss: str) -> PipelineEngine:
-    """This rank's runner (its stage's weights only), weight update and schedule."""
+    """This rank's runner (its stage's weights only), weight update and schedule; without
+    a plan, the unsplit reference on one device."""
+    graph = analysis.graph
     kind, output = loss_kind(graph, loss)
-    holders = _holders(plan)
-    mesh = plan.mesh
+    placement = Placement.of_plan(plan) if plan is not None else Placement.unsplit(graph)
+    holders = _holders(plan) if plan is not None else None
+    mesh = placement.mesh
     device = 0
-    if "pp" in mesh.axis_names:
-        device = int(np.unravel_index(rank, mesh.shape)[mesh.axis_names.index("pp")])
-    held = {name for name, stages in holders.items() if device in stages}
-    runner = PlanRunner(graph, plan, rank, seed, onnx_weights(model), held)
-    stages = build_stages(graph, plan, output, runner.needs_grad)
-    tied = tied_groups(runner.comm, {n: h for n, h in holders.items()
+    if AxisRole.PIPELINE in mesh.axis_names:
+        device = int(np.unravel_index(rank, mesh.shape)[mesh.axis_names.index(
+            AxisRole.PIPELINE)])
+    held = None if holders is None else {name for name, stages in holders.items()
+                                         if device in stages}
+    runner = PlanRunner(analysis, placement, rank, seed, onnx_weights(model), held)
+    stages = build_stages(graph, plan.pipeline if plan is not None else None, mesh, output,
+                          runner.needs_grad)
+    tied = tied_groups(runner.comm, {n: h for n, h in (holders or {}).items()
                                      if graph.tensors[n].kind == "parameter"})
-    update = WeightUpdate(runner, plan.parallel.zero, optimizer, lr, tied)
+    zero = plan.parallel.zero if plan is not None else 0
+    update = WeightUpdate(runner, zero, optimizer, lr, tied)
     return PipelineEngine(runner, stages, update, output, kind)
 
 
@@ -272,9 +275,10 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
         if plan.mesh.size != world:
             raise ShardplanError(f"the plan is for {plan.mesh.size} devices but {world} ranks "
                                  "were started; start as many ranks as the plan has devices")
-        graph = _graph_for(settings.model, plan)
-        engine = _engine(graph, plan, rank, settings.seed, settings.model, settings.optimizer,
-                         settings.lr, settings.loss)
+        graph = graph_for(settings.model, plan)
+        check_plan_matches(plan, graph)
+        engine = _engine(GraphAnalysis.of(graph), plan, rank, settings.seed, settings.model,
+                         settings.optimizer, settings.lr, settings.loss)
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(engine, graph, settings.steps, settings.seed, log, settings.resume,
                settings.checkpoint, settings.loss, settings.data, settings.fault,
@@ -299,34 +303,34 @@ def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
     os._exit(0)
 
 
-def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
+def graph_for(model: str | os.PathLike | PlanningGraph, plan: Plan) -> PlanningGraph:
     """The model imported with the dims the plan was made for (at its micro-batch); the
     file's digest is checked first, so another model gets "made for another model"
     rather than an error about its dims."""
     import hashlib
 
-    from executor.runtime import check_model_digest
+    if isinstance(model, PlanningGraph):
+        return model
+    try:
+        digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
+    check_model_digest(plan, digest, str(model))
+    return import_model(model, batch=plan.model.batch, dims=plan.model.bound_dims)
 
-    if not isinstance(model, PlanningGraph):
-        try:
-            digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
-        except OSError as exc:
-            raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
-        check_model_digest(plan, digest, str(model))
-    return load_graph(model, batch=plan.model.batch, dims=plan.model.bound_dims)
 
-
-def _whole_batch_graph(model: str | os.PathLike, plan: Plan,
+def whole_batch_graph(model: str | os.PathLike | PlanningGraph, plan: Plan,
                        micro: PlanningGraph) -> PlanningGraph:
     """The model at the step's whole batch (micro_batch_size × micro_batches)."""
-    count = _micro_batches(plan)
+    count = plan.micro_batches
     if count == 1:
         return micro
     if not micro.batch:
         raise ShardplanError(f"{micro.path}: the plan has {count} micro-batches but the model "
                              "has no batch dimension to cut")
     dims = {k: v for k, v in plan.model.bound_dims.items() if k != micro.batch_symbol}
-    return load_graph(model, batch=micro.batch * count, dims=dims)
+    return import_model(micro.path if isinstance(model, PlanningGraph) else model,
+                        batch=micro.batch * count, dims=dims)
 
 
 def _start_ranks(world: int, settings: RunSettings) -> None:
@@ -344,7 +348,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
     cannot run (its stages, schedule or ZeRO stage), with the one-line reason."""
     from planner.validate import validate
 
-    graph = _graph_for(model, plan)
+    graph = graph_for(model, plan)
     check_plan_matches(plan, graph)
     report = validate(plan, graph)
     if not report.ok:
@@ -353,7 +357,9 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
         raise PlanFileError(f"the plan does not validate against {model}: "
                             f"{report.problems[0]}{more}")
     _, output = loss_kind(graph, loss)
-    check_schedule(build_stages(graph, plan, output, requires_grad_map(graph)))
+    check_pipeline_section(plan)
+    check_schedule(build_stages(graph, plan.pipeline, plan.mesh, output,
+                                GraphAnalysis.of(graph).needs_grad))
     check_zero(plan.parallel.zero)
 
 
@@ -394,19 +400,15 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
 
 def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                     seed: int = 0, optimizer: str = "sgd", loss: str = "auto",
-                    data: str = "") -> RunLog:
-    """The same model, data and optimizer in one process with nothing split."""
-    from planner.api import plan as make_plan
-
-    micro = _graph_for(model, plan)
+                    data: str = "", predicted_step_time_s: float = 0.0) -> RunLog:
+    """The same model, data and optimizer in one process with nothing split (the plan
+    gives the dims and micro-batches: the reference trains the whole step's batch).
+    `predicted_step_time_s` is what the caller priced for one device, for the log."""
+    micro = graph_for(model, plan)
     check_plan_matches(plan, micro)
-    graph = _whole_batch_graph(model, plan, micro)
-    try:  # price the one-device run on the plan's hardware where that profile is bundled
-        single = make_plan(graph, devices=1, mode="data", profile=plan.cluster.profile)
-    except ShardplanError:
-        single = make_plan(graph, devices=1, mode="data", profile="cpu")
-    engine = _engine(graph, single, 0, seed, str(model), optimizer, lr, loss)
-    log = RunLog(predicted_step_time_s=single.predicted.step_time_s)
+    graph = whole_batch_graph(model, plan, micro)
+    engine = _engine(GraphAnalysis.of(graph), None, 0, seed, str(model), optimizer, lr, loss)
+    log = RunLog(predicted_step_time_s=predicted_step_time_s)
     _steps(engine, graph, steps, seed, log, loss=loss, data=data)
     return log
 
@@ -419,7 +421,7 @@ def planned_counts(plan: Plan, steps: int) -> dict[str, int]:
     reduce-scatter is a backward entry), gradient entries once per step; a weight held by
     two pipeline stages is listed once per holder, with the sum between the holders.
     """
-    micro = _micro_batches(plan)
+    micro = plan.micro_batches
     counts: Counter = Counter()
     for c in plan.collectives:
         key = f"{c.kind}|{','.join(c.axes)}|{c.phase}"

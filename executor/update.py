@@ -1,13 +1,16 @@
 """The end of a training step: gradient sums, ZeRO sharding, the optimizer, tied weights.
 
-Gradients are summed over the axes of the plan's `gradient` collectives. ZeRO stage 0
-all-reduces them and every rank updates its whole weights. ZeRO stages 1 and 2 shard the
-optimizer over that same group (Rajbhandari et al. 2020): each weight is flattened and cut
-into one equal chunk per rank; the gradient is reduce-scattered so each rank holds the sum
-of its chunk, the rank's optimizer (whose state therefore has the chunk's size) updates the
-chunk, and an all-gather rebuilds the weight everywhere. Stage 2 reduce-scatters after
-every micro-batch and keeps only the chunk of the gradient; stage 1 accumulates the whole
-gradient first. Elementwise optimizers (SGD, AdamW) give the same numbers either way.
+Gradients are summed over the axes of the plan's weight collectives, and what runs is
+what `planner.sharding.weights.sync_steps` lists for the plan's ZeRO stage, the table the
+planner priced: an all-reduce (stage 0), after which every rank updates its whole weights;
+or a reduce-scatter and an all-gather (stages 1 and 2), which shard the optimizer over the
+same group (Rajbhandari et al. 2020): each weight is flattened and cut into one equal chunk
+per rank, the gradient is reduce-scattered so each rank holds the sum of its chunk, the
+rank's optimizer (whose state therefore has the chunk's size) updates the chunk, and an
+all-gather rebuilds the weight everywhere. When the reduce-scatter is a per-micro-batch
+(backward-phase) step, as in stage 2, it runs after every micro-batch and keeps only the
+chunk of the gradient; otherwise the whole gradient accumulates first. Elementwise
+optimizers (SGD, AdamW) give the same numbers either way.
 
 A weight read by two pipeline stages (a tied embedding and head) lives on both; each copy
 gets only its stage's gradient, so the holders sum their gradients (an all-reduce between
@@ -26,6 +29,8 @@ import torch.distributed as dist
 
 from executor.runtime import MeshComm, PlanRunner
 from planner.errors import ShardplanError
+from planner.kinds import CollectiveKind
+from planner.sharding.weights import sync_steps
 
 OPTIMIZERS = ("sgd", "adamw")
 ZERO_STAGES = (0, 1, 2)
@@ -101,6 +106,10 @@ class WeightUpdate:
                  tied: Mapping[str, dist.ProcessGroup | None] | None = None) -> None:
         check_zero(zero)
         self.runner, self.comm, self.zero = runner, runner.comm, zero
+        scatters = [step for step in sync_steps(zero)
+                    if step.kind == CollectiveKind.REDUCE_SCATTER]
+        self.sharded = bool(scatters)  # the optimizer updates chunks of the weights
+        self.scatter_each_micro_batch = any(step.per_micro_batch for step in scatters)
         self.tied = dict(tied or {})
         self.shards: dict[str, _Shard] = {}
         self.targets: dict[str, torch.Tensor] = {}  # checkpoint name -> optimizer tensor
@@ -109,7 +118,7 @@ class WeightUpdate:
                 continue
             axes = runner.gradient_axes.get(name, ())
             size = self.comm.mesh.group_size(axes) if axes else 1
-            if zero and size > 1:
+            if self.sharded and size > 1:
                 chunk = math.ceil(param.numel() / size)
                 leaf = torch.zeros(chunk, dtype=param.dtype, requires_grad=True)
                 self.shards[name] = _Shard(param, axes, size, self.comm.group_rank(axes), leaf)
@@ -126,7 +135,7 @@ class WeightUpdate:
     def after_micro_batch(self) -> None:
         """ZeRO 2: reduce-scatter each gradient now and keep only this rank's chunk (the
         plan lists it as a backward collective: once per micro-batch)."""
-        if self.zero < 2:
+        if not self.scatter_each_micro_batch:
             return
         for shard in self.shards.values():
             grad = shard.param.grad

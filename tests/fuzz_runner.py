@@ -98,16 +98,16 @@ def _call(entry: EntryPoint, argv: list[str]) -> tuple[int, str]:
 
 def check_plan_against_model(plan_path: str, model_path: str) -> int:
     """What `shardplan run` does before any rank starts: load the plan, import the model
-    with the plan's dims, and refuse a mismatch (executor.train._graph_for +
+    with the plan's dims, and refuse a mismatch (executor.train.graph_for +
     executor.runtime.check_plan_matches). Returns the exit code the CLI would give."""
-    from executor.runtime import check_plan_matches
-    from executor.train import _graph_for
+    from executor.train import graph_for
     from planner.errors import ShardplanError
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
+    from planner.validate import check_plan_matches
 
     try:
         plan = Plan.load(plan_path)
-        check_plan_matches(plan, _graph_for(model_path, plan))
+        check_plan_matches(plan, graph_for(model_path, plan))
     except ShardplanError as exc:
         print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return exc.exit_code
@@ -139,7 +139,7 @@ def _check_output(path: Path) -> str:
     if not path.exists():
         return ""
     from planner.errors import ShardplanError
-    from planner.planfile import Plan
+    from planner.plan.model import Plan
 
     try:
         plan = Plan.load(path)

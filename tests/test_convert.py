@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from planner import zoo
 from planner.api import load_graph, plan
-from planner.assemble import op_labels
 from planner.errors import StrategyError
+from planner.exports.dtensor import to_dtensor_placements
+from planner.exports.mindspore import to_mindspore_checkpoint
 from planner.graph import OpNode, TensorInfo
-from planner.planfile import Plan
-from planner.search.data_parallel import data_parallel_strategies
+from planner.plan.model import Plan
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.convert import (
     MindSporeLayout,
     default_axis_names,
@@ -25,8 +27,6 @@ from planner.sharding.convert import (
     label_factors,
     mesh_for_tuples,
     strategy_from_tuples,
-    to_dtensor_placements,
-    to_mindspore_checkpoint,
     to_mindspore_layout,
     to_placements,
     tuples_from_strategy,
@@ -421,7 +421,7 @@ def test_mindspore_checkpoint_of_a_data_parallel_plan(gpt_plan: Plan) -> None:
         if any(b is not None for b in op.inputs):
             entry = strategies[op.name]
             assert entry["stage"] == 0
-            assert entry["parallel_strategy"] == [s for s, b in zip(
+            assert entry["parallel_strategy"] == [list(s) for s, b in zip(
                 op.strategy, op.inputs, strict=True) if b is not None]
     assert any(2 in dims for e in strategies.values() for dims in e["parallel_strategy"])
     values = checkpoint["parallel_layout_value_item"]
@@ -459,7 +459,7 @@ def test_checkpoint_flattens_neighbouring_axes(gpt_plan: Plan) -> None:
 def test_every_op_of_a_real_graph_round_trips_its_tuples(gpt_path: pathlib.Path) -> None:
     graph = load_graph(gpt_path, batch=4, dims={"seq": 8})
     mesh = DeviceMesh.build({"dp": 2}, 8)
-    labels = op_labels(graph)
+    labels = GraphAnalysis.of(graph).labels
     strategies = data_parallel_strategies(graph, mesh, labels)
     checked = 0
     for node in graph.ops:

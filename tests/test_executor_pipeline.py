@@ -9,6 +9,7 @@ messages, schedule order, optimizer state sizes, recomputed segments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from executor.train import RunLog, planned_counts, train, train_reference
 from planner import zoo
 from planner.api import load_graph, plan
 from planner.errors import ShardplanError
-from planner.planfile import Plan
-from planner.pricing import requires_grad_map
+from planner.kinds import Schedule
+from planner.plan.model import Plan
+from planner.sharding.analysis import needs_grad_map
 
 STEPS = 5
 LR = 0.01
@@ -58,8 +60,8 @@ def _stage(run: RunLog, stage: int) -> list[dict]:
 
 def _messages(chosen: Plan, grad: bool) -> int:
     """Point-to-point messages one receiving rank of a 2-stage pipeline gets in the run."""
-    sends = chosen.pipeline["sends"]
-    return sum(1 for s in sends if s["grad"] or not grad) * chosen.parallel.micro_batches * STEPS
+    sends = chosen.pipeline.sends
+    return sum(1 for s in sends if s.grad or not grad) * chosen.parallel.micro_batches * STEPS
 
 
 def _chunked(record: dict, groups: int) -> bool:
@@ -107,18 +109,19 @@ def test_transfers_between_stages_are_the_plans_sends(models: dict[str, Path]) -
                                              "schedule": "interleaved", "zero": 0})):
         chosen = _plan(path, **parallel)
         graph = load_graph(path, batch=chosen.model.batch, dims=chosen.model.bound_dims)
-        stages = build_stages(graph, chosen, graph.outputs[0], requires_grad_map(graph))
+        stages = build_stages(graph, chosen.pipeline, chosen.mesh, graph.outputs[0],
+                              needs_grad_map(graph))
         ours = {(t.tensor, stages.chunks[t.src].device, stages.chunks[t.dst].device, t.grad)
                 for t in stages.transfers if t.p2p}
-        assert ours == {(s["tensor"], s["from_stage"], s["to_stage"], s["grad"])
-                        for s in chosen.pipeline["sends"]}
+        assert ours == {(s.tensor, s.from_stage, s.to_stage, s.grad)
+                        for s in chosen.pipeline.sends}
 
 
 def test_one_f_one_b_pipeline_with_data_parallel(models: dict[str, Path]) -> None:
     """Two stages of two data-parallel ranks; the tied embedding/head weight lives on both
     stages and its gradients are summed between them."""
     chosen = _plan(models["gpt"], pp=2, dp=2, micro_batches=2, zero=0)
-    assert chosen.pipeline["schedule"] == "1f1b" and chosen.mesh.axis_names == ("pp", "dp")
+    assert chosen.pipeline.schedule == "1f1b" and chosen.mesh.axis_names == ("pp", "dp")
     run = _check(models["gpt"], chosen)
     first, last = _stage(run, 0), _stage(run, 1)
     assert [r["rank"] for r in first] == [0, 1] and [r["rank"] for r in last] == [2, 3]
@@ -136,7 +139,7 @@ def test_one_f_one_b_pipeline_with_data_parallel(models: dict[str, Path]) -> Non
 
 def test_gpipe_pipeline_with_zero1(models: dict[str, Path]) -> None:
     chosen = _plan(models["gpt"], pp=2, dp=2, micro_batches=4, schedule="gpipe", zero=1)
-    assert chosen.pipeline["schedule"] == "gpipe" and chosen.parallel.zero == 1
+    assert chosen.pipeline.schedule == "gpipe" and chosen.parallel.zero == 1
     run = _check(models["gpt"], chosen)
     assert _stage(run, 0)[0]["actions"] == [f"F{m}@0" for m in range(4)] + [
         f"B{m}@0" for m in range(4)]
@@ -147,7 +150,7 @@ def test_gpipe_pipeline_with_zero1(models: dict[str, Path]) -> None:
 def test_zero1_with_gradient_accumulation(models: dict[str, Path]) -> None:
     """pp=1: four data-parallel ranks, two micro-batches each, optimizer state in quarters."""
     chosen = _plan(models["gpt"], dp=4, zero=1, micro_batches=2)
-    assert chosen.mesh.axis_names == ("dp",) and chosen.pipeline["micro_batches"] == 2
+    assert chosen.mesh.axis_names == ("dp",) and chosen.pipeline.micro_batches == 2
     run = _check(models["gpt"], chosen)
     assert all(_chunked(record, 4) for record in run.ranks)
     assert run.ranks[0]["actions"] == ["F0@0", "B0@0", "F1@0", "B1@0"]
@@ -158,8 +161,8 @@ def test_zero1_with_gradient_accumulation(models: dict[str, Path]) -> None:
 def _recomputed(chosen: Plan, path: Path) -> tuple[int, int]:
     """(segments that keep tensors for the backward pass, forward collectives in them)."""
     graph = load_graph(path, batch=chosen.model.batch, dims=chosen.model.bound_dims)
-    grads = requires_grad_map(graph)
-    segments = [s for stage in chosen.pipeline["stages"] for s in stage["recompute_segments"]]
+    grads = needs_grad_map(graph)
+    segments = [s for stage in chosen.pipeline.stages for s in stage.recompute_segments]
     names = {op.name: k for k, op in enumerate(chosen.ops)}
     kept = sum(1 for a, b in segments if any(grads.get(o, False) for node in graph.ops[a:b]
                                              for o in node.outputs))
@@ -191,7 +194,7 @@ def test_selective_recompute_in_a_tensor_parallel_pipeline(models: dict[str, Pat
     assert any("tp" in c.axes for c in chosen.collectives)
     run = _check(models["wide"], chosen)
     for stage in (0, 1):
-        segments = len(chosen.pipeline["stages"][stage]["recompute_segments"])
+        segments = len(chosen.pipeline.stages[stage].recompute_segments)
         for record in _stage(run, stage):
             assert 0 < record["recompute_calls"] <= segments * 2 * STEPS
 
@@ -202,7 +205,7 @@ def test_interleaved_pipeline_with_zero2(models: dict[str, Path]) -> None:
     gradient after every micro-batch and keeps only this rank's chunk."""
     chosen = _plan(models["gpt4"], pp=2, dp=2, micro_batches=4, schedule="interleaved",
                    zero=2)
-    assert [len(s["ops"]) for s in chosen.pipeline["stages"]] == [2, 2]
+    assert [len(s.ops) for s in chosen.pipeline.stages] == [2, 2]
     run = _check(models["gpt4"], chosen)
     actions = _stage(run, 0)[0]["actions"]
     assert actions[:5] == ["F0@0", "F1@0", "F0@2", "F1@2", "F2@0"]
@@ -240,7 +243,9 @@ def test_what_the_executor_cannot_run_is_refused_before_ranks_start(
     with pytest.raises(ShardplanError, match="ZeRO stages 0-2"):
         train(path, _plan(path, dp=4, zero=3), steps=1)
     interleaved = _plan(models["gpt4"], pp=2, dp=2, micro_batches=2, schedule="interleaved")
-    interleaved.pipeline["schedule"] = "1f1b"
+    assert interleaved.pipeline is not None
+    interleaved = dataclasses.replace(interleaved, pipeline=dataclasses.replace(
+        interleaved.pipeline, schedule=Schedule.ONE_F_ONE_B))
     with pytest.raises(ShardplanError, match="1F1B runs one per device"):
         train(models["gpt4"], interleaved, steps=1)
 

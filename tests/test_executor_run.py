@@ -10,10 +10,10 @@ from costmodels.profile import load_profile
 from executor.train import planned_counts, train, train_reference
 from planner import zoo
 from planner.api import load_graph, plan
-from planner.assemble import TrainingOptions, op_labels
+from planner.cost.step import TrainingOptions
 from planner.errors import PlanFileError
-from planner.planfile import Plan
-from planner.search.auto import price_baselines
+from planner.plan.model import Plan
+from planner.plan.planning import plan_baseline
 
 STEPS = 5
 
@@ -25,8 +25,7 @@ def _zoo(tmp_path: Path, preset: str) -> Path:
 
 def _megatron(path: Path, devices: int, dims: dict[str, int]) -> Plan:
     graph = load_graph(path, batch=4, dims=dims)
-    return price_baselines(graph, load_profile("a100-80g"), devices, TrainingOptions(),
-                           op_labels(graph))["megatron"]
+    return plan_baseline(graph, load_profile("a100-80g"), devices, "megatron", TrainingOptions())
 
 
 def _check(path: Path, chosen: Plan, optimizer: str = "sgd") -> None:
@@ -112,13 +111,14 @@ def test_reference_mode_matches_onnxruntime(tmp_path: Path, preset: str) -> None
     import numpy as np
     import onnxruntime
 
-    from executor.runtime import PlanRunner, onnx_weights
+    from executor.runtime import Placement, PlanRunner, onnx_weights
     from executor.train import synthetic_batch
+    from planner.sharding.analysis import GraphAnalysis
 
     family, config = zoo.preset(preset)
     path = str(zoo.save(zoo.build(family, config, with_weights=True), tmp_path / "m.onnx"))
     graph = load_graph(path, batch=2, dims={} if family == "resnet" else {"seq": 8})
-    runner = PlanRunner(graph, plan(graph, devices=1, mode="data", profile="cpu"), 0, 0,
+    runner = PlanRunner(GraphAnalysis.of(graph), Placement.unsplit(graph), 0, 0,
                         onnx_weights(path))
     feeds, _, output = synthetic_batch(graph, 0)
     values, _ = runner.forward(feeds)
@@ -263,8 +263,8 @@ def _kind_plan(path: Path, kind: str, devices: int, batch: int, dims: dict[str, 
         return plan(path, devices=devices, batch=batch, dims=dims, mode="data", profile="cpu")
     if kind == "tensor":
         graph = load_graph(path, batch=batch, dims=dims)
-        return price_baselines(graph, load_profile("a100-80g"), devices, TrainingOptions(),
-                               op_labels(graph))["megatron"]
+        return plan_baseline(graph, load_profile("a100-80g"), devices, "megatron",
+                             TrainingOptions())
     free = plan(path, devices=devices, batch=batch, dims=dims, mesh=(2, devices // 2))
     return plan(path, devices=devices, batch=batch, dims=dims, mesh=(2, devices // 2),
                 memory_limit_gib=free.predicted.memory["peak"] * 0.6 / 2**30)

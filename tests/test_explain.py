@@ -19,7 +19,7 @@ from planner.api import plan
 from planner.cli import main
 from planner.cli.progress import Progress as _Progress
 from planner.explain import JSON_KEYS, explain, find_units
-from planner.planfile import Plan
+from planner.plan.model import Plan
 from planner.plots import schedule_events
 
 
@@ -102,8 +102,9 @@ def test_pipeline_units_add_up_to_their_stage(plans: dict[str, Path]) -> None:
 
 def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path]) -> None:
     """The plan-only grouping equals `planner.stages.find_units` on the imported graph."""
-    from planner.onnx_import import import_model
     from planner.stages import find_units as graph_units
+
+    from planner.onnx_import import import_model
 
     loaded = Plan.load(plans["data"])
     assert loaded.pipeline is None

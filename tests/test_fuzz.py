@@ -191,8 +191,9 @@ def test_profile_reader_refuses_or_returns_finite_figures(pick: int, value: Any)
 @given(pick=st.integers(0, 10_000), value=JSON_VALUES)
 def test_plan_reader_refuses_or_exports(pick: int, value: Any) -> None:
     from planner.errors import PlanFileError, ShardplanError
-    from planner.planfile import Plan
-    from planner.sharding.convert import to_dtensor_placements, to_mindspore_checkpoint
+    from planner.exports.dtensor import to_dtensor_placements
+    from planner.exports.mindspore import to_mindspore_checkpoint
+    from planner.plan.model import Plan
 
     data = json.loads(fuzz_cases.base_plan("seed-mlp", 2))
     path = _replace_somewhere(data, pick, value)

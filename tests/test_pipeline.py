@@ -15,24 +15,20 @@ from costmodels.profile import load_profile
 from costmodels.schedule import bubble_fraction, in_flight, pipeline_time
 from planner import zoo
 from planner.api import plan
-from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.cli import main
+from planner.cost.oplevel import price_graph
+from planner.cost.pipeline import Pricer
+from planner.cost.step import PipelineConfig, TrainingOptions
+from planner.cost.units import UnitProfile, unit_profile
+from planner.kinds import Recompute
+from planner.layers import Units
 from planner.onnx_import import import_model
-from planner.planfile import SCHEMA_FILE, ParallelConfig, SolverRecord
-from planner.search.data_parallel import data_parallel_strategies
+from planner.plan.schema import SCHEMA_FILE
+from planner.search.stages import StageTables, contiguous, interleaved
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.batch import data_parallel_strategies
+from planner.sharding.derive import derive
 from planner.sharding.mesh import DeviceMesh
-from planner.stages import (
-    PipelineConfig,
-    Pricer,
-    UnitProfile,
-    Units,
-    _StageTables,
-    contiguous,
-    find_units,
-    interleaved,
-    price_pipeline,
-    unit_profile,
-)
 
 GIB = 1 << 30
 
@@ -87,14 +83,16 @@ def _uniform_profile(count: int, seconds: float, saved: float) -> UnitProfile:
                   tuple(range(count)))
     zeros = np.zeros(count)
     return UnitProfile(
-        units, forward=np.full(count, seconds / 3), backward=np.full(count, 2 * seconds / 3),
+        units, forward_compute=np.full(count, seconds / 3),
+        backward_compute=np.full(count, 2 * seconds / 3),
         forward_communication=zeros.copy(), backward_communication=zeros.copy(),
         selective_extra=zeros.copy(),
-        saved={"none": np.full(count, saved), "selective": np.full(count, saved / 2),
-               "full": np.full(count, saved / 8)},
-        transient={"none": zeros.copy(), "selective": np.full(count, saved / 2),
-                   "full": np.full(count, saved * 7 / 8)},
-        workspace=zeros.copy(), params=[], crossings=[])
+        saved={Recompute.NONE: np.full(count, saved),
+               Recompute.SELECTIVE: np.full(count, saved / 2),
+               Recompute.FULL: np.full(count, saved / 8)},
+        transient={Recompute.NONE: zeros.copy(), Recompute.SELECTIVE: np.full(count, saved / 2),
+                   Recompute.FULL: np.full(count, saved * 7 / 8)},
+        workspace=zeros.copy(), params=(), crossings=())
 
 
 def test_equal_stages_take_m_plus_p_minus_1_slots() -> None:
@@ -103,25 +101,25 @@ def test_equal_stages_take_m_plus_p_minus_1_slots() -> None:
     for pp, micro in ((2, 4), (4, 4), (4, 16), (8, 8)):
         mesh = DeviceMesh.build({"pp": pp}, 8)
         per_stage = 8 // pp
-        price = price_pipeline(profile, contiguous(list(range(0, 9, per_stage))),
-                               ["none"] * pp, PipelineConfig(pp=pp, micro_batches=micro),
-                               hardware, mesh)
+        price = Pricer(profile, PipelineConfig(pp=pp, micro_batches=micro), hardware,
+                       mesh).price(contiguous(list(range(0, 9, per_stage))),
+                                   [Recompute.NONE] * pp)
         assert price.pipeline_s == pytest.approx((micro + pp - 1) * per_stage)
         idle = 1 - micro * per_stage / price.pipeline_s
         assert idle == pytest.approx(bubble_fraction(pp, micro))
 
 
-def _brute_force(tables: _StageTables, pp: int, limit: float) -> float:
+def _brute_force(tables: StageTables, pp: int, limit: float) -> float:
     """The least bottleneck load over every placement of pp − 1 cuts (recompute "none")."""
     n, m = tables.n, tables.config.micro_batches
-    per_micro = tables.time["none"] + tables.p2p + tables.totals["micro"]
-    cost = m * per_micro + tables.totals["end"] + tables.totals["opt"]
+    per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals["micro"]
+    cost = m * per_micro + tables.totals["end"] + tables.totals["optimizer"]
     best = np.inf
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
         loads = []
         for stage, (a, b) in enumerate(itertools.pairwise(bounds)):
-            if tables.memory("none", stage)[a, b] > limit:
+            if tables.memory(Recompute.NONE, stage)[a, b] > limit:
                 break
             loads.append(cost[a, b])
         else:
@@ -131,31 +129,29 @@ def _brute_force(tables: _StageTables, pp: int, limit: float) -> float:
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_partition_dp_equals_brute_force(gpt8: Path, pp: int) -> None:
-    graph = import_model(gpt8, batch=4, dims={"seq": 16})
+    analysis = GraphAnalysis.of(import_model(gpt8, batch=4, dims={"seq": 16}))
     hardware = load_profile("a100-80g")
     mesh = DeviceMesh.build({"pp": pp}, 8)
-    labels = op_labels(graph)
-    op_plan = assemble(graph, mesh, {}, hardware, ParallelConfig(pp=pp),
-                       SolverRecord("t", "fixed", 0, 0, 0, 0), TrainingOptions(), labels)
-    profile = unit_profile(graph, op_plan, find_units(graph))
+    priced = price_graph(derive(analysis, mesh, {}), hardware, TrainingOptions())
+    profile = unit_profile(priced, analysis.units)
     config = PipelineConfig(pp=pp, micro_batches=4)
-    tables = _StageTables(Pricer(profile, config, hardware, mesh))
-    for limit in (np.inf, 0.6 * tables.memory("none", 0)[0, -1]):
-        found = tables.solve(limit, ["none"])
+    tables = StageTables(Pricer(profile, config, hardware, mesh))
+    for limit in (np.inf, 0.6 * tables.memory(Recompute.NONE, 0)[0, -1]):
+        found = tables.solve(limit, [Recompute.NONE])
         expected = _brute_force(tables, pp, limit)
         if found is None:
             assert expected == np.inf
             continue
         cuts, _ = found
-        per_micro = tables.time["none"] + tables.p2p + tables.totals["micro"]
-        cost = 4 * per_micro + tables.totals["end"] + tables.totals["opt"]
+        per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals["micro"]
+        cost = 4 * per_micro + tables.totals["end"] + tables.totals["optimizer"]
         achieved = max(cost[a, b] for a, b in itertools.pairwise(cuts))
         assert achieved == pytest.approx(expected)
 
 
 def test_units_are_prefix_layers_suffix(gpt8: Path) -> None:
     graph = import_model(gpt8, batch=2, dims={"seq": 16})
-    units = find_units(graph)
+    units = GraphAnalysis.of(graph).units
     assert len(units.layer_units) == 8
     assert units.names[0] == "prefix" and units.names[-1] == "suffix"
     assert units.bounds[0] == 0 and units.bounds[-1] == len(graph.ops)
@@ -167,20 +163,19 @@ def test_units_are_prefix_layers_suffix(gpt8: Path) -> None:
 
 def test_single_stage_price_equals_the_assembled_plan(gpt8: Path) -> None:
     """The pipeline pricer and the op-level plan agree when there is nothing to pipeline."""
-    graph = import_model(gpt8, batch=16, dims={"seq": 16})
+    analysis = GraphAnalysis.of(import_model(gpt8, batch=16, dims={"seq": 16}))
     hardware = load_profile("a100-80g")
     mesh = DeviceMesh.build({"dp": 4}, 8)
-    labels = op_labels(graph)
-    strategies = data_parallel_strategies(graph, mesh, labels)
-    op_plan = assemble(graph, mesh, strategies, hardware, ParallelConfig(dp=4),
-                       SolverRecord("t", "fixed", 0, 0, 0, 0), TrainingOptions(), labels)
-    units = find_units(graph)
-    profile = unit_profile(graph, op_plan, units)
-    price = price_pipeline(profile, [[(0, units.count)]], ["none"], PipelineConfig(), hardware,
-                           mesh)
-    assert price.step_time_s == pytest.approx(op_plan.predicted.step_time_s, rel=1e-9)
+    strategies = data_parallel_strategies(analysis.graph, mesh, analysis.labels)
+    priced = price_graph(derive(analysis, mesh, strategies), hardware, TrainingOptions())
+    op_plan = priced.step()
+    units = analysis.units
+    profile = unit_profile(priced, units)
+    price = Pricer(profile, PipelineConfig(), hardware, mesh).price([[(0, units.count)]],
+                                                                   [Recompute.NONE])
+    assert price.step_time_s == pytest.approx(op_plan.step_time_s, rel=1e-9)
     memory = price.stages[0].memory.to_json()
-    for key, value in op_plan.predicted.memory.items():
+    for key, value in op_plan.stages[0].memory.items():
         assert memory[key] == pytest.approx(value, abs=2), key
 
 
@@ -189,7 +184,7 @@ def test_more_stages_hold_fewer_parameters(gpt8: Path) -> None:
     for pp in (1, 2, 4, 8):
         result = _plan(gpt8, pp, pp=pp, dp=1, tp=1, micro_batches=8, zero=0)
         assert result.parallel.pp == pp
-        stage_params = [row["memory"]["parameters"] for row in result.pipeline["stages"]]
+        stage_params = [row.memory["parameters"] for row in result.pipeline.stages]
         assert len(stage_params) == pp
         peaks.append(max(stage_params))
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
@@ -227,7 +222,7 @@ def test_recompute_trades_memory_for_time(gpt8: Path) -> None:
     assert full["recompute_s"] == pytest.approx(full["forward_s"])
     selective = plans["selective"].predicted.breakdown
     assert 0 < selective["recompute_s"] < full["recompute_s"]
-    assert plans["full"].pipeline["stages"][0]["recompute_segments"]
+    assert plans["full"].pipeline.stages[0].recompute_segments
     # The time added is what was re-run: the step grows by exactly the recompute time.
     assert steps["full"] - steps["none"] == pytest.approx(full["recompute_s"], rel=1e-9)
 
@@ -235,9 +230,9 @@ def test_recompute_trades_memory_for_time(gpt8: Path) -> None:
 def test_interleaved_schedule_gives_each_device_two_chunks(gpt8: Path) -> None:
     result = _plan(gpt8, 2, pp=2, dp=1, tp=1, micro_batches=4, schedule="interleaved")
     pipe = result.pipeline
-    assert pipe["schedule"] == "interleaved" and pipe["virtual_stages"] == 2
-    assert all(len(stage["ops"]) == 2 for stage in pipe["stages"])
-    assert pipe["bubble_fraction"] == pytest.approx(1 / (2 * 4 + 1))
+    assert pipe.schedule == "interleaved" and pipe.virtual_stages == 2
+    assert all(len(stage.ops) == 2 for stage in pipe.stages)
+    assert pipe.bubble_fraction == pytest.approx(1 / (2 * 4 + 1))
 
 
 def test_search_uses_stages_and_sharding_when_ops_alone_do_not_fit(gpt8: Path) -> None:
@@ -249,8 +244,8 @@ def test_search_uses_stages_and_sharding_when_ops_alone_do_not_fit(gpt8: Path) -
     assert (parallel.pp > 1 or parallel.zero > 0 or parallel.recompute != "none"
             or parallel.micro_batches > 1)
     assert small.predicted.memory["peak"] <= 0.0015 * GIB
-    op_level = [alt for alt in small.alternatives if "parallel" not in alt]
-    assert all(alt["status"] not in ("optimal", "feasible") for alt in op_level)
+    op_level = [alt for alt in small.alternatives if alt.brief is None]
+    assert all(alt.status not in ("optimal", "feasible") for alt in op_level)
 
 
 def test_pipeline_plan_json_is_schema_valid(gpt8: Path, tmp_path: Path) -> None:

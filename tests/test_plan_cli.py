@@ -14,7 +14,8 @@ import pytest
 from planner import zoo
 from planner.api import plan
 from planner.cli import main
-from planner.planfile import SCHEMA_FILE, Plan
+from planner.plan.model import Plan
+from planner.plan.schema import SCHEMA_FILE
 
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 
@@ -54,7 +55,7 @@ def test_data_parallel_splits_batch_and_syncs_every_parameter(gpt_tiny: Path) ->
     parameters = {name for name, t in result.tensors.items() if t.kind == "parameter"}
     synced = {c.tensor for c in result.collectives if c.phase == "gradient"}
     assert synced == parameters
-    assert all(c.kind == "all_reduce" and c.axes == ["dp"] for c in result.collectives)
+    assert all(c.kind == "all_reduce" and c.axes == ("dp",) for c in result.collectives)
     for name in parameters:
         assert result.tensors[name].layout.is_replicated
     p = result.predicted
@@ -188,7 +189,7 @@ def test_op_without_rule_is_kept_replicated_with_one_warning(tmp_path: Path) -> 
     result = plan(path, devices=2, batch=4, mode="data")
     ops = {op.name: op for op in result.ops}
     assert set(ops) == {"relu", "lrn1", "lrn2", "relu_out"}
-    assert ops["relu"].assignment == {"d0": ["dp"]}
+    assert ops["relu"].assignment == {"d0": ("dp",)}
     assert ops["lrn1"].assignment == {} and "no sharding rule" in ops["lrn1"].note
     assert [b.layout.is_replicated for b in ops["lrn1"].inputs] == [True]
     gathers = [c for c in result.collectives if c.kind == "all_gather"]

@@ -14,15 +14,17 @@ from onnx import TensorProto, helper, numpy_helper
 from costmodels.profile import load_profile
 from planner import zoo
 from planner.api import plan
-from planner.assemble import TrainingOptions, op_labels
 from planner.cli import main
+from planner.cost.step import TrainingOptions
 from planner.errors import NoPlanFits, ShardplanError
+from planner.layers import find_repeats
 from planner.onnx_import import import_model
 from planner.search.elimination import solve_elimination
 from planner.search.ilp import solve_ilp
-from planner.search.layers import find_repeats, tie_classes
+from planner.search.layers import tie_classes
 from planner.search.problem import build_problem
 from planner.search.propagation import solve_propagation
+from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 
 PROFILE = load_profile("a100-80g")
@@ -69,7 +71,7 @@ def _brute_force(problem) -> tuple[float, list[int]]:
 def test_ilp_optimum_equals_brute_force(tmp_path: Path, builder, shape: tuple[int, ...]) -> None:
     graph = import_model(builder(tmp_path / "m.onnx"), batch=32)
     mesh = DeviceMesh(shape, ("a0", "a1")[: len(shape)], 8)
-    problem = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions())
+    problem = build_problem(GraphAnalysis.of(graph), mesh, PROFILE, TrainingOptions())
     expected, _ = _brute_force(problem)
     for solver in ("cpsat", "highs"):
         found = solve_ilp(problem, solver=solver, time_limit=30)
@@ -84,10 +86,10 @@ def test_memory_limit_changes_the_optimum(tmp_path: Path) -> None:
     """Under a tight limit the ILP trades time for memory, exactly as brute force does."""
     graph = import_model(_mlp(tmp_path / "m.onnx"), batch=32)
     mesh = DeviceMesh((4,), ("a0",), 8)
-    free = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions())
+    free = build_problem(GraphAnalysis.of(graph), mesh, PROFILE, TrainingOptions())
     unconstrained = solve_ilp(free, solver="highs")
     peak = free.evaluate(unconstrained.choice)[1]
-    tight = build_problem(graph, mesh, PROFILE, op_labels(graph),
+    tight = build_problem(GraphAnalysis.of(graph), mesh, PROFILE,
                           TrainingOptions(memory_limit_bytes=int(peak * 0.8)))
     expected, _ = _brute_force(tight)
     assert expected > unconstrained.objective  # the limit binds
@@ -116,7 +118,7 @@ def test_repeated_layers_are_found(gpt_tiny: Path) -> None:
 def test_solvers_agree_on_a_transformer(gpt_tiny: Path) -> None:
     graph = import_model(gpt_tiny, batch=8, dims={"seq": 16})
     mesh = DeviceMesh((2, 2), ("a0", "a1"), 8)
-    problem = build_problem(graph, mesh, PROFILE, op_labels(graph), TrainingOptions(),
+    problem = build_problem(GraphAnalysis.of(graph), mesh, PROFILE, TrainingOptions(),
                             classes=tie_classes(graph, find_repeats(graph)))
     cpsat = solve_ilp(problem, solver="cpsat")
     highs = solve_ilp(problem, solver="highs")
@@ -134,10 +136,10 @@ def test_auto_plan_is_never_costlier_than_the_baselines(tmp_path: Path, preset: 
     result = plan(path, devices=8, batch=16, dims={"seq": 32})
     assert set(result.baselines) == {"data-parallel", "megatron"}
     for baseline in result.baselines.values():
-        if baseline["fits"]:
-            assert result.predicted.step_time_s <= baseline["step_time_s"] * (1 + 1e-9)
+        if baseline.fits:
+            assert result.predicted.step_time_s <= baseline.step_time_s * (1 + 1e-9)
     assert result.solver.status == "optimal" and result.solver.gap == 0.0
-    assert result.alternatives and result.alternatives[0]["mesh"]
+    assert result.alternatives and result.alternatives[0].mesh
 
 
 def test_semi_mode_keeps_the_seed_strategies(tmp_path: Path) -> None:
@@ -145,10 +147,10 @@ def test_semi_mode_keeps_the_seed_strategies(tmp_path: Path) -> None:
     given = {"matmul1": [[1, 1], [1, 2]], "matmul2": [[1, 2], [2, 1]]}
     result = plan(path, devices=2, batch=32, mode="semi", strategies=given)
     ops = {op.name: op for op in result.ops}
-    assert ops["matmul1"].strategy == [[1, 1], [1, 2]]
-    assert ops["matmul2"].strategy == [[1, 2], [2, 1]]
+    assert ops["matmul1"].strategy == ((1, 1), (1, 2))
+    assert ops["matmul2"].strategy == ((1, 2), (2, 1))
     # The filler keeps ReLU on the column split, so matmul2 reads its input locally.
-    assert ops["relu"].strategy == [[1, 2]]
+    assert ops["relu"].strategy == ((1, 2),)
     assert ops["matmul2"].outputs[0].layout.partial  # a partial sum, then an AllReduce
     kinds = {(c.kind, c.tensor, c.phase) for c in result.collectives}
     assert ("all_reduce", "y", "forward") not in kinds  # the graph output stays partial
@@ -213,21 +215,21 @@ def test_cli_semi_mode_and_export(tmp_path: Path, capsys: pytest.CaptureFixture)
 @pytest.mark.parametrize("shape", [(4,), (2, 2)])
 def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: TrainingOptions,
                                                       shape: tuple[int, ...]) -> None:
-    """For any choice, the problem's time equals the assembled plan's step time."""
-    from planner.assemble import assemble
-    from planner.planfile import ParallelConfig, SolverRecord
+    """For any choice, the problem's time equals the built plan's step time."""
+    from planner.plan.build import BuildContext, derive
+    from planner.search.decisions import OpLevelDecision, SolverRecord
+    from planner.sharding.analysis import Analyses
 
-    graph = import_model(_mlp(tmp_path / "m.onnx"), batch=32)
+    analysis = GraphAnalysis.of(import_model(_mlp(tmp_path / "m.onnx"), batch=32))
     mesh = DeviceMesh(shape, ("a0", "a1")[: len(shape)], 8)
-    labels = op_labels(graph)
-    problem = build_problem(graph, mesh, PROFILE, labels, options)
+    problem = build_problem(analysis, mesh, PROFILE, options)
+    context = BuildContext(Analyses(analysis), PROFILE, options)
     rng = np.random.default_rng(0)
     record = SolverRecord("test", "fixed", 0, 0, 0, 0)
     for _ in range(20):
         choice = [int(rng.integers(len(g.candidates))) for g in problem.groups]
         seconds, memory = problem.evaluate(choice)
-        planned = assemble(graph, mesh, problem.strategies(choice), PROFILE, ParallelConfig(),
-                           record, options, labels)
+        planned = derive(context, OpLevelDecision(mesh, problem.strategies(choice), record))
         assert seconds == pytest.approx(planned.predicted.step_time_s, rel=1e-9)
         if not options.inference:  # forward-only liveness is only in the plan (see problem.py)
             assert memory == pytest.approx(planned.predicted.memory["peak"], abs=8)
@@ -237,7 +239,7 @@ def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
     train = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data")
     infer = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", inference=True)
     hidden = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", overlap=1.0)
-    assert infer.step == {"kind": "inference", "overlap": 0.0}
+    assert infer.step.to_json() == {"kind": "inference", "overlap": 0.0}
     assert infer.predicted.memory["gradients"] == infer.predicted.memory["optimizer"] == 0
     assert not [c for c in infer.collectives if c.phase in ("backward", "gradient")]
     assert infer.predicted.compute_s == pytest.approx(train.predicted.breakdown["forward_s"])

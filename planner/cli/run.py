@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.cli.args import Verbs, positive_int
 from planner.errors import ShardplanError
+
+if TYPE_CHECKING:
+    from planner.plan.model import Plan
 
 
 def add_parser(verbs: Verbs) -> None:
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
                               seed=args.seed, optimizer=args.optimizer, loss=args.loss,
-                              data=args.data)
+                              data=args.data,
+                              predicted_step_time_s=_one_device_step(args.model, loaded))
     issued = {k: v for k, v in log.collectives.get("issued", {}).items()
               if not k.endswith("|loss")}
     planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}
@@ -82,3 +87,17 @@ def run(args: argparse.Namespace) -> int:
     if args.log_json:
         Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
     return 0
+
+
+def _one_device_step(model: str, plan: Plan) -> float:
+    """The predicted step of the unsplit model on one device of the plan's hardware (the
+    `cpu` profile when that one is not bundled), at the step's whole batch."""
+    from executor.train import graph_for, whole_batch_graph
+    from planner.api import plan as make_plan
+
+    graph = whole_batch_graph(model, plan, graph_for(model, plan))
+    try:
+        return make_plan(graph, devices=1, mode="data",
+                         profile=plan.cluster.profile).predicted.step_time_s
+    except ShardplanError:
+        return make_plan(graph, devices=1, mode="data", profile="cpu").predicted.step_time_s

@@ -56,6 +56,21 @@ def plan_data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices:
     return build(derived, record, (), _baseline_briefs(context, devices))
 
 
+def plan_baseline(graph: PlanningGraph, hardware: HardwareProfile, devices: int, name: str,
+                  training: TrainingOptions) -> Plan:
+    """One of the baselines (`data-parallel`, `megatron`) as a plan of its own, to run or
+    compare (ShardplanError when the model does not admit it on these devices)."""
+    context = BuildContext(Analyses(GraphAnalysis.of(graph)), hardware, training)
+    found = baselines(context.graphs.root, hardware, devices)
+    if name not in found:
+        raise ShardplanError(f"the {name} baseline does not apply to {graph.path} on "
+                             f"{devices} × {hardware.name}; baselines here: "
+                             f"{', '.join(found) or 'none'}")
+    derived = derive(context, found[name])
+    step = derived.predicted.step_time_s
+    return build(derived, SolverRecord("baseline", "fixed", step, step, 0.0))
+
+
 def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                 options: SearchOptions, training: TrainingOptions,
                 progress: Progress | None = None) -> Plan:
