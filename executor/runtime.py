@@ -27,7 +27,7 @@ from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Phase
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP
 from planner.sharding.layout import Layout

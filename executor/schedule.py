@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Recompute, Schedule
-from planner.plan.model import Plan
-from planner.plan.sections import PipelineSection, SendEntry
+from planner.plans.model import Plan
+from planner.plans.sections import PipelineSection, SendEntry
 from planner.sharding.mesh import DeviceMesh
 
 SCHEDULES = tuple(str(s) for s in Schedule)

@@ -36,7 +36,7 @@ from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole
 from planner.onnx_import import import_model
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import check_model_digest, check_plan_matches
 

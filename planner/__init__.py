@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from planner.api import plan
     from planner.graph import PlanningGraph
     from planner.onnx_import import import_model
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
 
         return plan
     if name == "Plan":
-        from planner.plan.model import Plan
+        from planner.plans.model import Plan
 
         return Plan
     if name == "PlanningGraph":

@@ -10,8 +10,8 @@ from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.onnx_import import import_model
-from planner.plan.model import Plan
-from planner.plan.planning import plan_data_parallel, plan_search
+from planner.plans.model import Plan
+from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
 
 MODES = ("data", "semi", "auto")

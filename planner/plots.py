@@ -15,7 +15,7 @@ from typing import Any
 
 from planner.errors import ShardplanError
 from planner.explain import Explanation
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.report import MEMORY_ORDER, human_bytes, human_seconds
 
 DPI = 110

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.humanize import human_bytes, human_count, human_seconds
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
 

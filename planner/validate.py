@@ -1,7 +1,7 @@
 """`shardplan validate`: is a plan file one that runs, and (given the model) this model's?
 
 Loading a plan already checks its JSON against the schema and its layouts against its
-mesh (`planner.plan.schema`, `planner.plan.checks`). Validation goes further, and lists
+mesh (`planner.plans.schema`, `planner.plans.checks`). Validation goes further, and lists
 every problem it finds:
 
 - without the model: the pipeline section partitions the ops and the ranks; every tensor
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, derive
 from planner.sharding.redistribute import redistribute

@@ -102,7 +102,7 @@ def check_plan_against_model(plan_path: str, model_path: str) -> int:
     executor.runtime.check_plan_matches). Returns the exit code the CLI would give."""
     from executor.train import graph_for
     from planner.errors import ShardplanError
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
     from planner.validate import check_plan_matches
 
     try:
@@ -139,7 +139,7 @@ def _check_output(path: Path) -> str:
     if not path.exists():
         return ""
     from planner.errors import ShardplanError
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     try:
         plan = Plan.load(path)

@@ -16,7 +16,7 @@ from planner.errors import StrategyError
 from planner.exports.dtensor import to_dtensor_placements
 from planner.exports.mindspore import to_mindspore_checkpoint
 from planner.graph import OpNode, TensorInfo
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.convert import (

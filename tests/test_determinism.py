@@ -11,7 +11,7 @@ import pytest
 
 from planner import zoo
 from planner.cli import main
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 
 
 @pytest.fixture(scope="module")

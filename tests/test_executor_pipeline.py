@@ -21,7 +21,7 @@ from planner import zoo
 from planner.api import load_graph, plan
 from planner.errors import ShardplanError
 from planner.kinds import Schedule
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.analysis import needs_grad_map
 
 STEPS = 5

@@ -12,8 +12,8 @@ from planner import zoo
 from planner.api import load_graph, plan
 from planner.cost.step import TrainingOptions
 from planner.errors import PlanFileError
-from planner.plan.model import Plan
-from planner.plan.planning import plan_baseline
+from planner.plans.model import Plan
+from planner.plans.planning import plan_baseline
 
 STEPS = 5
 

@@ -19,7 +19,7 @@ from planner.api import plan
 from planner.cli import main
 from planner.cli.progress import Progress as _Progress
 from planner.explain import JSON_KEYS, explain, find_units
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.plots import schedule_events
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from planner.api import plan
 from planner.onnx_import import import_model
-from planner.plan.schema import SCHEMA_FILE
+from planner.plans.schema import SCHEMA_FILE
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import safe_labels
 from planner.sharding.verify import verify_graph

@@ -193,7 +193,7 @@ def test_plan_reader_refuses_or_exports(pick: int, value: Any) -> None:
     from planner.errors import PlanFileError, ShardplanError
     from planner.exports.dtensor import to_dtensor_placements
     from planner.exports.mindspore import to_mindspore_checkpoint
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     data = json.loads(fuzz_cases.base_plan("seed-mlp", 2))
     path = _replace_somewhere(data, pick, value)

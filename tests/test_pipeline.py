@@ -23,7 +23,7 @@ from planner.cost.units import UnitProfile, unit_profile
 from planner.kinds import Recompute
 from planner.layers import Units
 from planner.onnx_import import import_model
-from planner.plan.schema import SCHEMA_FILE
+from planner.plans.schema import SCHEMA_FILE
 from planner.search.stages import StageTables, contiguous, interleaved
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import data_parallel_strategies

@@ -14,8 +14,8 @@ import pytest
 from planner import zoo
 from planner.api import plan
 from planner.cli import main
-from planner.plan.model import Plan
-from planner.plan.schema import SCHEMA_FILE
+from planner.plans.model import Plan
+from planner.plans.schema import SCHEMA_FILE
 
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 

@@ -29,7 +29,7 @@ from costmodels.profile import load_profile
 from planner.cli import main
 from planner.errors import PlanFileError, ProfileError
 from planner.onnx_import import import_model
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 

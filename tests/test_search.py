@@ -216,7 +216,7 @@ def test_cli_semi_mode_and_export(tmp_path: Path, capsys: pytest.CaptureFixture)
 def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: TrainingOptions,
                                                       shape: tuple[int, ...]) -> None:
     """For any choice, the problem's time equals the built plan's step time."""
-    from planner.plan.build import BuildContext, derive
+    from planner.plans.build import BuildContext, derive
     from planner.search.decisions import OpLevelDecision, SolverRecord
     from planner.sharding.analysis import Analyses
 

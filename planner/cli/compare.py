@@ -18,7 +18,7 @@ def add_parser(verbs: Verbs) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.explain import compare_rows, render_compare
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     if len(args.plans) < 2:
         raise ShardplanError("compare: give two or more plan files, e.g. "

@@ -23,7 +23,7 @@ def add_parser(verbs: Verbs) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the explanation; matplotlib is imported only for --plot."""
     from planner.explain import explain, render
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     loaded = Plan.load(args.plan)
     result = explain(loaded, source=args.plan, top=args.top)

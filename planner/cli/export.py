@@ -21,7 +21,7 @@ def add_parser(verbs: Verbs) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.exports.dtensor import to_dtensor_placements
     from planner.exports.mindspore import to_mindspore_checkpoint
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     loaded = Plan.load(args.plan)
     data = (to_mindspore_checkpoint(loaded) if args.format == "mindspore"

@@ -11,7 +11,7 @@ from planner.cli.args import Verbs, positive_int
 from planner.errors import ShardplanError
 
 if TYPE_CHECKING:
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
 
 def add_parser(verbs: Verbs) -> None:
@@ -43,7 +43,7 @@ def add_parser(verbs: Verbs) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the request before any rank starts, train, then print losses and collectives."""
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
 
     try:
         from executor.train import planned_counts, train, train_reference

@@ -21,7 +21,7 @@ def add_parser(verbs: Verbs) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when the plan is valid, 2 with every problem listed otherwise."""
     from planner.api import load_graph
-    from planner.plan.model import Plan
+    from planner.plans.model import Plan
     from planner.validate import validate
 
     loaded = Plan.load(args.plan)

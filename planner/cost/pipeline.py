@@ -140,7 +140,7 @@ def received(profile: UnitProfile, ranges: Sequence[tuple[int, int]],
     """(bytes kept, seconds) of the activations a device receives from other devices:
     received in the forward pass, their gradients sent back in the backward pass.
 
-    As the plan's sends list them (`planner.plan.build`): a tensor produced on the device
+    As the plan's sends list them (`planner.plans.build`): a tensor produced on the device
     itself is handed on locally; one with a gradient comes to every chunk (unit range)
     reading it, one without once per device.
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.convert import to_placements
 
 

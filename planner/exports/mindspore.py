@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.plan.model import Plan
+from planner.plans.model import Plan
 from planner.sharding.convert import flat_form, to_mindspore_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh

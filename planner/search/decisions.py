@@ -2,7 +2,7 @@
 
 A search returns decisions: the mesh and a strategy per op (op-level), and for pipelines
 the configuration, each device stage's units and its recompute mode. The plan builder
-(`planner.plan.build`) derives everything else from a decision once: layouts,
+(`planner.plans.build`) derives everything else from a decision once: layouts,
 collectives, stages' weights and sends, the predicted cost.
 """
 

@@ -26,8 +26,8 @@ from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute, StepKind
 from planner.layers import Units
-from planner.plan.model import Plan
-from planner.plan.sections import (
+from planner.plans.model import Plan
+from planner.plans.sections import (
     Alternative,
     Brief,
     ClusterRef,

@@ -1,12 +1,12 @@
 """The Plan: what the plan builder writes, every reader reads, and the strategy JSON holds.
 
-A Plan is frozen: `planner.plan.build` derives every section once from the search's
+A Plan is frozen: `planner.plans.build` derives every section once from the search's
 decision (layouts, collectives with their phases, the pipeline's stages with the weights
 each holds and the sends between them, the predicted cost) and nothing changes it
 afterwards. The file is versioned (`shardplan.strategy/1`, docs/strategy-schema.md);
-loading checks it against the JSON Schema (`planner.plan.schema`) and its layouts against
-its mesh (`planner.plan.checks`), and brings files of earlier releases up to date
-(`planner.plan.upgrade`).
+loading checks it against the JSON Schema (`planner.plans.schema`) and its layouts against
+its mesh (`planner.plans.checks`), and brings files of earlier releases up to date
+(`planner.plans.upgrade`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 from planner.cost.pricing import Collective
 from planner.cost.step import Predicted
 from planner.errors import PlanFileError, StrategyError
-from planner.plan.checks import check_plan_fits
-from planner.plan.schema import check_plan_json
-from planner.plan.sections import (
+from planner.plans.checks import check_plan_fits
+from planner.plans.schema import check_plan_json
+from planner.plans.sections import (
     SCHEMA,
     Alternative,
     Brief,
@@ -38,7 +38,7 @@ from planner.plan.sections import (
     collective_from_json,
     collective_to_json,
 )
-from planner.plan.upgrade import upgrade_pipeline
+from planner.plans.upgrade import upgrade_pipeline
 from planner.search.decisions import SolverRecord
 from planner.sharding.mesh import DeviceMesh
 

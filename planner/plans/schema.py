@@ -3,9 +3,9 @@
 Plans are written by `shardplan plan` but read back later by the executor and the
 exporters, possibly after a hand edit, a merge or a truncated copy. A wrong type would
 otherwise surface as a traceback deep in the executor. So loading a plan checks its JSON
-against `planner/plan/strategy.schema.json` (the documented contract, with a small
+against `planner/plans/strategy.schema.json` (the documented contract, with a small
 validator: no extra dependency) before building the typed Plan, and then
-(`planner.plan.checks`) that every layout can be laid on the plan's mesh.
+(`planner.plans.checks`) that every layout can be laid on the plan's mesh.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.humanize import human_bytes
-from planner.plan.build import BuildContext, Derived, build, derive
-from planner.plan.model import Plan
-from planner.plan.sections import Alternative
+from planner.plans.build import BuildContext, Derived, build, derive
+from planner.plans.model import Plan
+from planner.plans.sections import Alternative
 from planner.search.baselines import baselines, data_parallel
 from planner.search.decisions import SolverDetail, SolverRecord
 from planner.search.failure import no_plan, op_level_memory_floor

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 from planner.cost.pricing import Collective
 from planner.errors import PlanFileError
-from planner.plan.schema import REMEDY
-from planner.plan.sections import ClusterRef, OpEntry, TensorEntry
+from planner.plans.schema import REMEDY
+from planner.plans.sections import ClusterRef, OpEntry, TensorEntry
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from planner.plan.sections import OpEntry, PipelineSection, SendEntry, StageEntry, TensorEntry
+from planner.plans.sections import OpEntry, PipelineSection, SendEntry, StageEntry, TensorEntry
 
 WEIGHT_KINDS = ("parameter", "buffer")
 

@@ -2,7 +2,7 @@
 
 Sequences are tuples; `memory` and `breakdown` are typed records that also read like
 the plan file's objects (`predicted.memory["peak"]`). Each section's JSON form is its
-`to_json`/`from_json`; the JSON exists only at the plan file's edge (`planner.plan.model`).
+`to_json`/`from_json`; the JSON exists only at the plan file's edge (`planner.plans.model`).
 """
 
 from __future__ import annotations
