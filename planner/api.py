@@ -10,7 +10,7 @@ from costmodels.profile import HardwareProfile, load_profile
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.planfile import ParallelConfig, Plan, SolverRecord
 from planner.search.auto import SearchOptions, price_baselines, search
 from planner.search.data_parallel import DP_AXIS, data_parallel_strategies

@@ -101,7 +101,7 @@ def test_pipeline_units_add_up_to_their_stage(plans: dict[str, Path]) -> None:
 
 def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path]) -> None:
     """The plan-only grouping equals `planner.stages.find_units` on the imported graph."""
-    from planner.onnx_import import import_model
+    from planner.importer import import_model
     from planner.stages import find_units as graph_units
 
     loaded = Plan.load(plans["data"])

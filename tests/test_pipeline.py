@@ -17,7 +17,7 @@ from planner import zoo
 from planner.api import plan
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.cli import main
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.planfile import SCHEMA_FILE, ParallelConfig, SolverRecord
 from planner.search.data_parallel import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh

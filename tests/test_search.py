@@ -17,7 +17,7 @@ from planner.api import plan
 from planner.assemble import TrainingOptions, op_labels
 from planner.cli import main
 from planner.errors import NoPlanFits, ShardplanError
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.search.elimination import solve_elimination
 from planner.search.ilp import solve_ilp
 from planner.search.layers import find_repeats, tie_classes

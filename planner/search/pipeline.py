@@ -31,7 +31,7 @@ from costmodels.schedule import bubble_fraction, pipeline_time
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.planfile import Collective, ParallelConfig, Plan, Predicted, SolverRecord
 from planner.search.data_parallel import data_parallel_strategies, dp_splits_exactly
 from planner.search.layers import find_repeats, tie_classes
