@@ -32,9 +32,9 @@ from executor.pipeline import PipelineEngine
 from executor.runtime import PlanRunner, check_plan_matches, onnx_weights
 from executor.schedule import build_stages, check_schedule
 from executor.update import WeightUpdate, check_zero, tied_groups
-from planner.api import load_graph
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
+from planner.importer import import_model, rebind
 from planner.planfile import Plan
 from planner.pricing import requires_grad_map
 
@@ -307,18 +307,19 @@ def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
 
     from executor.runtime import check_model_digest
 
-    if not isinstance(model, PlanningGraph):
-        try:
-            digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
-        except OSError as exc:
-            raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
-        check_model_digest(plan, digest, str(model))
-    return load_graph(model, batch=plan.model.batch, dims=plan.model.bound_dims)
+    if isinstance(model, PlanningGraph):
+        return rebind(model, batch=plan.model.batch, dims=plan.model.bound_dims)
+    try:
+        digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
+    check_model_digest(plan, digest, str(model))
+    return import_model(model, batch=plan.model.batch, dims=plan.model.bound_dims)
 
 
-def _whole_batch_graph(model: str | os.PathLike, plan: Plan,
-                       micro: PlanningGraph) -> PlanningGraph:
-    """The model at the step's whole batch (micro_batch_size × micro_batches)."""
+def _whole_batch_graph(plan: Plan, micro: PlanningGraph) -> PlanningGraph:
+    """The model at the step's whole batch (micro_batch_size × micro_batches), re-bound
+    from the micro-batch graph."""
     count = _micro_batches(plan)
     if count == 1:
         return micro
@@ -326,7 +327,7 @@ def _whole_batch_graph(model: str | os.PathLike, plan: Plan,
         raise ShardplanError(f"{micro.path}: the plan has {count} micro-batches but the model "
                              "has no batch dimension to cut")
     dims = {k: v for k, v in plan.model.bound_dims.items() if k != micro.batch_symbol}
-    return load_graph(model, batch=micro.batch * count, dims=dims)
+    return rebind(micro, batch=micro.batch * count, dims=dims)
 
 
 def _start_ranks(world: int, settings: RunSettings) -> None:
@@ -400,7 +401,7 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
 
     micro = _graph_for(model, plan)
     check_plan_matches(plan, micro)
-    graph = _whole_batch_graph(model, plan, micro)
+    graph = _whole_batch_graph(plan, micro)
     try:  # price the one-device run on the plan's hardware where that profile is bundled
         single = make_plan(graph, devices=1, mode="data", profile=plan.cluster.profile)
     except ShardplanError:

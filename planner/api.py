@@ -10,7 +10,7 @@ from costmodels.profile import HardwareProfile, load_profile
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.importer import import_model
+from planner.importer import import_model, rebind
 from planner.planfile import ParallelConfig, Plan, SolverRecord
 from planner.search.auto import SearchOptions, price_baselines, search
 from planner.search.data_parallel import DP_AXIS, data_parallel_strategies
@@ -26,9 +26,10 @@ def load_graph(
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
 ) -> PlanningGraph:
-    """Import `model` unless it already is a planning graph."""
+    """Import `model`, or re-bind a planning graph to `batch` and `dims` (from the model it
+    keeps, without the file) where its binding differs; dims not given keep its values."""
     if isinstance(model, PlanningGraph):
-        return model
+        return rebind(model, batch=batch, dims=dims)
     return import_model(model, batch=batch, dims=dims)
 
 

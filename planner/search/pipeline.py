@@ -31,7 +31,7 @@ from costmodels.schedule import bubble_fraction, pipeline_time
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.importer import import_model
+from planner.importer import rebind
 from planner.planfile import Collective, ParallelConfig, Plan, Predicted, SolverRecord
 from planner.search.data_parallel import data_parallel_strategies, dp_splits_exactly
 from planner.search.layers import find_repeats, tie_classes
@@ -155,7 +155,8 @@ def model_parallel_strategies(graph: PlanningGraph, mesh: DeviceMesh, hardware: 
 
 
 class _Graphs:
-    """The model imported at each micro-batch size it is priced at (import is cheap)."""
+    """The model re-bound at each micro-batch size it is priced at (from the graph's
+    retained model, no file read; each binding is folded once)."""
 
     def __init__(self, graph: PlanningGraph) -> None:
         self.graph = graph
@@ -163,9 +164,7 @@ class _Graphs:
 
     def at(self, batch: int) -> PlanningGraph:
         if batch not in self.cache:
-            dims = {k: v for k, v in self.graph.bound_dims.items()
-                    if k != self.graph.batch_symbol}
-            self.cache[batch] = import_model(self.graph.path, batch=batch, dims=dims)
+            self.cache[batch] = rebind(self.graph, batch=batch)
         return self.cache[batch]
 
 
