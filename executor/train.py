@@ -299,10 +299,10 @@ def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
     os._exit(0)
 
 
-def _graph_for(model: str | os.PathLike, plan: Plan) -> PlanningGraph:
-    """The model imported with the dims the plan was made for (at its micro-batch); the
-    file's digest is checked first, so another model gets "made for another model"
-    rather than an error about its dims."""
+def _graph_for(model: str | os.PathLike | PlanningGraph, plan: Plan) -> PlanningGraph:
+    """The model imported with the dims the plan was made for (at its micro-batch), or a
+    given graph re-bound to them; a file's digest is checked first, so another model gets
+    "made for another model" rather than an error about its dims."""
     import hashlib
 
     from executor.runtime import check_model_digest

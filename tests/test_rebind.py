@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -121,10 +122,14 @@ def test_a_static_batch_is_refused_alike(tmp_path: Path) -> None:
 def test_rebind_is_memoised_per_binding(gpt_tiny: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     graph = import_model(gpt_tiny, batch=4, dims={"seq": 16})
-    folds = []
+    folds: list[tuple] = []
     fold = planner.importer.fold_until_stable
-    monkeypatch.setattr(planner.importer, "fold_until_stable",
-                        lambda *args: folds.append(1) or fold(*args))
+
+    def counted(*args: Any) -> Any:
+        folds.append(args)
+        return fold(*args)
+
+    monkeypatch.setattr(planner.importer, "fold_until_stable", counted)
     first = rebind(graph, batch=2)
     assert rebind(graph, batch=2) is first
     assert rebind(graph, dims={"batch": 2}) is first  # the same binding, spelt otherwise
@@ -165,7 +170,8 @@ def test_the_retained_source_keeps_no_weight_data(tmp_path: Path) -> None:
     path = tmp_path / "mlp.onnx"
     onnx.save(model, path)
     graph = import_model(path, batch=4)
-    kept = graph.source.model() if graph.source else onnx.ModelProto()
+    assert graph.source is not None
+    kept = graph.source.model()
     stripped = {t.name for t in kept.graph.initializer
                 if not any(getattr(t, field) for field in DATA_FIELDS)}
     assert stripped == {"w", "b", "roi"}  # roi is empty: nothing to strip, nothing kept
@@ -233,14 +239,14 @@ def test_a_graph_plans_the_joint_search_after_its_file_is_deleted(gpt_tiny: Path
                                                                  tmp_path: Path) -> None:
     path = tmp_path / "gpt-tiny.onnx"
     path.write_bytes(gpt_tiny.read_bytes())
-    options = {"devices": 4, "parallel": {"pp": 2, "micro_batches": 2}}
-    from_file = planner.plan(path, batch=8, dims={"seq": 16}, **options)
+    pins = {"pp": 2, "micro_batches": 2}
+    from_file = planner.plan(path, batch=8, dims={"seq": 16}, devices=4, parallel=pins)
     graph = import_model(path, batch=8, dims={"seq": 16})
     path.unlink()
-    from_graph = planner.plan(graph, **options)
+    from_graph = planner.plan(graph, devices=4, parallel=pins)
     assert from_graph.parallel.pp == 2 and from_graph.parallel.micro_batches == 2
     assert from_graph.dumps() == from_file.dumps()
-    at_four = planner.plan(graph, batch=4, **options)  # re-bound, then planned
+    at_four = planner.plan(graph, batch=4, devices=4, parallel=pins)  # re-bound, then planned
     assert at_four.model.batch == 2 and at_four.parallel.pp == 2  # 2 micro-batches of 2
 
 
@@ -253,6 +259,7 @@ def test_the_executor_rebinds_the_whole_batch_without_the_file(gpt_tiny: Path,
     plan = planner.plan(path, batch=8, dims={"seq": 16}, devices=4,
                         parallel={"pp": 2, "micro_batches": 2})
     micro = _graph_for(path, plan)
+    assert micro.batch is not None
     whole = import_model(path, batch=micro.batch * 2, dims={"seq": 16})
     path.unlink()
     assert graph_facts(_whole_batch_graph(plan, micro)) == graph_facts(whole)
