@@ -16,7 +16,7 @@ from pathlib import Path
 
 from planner import zoo
 from planner.api import plan
-from planner.onnx_import import import_model
+from planner.importer import import_model
 
 MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-13b",
           "gpt3-175b")

@@ -16,7 +16,7 @@ from pathlib import Path
 from planner import zoo
 from planner.api import plan
 from planner.errors import NoPlanFits
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.humanize import human_bytes, human_seconds
 
 #: (preset, sequence length, sequences per device in the global batch)

@@ -35,7 +35,7 @@ from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole
-from planner.onnx_import import import_model
+from planner.importer import import_model, rebind
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import check_model_digest, check_plan_matches
@@ -310,7 +310,7 @@ def graph_for(model: str | os.PathLike | PlanningGraph, plan: Plan) -> PlanningG
     import hashlib
 
     if isinstance(model, PlanningGraph):
-        return model
+        return rebind(model, batch=plan.model.batch, dims=plan.model.bound_dims)
     try:
         digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
     except OSError as exc:
@@ -319,9 +319,9 @@ def graph_for(model: str | os.PathLike | PlanningGraph, plan: Plan) -> PlanningG
     return import_model(model, batch=plan.model.batch, dims=plan.model.bound_dims)
 
 
-def whole_batch_graph(model: str | os.PathLike | PlanningGraph, plan: Plan,
-                       micro: PlanningGraph) -> PlanningGraph:
-    """The model at the step's whole batch (micro_batch_size × micro_batches)."""
+def whole_batch_graph(plan: Plan, micro: PlanningGraph) -> PlanningGraph:
+    """The model at the step's whole batch (micro_batch_size × micro_batches), re-bound
+    from the micro-batch graph."""
     count = plan.micro_batches
     if count == 1:
         return micro
@@ -329,8 +329,7 @@ def whole_batch_graph(model: str | os.PathLike | PlanningGraph, plan: Plan,
         raise ShardplanError(f"{micro.path}: the plan has {count} micro-batches but the model "
                              "has no batch dimension to cut")
     dims = {k: v for k, v in plan.model.bound_dims.items() if k != micro.batch_symbol}
-    return import_model(micro.path if isinstance(model, PlanningGraph) else model,
-                        batch=micro.batch * count, dims=dims)
+    return rebind(micro, batch=micro.batch * count, dims=dims)
 
 
 def _start_ranks(world: int, settings: RunSettings) -> None:
@@ -406,7 +405,7 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
     `predicted_step_time_s` is what the caller priced for one device, for the log."""
     micro = graph_for(model, plan)
     check_plan_matches(plan, micro)
-    graph = whole_batch_graph(model, plan, micro)
+    graph = whole_batch_graph(plan, micro)
     engine = _engine(GraphAnalysis.of(graph), None, 0, seed, str(model), optimizer, lr, loss)
     log = RunLog(predicted_step_time_s=predicted_step_time_s)
     _steps(engine, graph, steps, seed, log, loss=loss, data=data)

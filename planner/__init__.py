@@ -14,7 +14,7 @@ __all__ = ["Plan", "PlanningGraph", "import_model", "plan"]
 if TYPE_CHECKING:
     from planner.api import plan
     from planner.graph import PlanningGraph
-    from planner.onnx_import import import_model
+    from planner.importer import import_model
     from planner.plans.model import Plan
 
 
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
 
         return PlanningGraph
     if name == "import_model":
-        from planner.onnx_import import import_model
+        from planner.importer import import_model
 
         return import_model
     raise AttributeError(f"module 'planner' has no attribute {name!r}")

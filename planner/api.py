@@ -9,7 +9,7 @@ from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.onnx_import import import_model
+from planner.importer import import_model, rebind
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
@@ -24,9 +24,10 @@ def load_graph(
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
 ) -> PlanningGraph:
-    """Import `model` unless it already is a planning graph."""
+    """Import `model`, or re-bind a planning graph to `batch` and `dims` (from the model it
+    keeps, without the file) where its binding differs; dims not given keep its values."""
     if isinstance(model, PlanningGraph):
-        return model
+        return rebind(model, batch=batch, dims=dims)
     return import_model(model, batch=batch, dims=dims)
 
 

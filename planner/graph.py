@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from planner.importer.source import ModelSource
 
 TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
@@ -90,6 +93,9 @@ class PlanningGraph:
     outputs: list[str]
     warnings: list[str] = field(default_factory=list)
     batch_symbol: str | None = None  # the symbolic name of the batch dim, if it has one
+    #: The prepared model it was imported from, to bind other dims without the file
+    #: (`planner.importer.rebind`); None for graphs not made by the importer.
+    source: ModelSource | None = field(default=None, compare=False, repr=False)
 
     def op(self, name: str) -> OpNode:
         index = self.__dict__.get("_op_index")

@@ -104,7 +104,7 @@ def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path])
     """The plan-only grouping equals `planner.stages.find_units` on the imported graph."""
     from planner.stages import find_units as graph_units
 
-    from planner.onnx_import import import_model
+    from planner.importer import import_model
 
     loaded = Plan.load(plans["data"])
     assert loaded.pipeline is None

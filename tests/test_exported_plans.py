@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from planner.api import plan
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.plans.schema import SCHEMA_FILE
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import safe_labels

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from planner.errors import ModelError
-from planner.onnx_import import import_model
+from planner.importer import import_model
 
 
 def _save(model: onnx.ModelProto, path: Path) -> Path:

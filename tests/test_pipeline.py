@@ -22,7 +22,7 @@ from planner.cost.step import PipelineConfig, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.kinds import Recompute
 from planner.layers import Units
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.plans.schema import SCHEMA_FILE
 from planner.search.stages import StageTables, contiguous, interleaved
 from planner.sharding.analysis import GraphAnalysis

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from costmodels.profile import load_profile
 from planner.cli import main
 from planner.errors import PlanFileError, ProfileError
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.plans.model import Plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -403,7 +403,7 @@ def _absent(name: str, dims: list[int]) -> TensorProto:
 
 IMPORT_AND_MEASURE = """
 import json, resource, sys, time
-from planner.onnx_import import import_model
+from planner.importer import import_model
 started = time.perf_counter()
 graph = import_model(sys.argv[1], batch=8)
 print(json.dumps({"seconds": time.perf_counter() - started, "ops": len(graph.ops),

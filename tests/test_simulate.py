@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import zoo
-from planner.onnx_import import import_model
+from planner.importer import import_model
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import backward_steps, redistribute

@@ -95,7 +95,7 @@ def _one_device_step(model: str, plan: Plan) -> float:
     from executor.train import graph_for, whole_batch_graph
     from planner.api import plan as make_plan
 
-    graph = whole_batch_graph(model, plan, graph_for(model, plan))
+    graph = whole_batch_graph(plan, graph_for(model, plan))
     try:
         return make_plan(graph, devices=1, mode="data",
                          profile=plan.cluster.profile).predicted.step_time_s

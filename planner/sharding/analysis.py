@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.graph import PlanningGraph
+from planner.importer import rebind
 from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, find_repeats, find_units
 from planner.sharding.batch import data_parallel_strategies
@@ -117,10 +118,5 @@ class Analyses:
     def at(self, batch: int) -> GraphAnalysis:
         found = self._at.get(batch)
         if found is None:
-            from planner.onnx_import import import_model
-
-            graph = self.root.graph
-            dims = {k: v for k, v in graph.bound_dims.items() if k != graph.batch_symbol}
-            found = self._at[batch] = GraphAnalysis.of(
-                import_model(graph.path, batch=batch, dims=dims))
+            found = self._at[batch] = GraphAnalysis.of(rebind(self.root.graph, batch=batch))
         return found

@@ -27,7 +27,7 @@ from onnx.backend.test.case.test_case import TestCase
 from onnx.reference import ReferenceEvaluator
 
 from planner.graph import OpNode, TensorInfo
-from planner.onnx_import import _attribute_value
+from planner.importer.build import attribute_value
 from planner.sharding.candidates import candidate_strategies
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.rules import (
@@ -207,7 +207,7 @@ def _node_case(case_name: str, model: onnx.ModelProto, raw_inputs: Sequence[obje
                                    producer=proto.name or proto.op_type)
         outputs.append(name)
         expected.append(value)
-    attrs = {a.name: _attribute_value(a) for a in proto.attribute}
+    attrs = {a.name: attribute_value(a) for a in proto.attribute}
     node = OpNode(proto.name or proto.op_type, proto.op_type, proto.domain,
                   tuple(proto.input), tuple(outputs), attrs)
     return NodeCase(case_name, proto.op_type, _opset(model), model, node, tensors,

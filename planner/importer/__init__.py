@@ -1,0 +1,92 @@
+"""Import an ONNX file into a PlanningGraph without reading weight data, and bind other
+dims of an imported graph without the file.
+
+One job per module, in the order they run: `load` reads the proto (external data left on
+disk, or absent) and refuses unsafe or inconsistent files; `prepare` checks the opset,
+inlines local functions, refuses control flow and names the nodes; `source` keeps the
+prepared model (`ModelSource`, the graph's `source`); `bind` binds the symbolic dims;
+`fold` alternates ONNX shape inference with constant folding until the exporters' shape
+arithmetic has become constants; `build` makes the PlanningGraph of what is left, tensor
+ops with static shapes costed by `planner.opcount`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import onnx
+
+from planner.errors import ModelError
+from planner.graph import PlanningGraph
+from planner.importer.bind import bind_dims, binding_key, check_binding
+from planner.importer.build import build_graph
+from planner.importer.fold import fold_until_stable
+from planner.importer.load import load_onnx
+from planner.importer.prepare import prepare
+from planner.importer.source import ModelSource
+
+__all__ = ["ModelSource", "import_model", "rebind"]
+
+
+def import_model(
+    path: str | os.PathLike,
+    *,
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+) -> PlanningGraph:
+    """Load `path` and return its planning graph with every dim bound and folded."""
+    model, digest = load_onnx(path)
+    name = str(path)
+    model, opset = prepare(model, name)
+    source = ModelSource.retain(model, name, digest, opset)
+    return _bound_graph(source, model, batch, dims or {})
+
+
+def rebind(
+    graph: PlanningGraph,
+    *,
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+) -> PlanningGraph:
+    """`graph`'s model with other dims bound, from its retained source (no file access).
+
+    Dims not given keep `graph`'s values, except its batch symbol when `batch` is given.
+    The result, or the error, is what `import_model(graph.path, batch=batch, dims=...)`
+    with those dims gives; each binding is folded once per source, and binding `graph`'s
+    own dims returns `graph`.
+    """
+    given = dict(dims or {})
+    kept = {name: value for name, value in graph.bound_dims.items() if name not in given
+            and not (batch is not None and name == graph.batch_symbol)}
+    wanted = {**given, **kept}
+    check_binding(graph.path, batch, wanted)
+    if _binds_as(graph, batch, wanted):
+        return graph
+    if graph.source is None:
+        raise ModelError(
+            f"{graph.path}: this planning graph keeps no model to bind other dims with (it "
+            "was not made by import_model); import the model file with the dims wanted"
+        )
+    return _bound_graph(graph.source, graph.source.model(), batch, wanted)
+
+
+def _bound_graph(source: ModelSource, model: onnx.ModelProto, batch: int | None,
+                 dims: Mapping[str, int]) -> PlanningGraph:
+    """Bind `model` (a fresh copy of `source`'s) and fold and build it, unless `source`
+    has its graph at that binding already."""
+    bound = bind_dims(model, source.path, batch, dims)
+    graph = source.graphs.get(bound.key)
+    if graph is None:
+        model, shapes, known = fold_until_stable(model, source.opset, source.path)
+        graph = build_graph(model, shapes, known, source, bound)
+        source.graphs[bound.key] = graph
+    return graph
+
+
+def _binds_as(graph: PlanningGraph, batch: int | None, dims: Mapping[str, int]) -> bool:
+    """Whether `batch` and `dims` are the binding `graph` has."""
+    if batch is not None and graph.batch_symbol is not None:
+        dims = {graph.batch_symbol: batch, **dims}
+    return ((batch is None or batch == graph.batch)
+            and binding_key(dims) == binding_key(graph.bound_dims))

@@ -1,0 +1,142 @@
+"""Bind the symbolic input dims of a prepared model: the batch axis and named dims.
+
+Every unbound dim is listed in one error; the bound values are written into the inputs'
+shapes, and the exporters' symbolic output labels are dropped so that shape inference
+recomputes them from the bound inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import onnx
+
+from planner.errors import ModelError
+
+#: What identifies one binding of a model: each bound dim's name, value type and value
+#: (the type too, so that a dim of True is not taken for a dim of 1).
+BindingKey = tuple[tuple[str, str, int], ...]
+
+
+class Bound(NamedTuple):
+    """What binding fixed: the dims bound (those the inputs use), the batch size (None
+    without a batch axis), each batch input's batch dim, and the batch dim's symbol."""
+
+    dims: dict[str, int]
+    batch: int | None
+    batch_inputs: dict[str, int]
+    batch_symbol: str | None
+
+    @property
+    def key(self) -> BindingKey:
+        """The bound dims alone fix the bound model, so they identify the binding."""
+        return binding_key(self.dims)
+
+
+def binding_key(dims: Mapping[str, int]) -> BindingKey:
+    return tuple(sorted((name, type(value).__name__, value) for name, value in dims.items()))
+
+
+def check_binding(name: str, batch: int | None, dims: Mapping[str, int]) -> None:
+    """Refuse dim values and a batch size that are not positive integers."""
+    for key, value in dims.items():
+        if not isinstance(value, int) or value < 1:
+            raise ModelError(f"{name}: --dim {key}={value}: a dim must be a positive integer")
+    if batch is not None and batch < 1:
+        raise ModelError(f"{name}: --batch {batch}: the batch size must be a positive integer")
+
+
+def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in initializers]
+
+
+def bind_dims(
+    model: onnx.ModelProto, name: str, batch: int | None, dims: Mapping[str, int]
+) -> Bound:
+    """Replace symbolic input dims by the user's values (in place); error listing every
+    unbound one."""
+    check_binding(name, batch, dims)
+    inputs = data_inputs(model)
+    batch_symbol, static_batch = _batch_axis(inputs)
+    used = {d.dim_param for v in inputs for d in _shape_dims(v) if not d.HasField("dim_value")}
+    batch_inputs = {v.name: 0 for v in inputs if _leading_dim(v) in (batch_symbol, static_batch)
+                    and _leading_dim(v) is not None}
+    bound = dict(dims)
+    if batch is not None:
+        if batch_symbol is not None:
+            if batch_symbol in bound and bound[batch_symbol] != batch:
+                raise ModelError(
+                    f"{name}: --batch {batch} and --dim {batch_symbol}={bound[batch_symbol]} "
+                    "disagree; give one of them"
+                )
+            bound[batch_symbol] = batch
+        elif static_batch is not None and static_batch != batch:
+            raise ModelError(
+                f"{name}: the model was exported with a static batch of {static_batch}; "
+                f"--batch {batch} cannot change it: re-export with a dynamic batch axis "
+                "or omit --batch"
+            )
+    unbound: list[str] = []
+    for value in inputs:
+        for axis, dim in enumerate(_shape_dims(value)):
+            if dim.HasField("dim_value"):
+                if dim.dim_value < 1:
+                    raise ModelError(
+                        f"{name}: input {value.name} dim {axis} is {dim.dim_value}; a training "
+                        "step needs positive input dims: re-export with the real size or a "
+                        "symbolic dim")
+                continue
+            symbol = dim.dim_param
+            if symbol and symbol in bound:
+                dim.Clear()
+                dim.dim_value = bound[symbol]
+            else:
+                hint = "--batch N" if symbol and symbol == batch_symbol else f"--dim {symbol}=N"
+                label = symbol or "(unnamed)"
+                unbound.append(f"{label} (input {value.name} dim {axis}; bind with {hint})")
+    if unbound:
+        raise ModelError(f"{name}: unbound symbolic dims: " + "; ".join(unbound))
+    extra = sorted(k for k in dims if k not in used)
+    if extra:
+        raise ModelError(f"{name}: --dim names no input dim: {', '.join(extra)}")
+    batch_size = bound.get(batch_symbol) if batch_symbol is not None else static_batch
+    for value in list(model.graph.output) + list(model.graph.value_info):
+        _forget_symbolic_dims(value)
+    del model.graph.value_info[:]
+    return Bound({k: v for k, v in bound.items() if k in used}, batch_size, batch_inputs,
+                 batch_symbol)
+
+
+def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:
+    """The batch is dim 0 of the first data input: its symbol, or its static size."""
+    for value in inputs:
+        shape = _shape_dims(value)
+        if shape:
+            first = shape[0]
+            if first.HasField("dim_value"):
+                return None, int(first.dim_value)
+            return first.dim_param or None, None
+    return None, None
+
+
+def _leading_dim(value: onnx.ValueInfoProto) -> str | int | None:
+    shape = _shape_dims(value)
+    if not shape:
+        return None
+    return int(shape[0].dim_value) if shape[0].HasField("dim_value") else shape[0].dim_param
+
+
+def _shape_dims(value: onnx.ValueInfoProto):
+    if not value.type.HasField("tensor_type"):
+        return []
+    return value.type.tensor_type.shape.dim
+
+
+def _forget_symbolic_dims(value: onnx.ValueInfoProto) -> None:
+    """Exporters label outputs with expressions like 's0*s1'; inference recomputes them."""
+    tensor_type = value.type.tensor_type
+    if (value.type.HasField("tensor_type") and tensor_type.HasField("shape")
+            and any(not d.HasField("dim_value") for d in tensor_type.shape.dim)):
+        tensor_type.ClearField("shape")

@@ -1,0 +1,232 @@
+"""Build the PlanningGraph of a folded model: classify initializers (parameters, buffers,
+constants), read attributes against the ops' schemas, check element types and sizes, cost
+every op and check the topological order."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from functools import cache
+from typing import SupportsInt, cast
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from planner.errors import ModelError
+from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
+from planner.importer.bind import Bound, data_inputs
+from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Shapes
+from planner.importer.source import ModelSource
+from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
+from planner.opcount import cost_op
+
+#: Largest element count of one tensor: beyond 2**53, float64 sizes and FLOPs are inexact.
+MAX_TENSOR_ELEMENTS = 1 << 53
+#: Batch-norm running statistics are state, not trainable parameters.
+BUFFER_INPUT_SLOTS = {"BatchNormalization": (3, 4)}
+#: Names torch gives registered buffers that exporters store as float initializers.
+BUFFER_NAME = re.compile(r"(running_(mean|var)|num_batches_tracked|inv_freq|_cached)$")
+
+
+def build_graph(
+    model: onnx.ModelProto,
+    shapes: Shapes,
+    known: dict[str, np.ndarray],
+    source: ModelSource,
+    bound: Bound,
+) -> PlanningGraph:
+    """The planning graph of `model` (folded at the binding `bound` from `source`)."""
+    name, opset = source.path, source.opset
+    graph = model.graph
+    tensors: dict[str, TensorInfo] = {}
+    initializer_kinds = _classify_initializers(model, known)
+    for init in graph.initializer:
+        value = known.get(init.name)
+        tensors[init.name] = TensorInfo(
+            name=init.name,
+            shape=tuple(int(d) for d in init.dims),
+            dtype=_dtype_name(init.data_type, name, init.name),
+            kind=initializer_kinds[init.name],
+            value=value if value is not None and value.size <= FOLD_LIMIT_ELEMENTS else None,
+        )
+    for value in data_inputs(model):
+        shape, elem = shapes.get(value.name, (None, 0))
+        if shape is None:
+            raise ModelError(f"{name}: input {value.name} has no static shape after binding")
+        tensors[value.name] = TensorInfo(value.name, shape, _dtype_name(elem, name, value.name),
+                                         "input")
+    used = {i for node in graph.node for i in node.input if i}
+    graph_outputs = [o.name for o in graph.output]
+    ops: list[OpNode] = []
+    problems: list[str] = []
+    for node in graph.node:
+        outputs: list[str] = []
+        for output in node.output:
+            shape, elem = shapes.get(output, (None, 0)) if output else (None, 0)
+            if not output or (shape is None and output not in used and output not in graph_outputs):
+                outputs.append("")  # an unused optional output (Dropout mask, LN statistics)
+                continue
+            if shape is None or elem == 0:
+                problems.append(f"{output} (output of {node.name}, {node.op_type})")
+                continue
+            tensors[output] = TensorInfo(output, shape, _dtype_name(elem, name, output),
+                                         "activation", producer=node.name)
+            outputs.append(output)
+        attrs = _node_attributes(node, name, opset)
+        ops.append(OpNode(node.name, node.op_type, node.domain, tuple(node.input),
+                          tuple(outputs), attrs))
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
+                                           else "")
+        raise ModelError(
+            f"{name}: shapes could not be made static for: {shown}. Bind every symbolic dim "
+            "(--batch, --dim) and check for custom ops whose shapes ONNX cannot infer"
+        )
+    missing = [t for node in ops for t in node.inputs if t and t not in tensors]
+    if missing:
+        raise ModelError(f"{name}: tensor {missing[0]} is used but never defined (dangling input)")
+    if not ops:
+        raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
+                         "): they are inputs or constants, so there is nothing to plan")
+    _check_sizes(tensors, name)
+    for node in ops:
+        for tensor in node.inputs:
+            if tensor:
+                tensors[tensor].consumers.append(node.name)
+        cost_op(node, tensors)
+    planning = PlanningGraph(
+        path=name, sha256=source.sha256, opset=opset, bound_dims=bound.dims, batch=bound.batch,
+        batch_inputs=bound.batch_inputs, ops=ops, tensors=tensors,
+        inputs=[v.name for v in data_inputs(model)], outputs=graph_outputs,
+        batch_symbol=bound.batch_symbol, source=source,
+    )
+    _check_topological(planning)
+    return planning
+
+
+def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
+    """Refuse negative dims and tensors too large to count exactly (corrupt or mistyped
+    dims): sizes, bytes and FLOPs would silently wrap around or lose precision."""
+    for tensor in tensors.values():
+        if any(d < 0 for d in tensor.shape):
+            raise ModelError(f"{model_name}: tensor {tensor.name} has a negative dim (shape "
+                             f"{list(tensor.shape)}); the file is corrupt: re-export it")
+        if math.prod(tensor.shape) > MAX_TENSOR_ELEMENTS:
+            raise ModelError(
+                f"{model_name}: tensor {tensor.name} of shape {list(tensor.shape)} has more "
+                f"than 2**53 elements, beyond what shardplan counts exactly; check the bound "
+                "dims (--batch, --dim) and the shapes stored in the model"
+            )
+
+
+def _classify_initializers(
+    model: onnx.ModelProto, known: Mapping[str, np.ndarray]
+) -> dict[str, TensorKind]:
+    """Float initializers consumed by ops are parameters, except state and constants.
+
+    Values the folder produced or could read (integers, scalars, Constant nodes) are
+    constants; batch-norm running statistics are buffers: stored, but never trained.
+    """
+    buffer_uses: set[str] = set()
+    for node in model.graph.node:
+        for slot in BUFFER_INPUT_SLOTS.get(node.op_type, ()):
+            if slot < len(node.input) and node.input[slot]:
+                buffer_uses.add(node.input[slot])
+    kinds: dict[str, TensorKind] = {}
+    for init in model.graph.initializer:
+        dtype = ONNX_TO_NUMPY.get(init.data_type, "")
+        numel = math.prod(init.dims)
+        if dtype not in FLOAT_DTYPES or numel <= 1 or init.name in known:
+            kinds[init.name] = "constant"
+        elif init.name in buffer_uses or BUFFER_NAME.search(init.name):
+            kinds[init.name] = "buffer"
+        else:
+            kinds[init.name] = "parameter"
+    return kinds
+
+
+def _dtype_name(elem_type: int, model_name: str, tensor: str) -> str:
+    dtype = ONNX_TO_NUMPY.get(elem_type)
+    if dtype is None:
+        try:
+            type_name = onnx.TensorProto.DataType.Name(elem_type) if elem_type else "unknown"
+        except ValueError:  # a number no ONNX version defines (a corrupt file)
+            type_name = f"number {elem_type} (not an ONNX type)"
+        raise ModelError(
+            f"{model_name}: tensor {tensor} has element type {type_name}, which shardplan "
+            "cannot plan; export with float/int tensors"
+        )
+    return dtype
+
+
+def _node_attributes(node: onnx.NodeProto, model_name: str, opset: int) -> dict[str, object]:
+    """The node's attributes as Python values; a corrupt one names the node and attribute.
+
+    Types are checked against the op's ONNX schema: the sharding rules read `axis` or
+    `perm` as the type ONNX defines, and shape inference does not refuse a wrong one.
+    """
+    expected = _attribute_types(node.op_type, opset) if node.domain in ("", "ai.onnx") else {}
+    attrs: dict[str, object] = {}
+    for attribute in node.attribute:
+        want = expected.get(attribute.name)
+        if want is not None and attribute.type != want:
+            raise ModelError(
+                f"{model_name}: node {node.name} ({node.op_type}) attribute {attribute.name} "
+                f"is {_attribute_type_name(attribute.type)}, but ONNX defines it as "
+                f"{_attribute_type_name(want)}; the file is corrupt or hand-edited: re-export it"
+            )
+        try:
+            attrs[attribute.name] = attribute_value(attribute)
+        except Exception as exc:  # onnx raises TypeError/ValueError/RuntimeError for these
+            raise ModelError(
+                f"{model_name}: node {node.name} ({node.op_type}) attribute {attribute.name} "
+                f"cannot be read ({exc}); the file is corrupt or hand-edited: re-export it"
+            ) from None
+    return attrs
+
+
+@cache
+def _attribute_types(op_type: str, opset: int) -> dict[str, int]:
+    """Attribute name -> AttributeProto type of a default-domain op; {} when unknown."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return {}
+    # pybind11 enums convert to int; onnx's stub omits __int__
+    return {name: int(cast(SupportsInt, attr.type)) for name, attr in schema.attributes.items()}
+
+
+def _attribute_type_name(kind: int) -> str:
+    try:
+        return onnx.AttributeProto.AttributeType.Name(kind)
+    except ValueError:
+        return f"type number {kind}"
+
+
+def attribute_value(attribute: onnx.AttributeProto):
+    """An attribute as a Python value: text decoded, tensors as arrays (None when their data
+    is not in the proto), graphs, types and sparse tensors as None."""
+    value = onnx.helper.get_attribute_value(attribute)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value) if has_inline_data(value) else None
+    if isinstance(value, list | tuple):
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
+    if isinstance(value, onnx.GraphProto | onnx.TypeProto | onnx.SparseTensorProto):
+        return None
+    return value
+
+
+def _check_topological(graph: PlanningGraph) -> None:
+    defined = set(graph.inputs) | {t.name for t in graph.tensors.values() if t.producer is None}
+    for node in graph.ops:
+        for tensor in node.inputs:
+            if tensor and tensor not in defined:
+                raise ModelError(
+                    f"{graph.path}: node {node.name} reads {tensor} before it is produced "
+                    "(the graph has a cycle or is not topologically sorted)"
+                )
+        defined.update(o for o in node.outputs if o)
