@@ -16,8 +16,8 @@ from pathlib import Path
 from planner import zoo
 from planner.api import plan
 from planner.errors import NoPlanFits
-from planner.importer import import_model
 from planner.humanize import human_bytes, human_seconds
+from planner.importer import import_model
 
 #: (preset, sequence length, sequences per device in the global batch)
 MODELS = {

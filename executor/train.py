@@ -34,8 +34,8 @@ from executor.schedule import build_stages, check_pipeline_section, check_schedu
 from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole
 from planner.importer import import_model, rebind
+from planner.kinds import AxisRole
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import check_model_digest, check_plan_matches

@@ -20,9 +20,9 @@ from planner.cost.oplevel import price_graph
 from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
+from planner.importer import import_model
 from planner.kinds import Recompute
 from planner.layers import Units
-from planner.importer import import_model
 from planner.plans.schema import SCHEMA_FILE
 from planner.search.stages import StageTables, contiguous, interleaved
 from planner.sharding.analysis import GraphAnalysis

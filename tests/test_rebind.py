@@ -252,15 +252,15 @@ def test_a_graph_plans_the_joint_search_after_its_file_is_deleted(gpt_tiny: Path
 
 def test_the_executor_rebinds_the_whole_batch_without_the_file(gpt_tiny: Path,
                                                               tmp_path: Path) -> None:
-    from executor.train import _graph_for, _whole_batch_graph
+    from executor.train import graph_for, whole_batch_graph
 
     path = tmp_path / "gpt-tiny.onnx"
     path.write_bytes(gpt_tiny.read_bytes())
     plan = planner.plan(path, batch=8, dims={"seq": 16}, devices=4,
                         parallel={"pp": 2, "micro_batches": 2})
-    micro = _graph_for(path, plan)
+    micro = graph_for(path, plan)
     assert micro.batch is not None
     whole = import_model(path, batch=micro.batch * 2, dims={"seq": 16})
     path.unlink()
-    assert graph_facts(_whole_batch_graph(plan, micro)) == graph_facts(whole)
-    assert _graph_for(micro, plan) is micro
+    assert graph_facts(whole_batch_graph(plan, micro)) == graph_facts(whole)
+    assert graph_for(micro, plan) is micro

@@ -17,8 +17,8 @@ from planner.api import plan
 from planner.cli import main
 from planner.cost.step import TrainingOptions
 from planner.errors import NoPlanFits, ShardplanError
-from planner.layers import find_repeats
 from planner.importer import import_model
+from planner.layers import find_repeats
 from planner.search.elimination import solve_elimination
 from planner.search.ilp import solve_ilp
 from planner.search.layers import tie_classes
