@@ -36,14 +36,13 @@ from planner.plan.sections import (
     ParallelConfig,
     PipelineSection,
     SendEntry,
-    SolverRecord,
     StageEntry,
     StepSpec,
     TensorBinding,
     TensorEntry,
     UnitEntry,
 )
-from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
+from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision, SolverRecord
 from planner.search.joint import pipeline_config, stage_mesh
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph

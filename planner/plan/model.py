@@ -32,7 +32,6 @@ from planner.plan.sections import (
     OpEntry,
     ParallelConfig,
     PipelineSection,
-    SolverRecord,
     StepSpec,
     TensorEntry,
     UnitEntry,
@@ -40,6 +39,7 @@ from planner.plan.sections import (
     collective_to_json,
 )
 from planner.plan.upgrade import upgrade_pipeline
+from planner.search.decisions import SolverRecord
 from planner.sharding.mesh import DeviceMesh
 
 
