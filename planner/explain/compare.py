@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from planner.planfile import Plan
-from planner.report import MEMORY_ORDER, human_bytes, human_seconds
+from costmodels.memory import MEMORY_CATEGORIES
+from planner.explain.figures import degrees, global_batch
+from planner.humanize import human_bytes, human_seconds
+from planner.plan.model import Plan
 
-COMPARE_MEMORY = (*MEMORY_ORDER, "peak")
+COMPARE_MEMORY = (*MEMORY_CATEGORIES, "peak")
 
 
 def compare_rows(plans: Sequence[tuple[str, Plan]]) -> dict[str, Any]:
@@ -18,23 +20,19 @@ def compare_rows(plans: Sequence[tuple[str, Plan]]) -> dict[str, Any]:
     first = plans[0][1].predicted.step_time_s or 1.0
     entries = []
     for source, plan in plans:
-        pipe = plan.pipeline or {}
-        breakdown = plan.predicted.breakdown
         entries.append({
             "source": source,
             "model": {"path": plan.model.path, "sha256": plan.model.sha256,
                       "parameters": plan.model.parameters},
             "cluster": asdict(plan.cluster),
             "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
-            "parallel": {**asdict(plan.parallel), "schedule": pipe.get("schedule"),
-                         "virtual_stages": pipe.get("virtual_stages")},
-            "global_batch": pipe.get("global_batch", plan.model.batch),
+            "parallel": degrees(plan), "global_batch": global_batch(plan),
             "step_time_s": plan.predicted.step_time_s,
             "ratio": plan.predicted.step_time_s / first,
             "compute_s": plan.predicted.compute_s,
             "communication_s": plan.predicted.communication_s,
-            "bubble_s": float(breakdown.get("bubble_s", 0.0)),
-            "memory": {k: int(plan.predicted.memory.get(k, 0)) for k in COMPARE_MEMORY},
+            "bubble_s": plan.predicted.breakdown.bubble_s,
+            "memory": {k: int(plan.predicted.memory[k]) for k in COMPARE_MEMORY},
             "memory_limit_bytes": plan.predicted.memory_limit_bytes,
             "fits": plan.predicted.fits,
         })

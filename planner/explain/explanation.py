@@ -8,7 +8,8 @@ from dataclasses import asdict
 from planner.explain.figures import (
     PlanIndex,
     communication_matrix,
-    critical_stage,
+    degrees,
+    global_batch,
     stage_rows,
     step_terms,
     top_collectives,
@@ -18,18 +19,14 @@ from planner.explain.figures import (
 from planner.explain.model import SAME, Explanation, Rival
 from planner.explain.rivals import rivals
 from planner.explain.units import find_units
-from planner.planfile import Plan
+from planner.plan.model import Plan
 
 
 def explain(plan: Plan, source: str = "plan", top: int = 5) -> Explanation:
     """Everything `shardplan explain` says about one plan."""
     units, grouping = find_units(plan)
     index = PlanIndex.build(plan, units)
-    pipe = plan.pipeline or {}
-    parallel = {**asdict(plan.parallel), "schedule": pipe.get("schedule"),
-                "virtual_stages": pipe.get("virtual_stages"),
-                "global_batch": pipe.get("global_batch", plan.model.batch)}
-    stage = critical_stage(plan)
+    stage = index.critical
     return Explanation(
         source=source,
         model={"path": plan.model.path, "sha256": plan.model.sha256,
@@ -38,13 +35,13 @@ def explain(plan: Plan, source: str = "plan", top: int = 5) -> Explanation:
         cluster=asdict(plan.cluster),
         mesh={"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
               "intra_node": [plan.mesh.intra_node(a) for a in plan.mesh.axis_names]},
-        parallel=parallel,
+        parallel={**degrees(plan), "global_batch": global_batch(plan)},
         solver={"name": plan.solver.name, "status": plan.solver.status,
-                "gap": plan.solver.gap, "chosen": plan.solver.detail.get("chosen")},
+                "gap": plan.solver.gap, "chosen": plan.solver.detail.chosen},
         step_time_s=plan.predicted.step_time_s,
         micro_batches=index.micro_batches,
-        critical_stage=int(stage["device_stage"]) if stage and len(pipe["stages"]) > 1
-        else None,
+        critical_stage=stage.device_stage if stage is not None and plan.pipeline is not None
+        and len(plan.pipeline.stages) > 1 else None,
         grouping=grouping,
         terms=step_terms(plan, index),
         top_ops=top_ops(plan, index, top),
@@ -71,9 +68,9 @@ def _notes(plan: Plan, others: Sequence[Rival]) -> list[str]:
     if plan.mesh.size > 1 and all(not op.assignment for op in plan.ops):
         notes.append(f"every op is replicated: each of the {plan.mesh.size} devices computes "
                      "the whole step (splitting cost more than it saved)")
-    if any("parallel" not in alt for alt in plan.alternatives):
+    if any(alt.brief is None for alt in plan.alternatives):
         notes.append("op-level alternatives carry the solver's objective, priced before "
                      "assembly (a tied weight's gradient is charged once per use there)")
-    if plan.solver.detail.get("chosen"):
-        notes.append(f"chosen: {plan.solver.detail['chosen']}")
+    if plan.solver.detail.chosen:
+        notes.append(f"chosen: {plan.solver.detail.chosen}")
     return notes

@@ -11,21 +11,25 @@ plan does not itemise is reported as "not itemised" rather than hidden in anothe
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from planner.explain.model import Term, TopItem, UnitReport
+from planner.explain.model import StageRow, Term, TopItem, UnitReport
 from planner.explain.units import Unit, op_classes, op_split, template
-from planner.graph import TensorInfo
-from planner.planfile import OpEntry, Plan
+from planner.graph import dtype_itemsize
+from planner.kinds import CollectiveKind, Phase
+from planner.plan.model import Plan
+from planner.plan.sections import OpEntry, StageEntry
 
 UNTRACKED = 1e-3  # a residual above this share of the step is listed as "not itemised"
 
 
 @dataclass
 class PlanIndex:
-    """Lookups every section needs: op positions, stages, collectives per op."""
+    """Lookups every section needs: op positions, stages, collectives per op, and the
+    critical stage with its ops (None: an op-level plan, every op on every device)."""
 
     plan: Plan
     units: list[Unit]
@@ -35,6 +39,8 @@ class PlanIndex:
     stage_of: list[int | None]
     first_reader: dict[str, int]  # parameter -> first op reading it
     op_class: list[tuple]  # same position in every layer -> same class
+    critical: StageEntry | None
+    critical_ops: list[int] | None
 
     @classmethod
     def build(cls, plan: Plan, units: list[Unit]) -> PlanIndex:
@@ -44,75 +50,95 @@ class PlanIndex:
             for i in unit.indices():
                 unit_of[i] = k
         stage_of: list[int | None] = [None] * n
-        for stage in (plan.pipeline or {}).get("stages", []):
-            for first, end in stage["ops"]:
-                for i in range(first, end):
-                    stage_of[i] = int(stage["device_stage"])
+        for stage in _stages(plan):
+            for i in stage.op_indices():
+                stage_of[i] = stage.device_stage
         first_reader: dict[str, int] = {}
         for i, op in enumerate(plan.ops):
             for binding in op.inputs:
                 if binding and plan.tensors[binding.tensor].kind == "parameter":
                     first_reader.setdefault(binding.tensor, i)
-        micro = int((plan.pipeline or {}).get("micro_batches", 1) or 1)
-        return cls(plan, units, micro, {op.name: i for i, op in enumerate(plan.ops)},
-                   unit_of, stage_of, first_reader, op_classes(units, n))
+        critical = critical_stage(plan)
+        return cls(plan, units, plan.micro_batches,
+                   {op.name: i for i, op in enumerate(plan.ops)}, unit_of, stage_of,
+                   first_reader, op_classes(units, n), critical,
+                   list(critical.op_indices()) if critical is not None else None)
 
     def op_of(self, collective_op: str, tensor: str) -> int | None:
         """The op a collective belongs to: its consumer, or a weight's first reader."""
         index = self.op_index.get(collective_op)
         return index if index is not None else self.first_reader.get(tensor)
 
-
-def _cost(op: OpEntry, key: str) -> float:
-    return float(op.cost.get(key, 0.0))
-
-
-def critical_stage(plan: Plan) -> dict[str, Any] | None:
-    """The stage whose time per micro-batch sets the pipeline's pace (as the Pricer)."""
-    stages = (plan.pipeline or {}).get("stages") or []
-    if not stages:
-        return None
-    return max(stages, key=_per_micro_batch)
+    def members(self) -> range | list[int]:
+        """The ops whose devices the step's terms are about: the critical stage's."""
+        return range(len(self.plan.ops)) if self.critical_ops is None else self.critical_ops
 
 
-def _per_micro_batch(stage: dict[str, Any]) -> float:
-    return sum(float(stage.get(k, 0.0)) for k in
-               ("forward_s", "backward_s", "recompute_s", "p2p_s", "zero_s"))
+def degrees(plan: Plan) -> dict[str, Any]:
+    """The plan's `parallel` section with its pipeline's schedule and chunks (None when it
+    has no pipeline section)."""
+    pipe = plan.pipeline
+    return {**plan.parallel.to_json(),
+            "schedule": str(pipe.schedule) if pipe is not None else None,
+            "virtual_stages": pipe.virtual_stages if pipe is not None else None}
+
+
+def global_batch(plan: Plan) -> int | None:
+    return plan.pipeline.global_batch if plan.pipeline is not None else plan.model.batch
+
+
+def _stages(plan: Plan) -> tuple[StageEntry, ...]:
+    return plan.pipeline.stages if plan.pipeline is not None else ()
+
+
+def _forward(op: OpEntry) -> float:
+    return op.cost.forward_s if op.cost is not None else 0.0
+
+
+def _backward(op: OpEntry) -> float:
+    return op.cost.backward_s if op.cost is not None else 0.0
+
+
+def _saved(op: OpEntry) -> float:
+    return op.cost.saved_bytes if op.cost is not None else 0.0
+
+
+def critical_stage(plan: Plan) -> StageEntry | None:
+    """The stage whose time per micro-batch sets the pipeline's pace (as the step model)."""
+    stages = _stages(plan)
+    return max(stages, key=lambda s: s.per_micro_batch_s) if stages else None
 
 
 def step_terms(plan: Plan, index: PlanIndex) -> list[Term]:
     """The step time as a sum of terms; a residual is reported, not spread."""
-    stage = critical_stage(plan)
-    ops = (range(len(plan.ops)) if stage is None else
-           [i for first, end in stage["ops"] for i in range(first, end)])
+    stage = index.critical
     m = index.micro_batches
-    fwd = m * sum(_cost(plan.ops[i], "forward_s") for i in ops)
-    bwd = m * sum(_cost(plan.ops[i], "backward_s") for i in ops)
+    fwd = m * sum(_forward(plan.ops[i]) for i in index.members())
+    bwd = m * sum(_backward(plan.ops[i]) for i in index.members())
     breakdown = plan.predicted.breakdown
     if stage is not None:
         values = [
             ("forward compute", fwd),
-            ("forward collectives", m * float(stage["forward_s"]) - fwd),
+            ("forward collectives", m * stage.forward_s - fwd),
             ("backward compute", bwd),
-            ("backward collectives", m * float(stage["backward_s"]) - bwd),
-            ("recompute", m * float(stage.get("recompute_s", 0.0))),
-            ("stage-to-stage sends", m * float(stage.get("p2p_s", 0.0))),
-            ("ZeRO gathers per micro-batch", m * float(stage.get("zero_s", 0.0))),
-            ("pipeline bubble", float(breakdown.get("bubble_s", 0.0))),
+            ("backward collectives", m * stage.backward_s - bwd),
+            ("recompute", m * stage.recompute_s),
+            ("stage-to-stage sends", m * stage.p2p_s),
+            ("ZeRO gathers per micro-batch", m * stage.zero_s),
+            ("pipeline bubble", breakdown.bubble_s),
         ]
     else:
         values = [
             ("forward compute", fwd),
-            ("forward collectives", float(breakdown.get("forward_communication_s", 0.0))),
+            ("forward collectives", breakdown.forward_communication_s),
             ("backward compute", bwd),
-            ("backward collectives", float(breakdown.get("backward_communication_s", 0.0))),
-            ("recompute", float(breakdown.get("recompute_s", 0.0))),
+            ("backward collectives", breakdown.backward_communication_s),
+            ("recompute", breakdown.recompute_s),
         ]
     values += [
-        ("gradient synchronisation", float(breakdown.get("gradient_communication_s", 0.0))),
-        ("hidden behind backward (overlap)", -float(breakdown.get("hidden_communication_s",
-                                                                   0.0))),
-        ("optimizer", float(breakdown.get("optimizer_s", 0.0))),
+        ("gradient synchronisation", breakdown.gradient_communication_s),
+        ("hidden behind backward (overlap)", -breakdown.hidden_communication_s),
+        ("optimizer", breakdown.optimizer_s),
     ]
     step = plan.predicted.step_time_s
     residual = step - sum(v for _, v in values)
@@ -125,34 +151,29 @@ def step_terms(plan: Plan, index: PlanIndex) -> list[Term]:
 
 def top_ops(plan: Plan, index: PlanIndex, count: int) -> list[TopItem]:
     """The op classes that take most of the critical devices' compute time."""
-    stage = critical_stage(plan)
-    members = (range(len(plan.ops)) if stage is None else
-               [i for first, end in stage["ops"] for i in range(first, end)])
     groups: dict[tuple, list[int]] = defaultdict(list)
-    for i in members:
+    for i in index.members():
         groups[index.op_class[i]].append(i)
     items = []
     for ops in groups.values():
-        time = index.micro_batches * sum(_cost(plan.ops[i], "forward_s")
-                                         + _cost(plan.ops[i], "backward_s") for i in ops)
+        time = index.micro_batches * sum(_forward(plan.ops[i]) + _backward(plan.ops[i])
+                                         for i in ops)
         items.append((time, template([plan.ops[i].name for i in ops]), len(ops)))
     return _top(items, plan.predicted.step_time_s, count)
 
 
 def top_collectives(plan: Plan, index: PlanIndex, count: int) -> list[TopItem]:
     """Collective classes by time per step on the critical devices."""
-    stage = critical_stage(plan)
-    wanted = None if stage is None else {
-        i for first, end in stage["ops"] for i in range(first, end)}
+    wanted = None if index.critical_ops is None else set(index.critical_ops)
     groups: dict[tuple, list[tuple[str, float]]] = defaultdict(list)
     for c in plan.collectives:
         at = index.op_of(c.op, c.tensor)
         if wanted is not None and (at is None or at not in wanted):
             continue
-        per_step = c.time_s if c.phase == "gradient" else c.time_s * index.micro_batches
+        once = c.phase == Phase.GRADIENT
+        per_step = c.time_s if once else c.time_s * index.micro_batches
         key = (c.kind, tuple(c.axes), c.phase, index.op_class[at] if at is not None else c.op)
-        label = c.tensor if c.phase == "gradient" else c.op
-        groups[key].append((label, per_step))
+        groups[key].append((c.tensor if once else c.op, per_step))
     items = []
     for (kind, axes, phase, _), members in groups.items():
         what = template([label for label, _ in members])
@@ -161,31 +182,31 @@ def top_collectives(plan: Plan, index: PlanIndex, count: int) -> list[TopItem]:
     return _top(items, plan.predicted.step_time_s, count)
 
 
-PHASES = ("forward", "backward", "gradient")
+PHASES = tuple(Phase)  # the columns of the communication matrix
 
 
 def communication_matrix(plan: Plan, index: PlanIndex) -> dict[str, Any]:
     """Collective seconds per step on the critical devices, by mesh-axis set and phase."""
-    stage = critical_stage(plan)
-    wanted = None if stage is None else {
-        i for first, end in stage["ops"] for i in range(first, end)}
+    wanted = None if index.critical_ops is None else set(index.critical_ops)
     seconds: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(PHASES))
     counts: dict[str, list[int]] = defaultdict(lambda: [0] * len(PHASES))
     for c in plan.collectives:
         at = index.op_of(c.op, c.tensor)
         if wanted is not None and (at is None or at not in wanted):
             continue
-        row = "+".join(c.axes) + (" (stage sends)" if c.kind == "send_recv" else "")
-        column = PHASES.index(c.phase) if c.phase in PHASES else 0
-        seconds[row][column] += c.time_s * (1 if c.phase == "gradient" else index.micro_batches)
+        row = "+".join(c.axes) + (" (stage sends)" if c.kind == CollectiveKind.SEND_RECV
+                                  else "")
+        column = PHASES.index(c.phase)
+        seconds[row][column] += c.time_s * (1 if c.phase == Phase.GRADIENT
+                                            else index.micro_batches)
         counts[row][column] += 1
     order = {a: i for i, a in enumerate(plan.mesh.axis_names)}
     rows = sorted(seconds, key=lambda r: (r.count("+"), [order.get(a, len(order)) for a in
                                                          r.split(" ")[0].split("+")], r))
-    several = len((plan.pipeline or {}).get("stages") or []) > 1
-    scope = (f"the devices of stage {stage['device_stage']} (the busiest)"
-             if stage is not None and several else "every device")
-    return {"scope": scope, "phases": list(PHASES), "axes": rows,
+    stage = index.critical
+    scope = (f"the devices of stage {stage.device_stage} (the busiest)"
+             if stage is not None and len(_stages(plan)) > 1 else "every device")
+    return {"scope": scope, "phases": [str(p) for p in PHASES], "axes": rows,
             "seconds": [seconds[r] for r in rows], "counts": [counts[r] for r in rows]}
 
 
@@ -203,15 +224,15 @@ def unit_reports(plan: Plan, index: PlanIndex) -> list[UnitReport]:
     splits: list[dict[str, float]] = [defaultdict(float) for _ in range(n)]
     for i, op in enumerate(plan.ops):
         u = index.unit_of[i]
-        fwd[u] += m * _cost(op, "forward_s")
-        bwd[u] += m * _cost(op, "backward_s")
-        saved[u] += _cost(op, "saved_bytes")
-        splits[u][op_split(op, plan)] += _cost(op, "forward_s") + _cost(op, "backward_s")
+        fwd[u] += m * _forward(op)
+        bwd[u] += m * _backward(op)
+        saved[u] += _saved(op)
+        splits[u][op_split(op, plan)] += _forward(op) + _backward(op)
     for c in plan.collectives:
         at = index.op_of(c.op, c.tensor)
-        if at is None or c.kind == "send_recv":
+        if at is None or c.kind == CollectiveKind.SEND_RECV:
             continue
-        if c.phase == "gradient":
+        if c.phase == Phase.GRADIENT:
             grad[index.unit_of[at]] += c.time_s
         else:
             coll[index.unit_of[at]] += m * c.time_s
@@ -221,7 +242,7 @@ def unit_reports(plan: Plan, index: PlanIndex) -> list[UnitReport]:
     reports = []
     for k, unit in enumerate(index.units):
         split, share = _dominant(splits[k])
-        stages = {index.stage_of[i] for i in unit.indices()} - {None}
+        stages = {s for s in (index.stage_of[i] for i in unit.indices()) if s is not None}
         reports.append(UnitReport(
             unit.name, [list(r) for r in unit.ranges], len(unit.indices()),
             min(stages) if stages else None, split, share, fwd[k], bwd[k], recompute[k],
@@ -239,11 +260,8 @@ def _dominant(times: dict[str, float]) -> tuple[str, float]:
 
 def _local_bytes(plan: Plan, tensor: str) -> float:
     info = plan.tensors[tensor]
-    whole = TensorInfo(tensor, tuple(info.shape), info.dtype, info.kind).nbytes  # type: ignore[arg-type]
-    parts = 1
-    for factor in info.layout.split_factors(plan.mesh):
-        parts *= factor
-    return whole / parts
+    whole = math.prod(info.shape) * dtype_itemsize(info.dtype)
+    return whole / math.prod(info.layout.split_factors(plan.mesh))
 
 
 def _unit_recompute(plan: Plan, index: PlanIndex) -> list[float]:
@@ -254,33 +272,26 @@ def _unit_recompute(plan: Plan, index: PlanIndex) -> list[float]:
     forward_coll: dict[int, float] = defaultdict(float)
     for c in plan.collectives:
         at = index.op_index.get(c.op)
-        if at is not None and c.phase == "forward" and c.kind != "send_recv":
+        if at is not None and c.phase == Phase.FORWARD and c.kind != CollectiveKind.SEND_RECV:
             forward_coll[at] += c.time_s
-    for stage in (plan.pipeline or {}).get("stages", []):
-        total = float(stage.get("recompute_s", 0.0)) * index.micro_batches
+    for stage in _stages(plan):
+        total = stage.recompute_s * index.micro_batches
         weights: dict[int, float] = defaultdict(float)
-        for first, end in stage.get("recompute_segments", []):
+        for first, end in stage.recompute_segments:
             for i in range(first, end):
-                weights[index.unit_of[i]] += _cost(plan.ops[i], "forward_s") + forward_coll[i]
+                weights[index.unit_of[i]] += _forward(plan.ops[i]) + forward_coll[i]
         whole = sum(weights.values())
         for u, weight in weights.items():
             result[u] += total * weight / whole if whole > 0 else 0.0
     return result
 
 
-def stage_rows(plan: Plan) -> list[dict[str, Any]]:
-    rows = []
-    for stage in (plan.pipeline or {}).get("stages", []):
-        rows.append({
-            "device_stage": stage["device_stage"],
-            "units": [list(pair) for pair in stage.get("units", [])],
-            "ranks": len(stage.get("ranks", [])),
-            "recompute": stage.get("recompute", "none"),
-            **{k: float(stage.get(k, 0.0)) for k in (
-                "forward_s", "backward_s", "recompute_s", "p2p_s", "zero_s",
-                "gradient_sync_s", "optimizer_s")},
-            "per_micro_batch_s": _per_micro_batch(stage),
-            "in_flight": float(stage.get("in_flight", 0.0)),
-            "memory": dict(stage.get("memory", {})),
-        })
-    return rows
+def stage_rows(plan: Plan) -> list[StageRow]:
+    return [StageRow(
+        device_stage=stage.device_stage, units=[list(pair) for pair in stage.units],
+        ranks=len(stage.ranks), recompute=str(stage.recompute), forward_s=stage.forward_s,
+        backward_s=stage.backward_s, recompute_s=stage.recompute_s, p2p_s=stage.p2p_s,
+        zero_s=stage.zero_s, gradient_sync_s=stage.gradient_sync_s,
+        optimizer_s=stage.optimizer_s, per_micro_batch_s=stage.per_micro_batch_s,
+        in_flight=stage.in_flight, memory=dict(stage.memory))
+        for stage in _stages(plan)]

@@ -36,6 +36,27 @@ class UnitReport:
 
 
 @dataclass
+class StageRow:
+    """One pipeline device stage's own figures: per micro-batch, except the gradient
+    synchronisation and optimizer (per step); memory per device."""
+
+    device_stage: int
+    units: list[list[str]]  # [first, last] unit name per chunk
+    ranks: int
+    recompute: str
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    p2p_s: float
+    zero_s: float
+    gradient_sync_s: float
+    optimizer_s: float
+    per_micro_batch_s: float
+    in_flight: float  # micro-batches whose activations it holds at its peak
+    memory: dict[str, int]
+
+
+@dataclass
 class Term:
     """One term of the step time, with its share of the step."""
 
@@ -99,7 +120,7 @@ class Explanation:
     top_ops: list[TopItem]
     top_collectives: list[TopItem]
     units: list[UnitReport]
-    stages: list[dict[str, Any]]
+    stages: list[StageRow]
     memory: dict[str, int]
     memory_limit_bytes: int
     fits: bool

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from costmodels.memory import MEMORY_CATEGORIES
 from planner.explain.model import SAME, Explanation, TopItem, UnitReport
-from planner.report import MEMORY_ORDER, human_bytes, human_seconds
+from planner.humanize import human_bytes, human_seconds
 
 
 def render(ex: Explanation) -> str:
@@ -26,7 +27,7 @@ def render(ex: Explanation) -> str:
     lines += ["", "memory per device" + (f" (stage {fullest}, the fullest)"
                                           if fullest is not None else "")]
     peak = ex.memory.get("peak", 0) or 1
-    for key in MEMORY_ORDER:
+    for key in MEMORY_CATEGORIES:
         value = ex.memory.get(key, 0)
         lines.append(f"  {key:<34}{human_bytes(value):>12}  {100 * value / peak:5.1f} %")
     lines.append(f"  {'peak':<34}{human_bytes(ex.memory.get('peak', 0)):>12}  of "
@@ -70,7 +71,7 @@ def _fullest_stage(ex: Explanation) -> int | None:
     if len(ex.stages) < 2:
         return None
     peak = ex.memory.get("peak")
-    match = [row["device_stage"] for row in ex.stages if row["memory"].get("peak") == peak]
+    match = [row.device_stage for row in ex.stages if row.memory.get("peak") == peak]
     return match[0] if match else None
 
 
@@ -147,11 +148,11 @@ def _stage_table(ex: Explanation) -> list[str]:
     lines = [f"  {'stage':<7}{'units':<42}{'recompute':<11}{'forward':>11}{'backward':>11}"
              f"{'recompute':>11}{'p2p':>11}{'total':>11}{'peak memory':>13}"]
     for row in ex.stages:
-        units = ", ".join(a if a == b else f"{a} … {b}" for a, b in row["units"])
+        units = ", ".join(a if a == b else f"{a} … {b}" for a, b in row.units)
         lines.append(
-            f"  {row['device_stage']:<7}{units[:41]:<42}{row['recompute']:<11}"
-            f"{human_seconds(row['forward_s']):>11}{human_seconds(row['backward_s']):>11}"
-            f"{human_seconds(row['recompute_s']):>11}{human_seconds(row['p2p_s']):>11}"
-            f"{human_seconds(row['per_micro_batch_s']):>11}"
-            f"{human_bytes(row['memory'].get('peak', 0)):>13}")
+            f"  {row.device_stage:<7}{units[:41]:<42}{row.recompute:<11}"
+            f"{human_seconds(row.forward_s):>11}{human_seconds(row.backward_s):>11}"
+            f"{human_seconds(row.recompute_s):>11}{human_seconds(row.p2p_s):>11}"
+            f"{human_seconds(row.per_micro_batch_s):>11}"
+            f"{human_bytes(row.memory.get('peak', 0)):>13}")
     return lines

@@ -11,8 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.graph import OpNode, PlanningGraph, TensorInfo
-from planner.planfile import OpEntry, Plan
+from planner.plan.model import Plan
+from planner.plan.sections import OpEntry, UnitEntry
 
 MAX_GROUPS = 40  # name-prefix groups beyond this are merged into equal chunks
 
@@ -33,50 +33,28 @@ def find_units(plan: Plan) -> tuple[list[Unit], str]:
     """The units to explain, and how they were found.
 
     1. A pipeline plan lists its units: the cut points its stages respect. Use them.
-    2. Otherwise run the planner's own repeated-layer detection (`find_repeats`) on a view
-       of the plan: the plan records each op's type and every tensor's shape, dtype and
-       role, which is what `op_signature` reads except attributes and folded constant
-       values. So op-level plans are grouped as the search grouped them, without the model
-       file (often gone, or on another machine) and without seconds of import.
-    3. No repeated block covering half the ops (a small or irregular graph, or a run of
-       a few alike ops): consecutive ops sharing the first segment of their names, which
-       exporters and the zoo set from the module path.
+    2. Otherwise the plan's `units`: the model's layers as the planner found them (its
+       repeated block of ops, with the prefix before and the suffix after), recorded when
+       the block covers at least half the graph. So op-level plans are grouped as the
+       search grouped them, without the model file (often gone, or on another machine).
+    3. No layers recorded (a small or irregular graph, or a run of a few alike ops):
+       consecutive ops sharing the first segment of their names, which exporters and the
+       zoo set from the module path.
     """
-    from planner.search.layers import find_repeats
-
-    if plan.pipeline and plan.pipeline.get("units"):
-        units = [Unit(u["name"], ((int(u["ops"][0]), int(u["ops"][1])),),
-                      u["name"].startswith("layer ")) for u in plan.pipeline["units"]]
-        return units, "the plan's pipeline units (the cut points its stages respect)"
-    from planner.stages import MIN_LAYER_SHARE
-
-    repeats = find_repeats(_graph_view(plan)) if len(plan.ops) >= 4 else None
-    if repeats is not None and repeats.covered >= MIN_LAYER_SHARE * len(plan.ops):
-        return (_layer_units(repeats.start, repeats.period, repeats.count, len(plan.ops)),
-                f"repeated layers found in the plan's op sequence ({repeats.count} layers "
-                f"of {repeats.period} ops)")
+    if plan.pipeline is not None and plan.pipeline.units:
+        return ([_unit(u) for u in plan.pipeline.units],
+                "the plan's pipeline units (the cut points its stages respect)")
+    layers = [u for u in plan.units if u.is_layer]
+    if layers:
+        sizes = sorted({end - first for first, end in (u.ops for u in layers)})
+        size = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+        return ([_unit(u) for u in plan.units],
+                f"repeated layers found by the planner ({len(layers)} layers of {size} ops)")
     return _name_units(plan), "consecutive ops sharing a name prefix (no repeated layer)"
 
 
-def _graph_view(plan: Plan) -> PlanningGraph:
-    """A PlanningGraph with what `op_signature` reads, rebuilt from the plan file."""
-    tensors = {name: TensorInfo(name, tuple(t.shape), t.dtype, t.kind)  # type: ignore[arg-type]
-               for name, t in plan.tensors.items()}
-    ops = [OpNode(op.name, op.op_type, "", tuple(b.tensor if b else "" for b in op.inputs),
-                  tuple(b.tensor if b else "" for b in op.outputs), {}) for op in plan.ops]
-    return PlanningGraph(plan.model.path, plan.model.sha256, plan.model.opset,
-                         dict(plan.model.bound_dims), plan.model.batch, {}, ops, tensors,
-                         [], [])
-
-
-def _layer_units(start: int, period: int, count: int, total: int) -> list[Unit]:
-    units = [Unit("prefix", ((0, start),), False)] if start > 0 else []
-    units += [Unit(f"layer {k}", ((start + k * period, start + (k + 1) * period),), True)
-              for k in range(count)]
-    end = start + count * period
-    if end < total:
-        units.append(Unit("suffix", ((end, total),), False))
-    return units
+def _unit(entry: UnitEntry) -> Unit:
+    return Unit(entry.name, (entry.ops,), entry.is_layer)
 
 
 def _name_units(plan: Plan) -> list[Unit]:
