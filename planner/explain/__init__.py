@@ -18,6 +18,7 @@ from planner.explain.model import (
     JSON_KEYS,
     Explanation,
     Rival,
+    StageRow,
     Term,
     TopItem,
     UnitReport,
@@ -25,5 +26,6 @@ from planner.explain.model import (
 from planner.explain.render import render
 from planner.explain.units import Unit, find_units, op_split
 
-__all__ = ["JSON_KEYS", "Explanation", "Rival", "Term", "TopItem", "Unit", "UnitReport",
-           "compare_rows", "explain", "find_units", "op_split", "render", "render_compare"]
+__all__ = ["JSON_KEYS", "Explanation", "Rival", "StageRow", "Term", "TopItem", "Unit",
+           "UnitReport", "compare_rows", "explain", "find_units", "op_split", "render",
+           "render_compare"]
