@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from costmodels.memory import MEMORY_CATEGORIES
 from planner.errors import ShardplanError
 from planner.explain import Explanation
+from planner.humanize import human_bytes, human_seconds
+from planner.kinds import Schedule
 from planner.plans.model import Plan
-from planner.report import MEMORY_ORDER, human_bytes, human_seconds
 
 DPI = 110
 COLORS = {
@@ -25,8 +27,8 @@ COLORS = {
     "parameters": "#4C78A8", "gradients": "#F58518", "optimizer state": "#54A24B",
     "activations": "#E45756", "workspace": "#9D755D",
 }
-MEMORY_COLORS = dict(zip(MEMORY_ORDER, ("#4C78A8", "#F58518", "#54A24B", "#E45756",
-                                        "#9D755D"), strict=True))
+MEMORY_COLORS = dict(zip(MEMORY_CATEGORIES, ("#4C78A8", "#F58518", "#54A24B", "#E45756",
+                                             "#9D755D"), strict=True))
 
 
 def _pyplot() -> Any:
@@ -141,8 +143,8 @@ def _shade_stages(ax: Any, units: Sequence[Any]) -> None:
 def _memory(plt: Any, plan: Plan, ex: Explanation) -> Any:
     """Memory per device by category, one bar per pipeline stage, against the limit."""
     if len(ex.stages) > 1:
-        labels = [f"stage {row['device_stage']}" for row in ex.stages]
-        memories = [row["memory"] for row in ex.stages]
+        labels = [f"stage {row.device_stage}" for row in ex.stages]
+        memories = [row.memory for row in ex.stages]
     else:
         labels, memories = ["every device"], [ex.memory]
     limit = ex.memory_limit_bytes
@@ -150,7 +152,7 @@ def _memory(plt: Any, plan: Plan, ex: Explanation) -> Any:
     scale, unit = _byte_scale(max(highest, 1))
     figure, ax = plt.subplots(figsize=(max(6.5, 2.5 + 0.7 * len(labels)), 5.2))
     bottom = [0.0] * len(labels)
-    for key in MEMORY_ORDER:
+    for key in MEMORY_CATEGORIES:
         heights = [m.get(key, 0) / scale for m in memories]
         ax.bar(labels, heights, bottom=bottom, width=0.6, label=key, color=MEMORY_COLORS[key])
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
@@ -203,11 +205,10 @@ class _StageTimes:
 
 
 def _schedule_name(plan: Plan, stages: int, micro_batches: int) -> str:
-    pipe = plan.pipeline or {}
     if stages == 1 and micro_batches == 1:
         return "Step timeline (one stage, no pipeline)"
-    chunks = pipe.get("virtual_stages") or 1
-    return (f"Pipeline schedule ({pipe.get('schedule') or '1f1b'}"
+    chunks = plan.pipeline.virtual_stages if plan.pipeline is not None else 1
+    return (f"Pipeline schedule ({_schedule_of(plan)}"
             + (f" ×{chunks} chunks" if chunks > 1 else "")
             + f", {stages} stages, {micro_batches} micro-batches)")
 
@@ -215,23 +216,22 @@ def _schedule_name(plan: Plan, stages: int, micro_batches: int) -> str:
 def _stage_times(plan: Plan) -> list[_StageTimes]:
     """Per device stage, as the pipeline Pricer counts a micro-batch; one stage for plans
     without a pipeline section (from the step's breakdown)."""
-    stages = (plan.pipeline or {}).get("stages") or []
-    if stages:
-        return [_StageTimes(
-            float(s["forward_s"]) + float(s.get("zero_s", 0.0)) + float(s.get("p2p_s", 0)) / 2,
-            float(s["backward_s"]) + float(s.get("p2p_s", 0.0)) / 2,
-            float(s.get("recompute_s", 0.0)), float(s.get("gradient_sync_s", 0.0)),
-            float(s.get("optimizer_s", 0.0))) for s in stages]
+    if plan.pipeline is not None and plan.pipeline.stages:
+        return [_StageTimes(s.forward_s + s.zero_s + s.p2p_s / 2, s.backward_s + s.p2p_s / 2,
+                            s.recompute_s, s.gradient_sync_s, s.optimizer_s)
+                for s in plan.pipeline.stages]
     b = plan.predicted.breakdown
     return [_StageTimes(
-        b.get("forward_s", 0.0) + b.get("forward_communication_s", 0.0),
-        b.get("backward_s", 0.0) + b.get("backward_communication_s", 0.0),
-        b.get("recompute_s", 0.0),
-        b.get("gradient_communication_s", 0.0) - b.get("hidden_communication_s", 0.0),
-        b.get("optimizer_s", 0.0))]
+        b.forward_s + b.forward_communication_s, b.backward_s + b.backward_communication_s,
+        b.recompute_s, b.gradient_communication_s - b.hidden_communication_s,
+        b.optimizer_s)]
 
 
-def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+def _schedule_of(plan: Plan) -> Schedule:
+    return plan.pipeline.schedule if plan.pipeline is not None else Schedule.ONE_F_ONE_B
+
+
+def _orders(schedule: Schedule, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """Per device: (F or B, micro-batch, chunk) in the order the schedule runs them.
 
     GPipe: all forwards, then all backwards. 1F1B: p − s − 1 warm-up forwards, then one
@@ -239,7 +239,7 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
     micro-batches through chunk 0, 1, ..., backwards through the chunks in reverse, with
     (p − s − 1)·2 + (v − 1)·p warm-up forwards.
     """
-    if schedule != "interleaved":
+    if schedule != Schedule.INTERLEAVED:
         v = 1
     forwards = [(i, c) for g in range(0, m, p) for c in range(v)
                 for i in range(g, min(g + p, m))]
@@ -247,9 +247,9 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
                  for i in range(g, min(g + p, m))]
     orders = []
     for s in range(p):
-        if schedule == "gpipe":
+        if schedule == Schedule.GPIPE:
             warm = len(forwards)
-        elif schedule == "interleaved":
+        elif schedule == Schedule.INTERLEAVED:
             warm = min((p - s - 1) * 2 + (v - 1) * p, len(forwards))
         else:
             warm = min(p - s - 1, m)
@@ -265,12 +265,12 @@ def schedule_events(plan: Plan) -> list[Event]:
     """The step as a timeline: each device stage runs its schedule order; a block starts
     when the device is free and its input is ready (the previous virtual stage's forward,
     the next one's backward). Chunks of an interleaved stage take 1/v of its time."""
-    pipe = plan.pipeline or {}
     times = _stage_times(plan)
     p = len(times)
-    m = int(pipe.get("micro_batches", 1) or 1)
-    schedule = str(pipe.get("schedule") or "1f1b")
-    v = int(pipe.get("virtual_stages", 1) or 1) if schedule == "interleaved" else 1
+    m = plan.micro_batches
+    schedule = _schedule_of(plan)
+    chunks = plan.pipeline.virtual_stages if plan.pipeline is not None else 1
+    v = chunks if schedule == Schedule.INTERLEAVED else 1
     orders = _orders(schedule, p, m, v)
     done: dict[tuple[str, int, int], float] = {}  # (F|B, micro, virtual stage) -> end
     free = [0.0] * p
@@ -293,7 +293,7 @@ def schedule_events(plan: Plan) -> list[Event]:
                 position[s] += 1
                 progressed = True
         if not progressed:
-            raise ShardplanError(f"pipeline schedule {schedule!r} with {p} stages and {m} "
+            raise ShardplanError(f"pipeline schedule {str(schedule)!r} with {p} stages and {m} "
                                  "micro-batches cannot be laid out as a timeline")
     for s, t in enumerate(times):
         start = free[s]

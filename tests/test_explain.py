@@ -19,6 +19,7 @@ from planner.api import plan
 from planner.cli import main
 from planner.cli.progress import Progress as _Progress
 from planner.explain import JSON_KEYS, explain, find_units
+from planner.kinds import Schedule
 from planner.plans.model import Plan
 from planner.plots import schedule_events
 
@@ -58,7 +59,7 @@ def test_explain_op_level_names_layers_terms_and_baselines(
         assert unit in out
     assert "where the step time goes" in out and "backward compute" in out
     for name, brief in loaded.baselines.items():
-        ratio = brief["step_time_s"] / loaded.predicted.step_time_s
+        ratio = brief.step_time_s / loaded.predicted.step_time_s
         line = next(x for x in out.splitlines() if x.strip().startswith(f"{name}:"))
         if abs(ratio - 1) >= 0.005:
             shown = ratio if ratio > 1 else 1 / ratio
@@ -92,26 +93,26 @@ def test_pipeline_units_add_up_to_their_stage(plans: dict[str, Path]) -> None:
     """Per unit compute + collectives of one stage = micro-batches × the stage's times."""
     loaded = Plan.load(plans["pipe"])
     ex = explain(loaded)
-    m = loaded.pipeline["micro_batches"]
-    for stage in loaded.pipeline["stages"]:
-        mine = [u for u in ex.units if u.stage == stage["device_stage"]]
+    m = loaded.pipeline.micro_batches
+    for stage in loaded.pipeline.stages:
+        mine = [u for u in ex.units if u.stage == stage.device_stage]
         summed = sum(u.forward_s + u.backward_s + u.collective_s for u in mine)
-        assert summed == pytest.approx(m * (stage["forward_s"] + stage["backward_s"]),
+        assert summed == pytest.approx(m * (stage.forward_s + stage.backward_s),
                                        rel=1e-6)
 
 
 def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path]) -> None:
-    """The plan-only grouping equals `planner.stages.find_units` on the imported graph."""
-    from planner.stages import find_units as graph_units
-
+    """The plan-only grouping equals `planner.layers.find_units` on the imported graph."""
     from planner.importer import import_model
+    from planner.layers import find_repeats
+    from planner.layers import find_units as graph_units
 
     loaded = Plan.load(plans["data"])
     assert loaded.pipeline is None
     units, how = find_units(loaded)
     assert "repeated layers" in how
     graph = import_model(plans["model"], batch=8, dims={"seq": 16})
-    expected = graph_units(graph)
+    expected = graph_units(graph, find_repeats(graph))
     assert [u.name for u in units] == list(expected.names)
     assert [u.ranges[0][0] for u in units] == list(expected.bounds[:-1])
 
@@ -128,7 +129,7 @@ def test_explain_json_has_the_documented_keys(plans: dict[str, Path],
     assert set(baselines) == set(loaded.baselines)
     for name, rival in baselines.items():
         assert rival["ratio"] == pytest.approx(
-            loaded.baselines[name]["step_time_s"] / loaded.predicted.step_time_s)
+            loaded.baselines[name].step_time_s / loaded.predicted.step_time_s)
     assert all({"name", "split", "forward_s", "total_s", "stage"} <= set(u)
                for u in data["units"])
     times = [item["time_s"] for item in data["top_ops"]]
@@ -182,8 +183,10 @@ def test_schedule_timeline_matches_the_schedule_formula(plans: dict[str, Path], 
     p, m = 4, 8
     stage = {"forward_s": 1.0, "backward_s": 2.0, "recompute_s": 0.0, "p2p_s": 0.0,
              "zero_s": 0.0, "gradient_sync_s": 0.0, "optimizer_s": 0.0}
-    pipeline = {**loaded.pipeline, "schedule": schedule, "virtual_stages": chunks,
-                "micro_batches": m, "stages": [dict(stage, device_stage=s) for s in range(p)]}
+    pipeline = dataclasses.replace(
+        loaded.pipeline, schedule=Schedule(schedule), virtual_stages=chunks, micro_batches=m,
+        stages=tuple(dataclasses.replace(loaded.pipeline.stages[0], device_stage=s, **stage)
+                     for s in range(p)))
     events = schedule_events(dataclasses.replace(loaded, pipeline=pipeline))
     end = max(e.end for e in events)
     assert end == pytest.approx(pipeline_time([3.0] * p, m, schedule, chunks))
