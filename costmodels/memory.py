@@ -9,59 +9,10 @@ parameters too. Activations are those saved for the backward pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from planner.records import MemoryBreakdown
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}
 MASTER_COPY_BYTES = 4
-
-
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "workspace")
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown(Mapping[str, Any]):
-    """Bytes per device by category; `peak` is their sum.
-
-    Read it by attribute, or by key like the plan file's `memory` object
-    (`memory["peak"]`): it is a read-only mapping of the categories and `peak`. The stage
-    search fills it with numpy arrays (one entry per stage range) before rounding.
-    """
-
-    parameters: Any
-    gradients: Any
-    optimizer: Any
-    activations: Any
-    workspace: Any
-
-    @property
-    def peak(self) -> Any:
-        return (self.parameters + self.gradients + self.optimizer + self.activations
-                + self.workspace)
-
-    def __getitem__(self, key: str) -> Any:
-        if key == "peak":
-            return self.peak
-        if key in MEMORY_CATEGORIES:
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter((*MEMORY_CATEGORIES, "peak"))
-
-    def __len__(self) -> int:
-        return len(MEMORY_CATEGORIES) + 1
-
-    def to_json(self) -> dict[str, int]:
-        return {**asdict(self), "peak": self.peak}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> MemoryBreakdown:
-        """The categories of a plan file's `memory` object (`workspace` may be absent in
-        hand-written files); `peak` is recomputed from them."""
-        return cls(**{f.name: data.get(f.name, 0) if f.name == "workspace" else data[f.name]
-                      for f in fields(cls)})
 
 
 def optimizer_state_bytes(

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from costmodels.memory import MEMORY_CATEGORIES
 from planner.errors import ShardplanError
 from planner.explain import Explanation
 from planner.humanize import human_bytes, human_seconds
 from planner.kinds import Schedule
 from planner.plans.model import Plan
+from planner.records import MEMORY_CATEGORIES
 
 DPI = 110
 COLORS = {

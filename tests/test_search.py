@@ -217,7 +217,8 @@ def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: Tr
                                                       shape: tuple[int, ...]) -> None:
     """For any choice, the problem's time equals the built plan's step time."""
     from planner.plans.build import BuildContext, derive
-    from planner.search.decisions import OpLevelDecision, SolverRecord
+    from planner.records import SolverRecord
+    from planner.search.decisions import OpLevelDecision
     from planner.sharding.analysis import Analyses
 
     analysis = GraphAnalysis.of(import_model(_mlp(tmp_path / "m.onnx"), batch=32))

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.memory import MemoryBreakdown, optimizer_state_bytes, training_memory
+from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
-from planner.cost.pricing import Collective, exposed, op_seconds, optimizer_seconds, price
+from planner.cost.pricing import exposed, op_seconds, optimizer_seconds, price
 from planner.cost.step import (
     PipelineConfig,
     StagePrice,
@@ -25,26 +25,12 @@ from planner.cost.step import (
 )
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import Phase, Recompute
+from planner.records import Collective, MemoryBreakdown, OpCost
 from planner.sharding.derive import ShardedGraph, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
 BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2 × forward: gradients of inputs and of weights
-
-
-@dataclass(frozen=True)
-class OpCost:
-    """One op on one device, one micro-batch: compute seconds, the bytes of activations
-    it keeps for the backward pass, and of its local outputs."""
-
-    forward_s: float
-    backward_s: float
-    saved_bytes: float
-    output_bytes: float
-
-    def to_json(self) -> dict[str, float]:
-        return {"forward_s": self.forward_s, "backward_s": self.backward_s,
-                "saved_bytes": self.saved_bytes, "output_bytes": self.output_bytes}
 
 
 @dataclass(frozen=True)

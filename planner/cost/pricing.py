@@ -8,13 +8,13 @@ so the search optimises exactly what the plan reports.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Phase
+from planner.records import Collective
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -22,20 +22,6 @@ from planner.sharding.mesh import DeviceMesh
 #: What torch.distributed's NCCL and gloo back ends run: ring and tree (the executor issues
 #: plain collectives), so the planner does not price algorithms nothing would run.
 RUN_ALGORITHMS = ("ring", "tree", "pairwise", "direct")
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective of a plan with its price: what the run issues, per micro-batch
-    (forward, backward) or per step (gradient), and the seconds it takes each time."""
-
-    kind: CollectiveKind
-    tensor: str
-    axes: tuple[str, ...]
-    bytes: int
-    phase: Phase
-    op: str  # the consuming op, "optimizer" for weight synchronisation, or a stage send's
-    time_s: float
 
 
 def op_seconds(node: OpNode, tensors: Mapping[str, TensorInfo], fraction: float,

@@ -12,13 +12,12 @@ these functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from costmodels.memory import MemoryBreakdown
 from costmodels.schedule import pipeline_time
 from planner.kinds import Recompute, Schedule
+from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
 
 @dataclass(frozen=True)
@@ -106,75 +105,6 @@ def step_price(stages: Sequence[StagePrice], config: PipelineConfig) -> StepPric
                              config.schedule, config.virtual_stages)
     tail = max(s.sync_s + s.optimizer_s for s in stages)
     return StepPrice(config, tuple(stages), pipeline + tail, pipeline)
-
-
-@dataclass(frozen=True)
-class StepBreakdown(Mapping[str, float]):
-    """The step time's parts on the busiest device, per step (micro-batches multiplied in).
-
-    Read by attribute or by key like the plan file's `breakdown` object.
-    """
-
-    forward_s: float = 0.0  # compute
-    backward_s: float = 0.0
-    recompute_s: float = 0.0
-    optimizer_s: float = 0.0
-    forward_communication_s: float = 0.0  # op-level collectives
-    backward_communication_s: float = 0.0
-    p2p_s: float = 0.0  # between pipeline stages
-    zero_s: float = 0.0  # ZeRO-2/3 collectives of every micro-batch
-    gradient_communication_s: float = 0.0  # the whole end-of-step synchronisation
-    hidden_communication_s: float = 0.0  # the part of it hidden behind backward compute
-    bubble_s: float = 0.0  # pipeline fill and drain
-    pipeline_s: float = 0.0  # a total, not a term: the schedule's time for all micro-batches
-
-    def __getitem__(self, key: str) -> float:
-        if key not in _BREAKDOWN_KEYS:
-            raise KeyError(key)
-        return float(getattr(self, key))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_BREAKDOWN_KEYS)
-
-    def __len__(self) -> int:
-        return len(_BREAKDOWN_KEYS)
-
-    def to_json(self) -> dict[str, float]:
-        return {key: float(getattr(self, key)) for key in _BREAKDOWN_KEYS}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StepBreakdown:
-        """Known keys of a plan file's `breakdown` (older files lack some: zero)."""
-        return cls(**{key: float(data[key]) for key in _BREAKDOWN_KEYS if key in data})
-
-
-_BREAKDOWN_KEYS = tuple(f.name for f in fields(StepBreakdown))
-
-
-@dataclass(frozen=True)
-class Predicted:
-    """A plan's predicted step: time, its split, memory per device against the limit."""
-
-    step_time_s: float
-    compute_s: float
-    communication_s: float
-    memory: MemoryBreakdown
-    memory_limit_bytes: int
-    fits: bool
-    breakdown: StepBreakdown = field(default_factory=StepBreakdown)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_time_s, "compute_s": self.compute_s,
-                "communication_s": self.communication_s, "memory": self.memory.to_json(),
-                "memory_limit_bytes": self.memory_limit_bytes, "fits": self.fits,
-                "breakdown": self.breakdown.to_json()}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Predicted:
-        return cls(float(data["step_time_s"]), float(data["compute_s"]),
-                   float(data["communication_s"]), MemoryBreakdown.from_json(data["memory"]),
-                   int(data["memory_limit_bytes"]), bool(data["fits"]),
-                   StepBreakdown.from_json(data.get("breakdown", {})))
 
 
 def predicted(price: StepPrice, limit: int) -> Predicted:

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from costmodels.memory import MEMORY_CATEGORIES
 from planner.explain.figures import degrees, global_batch
 from planner.humanize import human_bytes, human_seconds
 from planner.plans.model import Plan
+from planner.records import MEMORY_CATEGORIES
 
 COMPARE_MEMORY = (*MEMORY_CATEGORIES, "peak")
 

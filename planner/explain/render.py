@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from costmodels.memory import MEMORY_CATEGORIES
 from planner.explain.model import SAME, Explanation, TopItem, UnitReport
 from planner.humanize import human_bytes, human_seconds
+from planner.records import MEMORY_CATEGORIES
 
 
 def render(ex: Explanation) -> str:

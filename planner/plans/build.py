@@ -20,8 +20,8 @@ from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
 from planner.cost.oplevel import PricedGraph, price_graph
 from planner.cost.pipeline import PIPELINE_AXIS, Pricer
-from planner.cost.pricing import Collective, collective_seconds
-from planner.cost.step import Predicted, StepPrice, TrainingOptions, predicted
+from planner.cost.pricing import collective_seconds
+from planner.cost.step import StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute, StepKind
@@ -42,7 +42,8 @@ from planner.plans.sections import (
     TensorEntry,
     UnitEntry,
 )
-from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision, SolverRecord
+from planner.records import Collective, Predicted, SolverRecord
+from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import pipeline_config, stage_mesh
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from planner.cost.pricing import Collective
 from planner.errors import PlanFileError
 from planner.plans.schema import REMEDY
 from planner.plans.sections import ClusterRef, OpEntry, TensorEntry
+from planner.records import Collective
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 

@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.cost.pricing import Collective
-from planner.cost.step import Predicted
 from planner.errors import PlanFileError, StrategyError
 from planner.plans.checks import check_plan_fits
 from planner.plans.schema import check_plan_json
@@ -39,7 +37,7 @@ from planner.plans.sections import (
     collective_to_json,
 )
 from planner.plans.upgrade import upgrade_pipeline
-from planner.search.decisions import SolverRecord
+from planner.records import Collective, Predicted, SolverRecord
 from planner.sharding.mesh import DeviceMesh
 
 

@@ -22,8 +22,8 @@ from planner.humanize import human_bytes
 from planner.plans.build import BuildContext, Derived, build, derive
 from planner.plans.model import Plan
 from planner.plans.sections import Alternative
+from planner.records import SolverDetail, SolverRecord
 from planner.search.baselines import baselines, data_parallel
-from planner.search.decisions import SolverDetail, SolverRecord
 from planner.search.failure import no_plan, op_level_memory_floor
 from planner.search.joint import joint_decisions
 from planner.search.oplevel import MeshResult, candidate_meshes, matched_ops, search_meshes

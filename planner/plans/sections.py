@@ -11,11 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from costmodels.memory import MemoryBreakdown
-from planner.cost.oplevel import OpCost
-from planner.cost.pricing import Collective
-from planner.cost.step import StepBreakdown
 from planner.kinds import CollectiveKind, Phase, Recompute, Schedule, StepKind
+from planner.records import Collective, MemoryBreakdown, OpCost, StepBreakdown
 from planner.sharding.layout import Layout
 
 SCHEMA = "shardplan.strategy/1"

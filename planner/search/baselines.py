@@ -7,7 +7,8 @@ import contextlib
 from costmodels.profile import HardwareProfile
 from planner.errors import StrategyError
 from planner.kinds import AxisRole
-from planner.search.decisions import OpLevelDecision, SolverRecord
+from planner.records import SolverRecord
+from planner.search.decisions import OpLevelDecision
 from planner.search.megatron import megatron_strategies
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import data_parallel_strategies

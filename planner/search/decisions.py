@@ -9,77 +9,14 @@ collectives, stages' weights and sends, the predicted cost.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
 
 from planner.kinds import Recompute, Schedule
+from planner.records import SolverRecord
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
 Ranges = tuple[tuple[int, int], ...]
-
-
-#: Wall-clock figures of a search: reported to the user, never written into the plan file,
-#: so that the same inputs give a byte-identical plan.
-WALL_CLOCK_DETAIL = ("solve_time_s",)
-
-
-@dataclass(frozen=True)
-class SolverDetail:
-    """How the search reached the plan. `counts` are the engine's own figures (variables,
-    constraints, groups, edges, steps, memory_bytes); the file writes them beside the
-    named fields. `solve_time_s` is wall clock: reported, never written."""
-
-    mode: str | None = None  # auto | semi
-    meshes_tried: int | None = None
-    tied_layers: bool | None = None
-    pins: Mapping[str, int | str] | None = None  # the --parallel pins given
-    chosen: str | None = None  # why the plan is not the search's own pick
-    configurations: int | None = None  # joint search: configurations the pins allow
-    priced: int | None = None  # joint search: configurations priced before it stopped
-    surrogate_step_time_s: float | None = None
-    stages: str | None = None  # how pipeline stages were chosen
-    note: str | None = None
-    counts: Mapping[str, float] = field(default_factory=dict)
-    solve_time_s: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = dict(self.counts)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("counts", *WALL_CLOCK_DETAIL) or value is None:
-                continue
-            data[f.name] = dict(value) if f.name == "pins" else value
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SolverDetail:
-        named = {f.name for f in fields(cls)} - {"counts"}
-        known = {k: v for k, v in data.items() if k in named}
-        counts = {k: v for k, v in data.items() if k not in named
-                  and isinstance(v, int | float) and not isinstance(v, bool)}
-        return cls(**known, counts=counts)
-
-
-@dataclass(frozen=True)
-class SolverRecord:
-    name: str
-    status: str  # optimal | feasible | fixed | infeasible | unknown
-    objective: float
-    bound: float
-    gap: float
-    time_s: float = 0.0  # wall clock of the search; not serialised (see WALL_CLOCK_DETAIL)
-    detail: SolverDetail = field(default_factory=SolverDetail)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "objective": self.objective,
-                "bound": self.bound, "gap": self.gap, "detail": self.detail.to_json()}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SolverRecord:
-        return cls(data["name"], data["status"], float(data["objective"]),
-                   float(data["bound"]), float(data["gap"]), float(data.get("time_s", 0.0)),
-                   SolverDetail.from_json(data.get("detail", {})))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
 from planner.layers import Units
-from planner.search.decisions import Choice, PipelineDecision, SolverDetail, SolverRecord
+from planner.records import SolverDetail, SolverRecord
+from planner.search.decisions import Choice, PipelineDecision
 from planner.search.layers import tie_classes
 from planner.search.problem import build_problem, prune_dominated, restrict_candidates
 from planner.search.solve import Engine, solve

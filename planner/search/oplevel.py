@@ -19,7 +19,8 @@ from costmodels.profile import HardwareProfile
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError, StrategyError
 from planner.kinds import GENERIC_AXES, AxisRole
-from planner.search.decisions import OpLevelDecision, SolverDetail, SolverRecord
+from planner.records import SolverDetail, SolverRecord
+from planner.search.decisions import OpLevelDecision
 from planner.search.ilp import Solution
 from planner.search.layers import tie_classes
 from planner.search.options import SearchOptions
