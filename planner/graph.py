@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from planner.importer.source import ModelSource
+
+class RetainedModel(Protocol):
+    """What a planning graph keeps of its model so that other dims can be bound without
+    the file (`planner.importer.source.ModelSource` is the one kind there is)."""
+
+    path: str
+    sha256: str
+    opset: int
 
 TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
@@ -95,7 +101,7 @@ class PlanningGraph:
     batch_symbol: str | None = None  # the symbolic name of the batch dim, if it has one
     #: The prepared model it was imported from, to bind other dims without the file
     #: (`planner.importer.rebind`); None for graphs not made by the importer.
-    source: ModelSource | None = field(default=None, compare=False, repr=False)
+    source: RetainedModel | None = field(default=None, compare=False, repr=False)
 
     def op(self, name: str) -> OpNode:
         index = self.__dict__.get("_op_index")

@@ -63,12 +63,13 @@ def rebind(
     check_binding(graph.path, batch, wanted)
     if _binds_as(graph, batch, wanted):
         return graph
-    if graph.source is None:
+    if not isinstance(graph.source, ModelSource):
         raise ModelError(
             f"{graph.path}: this planning graph keeps no model to bind other dims with (it "
             "was not made by import_model); import the model file with the dims wanted"
         )
-    return _bound_graph(graph.source, graph.source.model(), batch, wanted)
+    source = graph.source
+    return _bound_graph(source, source.model(), batch, wanted)
 
 
 def _bound_graph(source: ModelSource, model: onnx.ModelProto, batch: int | None,
