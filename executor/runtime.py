@@ -26,13 +26,13 @@ from torch.utils.checkpoint import checkpoint
 from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
+from planner.ops import replicated_labels, safe_labels
 from planner.planfile import Plan
-from planner.pricing import replicated_labels, requires_grad_map, weight_roots_map
+from planner.pricing import requires_grad_map, weight_roots_map
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
-from planner.sharding.rules import safe_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
 from planner.validate import check_model_digest, check_plan_matches  # noqa: F401
 
@@ -409,7 +409,7 @@ class PlanRunner:
             entry = self.entries[node.name]
             labels = safe_labels(node, tensors)
             strategy = OpStrategy.of(entry.assignment) if labels is not None else REPLICATED
-            labels = labels or replicated_labels(node, tensors)
+            labels = labels or replicated_labels(node)
             program = local_program(node, labels, strategy, tensors, self.mesh, self.comm.coord)
             self._programs[k] = (labels, strategy, program)
         return self._programs[k]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from costmodels.memory import MemoryBreakdown, optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
+from planner.ops import DimLabels, replicated_labels, safe_labels
 from planner.planfile import (
     ClusterRef,
     Collective,
@@ -32,14 +33,12 @@ from planner.pricing import (
     op_seconds,
     optimizer_seconds,
     price_collective,
-    replicated_labels,
     requires_grad_map,
     weight_roots_map,
 )
 from planner.sharding.candidates import describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels, safe_labels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
@@ -97,7 +96,7 @@ def assemble(
         strategy = strategies.get(node.name, REPLICATED) if op_labels_ is not None else REPLICATED
         if op_labels_ is None:
             no_rule.append(node.qualified_type)
-            op_labels_ = replicated_labels(node, tensors)
+            op_labels_ = replicated_labels(node)
         in_ranks = [len(tensors[t].shape) if t else -1 for t in node.inputs]
         out_ranks = [len(tensors[t].shape) if t else -1 for t in node.outputs]
         wanted = input_layouts(op_labels_, strategy, in_ranks)

@@ -3,7 +3,7 @@
 Steps: load the proto (external data left on disk, or absent), bind symbolic dims, then
 alternate ONNX shape inference with constant folding until the shape arithmetic that
 exporters emit (Shape → Gather → Concat → Reshape chains) has become constants. What is
-left are tensor ops with static shapes, which are costed by `planner.opcount`.
+left are tensor ops with static shapes, which are costed by `planner.ops.cost_op`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from onnx import numpy_helper, shape_inference
 
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo
-from planner.opcount import cost_op
+from planner.ops import cost_op
 from planner.reference import run_node
 
 #: Folded constants larger than this stay ops: they are data, not shape arithmetic.

@@ -17,7 +17,6 @@ from planner.planfile import Collective
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import backward_steps, redistribute
-from planner.sharding.rules import DimLabels
 
 
 @dataclass
@@ -33,13 +32,6 @@ def fraction_of_layout(layout: Layout, mesh: DeviceMesh) -> float:
     for factor in layout.split_factors(mesh):
         share /= factor
     return share
-
-
-def replicated_labels(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
-    return DimLabels(
-        tuple(None for _ in node.inputs),
-        tuple(None for _ in node.outputs),
-    )
 
 
 def requires_grad_map(graph: PlanningGraph) -> dict[str, bool]:

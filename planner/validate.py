@@ -172,8 +172,7 @@ def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
 def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     from planner.assemble import TrainingOptions, assemble
     from planner.errors import ShardplanError
-    from planner.pricing import replicated_labels
-    from planner.sharding.rules import safe_labels
+    from planner.ops import replicated_labels, safe_labels
 
     try:
         check_plan_matches(plan, graph)
@@ -193,7 +192,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         strategy = OpStrategy.of({k: tuple(v) for k, v in entry.assignment.items()})
         strategies[node.name] = strategy
         if labels is None:
-            labels = replicated_labels(node, graph.tensors)
+            labels = replicated_labels(node)
             if strategy.assignment:
                 report.add(f"op {node.name} ({node.op_type}) has no sharding rule but the "
                            f"plan splits it: {entry.assignment}")

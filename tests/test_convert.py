@@ -15,6 +15,7 @@ from planner.api import load_graph, plan
 from planner.assemble import op_labels
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
+from planner.ops import labels_for
 from planner.planfile import Plan
 from planner.search.data_parallel import data_parallel_strategies
 from planner.sharding.convert import (
@@ -33,7 +34,6 @@ from planner.sharding.convert import (
 )
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import labels_for
 from planner.sharding.strategy import OpStrategy, input_layouts, output_layouts
 
 

@@ -24,6 +24,7 @@ from costmodels.schedule import SCHEDULES
 from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError, StrategyError
 from planner.graph import PlanningGraph
+from planner.ops import DimLabels
 from planner.planfile import ParallelConfig, Plan, SolverRecord
 from planner.search.data_parallel import (
     DP_AXIS,
@@ -44,7 +45,6 @@ from planner.search.problem import (
 from planner.search.propagation import solve_propagation
 from planner.sharding.convert import strategy_from_tuples
 from planner.sharding.mesh import DeviceMesh, factorizations
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import OpStrategy
 from planner.stages import RECOMPUTE_MODES
 

@@ -12,8 +12,8 @@ from collections.abc import Collection, Mapping
 
 from planner.errors import StrategyError
 from planner.graph import PlanningGraph
+from planner.ops import DimLabels
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
 DP_AXIS = "dp"

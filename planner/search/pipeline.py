@@ -32,12 +32,12 @@ from planner.assemble import TrainingOptions, assemble, op_labels
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.onnx_import import import_model
+from planner.ops import DimLabels
 from planner.planfile import Collective, ParallelConfig, Plan, Predicted, SolverRecord
 from planner.search.data_parallel import data_parallel_strategies, dp_splits_exactly
 from planner.search.layers import find_repeats, tie_classes
 from planner.search.problem import build_problem, prune_dominated, restrict_candidates
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import OpStrategy
 from planner.stages import (
     PIPELINE_AXIS,

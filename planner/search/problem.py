@@ -26,6 +26,7 @@ from costmodels.memory import optimizer_state_bytes
 from costmodels.profile import HardwareProfile
 from planner.assemble import BACKWARD_FLOP_RATIO, TrainingOptions
 from planner.graph import OpNode, PlanningGraph
+from planner.ops import DimLabels, replicated_labels
 from planner.pricing import (
     Edge,
     edge_collectives,
@@ -33,14 +34,12 @@ from planner.pricing import (
     op_seconds,
     optimizer_seconds,
     price_collective,
-    replicated_labels,
     requires_grad_map,
     weight_roots_map,
 )
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
 
@@ -137,7 +136,7 @@ def build_problem(
 def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
                 fixed: OpStrategy | None) -> list[Candidate]:
     if labels is None:
-        return [describe(node, replicated_labels(node, tensors), REPLICATED, tensors, mesh)]
+        return [describe(node, replicated_labels(node), REPLICATED, tensors, mesh)]
     if fixed is not None:
         return [describe(node, labels, fixed, tensors, mesh)]
     return [describe(node, labels, s, tensors, mesh)

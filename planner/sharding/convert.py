@@ -26,10 +26,10 @@ import numpy as np
 
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
+from planner.ops import DimLabels
 from planner.planfile import Plan
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh, factorizations
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
