@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.graph import OpNode, TensorInfo
 from planner.ops.labels import DimLabels, Labels, Namer, NoRule, broadcast_labels, shape_of
 
 _NAME = re.compile(r"[a-z]+")
+Shape = tuple[int, ...]
 
 
 class AnnotationError(ValueError):
@@ -116,6 +117,8 @@ class Annotation:
     sum_names: tuple[str, ...]  # in order of first appearance
     other_names: tuple[str, ...]  # every other name, in order of first appearance
     whole_names: frozenset[str]
+    _memo: dict[tuple[tuple[Shape | None, ...], tuple[Shape | None, ...]],
+                DimLabels | NoRule] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> Annotation:
@@ -165,15 +168,37 @@ class Annotation:
         return terms + (terms[-1],) * (count - len(terms))
 
     def __call__(self, node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
-        in_terms = self._terms(self.inputs, len(node.inputs), self.variadic)
-        out_terms = self._terms(self.outputs, len(node.outputs), False)
+        """The instance's labels; they depend on its tensors' shapes alone, so are memoised
+        by them (a model repeats the same few shapes in every layer)."""
+        key = (tuple(tuple(tensors[name].shape) if name else None for name in node.inputs),
+               tuple(tuple(tensors[name].shape) if name else None for name in node.outputs))
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) > 100_000:
+                self._memo.clear()
+            found = self._memo[key] = self._label(*key)
+        if isinstance(found, NoRule):
+            raise NoRule
+        return found
+
+    def _label(self, in_shapes: tuple[Shape | None, ...],
+               out_shapes: tuple[Shape | None, ...]) -> DimLabels | NoRule:
+        try:
+            return self._labels(in_shapes, out_shapes)
+        except NoRule as declined:
+            return declined
+
+    def _labels(self, in_shapes: tuple[Shape | None, ...],
+                out_shapes: tuple[Shape | None, ...]) -> DimLabels:
+        in_terms = self._terms(self.inputs, len(in_shapes), self.variadic)
+        out_terms = self._terms(self.outputs, len(out_shapes), False)
         namer = Namer()
         names = {name: namer.fresh(name) for name in self.sum_names}
-        star_out = next((_star_span(term, shape_of(tensors, name))
-                         for term, name in zip(out_terms, node.outputs, strict=True)
-                         if name and term.has_star), None)
-        star_in = [_star_span(term, shape_of(tensors, name)) if name and term.has_star
-                   else None for term, name in zip(in_terms, node.inputs, strict=True)]
+        star_out = next((_star_span(term, shape)
+                         for term, shape in zip(out_terms, out_shapes, strict=True)
+                         if shape is not None and term.has_star), None)
+        star_in = [_star_span(term, shape) if shape is not None and term.has_star else None
+                   for term, shape in zip(in_terms, in_shapes, strict=True)]
         if star_out is None and any(span is not None for span in star_in):
             raise NoRule  # the output that carries the broadcast dims is omitted
         present = [span for span in star_in if span is not None]
@@ -185,22 +210,21 @@ class Annotation:
         whole |= {names[name] for name in self.whole_names}
         broadcast = iter(labelled)
         inputs = tuple(
-            _expand(term, names, next(broadcast) if span is not None else (),
-                    shape_of(tensors, name)) if name else None
-            for term, name, span in zip(in_terms, node.inputs, star_in, strict=True))
+            _expand(term, names, next(broadcast) if span is not None else (), shape)
+            if shape is not None else None
+            for term, shape, span in zip(in_terms, in_shapes, star_in, strict=True))
         outputs: list[Labels | None] = []
-        for term, name in zip(out_terms, node.outputs, strict=True):
-            if name and term.has_star and len(_star_span(term, shape_of(tensors, name))) != len(
+        for term, shape in zip(out_terms, out_shapes, strict=True):
+            if shape is not None and term.has_star and len(_star_span(term, shape)) != len(
                     out_star):
                 raise NoRule  # outputs with unequal broadcast ranks
-            outputs.append(_expand(term, names, out_star, shape_of(tensors, name))
-                           if name else None)
+            outputs.append(_expand(term, names, out_star, shape) if shape is not None else None)
         return DimLabels(inputs, tuple(outputs),
                          sum_labels=frozenset(names[n] for n in self.sum_names),
                          whole_labels=frozenset(whole))
 
 
-def _star_span(term: Term, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _star_span(term: Term, shape: Shape) -> Shape:
     """The sizes of the dims the term's `*` stands for (NoRule when the rank cannot fit)."""
     assert term.tokens is not None
     index = next(i for i, t in enumerate(term.tokens) if t.name is None)
@@ -210,8 +234,7 @@ def _star_span(term: Term, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[index:index + span]
 
 
-def _expand(term: Term, names: Mapping[str, str], star: Labels,
-            shape: tuple[int, ...]) -> Labels | None:
+def _expand(term: Term, names: Mapping[str, str], star: Labels, shape: Shape) -> Labels | None:
     """The term's labels for a tensor of `shape` (NoRule when its rank does not fit)."""
     if term.tokens is None:
         return None
@@ -245,11 +268,6 @@ class RankCases:
                 raise AnnotationError(f"rank case {key!r}: each operand is vector or matrix")
             parsed[tuple(kind == "vector" for kind in kinds)] = Annotation.parse(text)
         return cls(parsed)
-
-    @property
-    def texts(self) -> dict[str, str]:
-        return {", ".join("vector" if v else "matrix" for v in key): a.text
-                for key, a in self.cases.items()}
 
     def __call__(self, node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
         width = len(next(iter(self.cases)))
