@@ -11,8 +11,10 @@ groups of one); Gemm in A or in B, each together with the bias C.
 
 Linearity is over the reals: float arithmetic up to rounding. Integer ops that truncate
 (an integer mean) are not linear, whatever the record says about their float form.
-`tests/test_op_registry.py` proves every claim with ONNX's reference evaluator. The
-search does not use this field yet.
+`tests/test_op_registry.py` proves every claim with ONNX's reference evaluator, so only
+what can be proven there is claimed: an op without a claim (NOT_LINEAR) is treated as not
+linear even where it is (FusedMatMul, which the evaluator cannot run). The search does not
+use this field yet.
 """
 
 from __future__ import annotations
