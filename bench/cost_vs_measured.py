@@ -9,7 +9,7 @@ case runs in all ranks at once (one torch thread each, as calibration does); col
 use gloo on 127.0.0.1.
 Prints one row per case: the cost model's prediction, the measured lower-quartile time,
 and their ratio; then the median ratio overall and per group. Op FLOPs and bytes follow
-planner.opcount's conventions, so a row shows what the planner would charge for that op.
+planner.ops.cost_op's conventions, so a row shows what the planner would charge for that op.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from costmodels.communication import CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.measure import Plan, median_over_ranks, run_ranks, slowest_over_ranks
 from costmodels.profile import HardwareProfile, load_profile
-from planner.opcount import ELEMENTWISE_FLOPS
+from planner.ops import record_for
 
 MATMUL = (("float32", 32), ("float32", 64), ("float32", 128), ("float32", 256),
           ("float32", 512), ("float32", 1024), ("bfloat16", 64), ("bfloat16", 256),
@@ -42,6 +42,13 @@ COLLECTIVE_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 ONNX_OP = {"add": "Add", "mul": "Mul", "gelu": "Gelu"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _flops_per_element(op_type: str) -> float:
+    """The elementwise op's FLOPs per output element, as the planner counts them."""
+    record = record_for(op_type)
+    assert record is not None
+    return record.work.flops
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +106,8 @@ def _rows(profile: HardwareProfile, proposed: HardwareProfile | None, results,
         onnx = ONNX_OP[op]
         inputs = 2 if op in ("add", "mul") else 1
         nbytes = 4.0 * numel * (inputs + 1)
-        predicted = op_time(profile, onnx, ELEMENTWISE_FLOPS[onnx] * numel, nbytes, "float32")
+        predicted = op_time(profile, onnx, _flops_per_element(onnx) * numel, nbytes,
+                            "float32")
         rows.append(("elementwise", f"{onnx} {numel:,} fp32", predicted, seconds, predicted))
     group = CommGroup(nproc, nproc, nproc)
     for (kind, p, nbytes), seconds in sorted(slowest_over_ranks(results).items()):

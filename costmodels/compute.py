@@ -3,6 +3,8 @@
     matrix ops:  t = max(F / (P * E) + R,  M / (W * e),  L)
     other ops:   t = max(F / P_vec,        M / (W * e),  L)
 
+Matrix ops are those whose op record says their FLOPs run on matrix units (tensor cores,
+cube units, CPU GEMM kernels: `planner.ops.is_matrix_op`, e.g. MatMul, Gemm, Conv, Einsum).
 F FLOPs and M bytes moved by the op on this device; P the dense peak FLOP/s of the op's
 dtype (`peak_flops`); E `matmul_efficiency`, the large-GEMM asymptote; W
 `memory_bandwidth_Bps` and e `memory_efficiency`; L `kernel_launch_s`, the least time any op
@@ -33,10 +35,7 @@ docs/cost-model.md.
 from __future__ import annotations
 
 from costmodels.profile import HardwareProfile
-
-#: Ops whose FLOPs run on the matrix units (tensor cores, cube units, CPU GEMM kernels).
-MATRIX_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul",
-                        "MatMulInteger", "Attention"})
+from planner.ops import is_matrix_op
 
 #: Map a tensor element type to the profile's peak-FLOP/s key.
 DTYPE_TO_PEAK = {"float32": "fp32", "float64": "fp32", "float16": "fp16", "bfloat16": "bf16",
@@ -99,7 +98,7 @@ def op_time(profile: HardwareProfile, op_type: str, flops: float, nbytes: float,
         return 0.0
     memory_time = nbytes / (float(profile.memory_bandwidth_Bps.value)
                             * float(profile.memory_efficiency.value))
-    if op_type in MATRIX_OPS and flops > 0:
+    if is_matrix_op(op_type) and flops > 0:
         ramp = matmul_ramp_s(profile, dtype) if ramp_s is None else ramp_s
         rate = peak_flops(profile, dtype) * float(profile.matmul_efficiency.value)
         compute_time = flops / rate + ramp

@@ -18,7 +18,7 @@ from onnx import AttributeProto, helper, numpy_helper
 
 from executor.ops import TORCH_OPS
 from planner.errors import ModelError, ShardplanError
-from planner.sharding.local import SHARDPLAN_DOMAIN
+from planner.ops import SHARDPLAN_DOMAIN
 
 Collective = Callable[[onnx.NodeProto, dict[str, torch.Tensor]], None]
 

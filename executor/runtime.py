@@ -27,6 +27,7 @@ from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Phase
+from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP
@@ -34,7 +35,6 @@ from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
-from planner.sharding.rules import replicated_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
 
 
@@ -453,7 +453,7 @@ class PlanRunner:
             labels = self.analysis.labels.get(node.name)
             strategy = self.placement.ops[node.name].strategy if labels is not None \
                 else REPLICATED
-            labels = labels or replicated_labels(node, tensors)
+            labels = labels or replicated_labels(node)
             program = local_program(node, labels, strategy, tensors, self.mesh, self.comm.coord)
             self._programs[k] = (labels, strategy, program)
         return self._programs[k]

@@ -31,6 +31,7 @@ from executor import checkpoint as checkpoints
 from executor.pipeline import PipelineEngine
 from executor.runtime import Placement, PlanRunner, onnx_weights
 from executor.schedule import build_stages, check_pipeline_section, check_schedule
+from executor.support import check_supported
 from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
@@ -349,6 +350,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
 
     graph = graph_for(model, plan)
     check_plan_matches(plan, graph)
+    check_supported(graph)
     report = validate(plan, graph)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more: shardplan validate)" \

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
+from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, derive
 from planner.sharding.redistribute import redistribute
-from planner.sharding.rules import replicated_labels
 from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
 
 MAX_LISTED = 20
@@ -184,6 +184,7 @@ def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
 
 
 def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
+
     try:
         check_plan_matches(plan, graph)
     except ShardplanError as exc:
@@ -203,7 +204,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         strategy = OpStrategy.of({k: tuple(v) for k, v in entry.assignment.items()})
         strategies[node.name] = strategy
         if labels is None:
-            labels = replicated_labels(node, graph.tensors)
+            labels = replicated_labels(node)
             if strategy.assignment:
                 report.add(f"op {node.name} ({node.op_type}) has no sharding rule but the "
                            f"plan splits it: {_assignment_text(entry.assignment)}")

@@ -16,6 +16,7 @@ from planner.errors import StrategyError
 from planner.exports.dtensor import to_dtensor_placements
 from planner.exports.mindspore import to_mindspore_checkpoint
 from planner.graph import OpNode, TensorInfo
+from planner.ops import labels_for
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import data_parallel_strategies
@@ -33,7 +34,6 @@ from planner.sharding.convert import (
 )
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import labels_for
 from planner.sharding.strategy import OpStrategy, input_layouts, output_layouts
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from planner.api import plan
 from planner.importer import import_model
+from planner.ops import safe_labels
 from planner.plans.schema import SCHEMA_FILE
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import safe_labels
 from planner.sharding.verify import verify_graph
 
 SCHEMA = json.loads(SCHEMA_FILE.read_text())

@@ -11,9 +11,10 @@ import pytest
 from onnx import helper
 
 from planner.graph import OpNode, TensorInfo
-from planner.sharding import local, nodetests, rules
-from planner.sharding.nodetests import NodeCase, Tolerance, compare, pick, run_case
+from planner.ops import RECORDS, DimLabels, ruled_op_types
 from planner.sharding.strategy import OpStrategy
+from tests import nodetests
+from tests.nodetests import NodeCase, Tolerance, compare, pick, run_case
 
 CORE_OPS = (
     "MatMul", "Gemm", "Add", "Softmax", "LayerNormalization", "Reshape", "Transpose", "Gather",
@@ -57,12 +58,15 @@ def _case(cases: dict[str, list[NodeCase]], name: str) -> NodeCase:
 def test_a_wrong_rule_fails(core_cases: dict[str, list[NodeCase]],
                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness is not vacuous: a softmax split along its axis is caught."""
-    original = rules.RULES["Softmax"]
+    record = RECORDS["", "Softmax"]
+    original = record.labels
+    assert original is not None
 
-    def split_anything(node: OpNode, tensors: dict[str, TensorInfo]) -> rules.DimLabels:
+    def split_anything(node: OpNode, tensors: dict[str, TensorInfo]) -> DimLabels:
         return dataclasses.replace(original(node, tensors), whole_labels=frozenset())
 
-    monkeypatch.setitem(rules.RULES, "Softmax", split_anything)
+    monkeypatch.setitem(RECORDS, ("", "Softmax"), dataclasses.replace(record,
+                                                                     labels=split_anything))
     result = run_case(_case(core_cases, "test_softmax_axis_1"), ("2",))
     assert result.runs and not result.passed
 
@@ -70,7 +74,8 @@ def test_a_wrong_rule_fails(core_cases: dict[str, list[NodeCase]],
 def test_a_bias_added_on_every_shard_fails(core_cases: dict[str, list[NodeCase]],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the bias-once rewrite, a k-split Gemm counts beta·C twice."""
-    monkeypatch.delitem(local.LOCAL_REWRITES, "Gemm")
+    monkeypatch.setitem(RECORDS, ("", "Gemm"), dataclasses.replace(RECORDS["", "Gemm"],
+                                                                  rewrite=None))
     result = run_case(_case(core_cases, "test_gemm_all_attributes"), ("2",))
     failed = [run.strategy for run in result.runs if not run.passed]
     assert failed == ["k:a"]
@@ -109,16 +114,16 @@ def test_pick_is_deterministic_and_spread() -> None:
 
 
 def test_coverage_doc_lists_every_rule() -> None:
-    """docs/op-coverage.md names every op in RULES: in the table or as untested."""
+    """docs/op-coverage.md names every op with a rule: in the table or as untested."""
     text = COVERAGE_DOC.read_text(encoding="utf-8")
     rows = set(re.findall(r"^\| (\w+) \| \d+ \|", text, flags=re.MULTILINE))
-    untested_line = re.search(r"^Ops in RULES with no node test applying: (.*)\.$", text,
-                              flags=re.MULTILINE)
+    untested_line = re.search(r"^Ops with a sharding rule and no node test applying: (.*)\.$",
+                              text, flags=re.MULTILINE)
     assert untested_line is not None
     untested = {op.strip() for op in untested_line.group(1).split(",")} - {"none"}
-    missing = sorted(set(rules.RULES) - rows - untested)
+    missing = sorted(ruled_op_types() - rows - untested)
     assert not missing, f"regenerate docs/op-coverage.md; it lacks {missing}"
-    stale = sorted((rows | untested) - set(rules.RULES))
+    stale = sorted((rows | untested) - ruled_op_types())
     assert not stale, f"regenerate docs/op-coverage.md; it lists ops without rules: {stale}"
     assert "; 0 failures" in text
 

@@ -7,10 +7,11 @@ import pytest
 
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
+from planner.ops import labels_for
+from planner.ops.movement import reshape_groups as _reshape_groups
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh, factorizations
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
-from planner.sharding.rules import _reshape_groups, labels_for
 from planner.sharding.strategy import (
     OpStrategy,
     check_strategy,

@@ -7,7 +7,7 @@ inlines local functions, refuses control flow and names the nodes; `source` keep
 prepared model (`ModelSource`, the graph's `source`); `bind` binds the symbolic dims;
 `fold` alternates ONNX shape inference with constant folding until the exporters' shape
 arithmetic has become constants; `build` makes the PlanningGraph of what is left, tensor
-ops with static shapes costed by `planner.opcount`.
+ops with static shapes costed by the op registry (`planner.ops.cost_op`).
 """
 
 from __future__ import annotations

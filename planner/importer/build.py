@@ -20,7 +20,7 @@ from planner.importer.bind import Bound, data_inputs
 from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Shapes
 from planner.importer.source import ModelSource
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
-from planner.opcount import cost_op
+from planner.ops import cost_op
 
 #: Largest element count of one tensor: beyond 2**53, float64 sizes and FLOPs are inexact.
 MAX_TENSOR_ELEMENTS = 1 << 53

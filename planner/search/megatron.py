@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from planner.graph import OpNode, PlanningGraph
+from planner.ops import DimLabels
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
 

@@ -35,11 +35,11 @@ from planner.cost.pricing import (
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import CollectiveKind
+from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.derive import fraction_of_layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels, replicated_labels
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
 
@@ -136,7 +136,7 @@ def build_problem(
 def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
                 fixed: OpStrategy | None) -> list[Candidate]:
     if labels is None:
-        return [describe(node, replicated_labels(node, tensors), REPLICATED, tensors, mesh)]
+        return [describe(node, replicated_labels(node), REPLICATED, tensors, mesh)]
     if fixed is not None:
         return [describe(node, labels, fixed, tensors, mesh)]
     return [describe(node, labels, s, tensors, mesh)

@@ -1,1 +1,5 @@
-"""Sharding core: device mesh, layouts, per-op rules, strategies and redistribution."""
+"""Sharding core: device mesh, layouts, strategies, local programs and redistribution.
+
+What each op type is (its labelling, work, local rewrite) lives one layer down, in the op
+registry `planner.ops`.
+"""

@@ -17,9 +17,9 @@ from planner.graph import PlanningGraph
 from planner.importer import rebind
 from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, find_repeats, find_units
+from planner.ops import DimLabels, safe_labels
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels, safe_labels
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from collections.abc import Collection, Mapping
 from planner.errors import StrategyError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole
+from planner.ops import DimLabels
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
 DP_AXIS: str = AxisRole.DATA

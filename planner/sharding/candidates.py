@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.graph import OpNode, TensorInfo
+from planner.ops import DimLabels
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,

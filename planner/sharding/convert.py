@@ -26,9 +26,9 @@ import numpy as np
 
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
+from planner.ops import DimLabels
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh, factorizations
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Phase
+from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import backward_steps, redistribute
-from planner.sharding.rules import DimLabels, replicated_labels
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
@@ -107,7 +107,7 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     for node in graph.ops:
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
-        labels = rule if rule is not None else replicated_labels(node, tensors)
+        labels = rule if rule is not None else replicated_labels(node)
         in_ranks = [len(tensors[t].shape) if t else -1 for t in node.inputs]
         out_ranks = [len(tensors[t].shape) if t else -1 for t in node.outputs]
         wanted = input_layouts(labels, strategy, in_ranks)

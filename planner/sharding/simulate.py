@@ -15,12 +15,12 @@ import numpy as np
 import onnx
 
 from planner.graph import OpNode, TensorInfo
+from planner.ops import SHARDPLAN_DOMAIN, DimLabels, LocalProgram
 from planner.reference import run_node
 from planner.sharding.layout import Layout
-from planner.sharding.local import SHARDPLAN_DOMAIN, LocalProgram, local_program
+from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import CommStep
-from planner.sharding.rules import DimLabels
 from planner.sharding.strategy import OpStrategy, input_layouts, output_layouts
 
 Coord = tuple[int, ...]

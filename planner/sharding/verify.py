@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.graph import OpNode, PlanningGraph, TensorInfo
+from planner.ops import node_proto, safe_labels
 from planner.reference import run_node
 from planner.sharding.candidates import candidate_strategies
-from planner.sharding.local import node_proto
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.rules import safe_labels
 from planner.sharding.simulate import simulate_op
 
 #: Input slots drawn positive: the op's domain excludes zero or negatives there.

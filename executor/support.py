@@ -1,0 +1,50 @@
+"""Which ops the torch executor can run: checked before any rank starts.
+
+A plan may name ops the planner prices but the executor has no torch function for (the
+registry knows more op types than `executor.ops.TORCH_OPS` implements). Every op of the
+graph, and every op type the local rewrites of its ops may emit, is checked against
+`TORCH_OPS` (collectives against what the runtime issues) so that a run is refused with
+the op's name up front rather than failing inside a rank.
+"""
+
+from __future__ import annotations
+
+from executor.ops import TORCH_OPS
+from planner.errors import ShardplanError
+from planner.graph import OpNode, PlanningGraph
+from planner.ops import SHARDPLAN_DOMAIN, record_for
+
+#: Collectives of local programs the runtime issues (`PlanRunner._collective`).
+RUNTIME_COLLECTIVES = frozenset({f"{SHARDPLAN_DOMAIN}::AllReduce"})
+
+_ADVICE = ("the planner can still plan it for another runtime; to run it here, export the "
+           "model without it or add a torch function for it to executor/ops.py TORCH_OPS")
+
+
+def missing_op_types(node: OpNode) -> list[str]:
+    """The op types `node` needs that the executor lacks: its own, or ones its rewrite emits."""
+    if node.domain not in ("", "ai.onnx"):
+        return [node.qualified_type]
+    missing = [] if node.op_type in TORCH_OPS else [node.op_type]
+    record = record_for(node.op_type, node.domain)
+    if record is not None and record.rewrite is not None:
+        missing += sorted(op for op in record.rewrite.emits
+                          if op not in TORCH_OPS and op not in RUNTIME_COLLECTIVES
+                          and op not in missing)
+    return missing
+
+
+def check_supported(graph: PlanningGraph) -> None:
+    """Raise ShardplanError naming the first op the executor cannot run, and what to do."""
+    refused: dict[str, list[str]] = {}  # op type -> names of the ops that need it
+    for node in graph.ops:
+        for op_type in missing_op_types(node):
+            refused.setdefault(op_type, []).append(node.name)
+    if not refused:
+        return
+    op_type, names = next(iter(refused.items()))
+    where = f"op {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+    others = sorted(set(refused) - {op_type})
+    also = f"; it also lacks {', '.join(others)}" if others else ""
+    raise ShardplanError(f"the torch executor cannot run {where}: op type {op_type} has no "
+                         f"torch implementation{also}; {_ADVICE}")

@@ -1,0 +1,139 @@
+"""What one forward op costs, whole (unsharded): its FLOP/byte work class.
+
+Conventions (documented in docs/cost-model.md): a multiply-add is 2 FLOPs; elementwise
+ops cost their per-element weight times the output size; data-movement ops cost no FLOPs
+but move bytes; view ops (Reshape and friends) move nothing. An op of unknown work costs
+one FLOP per output element, a floor.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.graph import OpNode, TensorInfo
+
+
+class WorkKind(enum.Enum):
+    VIEW = "view"  # relabels a buffer: no FLOPs, no memory traffic
+    DATA_MOVEMENT = "data movement"  # moves or selects data: bytes, no FLOPs
+    LOOKUP = "lookup"  # data movement that reads only the rows it returns (an embedding)
+    PER_OUTPUT = "per output element"  # `flops` per output element (elementwise ops)
+    PER_INPUT = "per input element"  # `flops` per element of input 0 (norms, reductions)
+    MATMUL = "matmul"  # 2 * output elements * k (k: input 0's last dim)
+    GEMM = "gemm"  # matmul with transA, plus the bias
+    CONV = "conv"  # 2 * output elements * (C_in/group * kernel), plus the bias
+    CONV_TRANSPOSE = "conv transpose"  # 2 * input elements * (C_out/group * kernel)
+    EINSUM = "einsum"  # 2 * (operands - 1) * product of every letter's size
+    POOL = "pool"  # output elements * kernel elements
+    FLOOR = "floor"  # unknown: one FLOP per output element
+
+
+@dataclass(frozen=True)
+class Work:
+    """An op's work class; `flops` is the per-element weight of PER_OUTPUT and PER_INPUT."""
+
+    kind: WorkKind
+    flops: float = 0
+
+
+VIEW = Work(WorkKind.VIEW)
+DATA_MOVEMENT = Work(WorkKind.DATA_MOVEMENT)
+LOOKUP = Work(WorkKind.LOOKUP)
+MATMUL = Work(WorkKind.MATMUL)
+GEMM = Work(WorkKind.GEMM)
+CONV = Work(WorkKind.CONV)
+CONV_TRANSPOSE = Work(WorkKind.CONV_TRANSPOSE)
+EINSUM = Work(WorkKind.EINSUM)
+POOL = Work(WorkKind.POOL)
+FLOOR = Work(WorkKind.FLOOR)
+
+
+def per_output(flops: float) -> Work:
+    """Elementwise: `flops` per output element (transcendentals count as several)."""
+    return Work(WorkKind.PER_OUTPUT, flops)
+
+
+def per_input(flops: float) -> Work:
+    """Normalisations and reductions: `flops` per element of input 0."""
+    return Work(WorkKind.PER_INPUT, flops)
+
+
+def count(work: Work, node: OpNode, tensors: Mapping[str, TensorInfo]) -> None:
+    """Fill in `node.flops`, `bytes_read`, `bytes_written` and `is_view` for `work`."""
+    inputs = [tensors[name] if name else None for name in node.inputs]
+    outputs = [tensors[name] for name in node.outputs if name]
+    node.is_view = work.kind is WorkKind.VIEW
+    node.flops = float(_flops(work, node, inputs, outputs))
+    if node.is_view:
+        node.bytes_read = node.bytes_written = 0.0
+        return
+    node.bytes_written = float(sum(t.nbytes for t in outputs))
+    if work.kind is WorkKind.LOOKUP and inputs and inputs[0] is not None:
+        # An embedding lookup reads the rows it returns, not the whole table.
+        node.bytes_read = float(node.bytes_written + (inputs[1].nbytes if inputs[1] else 0))
+    else:
+        node.bytes_read = float(sum(t.nbytes for t in inputs if t is not None))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _flops(work: Work, node: OpNode, inputs: list[TensorInfo | None],
+           outputs: list[TensorInfo]) -> float:
+    kind = work.kind
+    if not outputs or kind in (WorkKind.VIEW, WorkKind.DATA_MOVEMENT, WorkKind.LOOKUP):
+        return 0.0
+    out = outputs[0]
+    if kind is WorkKind.MATMUL:
+        assert inputs[0] is not None
+        k = inputs[0].shape[-1] if inputs[0].shape else 1
+        return 2.0 * out.numel * k
+    if kind is WorkKind.GEMM:
+        a = inputs[0]
+        assert a is not None
+        k = a.shape[0] if node.attrs.get("transA", 0) else a.shape[-1]
+        bias = out.numel if len(inputs) > 2 and inputs[2] is not None else 0
+        return 2.0 * out.numel * k + bias
+    if kind in (WorkKind.CONV, WorkKind.CONV_TRANSPOSE):
+        return _conv_flops(kind, inputs, out)
+    if kind is WorkKind.EINSUM:
+        return _einsum_flops(node, inputs)
+    if kind is WorkKind.POOL:
+        kernel = node.attrs.get("kernel_shape", [1])
+        return float(out.numel * _numel(tuple(kernel)))
+    if kind is WorkKind.PER_OUTPUT:
+        return work.flops * out.numel
+    if kind is WorkKind.PER_INPUT:
+        source = inputs[0]
+        return work.flops * (source.numel if source is not None else out.numel)
+    return float(out.numel)  # unknown work: one FLOP per output element, a floor
+
+
+def _conv_flops(kind: WorkKind, inputs: list[TensorInfo | None], out: TensorInfo) -> float:
+    weight = inputs[1]
+    assert weight is not None
+    # Conv weight [C_out, C_in/group, *kernel]: each output element needs C_in/group * kernel MACs.
+    macs_per_output = _numel(weight.shape[1:])
+    if kind is WorkKind.CONV_TRANSPOSE:
+        source = inputs[0]
+        assert source is not None
+        return 2.0 * source.numel * _numel(weight.shape[1:])
+    bias = out.numel if len(inputs) > 2 and inputs[2] is not None else 0
+    return 2.0 * out.numel * macs_per_output + bias
+
+
+def _einsum_flops(node: OpNode, inputs: list[TensorInfo | None]) -> float:
+    equation = str(node.attrs.get("equation", "")).replace(" ", "")
+    lhs = equation.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, tensor in zip(lhs, inputs, strict=False):
+        if tensor is None or "..." in term:
+            continue
+        for label, size in zip(term, tensor.shape, strict=False):
+            sizes[label] = max(sizes.get(label, 1), size)
+    operands = max(len(lhs) - 1, 1)
+    return 2.0 * operands * _numel(tuple(sizes.values()))
