@@ -48,7 +48,7 @@ def run_case(folder: Path, model: str, devices: int, batch: int, profile: str) -
                 f"({time.perf_counter() - started:.1f} s): {str(exc)[:60]}")
     elapsed = time.perf_counter() - started
     par = result.parallel
-    schedule = result.pipeline["schedule"] if result.pipeline else "-"
+    schedule = str(result.pipeline.schedule) if result.pipeline else "-"
     return (f"{model:<11}{devices:>6}{batch:>6}  {profile:<12}{par.dp:>5}{par.tp:>4}{par.pp:>4}"
             f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}{schedule:<12}"
             f"{human_seconds(result.predicted.step_time_s):>11}"

@@ -112,8 +112,8 @@ def test_equal_stages_take_m_plus_p_minus_1_slots() -> None:
 def _brute_force(tables: StageTables, pp: int, limit: float) -> float:
     """The least bottleneck load over every placement of pp − 1 cuts (recompute "none")."""
     n, m = tables.n, tables.config.micro_batches
-    per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals["micro"]
-    cost = m * per_micro + tables.totals["end"] + tables.totals["optimizer"]
+    per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals.micro
+    cost = m * per_micro + tables.totals.end + tables.totals.optimizer
     best = np.inf
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
@@ -143,8 +143,8 @@ def test_partition_dp_equals_brute_force(gpt8: Path, pp: int) -> None:
             assert expected == np.inf
             continue
         cuts, _ = found
-        per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals["micro"]
-        cost = 4 * per_micro + tables.totals["end"] + tables.totals["optimizer"]
+        per_micro = tables.time[Recompute.NONE] + tables.p2p + tables.totals.micro
+        cost = 4 * per_micro + tables.totals.end + tables.totals.optimizer
         achieved = max(cost[a, b] for a, b in itertools.pairwise(cuts))
         assert achieved == pytest.approx(expected)
 

@@ -11,8 +11,9 @@ follows from the one step model (`planner.cost.step`). The partition search
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -47,24 +48,29 @@ class Prices:
 
 @dataclass(frozen=True)
 class WeightTerms:
-    """What one weight costs a device that holds it."""
+    """What weights cost a device that holds them: of one weight (floats), or summed per
+    unit or per range of units (numpy arrays, for the partition search)."""
 
-    bytes: float
-    elements: float
-    sharded_bytes: float  # its ZeRO shard over its gradient group
-    sharded_elements: float
-    micro: float  # seconds per micro-batch (ZeRO-2/3 collectives)
-    end: float  # seconds once per step, exposed (gradient reduction, parameter gathers)
-    hidden: float  # the part of the end-of-step synchronisation overlap hides
-    optimizer: float  # seconds of its optimizer pass
-    largest: float  # the buffer ZeRO-3 gathers it into
+    bytes: Any
+    elements: Any
+    sharded_bytes: Any  # the ZeRO shard over each weight's gradient group
+    sharded_elements: Any
+    micro: Any  # seconds per micro-batch (ZeRO-2/3 collectives)
+    end: Any  # seconds once per step, exposed (gradient reduction, parameter gathers)
+    hidden: Any  # the part of the end-of-step synchronisation overlap hides
+    optimizer: Any  # seconds of the optimizer pass
+    largest: Any  # the largest single weight: the buffer ZeRO-3 gathers it into
 
-    def as_row(self) -> dict[str, float]:
-        return {key: getattr(self, key) for key in WEIGHT_TERMS}
+    @classmethod
+    def zeros(cls, *shape: int) -> WeightTerms:
+        return cls(**{name: np.zeros(shape) for name in TERMS})
+
+    def apply(self, fn: Callable[[str, Any], Any]) -> WeightTerms:
+        """Each term through `fn(name, value)` (sums combine, `largest` takes a max)."""
+        return WeightTerms(**{name: fn(name, getattr(self, name)) for name in TERMS})
 
 
-WEIGHT_TERMS = ("bytes", "elements", "sharded_bytes", "sharded_elements", "micro", "end",
-                "hidden", "optimizer", "largest")
+TERMS = tuple(f.name for f in fields(WeightTerms))
 
 
 def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwareProfile,
@@ -93,45 +99,41 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
 class WeightTables:
     """What the weights cost, summed per unit, under one configuration and mesh.
 
-    A weight read by one unit is summed into that unit; one read by several (a tied
-    embedding and head) is kept apart so that a stage holding it twice counts it once, and
-    two stages holding it exchange its gradient.
+    A weight read by one unit is summed into that unit (`own`); one read by several (a
+    tied embedding and head) is kept apart (`shared`) so that a stage holding it twice
+    counts it once, and two stages holding it exchange its gradient.
     """
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh, prices: Prices) -> None:
-        n = profile.count
-        self.own = {key: np.zeros(n) for key in WEIGHT_TERMS}
-        self.shared: list[tuple[ParamShare, dict[str, float], float]] = []
+        self.own = WeightTerms.zeros(profile.count)
+        self.shared: list[tuple[ParamShare, WeightTerms, float]] = []
         self.itemsize = profile.params[0].itemsize if profile.params else 4
-        memo: dict[tuple, dict[str, float]] = {}  # the same weight in every layer
+        memo: dict[tuple, WeightTerms] = {}  # the same weight in every layer
         for param in profile.params:
             key = (param.bytes, param.elements, param.itemsize, param.axes)
-            values = memo.get(key)
-            if values is None:
-                values = memo[key] = weight_terms(param, config, hardware, mesh,
-                                                  prices).as_row()
+            terms = memo.get(key)
+            if terms is None:
+                terms = memo[key] = weight_terms(param, config, hardware, mesh, prices)
             if len(param.units) == 1:
                 u = param.units[0]
-                for name, value in values.items():
-                    if name == "largest":
-                        self.own[name][u] = max(self.own[name][u], value)
-                    else:
-                        self.own[name][u] += value
+                for name in TERMS:
+                    table, value = getattr(self.own, name), getattr(terms, name)
+                    table[u] = max(table[u], value) if name == "largest" else table[u] + value
             else:
-                self.shared.append((param, values, prices.p2p(param.bytes)))
+                self.shared.append((param, terms, prices.p2p(param.bytes)))
 
-    def over(self, chosen: np.ndarray) -> dict[str, float]:
+    def over(self, chosen: np.ndarray) -> WeightTerms:
         """Totals for the units marked in `chosen` (shared weights once)."""
-        totals = {key: float(values[chosen].sum()) for key, values in self.own.items()}
-        totals["largest"] = float(self.own["largest"][chosen].max()) if chosen.any() else 0.0
-        for param, values, _ in self.shared:
+        any_unit = bool(chosen.any())
+        totals = self.own.apply(lambda name, values: (
+            float(values[chosen].max()) if any_unit else 0.0) if name == "largest"
+            else float(values[chosen].sum()))
+        for param, terms, _ in self.shared:
             if chosen[list(param.units)].any():
-                for key, value in values.items():
-                    if key == "largest":
-                        totals[key] = max(totals[key], value)
-                    else:
-                        totals[key] += value
+                totals = totals.apply(lambda name, total, terms=terms: max(
+                    total, getattr(terms, name)) if name == "largest"
+                    else total + getattr(terms, name))
         return totals
 
 
@@ -181,7 +183,7 @@ class Pricer:
                  Recompute.FULL: forward_compute + forward_comm}[mode]
         kept, p2p = received(profile, ranges, self.prices)
         weights = self.weights.over(chosen)
-        end = weights["end"]
+        end = weights.end
         for param, _, exchange in self.weights.shared:
             mine = chosen[list(param.units)].any()
             if mine and any(any(a <= u < b for a, b in other for u in param.units)
@@ -192,20 +194,19 @@ class Pricer:
         any_unit = bool(chosen.any())
         workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
         if config.zero >= 3:
-            workspace = max(workspace, weights["largest"])
+            workspace = max(workspace, weights.largest)
         transient = float(profile.transient[mode][chosen].max()) if any_unit else 0.0
         memory = training_memory(
-            parameter_bytes=weights["bytes"], parameter_elements=weights["elements"],
+            parameter_bytes=weights.bytes, parameter_elements=weights.elements,
             parameter_itemsize=self.weights.itemsize,
             activation_bytes=flight * (float(profile.saved[mode][chosen].sum()) + kept)
             + transient,
             workspace_bytes=workspace, optimizer=config.optimizer, zero=config.zero,
-            sharded_bytes=weights["sharded_bytes"],
-            sharded_elements=weights["sharded_elements"],
+            sharded_bytes=weights.sharded_bytes, sharded_elements=weights.sharded_elements,
         )
         return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
-                          backward_comm, extra, p2p, weights["micro"], end, weights["hidden"],
-                          weights["optimizer"], flight, memory)
+                          backward_comm, extra, p2p, weights.micro, end, weights.hidden,
+                          weights.optimizer, flight, memory)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],
               recompute: Sequence[Recompute]) -> StepPrice:

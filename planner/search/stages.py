@@ -11,7 +11,7 @@ device) with its exact price from `planner.cost.pipeline.Pricer`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -145,24 +145,23 @@ class StageTables:
                 p2p[j, first + 1:] += seconds
         self.received, self.p2p = received, p2p
         weights = pricer.weights
-        totals = {key: span(values) for key, values in weights.own.items() if key != "largest"}
-        largest = running_max(weights.own["largest"])
-        for param, values, exchange in weights.shared:
+        totals = weights.own.apply(lambda name, values: running_max(values)
+                                   if name == "largest" else span(values))
+        for param, terms, exchange in weights.shared:
             inside = np.zeros((n + 1, n + 1), dtype=bool)
             for u in param.units:
                 inside[: u + 1, u + 1:] = True
-            for key, value in values.items():
-                if key == "largest":
-                    largest = np.where(inside, np.maximum(largest, value), largest)
-                else:
-                    totals[key] += inside * value
+            totals = totals.apply(lambda name, table, terms=terms, inside=inside: np.where(
+                inside, np.maximum(table, getattr(terms, name)), table) if name == "largest"
+                else table + inside * getattr(terms, name))
             # Held by more than one stage: the holders exchange its gradient at the end.
             holds_all = np.zeros((n + 1, n + 1), dtype=bool)
             holds_all[: param.units[0] + 1, param.units[-1] + 1:] = True
-            totals["end"] += (inside & ~holds_all) * exchange
+            totals = replace(totals, end=totals.end + (inside & ~holds_all) * exchange)
         self.totals = totals
         workspace = running_max(profile.workspace)
-        self.workspace = np.maximum(workspace, largest) if config.zero >= 3 else workspace
+        self.workspace = np.maximum(workspace, totals.largest) if config.zero >= 3 \
+            else workspace
         self.itemsize = weights.itemsize
 
     def memory(self, mode: Recompute, stage: int) -> np.ndarray:
@@ -170,12 +169,12 @@ class StageTables:
         flight = in_flight(stage, config.pp, config.micro_batches, config.schedule,
                            config.virtual_stages)
         memory = training_memory(
-            parameter_bytes=t["bytes"], parameter_elements=t["elements"],
+            parameter_bytes=t.bytes, parameter_elements=t.elements,
             parameter_itemsize=self.itemsize,
             activation_bytes=flight * (self.saved[mode] + self.received)
             + self.transient[mode], workspace_bytes=self.workspace,
-            optimizer=config.optimizer, zero=config.zero, sharded_bytes=t["sharded_bytes"],
-            sharded_elements=t["sharded_elements"], rounded=False)
+            optimizer=config.optimizer, zero=config.zero, sharded_bytes=t.sharded_bytes,
+            sharded_elements=t.sharded_elements, rounded=False)
         return memory.peak
 
     def solve(self, limit: float,
@@ -192,8 +191,8 @@ class StageTables:
             for index, mode in enumerate(RECOMPUTE_MODES):
                 if mode not in modes:
                     continue
-                per_micro = self.time[mode] + self.p2p + self.totals["micro"]
-                cost = m * per_micro + self.totals["end"] + self.totals["optimizer"]
+                per_micro = self.time[mode] + self.p2p + self.totals.micro
+                cost = m * per_micro + self.totals.end + self.totals.optimizer
                 fits = valid & (self.memory(mode, stage) <= limit)
                 better = fits & (cost < load)
                 load = np.where(better, cost, load)
