@@ -280,3 +280,43 @@ def test_bad_pins_exit_2(gpt8: Path, pins: str, needle: str, capsys) -> None:
     assert code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("pins", [
+    {"pp": 2, "micro_batches": 4, "zero": 0, "recompute": "none"},
+    {"pp": 2, "dp": 2, "micro_batches": 4, "zero": 1, "recompute": "selective"},
+    {"dp": 4, "pp": 1, "micro_batches": 2, "zero": 2},
+    {"dp": 4, "pp": 1, "zero": 3},
+    {"pp": 2, "micro_batches": 4, "recompute": "full"},
+    {"pp": 2, "dp": 2, "micro_batches": 4, "schedule": "interleaved"},
+])
+def test_the_search_objective_is_the_plans_step_time(gpt8: Path, pins: dict) -> None:
+    """Pipeline, ZeRO and recompute plans: the joint search's objective for the decision
+    it made is the built plan's predicted step (one step model, the same inputs), and the
+    plan's own stage figures give that step back through the schedule formula."""
+    result = _plan(gpt8, 4, **pins)
+    assert result.pipeline is not None
+    assert result.solver.objective == result.predicted.step_time_s
+    pipe = result.pipeline
+    stages = [stage.per_micro_batch_s for stage in pipe.stages]
+    tail = max(stage.gradient_sync_s + stage.optimizer_s for stage in pipe.stages)
+    assert pipeline_time(stages, pipe.micro_batches, pipe.schedule, pipe.virtual_stages) \
+        + tail == pytest.approx(result.predicted.step_time_s, rel=1e-12)
+    breakdown = result.predicted.breakdown
+    assert breakdown.pipeline_s + tail == pytest.approx(result.predicted.step_time_s,
+                                                        rel=1e-12)
+
+
+def test_an_op_level_plan_is_a_one_stage_pipeline(gpt8: Path) -> None:
+    """The op-level price is the one step model's price of one stage and one micro-batch:
+    the step is the stage's time plus its synchronisation and optimizer pass."""
+    result = plan(gpt8, devices=4, batch=16, dims={"seq": 16}, profile="a100-80g",
+                  mesh=(4,))
+    assert result.pipeline is None
+    b = result.predicted.breakdown
+    per_micro = (b.forward_s + b.backward_s + b.forward_communication_s
+                 + b.backward_communication_s)
+    assert b.pipeline_s == pytest.approx(per_micro, rel=1e-12) and b.bubble_s == 0.0
+    exposed = b.gradient_communication_s - b.hidden_communication_s
+    assert result.predicted.step_time_s == pytest.approx(
+        b.pipeline_s + exposed + b.optimizer_s, rel=1e-12)

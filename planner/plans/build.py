@@ -179,11 +179,11 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
                                                                    decision.recompute)
     warnings = list(_warnings(graph, sharded))
     tp = choice.tp
-    if choice.tp > 1 and not decision.tp_pinned and not any(
-            AxisRole.TENSOR in op.strategy.used_axes for op in sharded.ops):
+    if choice.tp > 1 and not any(AxisRole.TENSOR in op.strategy.used_axes
+                                 for op in sharded.ops):
         # Nothing splits over tp: its ranks repeat the same work (replication), which is
-        # what `parallel.tp` = 1 says; the mesh keeps the axis, the ranks exist.
-        tp = 1
+        # what `parallel.tp` = 1 says unless the user pinned tp; the mesh keeps the axis.
+        tp = choice.tp if decision.tp_pinned else 1
         warnings.append(
             f"mesh axis tp={choice.tp}: no op of this model is worth splitting over it on "
             f"{context.hardware.name} (its tensors are too small), so those {choice.tp} ranks "
