@@ -26,9 +26,11 @@ from planner.cost.step import (
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import Phase, Recompute
 from planner.records import Collective, MemoryBreakdown, OpCost
-from planner.sharding.derive import ShardedGraph, fraction_of_layout
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.derive import ShardedGraph, derive, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.strategy import OpStrategy
 
 BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2 × forward: gradients of inputs and of weights
 
@@ -47,6 +49,27 @@ class PricedGraph:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""
         return step_price([self.stage], PipelineConfig(optimizer=self.options.optimizer,
                                                         overlap=self.options.overlap))
+
+
+def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
+                  strategies: Mapping[str, OpStrategy], profile: HardwareProfile,
+                  options: TrainingOptions) -> PricedGraph:
+    """`strategies` on `mesh` derived (`planner.sharding.derive`) and priced, once per graph:
+    the joint search prices a finalist's exact choice and the plan builder builds the same
+    choice from the same derivation (kept on the analysis)."""
+    key = (mesh, frozenset(strategies.items()), options)
+    found = analysis.memo.get(key)
+    if found is not None and found[0] is profile:
+        return found[1]
+    priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference),
+                         profile, options)
+    if len(analysis.memo) > MEMO_LIMIT:
+        analysis.memo.clear()
+    analysis.memo[key] = (profile, priced)
+    return priced
+
+
+MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
 
 
 def price_graph(sharded: ShardedGraph, profile: HardwareProfile,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
-from planner.cost.oplevel import PricedGraph, price_graph
+from planner.cost.oplevel import PricedGraph, priced_choice
 from planner.cost.pipeline import PIPELINE_AXIS, Pricer
 from planner.cost.pricing import collective_seconds
 from planner.cost.step import StepPrice, TrainingOptions, predicted
@@ -47,7 +47,6 @@ from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import pipeline_config, stage_mesh
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
-from planner.sharding.derive import derive as derive_layouts
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.weights import sync_steps
 
@@ -119,9 +118,9 @@ def build(derived: Derived, solver: SolverRecord, alternatives: Sequence[Alterna
 def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     analysis = context.graphs.root
     training = context.training
-    sharded = derive_layouts(analysis, decision.mesh, decision.strategies,
-                             training=not training.inference)
-    priced = price_graph(sharded, context.hardware, training)
+    priced = priced_choice(analysis, decision.mesh, decision.strategies, context.hardware,
+                           training)
+    sharded = priced.sharded
     price = priced.step()
     dp, tp = decision.degrees or _degrees(analysis, sharded)
     return Derived(
@@ -171,8 +170,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     training = context.training
     per_node = int(context.hardware.devices_per_node.value)
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
-    sharded = derive_layouts(analysis, mesh, decision.strategies)
-    priced = price_graph(sharded, context.hardware, training)
+    priced = priced_choice(analysis, mesh, decision.strategies, context.hardware, training)
+    sharded = priced.sharded
     profile = unit_profile(priced, analysis.units)
     config = pipeline_config(choice, training)
     price = Pricer(profile, config, context.hardware, mesh).price(decision.devices,

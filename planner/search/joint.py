@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
-from planner.cost.oplevel import price_graph
+from planner.cost.oplevel import priced_choice
 from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
@@ -42,7 +42,6 @@ from planner.search.solve import Engine, solve
 from planner.search.stages import Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
-from planner.sharding.derive import derive
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
@@ -207,7 +206,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             mesh = stage_mesh(1, tp, per_node)
             strategies, _ = model_parallel_strategies(small, mesh, hardware, training, batch,
                                                       time_limit)
-            priced = price_graph(derive(small, mesh, strategies), hardware, training)
+            priced = priced_choice(small, mesh, strategies, hardware, training)
             profiles[key] = (unit_profile(priced, small.units), small.units)
         return profiles[key]
 
@@ -295,7 +294,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     strategies, _ = model_parallel_strategies(micro, inner, hardware, training,
                                               micro.batch_labels, time_limit)
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
-    priced = price_graph(derive(micro, mesh, strategies), hardware, training)
+    priced = priced_choice(micro, mesh, strategies, hardware, training)
     pricer = Pricer(unit_profile(priced, micro.units), pipeline_config(choice, training),
                     hardware, mesh)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))

@@ -11,7 +11,7 @@ instead of deriving any of them again. The executor uses the same object.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.graph import PlanningGraph
 from planner.importer import rebind
@@ -33,6 +33,13 @@ class GraphAnalysis:
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
     reads_weight: tuple[bool, ...]  # per op (in order): it reads a parameter
+    # Derivations of choices on this graph, kept by `planner.cost.oplevel.priced_choice` so
+    # that the search and the plan builder derive and price each choice once.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled (to the search's worker processes) without the kept derivations."""
+        return {**self.__dict__, "memo": {}}
 
     @classmethod
     def of(cls, graph: PlanningGraph) -> GraphAnalysis:
