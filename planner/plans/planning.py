@@ -27,7 +27,7 @@ from planner.search.baselines import baselines, data_parallel
 from planner.search.failure import no_plan, op_level_memory_floor
 from planner.search.joint import joint_decisions
 from planner.search.oplevel import MeshResult, candidate_meshes, matched_ops, search_meshes
-from planner.search.options import JOINT_KEYS, SearchOptions, check_pins
+from planner.search.options import SearchOptions, check_pins
 from planner.search.solve import SOLVERS
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
@@ -84,12 +84,12 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     for pattern in options.strategies:  # a typo is the same on every mesh: say it once
         matched_ops(analysis, pattern)
     started = time.perf_counter()
-    joint_only = any(k in pins for k in JOINT_KEYS)
+    joint_only = pins.joint_only
     joint_wanted = (options.mode == "auto" and not training.inference and bool(graph.batch)
                     and options.mesh is None)
     if joint_only and not joint_wanted:
         raise ShardplanError(
-            f"--parallel {', '.join(k for k in pins if k in JOINT_KEYS)}: pipeline stages, "
+            f"--parallel {', '.join(joint_only)}: pipeline stages, "
             "micro-batches, ZeRO and recompute are planned for training in --mode auto, for "
             "a model with a batch dimension (--batch) and without --mesh")
     finalists: list[Finalist] = []
@@ -102,8 +102,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
         progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
                  "per device (weights, gradients, states and activations spread evenly)")
     if not joint_only and not skip_op_level:
-        meshes = candidate_meshes(devices, hardware, options)
-        results = search_meshes(analysis, hardware, meshes, options, training, progress)
+        meshes = candidate_meshes(devices, hardware, options, pins)
+        results = search_meshes(analysis, hardware, meshes, options, training, pins, progress)
         reasons = _reasons(results)
         found, rows = _op_level(context, results, options, started)
         finalists += found
@@ -124,12 +124,12 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                       training, meshes, reasons, joint)
     best = min(fitting, key=lambda f: f.derived.predicted.step_time_s)
     winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
-                                                                         pins=dict(pins)))
+                                                                         pins=pins.given()))
     briefs = {}
     for name, decision in baselines(analysis, hardware, devices).items():
         baseline = derive(context, decision)
         briefs[name] = baseline.brief()
-        searched_freely = not options.strategies and not options.parallel and \
+        searched_freely = not options.strategies and not pins.given() and \
             options.mesh is None
         if searched_freely and baseline.predicted.fits and \
                 baseline.predicted.step_time_s < winner.predicted.step_time_s:

@@ -37,6 +37,7 @@ from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import Choice, PipelineDecision
 from planner.search.layers import tie_classes
+from planner.search.options import Pins
 from planner.search.problem import build_problem, prune_dominated, restrict_candidates
 from planner.search.solve import Engine, solve
 from planner.search.stages import Partition, Partitioner
@@ -127,34 +128,34 @@ def _micro_sizes(per_rank: int) -> list[int]:
 
 
 def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
-                      pins: Mapping[str, int | str]) -> list[Choice]:
+                      pins: Pins) -> list[Choice]:
     """Every configuration the pins allow: tp a power of two inside a node, dp dividing the
     batch, pp up to the number of layers, at least pp micro-batches when pipelined."""
     choices = []
     tps = [t for t in (1 << k for k in range(12)) if t <= per_node and devices % t == 0]
-    if "tp" in pins:
-        tps = [int(pins["tp"])]
+    if pins.tp is not None:
+        tps = [pins.tp]
     for pp in _divisors(devices):
-        if pp > max(1, layers) or ("pp" in pins and pp != int(pins["pp"])):
+        if pp > max(1, layers) or (pins.pp is not None and pp != pins.pp):
             continue
         for tp in tps:
             if devices % (pp * tp):
                 continue
             dp = devices // (pp * tp)
-            if ("dp" in pins and dp != int(pins["dp"])) or batch % dp:
+            if (pins.dp is not None and dp != pins.dp) or batch % dp:
                 continue
             per_rank = batch // dp
             for local in _micro_sizes(per_rank):
                 m = per_rank // local
-                if "micro_batches" in pins:
-                    m = int(pins["micro_batches"])
+                if pins.micro_batches is not None:
+                    m = pins.micro_batches
                     if per_rank % m:
                         continue
                 elif pp > 1 and m < pp:
                     continue
-                zeros = [int(pins["zero"])] if "zero" in pins else ([0, 1, 2, 3] if dp > 1
-                                                                    else [0])
-                schedules = [Schedule(str(pins["schedule"]))] if "schedule" in pins else (
+                zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if dp > 1
+                                                                   else [0])
+                schedules = [pins.schedule] if pins.schedule is not None else (
                     list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
                 for zero in zeros:
                     for schedule in schedules:
@@ -172,13 +173,12 @@ def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig
                           optimizer=training.optimizer, overlap=training.overlap)
 
 
-def recompute_modes(pins: Mapping[str, int | str]) -> list[Recompute]:
-    return [Recompute(str(pins["recompute"]))] if "recompute" in pins else list(
-        RECOMPUTE_MODES)
+def recompute_modes(pins: Pins) -> list[Recompute]:
+    return [pins.recompute] if pins.recompute is not None else list(RECOMPUTE_MODES)
 
 
 def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
-                 training: TrainingOptions, pins: Mapping[str, int | str],
+                 training: TrainingOptions, pins: Pins,
                  time_limit: float = 60.0, top_k: int = 3,
                  progress: Callable[[str], None] | None = None) -> JointResult:
     """Rank the configurations that fit, by the surrogate prices (see the module doc)."""
@@ -194,7 +194,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     choices = enumerate_choices(devices, graph.batch, layers, per_node, pins)
     modes = recompute_modes(pins)
     if not choices:
-        raise ShardplanError(f"--parallel {dict(pins)}: no configuration of {devices} devices "
+        raise ShardplanError(f"--parallel {pins.given()}: no configuration of {devices} devices "
                              f"and batch {graph.batch} matches these pins")
     batch = root.batch_labels
     profiles: dict[tuple[int, int], tuple[UnitProfile, Units]] = {}
@@ -309,7 +309,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
 
 
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
-                    training: TrainingOptions, pins: Mapping[str, int | str],
+                    training: TrainingOptions, pins: Pins,
                     time_limit: float = 60.0, top_k: int = 3,
                     progress: Callable[[str], None] | None = None,
                     ) -> tuple[list[PipelineDecision], JointResult]:
@@ -326,7 +326,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                 stages="partition DP over units (layers), recompute per "
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
-                                  time_limit, "tp" in pins, record)
+                                  time_limit, pins.tp is not None, record)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

@@ -23,7 +23,7 @@ from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import OpLevelDecision
 from planner.search.ilp import Solution
 from planner.search.layers import tie_classes
-from planner.search.options import SearchOptions
+from planner.search.options import Pins, SearchOptions
 from planner.search.problem import (
     StrategyProblem,
     build_problem,
@@ -50,14 +50,13 @@ class MeshResult:
     decision: OpLevelDecision | None = None
 
 
-def candidate_meshes(devices: int, profile: HardwareProfile,
-                     options: SearchOptions) -> list[DeviceMesh]:
+def candidate_meshes(devices: int, profile: HardwareProfile, options: SearchOptions,
+                     pins: Pins) -> list[DeviceMesh]:
     """Mesh shapes to try, with axis names ("dp", "tp" when pinned, else a0, a1, ...)."""
     per_node = int(profile.devices_per_node.value)
-    pinned = {k: int(v) for k, v in options.parallel.items() if k in ("dp", "tp")}
-    if pinned:
-        dp = pinned.get("dp") or devices // max(1, pinned.get("tp", 1))
-        tp = pinned.get("tp") or devices // max(1, dp)
+    if pins.mesh_axes:
+        dp = pins.dp or devices // max(1, pins.tp or 1)
+        tp = pins.tp or devices // max(1, dp)
         if dp * tp != devices:
             raise ShardplanError(
                 f"--parallel dp={dp} tp={tp} uses {dp * tp} devices, but --devices is "
@@ -128,26 +127,26 @@ def _restrict_pinned(problem: StrategyProblem, analysis: GraphAnalysis,
 
 
 def solve_mesh(analysis: GraphAnalysis, mesh: DeviceMesh, profile: HardwareProfile,
-               options: SearchOptions, training: TrainingOptions) -> MeshResult:
+               options: SearchOptions, training: TrainingOptions, pins: Pins) -> MeshResult:
     """The mesh's optimum under the options (pins, strategies, tied layers)."""
     try:
         fixed = fixed_strategies(analysis, mesh, options.strategies)
     except StrategyError as exc:
-        if options.mesh is not None or options.parallel:
+        if options.mesh is not None or pins.given():
             raise
         return MeshResult(mesh, None, f"user strategies do not fit: {exc}")
     classes = tie_classes(analysis.graph, analysis.repeats if options.tie_layers else None)
     if fixed:  # a pinned op must not share a choice with ops pinned otherwise
         classes = _split_classes(classes, fixed)
     problem = build_problem(analysis, mesh, profile, training, fixed, classes)
-    if options.parallel:
+    if pins.mesh_axes:
         _restrict_pinned(problem, analysis, mesh)
     prune_dominated(problem)
     solution = solve(problem, Engine(options.solver, options.time_limit))
     if not solution.choice:
         return MeshResult(mesh, solution)
     degrees = None
-    if options.parallel:  # the user's pins name the mesh axes: report them as given
+    if pins.mesh_axes:  # the user's pins name the mesh axes: report them as given
         degrees = (mesh.axis_size(AxisRole.DATA), mesh.axis_size(AxisRole.TENSOR))
     decision = OpLevelDecision(mesh, problem.strategies(solution.choice), record_of(solution),
                                degrees)
@@ -180,11 +179,11 @@ def _solve_in_process(args: tuple) -> MeshResult:
 
 
 def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile, meshes: list[DeviceMesh],
-                  options: SearchOptions, training: TrainingOptions,
+                  options: SearchOptions, training: TrainingOptions, pins: Pins,
                   progress: Callable[[str], None] | None = None) -> list[MeshResult]:
     """Every mesh's outcome, in the order of `meshes`."""
     results: list[MeshResult] = []
-    args = [(analysis, mesh, profile, options, training) for mesh in meshes]
+    args = [(analysis, mesh, profile, options, training, pins) for mesh in meshes]
     if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1]):
         with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1)) as pool:
             for result in pool.map(_solve_in_process, args):

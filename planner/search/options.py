@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
-from planner.kinds import RECOMPUTE_MODES
+from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule")
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule")  # only the joint search
@@ -27,7 +27,36 @@ class SearchOptions:
     workers: int = 2
 
 
-def check_pins(parallel: Mapping[str, int | str]) -> dict[str, int | str]:
+@dataclass(frozen=True)
+class Pins:
+    """The choices the user fixed with `--parallel` (None: searched)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batches: int | None = None
+    zero: int | None = None
+    recompute: Recompute | None = None
+    schedule: Schedule | None = None
+
+    def given(self) -> dict[str, int | str]:
+        """The pins as the user gave them (for messages and the solver's record)."""
+        return {f.name: (str(v) if isinstance(v, str) else v) for f in fields(self)
+                if (v := getattr(self, f.name)) is not None}
+
+    @property
+    def joint_only(self) -> tuple[str, ...]:
+        """The pinned choices only the joint search makes (pipeline, micro-batches, ZeRO,
+        recompute, schedule)."""
+        return tuple(key for key in JOINT_KEYS if getattr(self, key) is not None)
+
+    @property
+    def mesh_axes(self) -> bool:
+        """Whether dp or tp is pinned: op-level meshes are then (dp, tp)."""
+        return self.dp is not None or self.tp is not None
+
+
+def check_pins(parallel: Mapping[str, int | str]) -> Pins:
     """The --parallel pins, checked: known keys, values in range."""
     unknown = [k for k in parallel if k not in PARALLEL_KEYS]
     if unknown:
@@ -48,4 +77,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> dict[str, int | str]:
             raise ShardplanError(f"--parallel {key}={value}: must be "
                                  f"{'0, 1, 2 or 3' if key == 'zero' else 'positive'}")
         pins[key] = value
-    return pins
+    typed: dict[str, object] = dict(pins)
+    if "recompute" in pins:
+        typed["recompute"] = Recompute(str(pins["recompute"]))
+    if "schedule" in pins:
+        typed["schedule"] = Schedule(str(pins["schedule"]))
+    return Pins(**typed)  # type: ignore[arg-type]
