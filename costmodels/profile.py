@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar
 
 from hardware_profiles import PROFILE_DIR
 from planner.errors import ProfileError
@@ -50,16 +50,19 @@ _LEVEL_OPTIONAL = ("fabric", "collective_factors")
 _CITED_FIELDS = ("value", "source")
 _CITED_OPTIONAL = ("note",)
 
+#: The type of a cited value: a number, a tuple of counts or a word.
+V = TypeVar("V")
+
 
 @dataclass(frozen=True)
-class Cited:
+class Cited(Generic[V]):
     """A value together with where it comes from (a key into the profile's sources).
 
     The value is a number, a list of counts (`allowed_devices_within_node`) or a word
     (a level's `fabric`).
     """
 
-    value: float | int | tuple[int, ...] | str
+    value: V
     source: str
     note: str = ""
 
@@ -76,11 +79,11 @@ class LinkLevel:
 
     name: str
     group_size: int | None
-    bandwidth_Bps: Cited
-    efficiency: Cited
-    latency_s: Cited
-    fabric: Cited | None = None
-    collective_factors: dict[str, Cited] = field(default_factory=dict)
+    bandwidth_Bps: Cited[float]
+    efficiency: Cited[float]
+    latency_s: Cited[float]
+    fabric: Cited[str] | None = None
+    collective_factors: dict[str, Cited[float]] = field(default_factory=dict)
 
     def __hash__(self) -> int:  # collective_factors is a dict; hash what identifies a level
         return hash((self.name, self.group_size, self.bandwidth_Bps, self.efficiency,
@@ -109,18 +112,18 @@ class HardwareProfile:
     name: str
     description: str
     sources: dict[str, str]
-    memory_bytes: Cited
-    memory_bandwidth_Bps: Cited
-    peak_flops: dict[str, Cited]
-    matmul_efficiency: Cited
-    memory_efficiency: Cited
-    kernel_launch_s: Cited
-    devices_per_node: Cited
-    allowed_devices_within_node: Cited | None
+    memory_bytes: Cited[int]
+    memory_bandwidth_Bps: Cited[float]
+    peak_flops: dict[str, Cited[float]]
+    matmul_efficiency: Cited[float]
+    memory_efficiency: Cited[float]
+    kernel_launch_s: Cited[float]
+    devices_per_node: Cited[int]
+    allowed_devices_within_node: Cited[tuple[int, ...]] | None
     levels: tuple[LinkLevel, ...]
     path: str
     #: GEMM ramp R in seconds (costmodels.compute): one value, or one per peak_flops key.
-    matmul_overhead_s: Cited | dict[str, Cited] | None = None
+    matmul_overhead_s: Cited[float] | dict[str, Cited[float]] | None = None
 
     def __getstate__(self) -> dict:
         """Pickle the fields only, not the pricing memo (`planner.cost.pricing`) a run adds."""
@@ -175,7 +178,7 @@ class HardwareProfile:
 
     def _within_node_counts(self) -> Sequence[int]:
         if self.allowed_devices_within_node is not None:
-            return tuple(self.allowed_devices_within_node.value)  # type: ignore[arg-type]
+            return tuple(self.allowed_devices_within_node.value)
         return range(1, int(self.devices_per_node.value) + 1)  # a range: `in` is O(1)
 
     def matmul_overhead(self, peak_key: str) -> float | None:
@@ -328,7 +331,7 @@ class _Reader:
 
     # -- cited values ----------------------------------------------------------------
 
-    def cited(self, value: Any, field: str, check: Any) -> Cited:
+    def cited(self, value: Any, field: str, check: Callable[[Any, str], V]) -> Cited[V]:
         """A {value, source, note?} object whose value passes `check` and source resolves."""
         body = self.obj(value, field, _CITED_FIELDS, _CITED_OPTIONAL)
         number = check(body["value"], f"{field}.value")
@@ -387,7 +390,7 @@ class _Reader:
             self.text(citation, f"sources.{key}")
         return dict(value)
 
-    def peaks(self, value: Any) -> dict[str, Cited]:
+    def peaks(self, value: Any) -> dict[str, Cited[float]]:
         field = "device.peak_flops"
         if not isinstance(value, dict) or not value:
             self.fail(field, f"must be a non-empty object of dtype -> cited FLOP/s, "
@@ -401,7 +404,7 @@ class _Reader:
                 self.fail(f"{field}.{dtype}", f"is not a known dtype (known: "
                           f"{', '.join(DTYPES)})")
 
-    def overhead(self, device: dict[str, Any]) -> Cited | dict[str, Cited] | None:
+    def overhead(self, device: dict[str, Any]) -> Cited[float] | dict[str, Cited[float]] | None:
         """`device.matmul_overhead_s`: one cited time, or one per peak_flops key."""
         peaks = device["peak_flops"]  # already checked: the argument before this one
         field = "device.matmul_overhead_s"
@@ -420,12 +423,12 @@ class _Reader:
                           f"it (peaks: {', '.join(peaks)})")
         return {d: self.cited(v, f"{field}.{d}", self.non_negative) for d, v in value.items()}
 
-    def allowed(self, topology: dict[str, Any], per_node: int) -> Cited | None:
+    def allowed(self, topology: dict[str, Any], per_node: int) -> Cited[tuple[int, ...]] | None:
         field = "topology.allowed_devices_within_node"
         if "allowed_devices_within_node" not in topology:
             return None
         cited = self.cited(topology["allowed_devices_within_node"], field, self.counts)
-        counts: tuple[int, ...] = cited.value  # type: ignore[assignment]
+        counts = cited.value
         if counts[-1] != per_node:
             self.fail(f"{field}.value", f"must end with devices_per_node ({per_node}) so whole "
                       f"nodes can be used, got {list(counts)}")
@@ -455,7 +458,7 @@ class _Reader:
                                             f"{field}.collective_factors"),
         )
 
-    def factors(self, value: Any, field: str) -> dict[str, Cited]:
+    def factors(self, value: Any, field: str) -> dict[str, Cited[float]]:
         """`collective_factors`: collective kind -> cited bandwidth factor (> 0)."""
         if not isinstance(value, dict):
             self.fail(field, f"must be an object of collective kind -> cited factor, "
@@ -473,6 +476,7 @@ class _Reader:
             self.fail(f"{field}[{len(levels) - 1}].group_size", "must be null: the last level "
                       "is the inter-node fabric")
         names = [level.name for level in levels]
+        previous: int | None = None  # the group size of the level before (None for the first)
         for i, level in enumerate(levels[:-1]):
             size = level.group_size
             where = f"{field}[{i}].group_size"
@@ -480,11 +484,12 @@ class _Reader:
                 self.fail(where, "is null but only the last level may be (inter-node)")
             if size < 2:
                 self.fail(where, f"must be at least 2 devices, got {size}")
-            if i and (size <= levels[i - 1].group_size or size % levels[i - 1].group_size):
+            if previous is not None and (size <= previous or size % previous):
                 self.fail(where, f"must be larger than and a multiple of the level before "
-                          f"({levels[i - 1].group_size}), got {size}")
+                          f"({previous}), got {size}")
             if names.count(level.name) > 1:
                 self.fail(f"{field}[{i}].name", f"{level.name!r} is used by two levels")
+            previous = size
         if levels[-1].fabric_kind == "full_mesh":
             self.fail(f"{field}[{len(levels) - 1}].fabric.value", "cannot be 'full_mesh' on "
                       "the inter-node level (group_size null): a mesh needs a block size; "
