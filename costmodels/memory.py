@@ -9,15 +9,23 @@ parameters too. Activations are those saved for the backward pass.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
+
 from planner.records import MemoryBreakdown
+
+if TYPE_CHECKING:
+    import numpy as np
+
+#: Bytes or element counts: one number, or one per stage range (the stage search).
+Amount = TypeVar("Amount", float, "np.ndarray")
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}
 MASTER_COPY_BYTES = 4
 
 
 def optimizer_state_bytes(
-    parameter_elements: float, parameter_itemsize: int, optimizer: str
-) -> float:
+    parameter_elements: Amount, parameter_itemsize: int, optimizer: str
+) -> Amount:
     """Bytes of optimizer state for `parameter_elements` local parameter elements."""
     try:
         per_element = OPTIMIZER_STATE_BYTES[optimizer]
@@ -31,16 +39,16 @@ def optimizer_state_bytes(
 
 def training_memory(
     *,
-    parameter_bytes: float,
-    parameter_elements: float,
+    parameter_bytes: Amount,
+    parameter_elements: Amount,
     parameter_itemsize: int,
-    activation_bytes: float,
-    workspace_bytes: float,
+    activation_bytes: Amount,
+    workspace_bytes: Amount,
     optimizer: str = "adam",
     zero: int = 0,
     dp: int = 1,
-    sharded_bytes=None,
-    sharded_elements=None,
+    sharded_bytes: Amount | None = None,
+    sharded_elements: Amount | None = None,
     rounded: bool = True,
 ) -> MemoryBreakdown:
     """Per-device memory; all inputs are already local to one device (after op sharding).
@@ -61,5 +69,5 @@ def training_memory(
     parameters = sharded_bytes if zero >= 3 else parameter_bytes
     parts = (parameters, gradients, states, activation_bytes, workspace_bytes)
     if rounded:
-        parts = tuple(round(float(part)) for part in parts)
+        return MemoryBreakdown(*(round(float(part)) for part in parts))
     return MemoryBreakdown(*parts)

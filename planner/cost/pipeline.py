@@ -131,9 +131,12 @@ class WeightTables:
             else float(values[chosen].sum()))
         for param, terms, _ in self.shared:
             if chosen[list(param.units)].any():
-                totals = totals.apply(lambda name, total, terms=terms: max(
-                    total, getattr(terms, name)) if name == "largest"
-                    else total + getattr(terms, name))
+
+                def add(name: str, total: Any, terms: WeightTerms = terms) -> Any:
+                    return max(total, getattr(terms, name)) if name == "largest" \
+                        else total + getattr(terms, name)
+
+                totals = totals.apply(add)
         return totals
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from costmodels.memory import training_memory
 from costmodels.schedule import in_flight
-from planner.cost.pipeline import Pricer
+from planner.cost.pipeline import Pricer, WeightTerms
 from planner.cost.step import StepPrice, step_price
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 from planner.layers import Units
@@ -151,9 +152,13 @@ class StageTables:
             inside = np.zeros((n + 1, n + 1), dtype=bool)
             for u in param.units:
                 inside[: u + 1, u + 1:] = True
-            totals = totals.apply(lambda name, table, terms=terms, inside=inside: np.where(
-                inside, np.maximum(table, getattr(terms, name)), table) if name == "largest"
-                else table + inside * getattr(terms, name))
+
+            def add(name: str, table: Any, terms: WeightTerms = terms,
+                    inside: np.ndarray = inside) -> Any:
+                return np.where(inside, np.maximum(table, getattr(terms, name)), table) \
+                    if name == "largest" else table + inside * getattr(terms, name)
+
+            totals = totals.apply(add)
             # Held by more than one stage: the holders exchange its gradient at the end.
             holds_all = np.zeros((n + 1, n + 1), dtype=bool)
             holds_all[: param.units[0] + 1, param.units[-1] + 1:] = True
