@@ -150,28 +150,28 @@ def _solve_cpsat(model: _Model, problem: StrategyProblem, time_limit: float,
     from ortools.sat.python import cp_model
 
     cp = cp_model.CpModel()
-    variables = [cp.NewBoolVar(f"x{i}") for i in range(len(model.costs))]
+    variables = [cp.new_bool_var(f"x{i}") for i in range(len(model.costs))]
     for ids, coefs in model.equalities:
         if len(ids) == len(coefs) and all(c == 1.0 for c in coefs):
-            cp.AddExactlyOne(variables[i] for i in ids)
+            cp.add_exactly_one(variables[i] for i in ids)
         else:
-            cp.Add(sum(int(c) * variables[i] for i, c in zip(ids, coefs, strict=True)) == 0)
+            cp.add(sum(int(c) * variables[i] for i, c in zip(ids, coefs, strict=True)) == 0)
     memory_unit = max(1.0, problem.memory_limit / 1e9)  # keep byte counts in CP-SAT's range
     workspace_cap = int(problem.memory_limit / memory_unit) + 1
-    workspace = cp.NewIntVar(0, workspace_cap, "workspace")
+    workspace = cp.new_int_var(0, workspace_cap, "workspace")
     for ids, sizes in model.workspace_rows:
-        cp.Add(workspace >= sum(int(np.ceil(s / memory_unit)) * variables[i]
+        cp.add(workspace >= sum(int(np.ceil(s / memory_unit)) * variables[i]
                                 for i, s in zip(ids, sizes, strict=True)))
-    cp.Add(sum(int(np.ceil(m / memory_unit)) * variables[i]
+    cp.add(sum(int(np.ceil(m / memory_unit)) * variables[i]
                for i, m in enumerate(model.memory) if m) + workspace
            <= int(problem.memory_limit / memory_unit))
     scale = _scale(model)
-    cp.Minimize(sum(round(c * scale) * variables[i]
+    cp.minimize(sum(round(c * scale) * variables[i]
                     for i, c in enumerate(model.costs) if c))
     if hint is not None:
         for ids, chosen in zip(model.choice_vars, hint, strict=True):
             for index, var in enumerate(ids):
-                cp.AddHint(variables[var], index == chosen)
+                cp.add_hint(variables[var], index == chosen)
     engine = cp_model.CpSolver()
     engine.parameters.max_time_in_seconds = float(time_limit)
     engine.parameters.num_workers = 1
