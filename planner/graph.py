@@ -16,11 +16,17 @@ import numpy as np
 
 class RetainedModel(Protocol):
     """What a planning graph keeps of its model so that other dims can be bound without
-    the file (`planner.importer.source.ModelSource` is the one kind there is)."""
+    the file (`planner.importer.source.ModelSource` is the one kind there is). Read-only:
+    the source is a frozen dataclass."""
 
-    path: str
-    sha256: str
-    opset: int
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def opset(self) -> int: ...
 
 TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
