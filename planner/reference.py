@@ -7,6 +7,7 @@ program with it, so both go through this one function.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import onnx
@@ -45,4 +46,5 @@ OVERRIDES = [GatherElements, Gelu]
 def run_node(node: onnx.NodeProto, feeds: Mapping[str, np.ndarray], opset: int) -> list:
     """Outputs of `node` on `feeds` (raises whatever the evaluator raises)."""
     evaluator = ReferenceEvaluator(node, opsets={"": opset}, new_ops=OVERRIDES)
-    return evaluator.run(None, dict(feeds))
+    # run() gives the outputs as a list, in order; only intermediate=True gives a dict
+    return cast(list, evaluator.run(None, dict(feeds)))

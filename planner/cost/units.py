@@ -111,13 +111,13 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         elif not node.is_view:
             selective[u] += cost.forward_s
     for collective in priced.collectives:
-        k = index_of.get(collective.op)
-        if k is None or collective.phase == Phase.GRADIENT:
+        op_index = index_of.get(collective.op)
+        if op_index is None or collective.phase == Phase.GRADIENT:
             continue
-        u = unit_of[k]
+        u = unit_of[op_index]
         if collective.phase == Phase.FORWARD:
             forward_comm[u] += collective.time_s
-            if not reads_weight[k]:
+            if not reads_weight[op_index]:
                 selective[u] += collective.time_s
         else:
             backward_comm[u] += collective.time_s

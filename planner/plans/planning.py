@@ -126,8 +126,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
                                                                          pins=pins.given()))
     briefs = {}
-    for name, decision in baselines(analysis, hardware, devices).items():
-        baseline = derive(context, decision)
+    for name, baseline_decision in baselines(analysis, hardware, devices).items():
+        baseline = derive(context, baseline_decision)
         briefs[name] = baseline.brief()
         searched_freely = not options.strategies and not pins.given() and \
             options.mesh is None
@@ -137,9 +137,9 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
             record = replace(record, detail=replace(
                 record.detail, chosen=f"the {name} baseline: cheaper under exact pricing"))
     alternatives.sort(key=lambda row: row[0].objective)
-    rows = tuple(replace(alt, chosen=derived is winner)
-                 for alt, derived in alternatives[: max(1, options.top_k)])
-    return build(winner, record, rows, briefs)
+    listed = tuple(replace(alt, chosen=derived is winner)
+                   for alt, derived in alternatives[: max(1, options.top_k)])
+    return build(winner, record, listed, briefs)
 
 
 def _op_level(context: BuildContext, results: list[MeshResult], options: SearchOptions,
@@ -149,7 +149,8 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
     feasible = [r for r in results if r.decision is not None and r.solution is not None
                 and r.solution.status in ("optimal", "feasible")]
     feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
-    finalists, rows = [], []
+    finalists: list[Finalist] = []
+    rows: list[tuple[Alternative, Derived | None]] = []
     # The ILP prices a weight used twice (a tied embedding) once per use; the built plan
     # sums its gradient once. Compare the candidates by the built, exact price.
     for result in feasible:

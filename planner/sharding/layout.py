@@ -25,7 +25,7 @@ class Layout:
 
     @classmethod
     def split(cls, rank: int, dim: int, axes: Sequence[str]) -> Layout:
-        dims = [()] * rank
+        dims: list[tuple[str, ...]] = [()] * rank
         dims[dim] = tuple(axes)
         return cls(tuple(dims))
 

@@ -80,7 +80,8 @@ def verify_op(node: OpNode, tensors: Mapping[str, TensorInfo], mesh: DeviceMesh,
         report.skipped.append(node.name)
         return
     inputs = draw_inputs(node, tensors, rng)
-    feeds = {name: value for name, value in zip(node.inputs, inputs, strict=True) if name}
+    feeds = {name: value for name, value in zip(node.inputs, inputs, strict=True)
+             if name and value is not None}  # a named input is always drawn
     expected = run_node(node_proto(node), feeds, opset)
     report.ops += 1
     for strategy in candidate_strategies(node, labels, tensors, mesh):

@@ -16,7 +16,7 @@ import dataclasses
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from onnx import TensorProto
@@ -31,13 +31,16 @@ from planner.zoo.moe import MoEConfig
 from planner.zoo.resnet import ResNetConfig
 from planner.zoo.seed import SeedConfig
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = [
     "BUFFER_SUFFIXES", "DTYPES", "FAMILIES", "PRESETS", "BERTConfig", "GPTConfig", "LlamaConfig",
     "MoEConfig", "ResNetConfig", "SeedConfig", "build", "check", "initializer_parameter_count",
     "parameter_count", "preset", "save",
 ]
 
-FAMILIES: dict[str, type] = {
+FAMILIES: dict[str, type[DataclassInstance]] = {
     "gpt": GPTConfig,
     "bert": BERTConfig,
     "llama": LlamaConfig,

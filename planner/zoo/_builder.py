@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from numpy.typing import ArrayLike
 from onnx import TensorProto, helper, numpy_helper
 
 from planner.errors import ModelError
@@ -164,12 +165,12 @@ class GraphBuilder:
         self._outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def op(self, op_type: str, name: str, *inputs: str, out: str | None = None,
-           **attrs: object) -> str:
+           **attrs: Any) -> str:
         """Add one single-output node; its output tensor is named after the node."""
         return self.op_n(op_type, name, 1, *inputs, outs=[out or name], **attrs)[0]
 
     def op_n(self, op_type: str, name: str, n: int, *inputs: str,
-             outs: Sequence[str] | None = None, **attrs: object) -> list[str]:
+             outs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
         """Add one node with n outputs (named ``<node>.0`` ... unless given)."""
         self._claim(name)
         outputs = list(outs) if outs else [f"{name}.{i}" for i in range(n)]
@@ -205,7 +206,7 @@ class GraphBuilder:
         """Scalar in the model's float dtype (eps, scales, mask fill)."""
         return self.const(np.array(value, dtype=np.float32), hint, self.elem)
 
-    def f32(self, array: np.ndarray, hint: str) -> str:
+    def f32(self, array: ArrayLike, hint: str) -> str:
         """float32 constant regardless of the model dtype (e.g. rotary frequencies)."""
         return self.const(np.asarray(array, dtype=np.float32), hint)
 
