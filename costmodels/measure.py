@@ -98,9 +98,9 @@ def run_ranks(plan: Plan, nproc: int = 2, backend: str = "gloo", timeout_s: floa
         for rank in range(nproc):
             command = [sys.executable, "-m", "costmodels.measure", str(rank), str(nproc),
                        str(port), backend, scratch, str(timeout_s)]
-            with open(out / f"rank{rank}.log", "wb") as log:
+            with open(out / f"rank{rank}.log", "wb") as log_file:
                 ranks.append(subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stderr=log,
+                    command, env=env, stdin=subprocess.DEVNULL, stderr=log_file,
                     stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))
         lines: queue.Queue[str] = queue.Queue()
         reader = threading.Thread(target=_pump, args=(ranks[0].stdout, lines), daemon=True)
@@ -283,7 +283,11 @@ class _Rank:
             dtype = getattr(torch, dtype_name)
             a = torch.randn(n, n, device=self.device).to(dtype)
             b = torch.randn(n, n, device=self.device).to(dtype)
-            seconds = self.measure(("matmul", dtype_name, n), lambda a=a, b=b: a @ b, world)
+
+            def matmul(a: Any = a, b: Any = b) -> Any:
+                return a @ b
+
+            seconds = self.measure(("matmul", dtype_name, n), matmul, world)
             self.say(f"matmul {dtype_name} {n}^3: {2 * n**3 / seconds / 1e9:.1f} GFLOP/s"
                      f"{self.round_}")
         if plan.copy_bytes:
