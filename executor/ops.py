@@ -71,30 +71,39 @@ def _axis(axis: int, rank: int) -> int:
 
 
 def _unary(fn: Callable[[Tensor], Tensor]) -> Op:
-    return lambda inputs, attrs: [fn(inputs[0])]
+    def run(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+        assert inputs[0] is not None
+        return [fn(inputs[0])]
+    return run
 
 
-for _name, _fn in {
+_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "Neg": torch.neg, "Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Exp": torch.exp,
     "Log": torch.log, "Tanh": torch.tanh, "Erf": torch.erf, "Sigmoid": torch.sigmoid,
     "Relu": torch.relu, "Cos": torch.cos, "Sin": torch.sin, "Abs": torch.abs,
     "Floor": torch.floor, "Ceil": torch.ceil, "Not": torch.logical_not, "IsNaN": torch.isnan,
     "Sign": torch.sign, "Identity": lambda x: x, "Softplus": F.softplus,
-}.items():
-    TORCH_OPS[_name] = _unary(_fn)
+}
+for _name, _unary_fn in _UNARY.items():
+    TORCH_OPS[_name] = _unary(_unary_fn)
 
 
 def _binary(fn: Callable[[Tensor, Tensor], Tensor]) -> Op:
-    return lambda inputs, attrs: [fn(inputs[0], inputs[1])]  # type: ignore[arg-type]
+    def run(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        return [fn(a, b)]
+    return run
 
 
-for _name, _fn in {
+_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Equal": torch.eq,
     "Less": torch.lt, "LessOrEqual": torch.le, "Greater": torch.gt,
     "GreaterOrEqual": torch.ge, "And": torch.logical_and, "Or": torch.logical_or,
     "Xor": torch.logical_xor, "MatMul": torch.matmul,
-}.items():
-    TORCH_OPS[_name] = _binary(_fn)
+}
+for _name, _binary_fn in _BINARY.items():
+    TORCH_OPS[_name] = _binary(_binary_fn)
 
 
 @op("Div")

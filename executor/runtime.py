@@ -156,14 +156,18 @@ class MeshComm:
         buffer = tensor.detach().contiguous()
         if buffer.dtype == torch.bool:  # gloo moves no bool buffers
             buffer = buffer.to(torch.uint8)
-        self.pending.append((dist.isend(buffer, peer, tag=tag), buffer))
+        work = dist.isend(buffer, peer, tag=tag)
+        assert work is not None  # None only for a rank outside the group; this is the world
+        self.pending.append((work, buffer))
         self.counters.add("send_recv", ("pp",), phase)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int,
              phase: str) -> torch.Tensor:
         wire = torch.uint8 if dtype == torch.bool else dtype
         buffer = torch.empty(tuple(shape), dtype=wire)
-        dist.irecv(buffer, peer, tag=tag).wait()
+        work = dist.irecv(buffer, peer, tag=tag)
+        assert work is not None  # None only for a rank outside the group; this is the world
+        work.wait()
         self.counters.received[phase] += 1
         return buffer.to(torch.bool) if dtype == torch.bool else buffer
 
@@ -181,25 +185,38 @@ class MeshComm:
         """Apply redistribution steps (no autograd: callers wrap this)."""
         for step in steps:
             if step.kind == "all_gather":
-                tensor = self.all_gather(tensor, step.axes, step.src_dim, phase)
+                tensor = self.all_gather(tensor, step.axes, _src(step), phase)
             elif step.kind == "slice":
-                tensor = self.local_slice(tensor, step.axes, step.dst_dim)
+                tensor = self.local_slice(tensor, step.axes, _dst(step))
             elif step.kind == "all_reduce":
                 tensor = self.all_reduce(tensor, step.axes, phase)
             elif step.kind == "reduce_scatter":
                 reduced = self.all_reduce(tensor, step.axes, phase)
                 self.counters.replace("all_reduce", "reduce_scatter", step.axes, phase)
-                tensor = self.local_slice(reduced, step.axes, step.dst_dim)
+                tensor = self.local_slice(reduced, step.axes, _dst(step))
             elif step.kind == "all_to_all":
-                gathered = self.all_gather(tensor, step.axes, step.src_dim, phase)
+                gathered = self.all_gather(tensor, step.axes, _src(step), phase)
                 self.counters.replace("all_gather", "all_to_all", step.axes, phase)
-                tensor = self.local_slice(gathered, step.axes, step.dst_dim)
+                tensor = self.local_slice(gathered, step.axes, _dst(step))
             elif step.kind == "zero":
                 if any(self.coord[self.mesh.axis_names.index(a)] for a in step.axes):
                     tensor = torch.zeros_like(tensor)
             else:
                 raise ShardplanError(f"unknown redistribution step {step.kind!r}")
         return tensor.contiguous()
+
+
+def _src(step: CommStep) -> int:
+    """The tensor dim a gathering step (all_gather, all_to_all) leaves: it always has one."""
+    assert step.src_dim is not None, step
+    return step.src_dim
+
+
+def _dst(step: CommStep) -> int:
+    """The tensor dim a splitting step (slice, reduce_scatter, all_to_all) joins: it always
+    has one."""
+    assert step.dst_dim is not None, step
+    return step.dst_dim
 
 
 class _Move(torch.autograd.Function):
@@ -497,7 +514,7 @@ class PlanRunner:
             moved = value
             for step in steps:
                 if step in local_steps:
-                    moved = self.comm.local_slice(moved, step.axes, step.dst_dim)
+                    moved = self.comm.local_slice(moved, step.axes, _dst(step))
                 else:
                     moved = _Move.apply(moved, self.comm, [step],
                                         backward_steps([step], (), 0), phases)

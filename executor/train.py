@@ -395,8 +395,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
         except mp.ProcessExitedException as exc:
             raise ShardplanError(f"rank {exc.error_index} died (exit code {exc.exit_code}); "
                                  "the other ranks were stopped") from None
-        data = json.loads(out.read_text())
-    return RunLog(**data)
+        logged = json.loads(out.read_text())
+    return RunLog(**logged)
 
 
 def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
