@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+from planner.kinds import Schedule
+
+SCHEDULES = tuple(str(schedule) for schedule in Schedule)
 
 
 def check_schedule(schedule: str) -> None:
@@ -38,7 +40,7 @@ def pipeline_time(stage_times: Sequence[float], micro_batches: int, schedule: st
     if not stage_times:
         return 0.0
     slowest, total = max(stage_times), sum(stage_times)
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         v = max(1, virtual_stages)
         return micro_batches * slowest + (total - slowest) / v
     return total + (micro_batches - 1) * slowest
@@ -57,9 +59,9 @@ def in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b
     """Micro-batches whose activations stage `stage` holds at its peak, in units of the
     stage's whole activation set for one micro-batch (a chunk counts 1/v)."""
     check_schedule(schedule)
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return float(micro_batches)
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return float(min(micro_batches, stages - stage))
     v = max(1, virtual_stages)
     warmup = (stages - stage - 1) * 2 + (v - 1) * stages

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, Phase
+from planner.kinds import AxisRole, CollectiveKind, Move, Phase
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
@@ -106,7 +106,7 @@ class MeshComm:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.mesh.group_size(axes))]
         dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-        self.counters.add("all_gather", axes, phase)
+        self.counters.add(CollectiveKind.ALL_GATHER, axes, phase)
         return torch.cat(parts, dim=dim)
 
     def all_reduce_on(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
@@ -117,7 +117,7 @@ class MeshComm:
             return tensor
         result = tensor.detach().clone().contiguous()
         dist.all_reduce(result, group=group)
-        self.counters.add("all_reduce", axes, phase)
+        self.counters.add(CollectiveKind.ALL_REDUCE, axes, phase)
         return result
 
     def group_rank(self, axes: Sequence[str]) -> int:
@@ -132,7 +132,7 @@ class MeshComm:
             return flat
         out = torch.empty(flat.numel() // self.mesh.group_size(axes), dtype=flat.dtype)
         dist.reduce_scatter_single(out, flat.detach().contiguous(), group=group)
-        self.counters.add("reduce_scatter", axes, phase)
+        self.counters.add(CollectiveKind.REDUCE_SCATTER, axes, phase)
         return out
 
     def all_gather_flat(self, chunk: torch.Tensor, axes: Sequence[str],
@@ -142,7 +142,7 @@ class MeshComm:
             return chunk
         out = torch.empty(chunk.numel() * self.mesh.group_size(axes), dtype=chunk.dtype)
         dist.all_gather_single(out, chunk.detach().contiguous(), group=group)
-        self.counters.add("all_gather", axes, phase)
+        self.counters.add(CollectiveKind.ALL_GATHER, axes, phase)
         return out
 
     def peer(self, stage: int) -> int:
@@ -159,7 +159,7 @@ class MeshComm:
         work = dist.isend(buffer, peer, tag=tag)
         assert work is not None  # None only for a rank outside the group; this is the world
         self.pending.append((work, buffer))
-        self.counters.add("send_recv", ("pp",), phase)
+        self.counters.add(CollectiveKind.SEND_RECV, (AxisRole.PIPELINE,), phase)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int,
              phase: str) -> torch.Tensor:
@@ -184,21 +184,23 @@ class MeshComm:
     def run(self, tensor: torch.Tensor, steps: Sequence[CommStep], phase: str) -> torch.Tensor:
         """Apply redistribution steps (no autograd: callers wrap this)."""
         for step in steps:
-            if step.kind == "all_gather":
+            if step.kind == Move.ALL_GATHER:
                 tensor = self.all_gather(tensor, step.axes, _src(step), phase)
-            elif step.kind == "slice":
+            elif step.kind == Move.SLICE:
                 tensor = self.local_slice(tensor, step.axes, _dst(step))
-            elif step.kind == "all_reduce":
+            elif step.kind == Move.ALL_REDUCE:
                 tensor = self.all_reduce(tensor, step.axes, phase)
-            elif step.kind == "reduce_scatter":
+            elif step.kind == Move.REDUCE_SCATTER:
                 reduced = self.all_reduce(tensor, step.axes, phase)
-                self.counters.replace("all_reduce", "reduce_scatter", step.axes, phase)
+                self.counters.replace(CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER,
+                                      step.axes, phase)
                 tensor = self.local_slice(reduced, step.axes, _dst(step))
-            elif step.kind == "all_to_all":
+            elif step.kind == Move.ALL_TO_ALL:
                 gathered = self.all_gather(tensor, step.axes, _src(step), phase)
-                self.counters.replace("all_gather", "all_to_all", step.axes, phase)
+                self.counters.replace(CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL,
+                                      step.axes, phase)
                 tensor = self.local_slice(gathered, step.axes, _dst(step))
-            elif step.kind == "zero":
+            elif step.kind == Move.ZERO:
                 if any(self.coord[self.mesh.axis_names.index(a)] for a in step.axes):
                     tensor = torch.zeros_like(tensor)
             else:
@@ -510,7 +512,7 @@ class PlanRunner:
         if info.name in self.weight_derived:
             # Same on every rank: slices keep autograd's zero-padded gradient, and partial
             # gradients are summed once at the weight (the plan's gradient collectives).
-            local_steps = [s for s in steps if s.kind == "slice"]
+            local_steps = [s for s in steps if s.kind == Move.SLICE]
             moved = value
             for step in steps:
                 if step in local_steps:

@@ -204,17 +204,17 @@ def schedule_actions(stages: Stages, device: int) -> list[Action]:
     """The order in which `device` runs forward and backward passes of its chunks."""
     mine = stages.of_device(device)
     m, pp = stages.micro_batches, stages.pp
-    if stages.schedule == "gpipe":
+    if stages.schedule == Schedule.GPIPE:
         return ([Action("F", i, c.index) for i in range(m) for c in mine]
                 + [Action("B", i, c.index) for i in range(m) for c in reversed(mine)])
-    if stages.schedule == "1f1b" and len(mine) == 1:
+    if stages.schedule == Schedule.ONE_F_ONE_B and len(mine) == 1:
         chunk = mine[0].index
         warmup = min(pp - device - 1, m)
         actions = [Action("F", i, chunk) for i in range(warmup)]
         for i in range(m - warmup):
             actions += [Action("F", warmup + i, chunk), Action("B", i, chunk)]
         return actions + [Action("B", i, chunk) for i in range(m - warmup, m)]
-    if stages.schedule == "1f1b":
+    if stages.schedule == Schedule.ONE_F_ONE_B:
         raise PlanFileError(f"pipeline: device stage {device} holds {len(mine)} op ranges; "
                             "1F1B runs one per device (use the interleaved schedule)")
     return _interleaved(mine, device, pp, m)

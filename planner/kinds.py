@@ -22,6 +22,19 @@ class CollectiveKind(StrEnum):
     SEND_RECV = "send_recv"  # point to point, between pipeline stages
 
 
+class Move(StrEnum):
+    """One step of a redistribution over one mesh axis (`planner.sharding.redistribute`):
+    the four that communicate are collectives of the same name; a slice keeps a local
+    piece; zero makes a replicated tensor a pending sum held by one device."""
+
+    ALL_GATHER = "all_gather"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SLICE = "slice"
+    ZERO = "zero"
+
+
 class Phase(StrEnum):
     """When a planned collective runs: per micro-batch in the forward or backward pass, or
     once per step at the gradient synchronisation."""

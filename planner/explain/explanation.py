@@ -62,9 +62,13 @@ def _notes(plan: Plan, others: Sequence[Rival]) -> list[str]:
     faster = [r.name for r in others
               if r.fits and r.ratio is not None and r.ratio < 1 - SAME]
     if faster:
+        pins = plan.solver.detail.pins or {}
+        why = (f"it was planned under --parallel "
+               f"{','.join(f'{key}={value}' for key, value in pins.items())}" if pins else
+               "the plan file does not record why (a --mesh or --strategies given is not "
+               "stored)")
         notes.append(f"{', '.join(faster)}: faster and fits, so this plan was not chosen on "
-                     "step time alone; the plan file does not record why (pins given with "
-                     "--parallel, --mesh or --strategies are not stored)")
+                     f"step time alone; {why}")
     if plan.mesh.size > 1 and all(not op.assignment for op in plan.ops):
         notes.append(f"every op is replicated: each of the {plan.mesh.size} devices computes "
                      "the whole step (splitting cost more than it saved)")

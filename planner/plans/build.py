@@ -14,7 +14,7 @@ baselines) and returns the Plan. Nothing patches a Plan afterwards.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
@@ -65,38 +65,25 @@ class BuildContext:
         return int(self.training.memory_limit_bytes or int(self.hardware.memory_bytes.value))
 
 
+#: The record of a plan the search has not yet reported on (`build` adds the real one).
+UNREPORTED = SolverRecord("", "fixed", 0.0, 0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class Derived:
-    """Every section of a plan that follows from its decision, and the step price it
-    came to (the search's objective for this decision)."""
+    """Every section of a decision's plan (`sections`, with the search's record still to
+    come), and the step price it came to: the search's objective for this decision."""
 
     decision: Decision
-    model: ModelRef
-    cluster: ClusterRef
-    mesh: DeviceMesh
-    parallel: ParallelConfig
-    ops: tuple[OpEntry, ...]
-    tensors: Mapping[str, TensorEntry]
-    collectives: tuple[Collective, ...]
-    predicted: Predicted
-    warnings: tuple[str, ...]
-    step: StepSpec
-    pipeline: PipelineSection | None
-    units: tuple[UnitEntry, ...]
+    sections: Plan
     price: StepPrice = field(repr=False)
 
-    def brief(self) -> Brief:
-        return self.plan_body().brief()
+    @property
+    def predicted(self) -> Predicted:
+        return self.sections.predicted
 
-    def plan_body(self, solver: SolverRecord | None = None,
-                  alternatives: Sequence[Alternative] = (),
-                  baselines: Mapping[str, Brief] | None = None) -> Plan:
-        return Plan(model=self.model, cluster=self.cluster, mesh=self.mesh,
-                    parallel=self.parallel, ops=self.ops, tensors=self.tensors,
-                    collectives=self.collectives, predicted=self.predicted,
-                    solver=solver or SolverRecord("", "fixed", 0.0, 0.0, 0.0),
-                    warnings=self.warnings, step=self.step, alternatives=tuple(alternatives),
-                    baselines=dict(baselines or {}), pipeline=self.pipeline, units=self.units)
+    def brief(self) -> Brief:
+        return self.sections.brief()
 
 
 def derive(context: BuildContext, decision: Decision) -> Derived:
@@ -108,8 +95,10 @@ def derive(context: BuildContext, decision: Decision) -> Derived:
 
 def build(derived: Derived, solver: SolverRecord, alternatives: Sequence[Alternative] = (),
           baselines: Mapping[str, Brief] | None = None) -> Plan:
-    """The plan: the derived sections and the search's record of how it was found."""
-    return derived.plan_body(solver, alternatives, baselines)
+    """The plan: the derived sections and the search's record of how it was found (a new
+    frozen Plan; the derived one is never handed out)."""
+    return replace(derived.sections, solver=solver, alternatives=tuple(alternatives),
+                   baselines=dict(baselines or {}))
 
 
 # ---------------------------------------------------------------- op-level plans
@@ -123,14 +112,13 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     sharded = priced.sharded
     price = priced.step()
     dp, tp = decision.degrees or _degrees(analysis, sharded)
-    return Derived(
-        decision=decision, model=_model_ref(analysis.graph),
-        cluster=_cluster_ref(context.hardware, decision.mesh), mesh=decision.mesh,
-        parallel=ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer),
+    return Derived(decision, Plan(
+        model=_model_ref(analysis.graph), cluster=_cluster_ref(context.hardware, decision.mesh),
+        mesh=decision.mesh, parallel=ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer),
         ops=_op_entries(priced), tensors=_tensor_entries(sharded),
         collectives=priced.collectives, predicted=predicted(price, context.limit),
-        warnings=_warnings(analysis.graph, sharded), step=_step(training), pipeline=None,
-        units=_layer_units(analysis.units), price=price)
+        solver=UNREPORTED, warnings=_warnings(analysis.graph, sharded), step=_step(training),
+        pipeline=None, units=_layer_units(analysis.units)), price)
 
 
 def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
@@ -206,13 +194,12 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     collectives = (*(c for c in priced.collectives if c.phase != Phase.GRADIENT),
                    *_weight_collectives(profile, stages, choice.zero, context.hardware, mesh),
                    *_send_collectives(sends, stages, graph, context.hardware, mesh))
-    return Derived(
-        decision=decision, model=_model_ref(graph),
-        cluster=_cluster_ref(context.hardware, mesh), mesh=mesh, parallel=parallel,
-        ops=_op_entries(priced), tensors=_tensor_entries(sharded), collectives=collectives,
-        predicted=predicted(price, context.limit), warnings=tuple(warnings),
-        step=_step(training), pipeline=section, units=_layer_units(analysis.units),
-        price=price)
+    return Derived(decision, Plan(
+        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh), mesh=mesh,
+        parallel=parallel, ops=_op_entries(priced), tensors=_tensor_entries(sharded),
+        collectives=collectives, predicted=predicted(price, context.limit), solver=UNREPORTED,
+        warnings=tuple(warnings), step=_step(training), pipeline=section,
+        units=_layer_units(analysis.units)), price)
 
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, price: StepPrice,

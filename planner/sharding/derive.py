@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Phase
+from planner.kinds import CollectiveKind, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import describe
@@ -165,8 +165,8 @@ def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: 
         return result, set()
     deferred: set[str] = set()
     if weight_derived:
-        deferred = set(partial_axes) | {a for s in forward if s.kind == "slice" for a in s.axes}
-        forward = [s for s in forward if s.kind != "slice"]
+        deferred = set(partial_axes) | {a for s in forward if s.kind == Move.SLICE for a in s.axes}
+        forward = [s for s in forward if s.kind != Move.SLICE]
         partial_axes = ()
     src_bytes = int(info.nbytes * fraction_of_layout(src, mesh))
     steps = backward_steps(forward, partial_axes, src_bytes)

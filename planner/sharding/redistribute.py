@@ -28,11 +28,12 @@ from functools import lru_cache
 import numpy as np
 
 from planner.errors import StrategyError
+from planner.kinds import Move
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
 #: Steps that move data between devices (the others are local).
-COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+COMMUNICATING = frozenset({Move.ALL_GATHER, Move.ALL_REDUCE, Move.REDUCE_SCATTER, Move.ALL_TO_ALL})
 LOCAL_STEP_COST = 1e-12  # a local step costs (almost) nothing but is not free: fewer is better
 
 
@@ -45,7 +46,7 @@ class CommStep:
     gathered or unreduced local tensor (the larger side of the step).
     """
 
-    kind: str
+    kind: Move
     axes: tuple[str, ...]
     nbytes: int
     src_dim: int | None = None
@@ -64,7 +65,7 @@ def ring_traffic(step: CommStep, mesh: DeviceMesh) -> float:
     if not step.communicates:
         return LOCAL_STEP_COST
     p = mesh.group_size(step.axes)
-    factor = 2.0 if step.kind == "all_reduce" else 1.0
+    factor = 2.0 if step.kind == Move.ALL_REDUCE else 1.0
     return factor * (p - 1) / p * step.nbytes
 
 
@@ -108,24 +109,24 @@ def _moves(layout: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh
         gathered = [list(d) for d in dims]
         gathered[dim] = axes[:-1]
         size = mesh.axis_size(axis)
-        moves.append((CommStep("all_gather", (axis,), local * size, dim, None),
+        moves.append((CommStep(Move.ALL_GATHER, (axis,), local * size, dim, None),
                       with_dims(gathered, layout.partial)))
         for other in range(len(dims)):
             if other != dim and fits(other, axis, dims[other]):
                 moved = [list(d) for d in gathered]
                 moved[other] = [*moved[other], axis]
-                moves.append((CommStep("all_to_all", (axis,), local, dim, other),
+                moves.append((CommStep(Move.ALL_TO_ALL, (axis,), local, dim, other),
                               with_dims(moved, layout.partial)))
     for axis in layout.partial:
         if axis not in movable:
             continue
         rest = [a for a in layout.partial if a != axis]
-        moves.append((CommStep("all_reduce", (axis,), local), with_dims(dims, rest)))
+        moves.append((CommStep(Move.ALL_REDUCE, (axis,), local), with_dims(dims, rest)))
         for dim in range(len(dims)):
             if fits(dim, axis, dims[dim]):
                 scattered = [list(d) for d in dims]
                 scattered[dim] = [*scattered[dim], axis]
-                moves.append((CommStep("reduce_scatter", (axis,), local, None, dim),
+                moves.append((CommStep(Move.REDUCE_SCATTER, (axis,), local, None, dim),
                               with_dims(scattered, rest)))
     for axis in mesh.axis_names:
         if axis in used or axis not in movable:
@@ -134,10 +135,10 @@ def _moves(layout: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh
             if fits(dim, axis, dims[dim]):
                 sliced = [list(d) for d in dims]
                 sliced[dim] = [*sliced[dim], axis]
-                moves.append((CommStep("slice", (axis,), local, None, dim),
+                moves.append((CommStep(Move.SLICE, (axis,), local, None, dim),
                               with_dims(sliced, layout.partial)))
         if axis in target.partial:
-            moves.append((CommStep("zero", (axis,), local),
+            moves.append((CommStep(Move.ZERO, (axis,), local),
                           with_dims(dims, [*layout.partial, axis])))
     return moves
 
@@ -190,9 +191,9 @@ def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
             kind, where = _placement(dst, axis)
             if kind == "dim" and where != dim and lands(axis, where):
                 dims[where].append(axis)
-                steps.append(CommStep("all_to_all", (axis,), local, dim, where))
+                steps.append(CommStep(Move.ALL_TO_ALL, (axis,), local, dim, where))
             else:
-                steps.append(CommStep("all_gather", (axis,), local * mesh.axis_size(axis),
+                steps.append(CommStep(Move.ALL_GATHER, (axis,), local * mesh.axis_size(axis),
                                       dim, None))
     for axis in src.partial:
         if axis in dst.partial:
@@ -202,9 +203,9 @@ def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
         kind, where = _placement(dst, axis)
         if kind == "dim" and lands(axis, where):
             dims[where].append(axis)
-            steps.append(CommStep("reduce_scatter", (axis,), local, None, where))
+            steps.append(CommStep(Move.REDUCE_SCATTER, (axis,), local, None, where))
         else:
-            steps.append(CommStep("all_reduce", (axis,), local))
+            steps.append(CommStep(Move.ALL_REDUCE, (axis,), local))
     for dim, axes in enumerate(dst.dims):
         if tuple(dims[dim]) != axes[: len(dims[dim])]:
             return None
@@ -213,12 +214,12 @@ def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
                 return None
             local = _local_bytes(shape, current(), mesh, itemsize)
             dims[dim].append(axis)
-            steps.append(CommStep("slice", (axis,), local, None, dim))
+            steps.append(CommStep(Move.SLICE, (axis,), local, None, dim))
     for axis in dst.partial:
         if axis not in partial:
             if _placement(current(), axis)[0] != "none":
                 return None
-            steps.append(CommStep("zero", (axis,), _local_bytes(shape, current(), mesh,
+            steps.append(CommStep(Move.ZERO, (axis,), _local_bytes(shape, current(), mesh,
                                                                   itemsize)))
             partial.append(axis)
     if _normal(current(), mesh) != dst or any(
@@ -284,23 +285,23 @@ def backward_steps(
     steps: list[CommStep] = []
     for step in reversed(forward):
         axis = step.axes[0]
-        if step.kind == "all_gather":
+        if step.kind == Move.ALL_GATHER:
             if axis in partial:
                 partial.remove(axis)
-                steps.append(CommStep("reduce_scatter", step.axes, step.nbytes, None,
+                steps.append(CommStep(Move.REDUCE_SCATTER, step.axes, step.nbytes, None,
                                       step.src_dim))
             else:
-                steps.append(CommStep("slice", step.axes, step.nbytes, None, step.src_dim))
-        elif step.kind in ("slice", "reduce_scatter"):
-            steps.append(CommStep("all_gather", step.axes, step.nbytes, step.dst_dim, None))
-        elif step.kind == "all_to_all":
-            steps.append(CommStep("all_to_all", step.axes, step.nbytes, step.dst_dim,
+                steps.append(CommStep(Move.SLICE, step.axes, step.nbytes, None, step.src_dim))
+        elif step.kind in (Move.SLICE, Move.REDUCE_SCATTER):
+            steps.append(CommStep(Move.ALL_GATHER, step.axes, step.nbytes, step.dst_dim, None))
+        elif step.kind == Move.ALL_TO_ALL:
+            steps.append(CommStep(Move.ALL_TO_ALL, step.axes, step.nbytes, step.dst_dim,
                                   step.src_dim))
-        elif step.kind == "all_reduce":
+        elif step.kind == Move.ALL_REDUCE:
             if axis in partial:
                 partial.remove(axis)
-                steps.append(CommStep("all_reduce", step.axes, step.nbytes))
-        elif step.kind == "zero" and axis not in partial:
+                steps.append(CommStep(Move.ALL_REDUCE, step.axes, step.nbytes))
+        elif step.kind == Move.ZERO and axis not in partial:
             partial.append(axis)
-    steps += [CommStep("all_reduce", (axis,), src_bytes) for axis in partial]
+    steps += [CommStep(Move.ALL_REDUCE, (axis,), src_bytes) for axis in partial]
     return steps

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from planner.graph import OpNode, TensorInfo
+from planner.kinds import Move
 from planner.ops import SHARDPLAN_DOMAIN, DimLabels, LocalProgram
 from planner.reference import run_node
 from planner.sharding.layout import Layout
@@ -152,23 +153,23 @@ def local_slice(shards: Shards, axes: Sequence[str], dim: int, mesh: DeviceMesh)
 def apply_steps(shards: Shards, steps: Sequence[CommStep], mesh: DeviceMesh) -> Shards:
     """Simulate a redistribution (or its backward) step by step."""
     for step in steps:
-        if step.kind == "all_gather":
+        if step.kind == Move.ALL_GATHER:
             assert step.src_dim is not None
             shards = all_gather(shards, step.axes, step.src_dim, mesh)
-        elif step.kind == "slice":
+        elif step.kind == Move.SLICE:
             assert step.dst_dim is not None
             shards = local_slice(shards, step.axes, step.dst_dim, mesh)
-        elif step.kind == "all_reduce":
+        elif step.kind == Move.ALL_REDUCE:
             shards = all_reduce(shards, step.axes, mesh)
-        elif step.kind == "reduce_scatter":
+        elif step.kind == Move.REDUCE_SCATTER:
             assert step.dst_dim is not None
             shards = local_slice(all_reduce(shards, step.axes, mesh), step.axes, step.dst_dim,
                                  mesh)
-        elif step.kind == "all_to_all":
+        elif step.kind == Move.ALL_TO_ALL:
             assert step.src_dim is not None and step.dst_dim is not None
             gathered = all_gather(shards, step.axes, step.src_dim, mesh)
             shards = local_slice(gathered, step.axes, step.dst_dim, mesh)
-        elif step.kind == "zero":
+        elif step.kind == Move.ZERO:
             shards = {c: v if all(c[mesh.axis_names.index(a)] == 0 for a in step.axes)
                       else np.zeros_like(v) for c, v in shards.items()}
         else:
