@@ -4,8 +4,9 @@ The cases are those of `bench/search.py` (zoo models on 8 to 1024 devices, the g
 imported first) and `bench/large_models.py` (GPT 1.3B to 1T on 8 to 3072 devices, import
 included). Each case runs in a fresh interpreter per version, the two versions one after
 the other so that both see the same machine load, through the API both versions have
-(`planner.zoo`, `planner.api.plan`); the table gives each version's seconds, their ratio
-and whether the two found the same plan (the same step time to 1e-9, the same degrees).
+(`planner.zoo`, `planner.api.plan`); the table gives each version's seconds, their ratio,
+whether the two found the same configuration (degrees and mesh) and by how much their
+predicted step times differ.
 
     python bench/versus.py --against HEAD~1            # both benches
     python bench/versus.py --against 05abe65 --bench search --repeat 3
@@ -45,10 +46,8 @@ if not path.exists():
     zoo.save(built, path)
 model = path
 if case["import_first"]:
-    try:
-        from planner.importer import import_model
-    except ImportError:
-        from planner.onnx_import import import_model
+    import importlib
+    import_model = importlib.import_module(case["importer"]).import_model
     model = import_model(path, batch=case["batch"], dims={"seq": case["seq"]})
 started = time.perf_counter()
 try:
@@ -84,6 +83,11 @@ def cases(benches: list[str]) -> list[dict]:
 
 
 def run(tree: Path, case: dict) -> dict:
+    # The importer's module by what the tree has (an editable install of another checkout
+    # would otherwise answer for a module this tree lacks).
+    importer = "planner.importer" if (tree / "planner" / "importer").is_dir() \
+        else "planner.onnx_import"
+    case = {**case, "importer": importer}
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case)], env=env,
                           capture_output=True, text=True, cwd=tree)
@@ -93,10 +97,14 @@ def run(tree: Path, case: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def same(a: dict, b: dict) -> bool:
+def compared(a: dict, b: dict) -> str:
+    """Whether both found the same configuration, and how far apart their step times are."""
+    if a["plan"] != b["plan"]:
+        return f"NO: {a['plan']} -> {b['plan']}"
     if a["step"] is None or b["step"] is None:
-        return a["plan"] == b["plan"]
-    return a["plan"] == b["plan"] and abs(a["step"] - b["step"]) <= 1e-9 * abs(a["step"])
+        return "yes"
+    change = (b["step"] - a["step"]) / a["step"]
+    return "yes" if abs(change) <= 1e-9 else f"yes, step {100 * change:+.3f} %"
 
 
 def main() -> None:
@@ -141,7 +149,7 @@ def _table(other: Path, args: argparse.Namespace, scratch: Path) -> None:
         ratios.append(ratio)
         print(f"{case['bench']:<7}{case['model']:<12}{case['devices']:>8}  "
               f"{case['profile']:<12}{old:>10.2f}{new:>10.2f}{ratio:>8.2f}  "
-              f"{'yes' if same(before[-1], after[-1]) else 'NO: ' + str(after[-1]['plan'])}",
+              f"{compared(before[-1], after[-1])}",
               flush=True)
     finite = [r for r in ratios if r == r]
     if finite:

@@ -106,22 +106,29 @@ class WeightTables:
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh, prices: Prices) -> None:
-        self.own = WeightTerms.zeros(profile.count)
         self.shared: list[tuple[ParamShare, WeightTerms, float]] = []
         self.itemsize = profile.params[0].itemsize if profile.params else 4
-        memo: dict[tuple, WeightTerms] = {}  # the same weight in every layer
+        memo: dict[tuple, tuple[WeightTerms, tuple[float, ...]]] = {}  # alike in every layer
+        rows: list[tuple[float, ...]] = []
+        units: list[int] = []
         for param in profile.params:
             key = (param.bytes, param.elements, param.itemsize, param.axes)
-            terms = memo.get(key)
-            if terms is None:
-                terms = memo[key] = weight_terms(param, config, hardware, mesh, prices)
+            found = memo.get(key)
+            if found is None:
+                terms = weight_terms(param, config, hardware, mesh, prices)
+                found = memo[key] = (terms, tuple(getattr(terms, name) for name in TERMS))
             if len(param.units) == 1:
-                u = param.units[0]
-                for name in TERMS:
-                    table, value = getattr(self.own, name), getattr(terms, name)
-                    table[u] = max(table[u], value) if name == "largest" else table[u] + value
+                rows.append(found[1])
+                units.append(param.units[0])
             else:
-                self.shared.append((param, terms, prices.p2p(param.bytes)))
+                self.shared.append((param, found[0], prices.p2p(param.bytes)))
+        # Summed per unit in the weights' order (np.add.at adds one after the other).
+        table = np.zeros((len(TERMS), profile.count))
+        if rows:
+            values, at = np.array(rows).T, np.array(units, dtype=np.int64)
+            for k, name in enumerate(TERMS):
+                (np.maximum if name == "largest" else np.add).at(table[k], at, values[k])
+        self.own = WeightTerms(**{name: table[k] for k, name in enumerate(TERMS)})
 
     def over(self, chosen: np.ndarray) -> WeightTerms:
         """Totals for the units marked in `chosen` (shared weights once)."""
@@ -140,25 +147,44 @@ class WeightTables:
         return totals
 
 
-def received(profile: UnitProfile, ranges: Sequence[tuple[int, int]],
-             prices: Prices) -> tuple[float, float]:
-    """(bytes kept, seconds) of the activations a device receives from other devices:
+class Arrivals:
+    """The activations a device receives from other devices, for any of its unit ranges:
     received in the forward pass, their gradients sent back in the backward pass.
 
     As the plan's sends list them (`planner.plans.build`): a tensor produced on the device
     itself is handed on locally; one with a gradient comes to every chunk (unit range)
-    reading it, one without once per device.
+    reading it, one without once per device. The crossings are held as arrays, so that
+    pricing thousands of devices looks at the few that enter each.
     """
-    kept = seconds = 0.0
-    for crossing in profile.crossings:
-        if any(a <= crossing.producer < b for a, b in ranges):
-            continue
-        reading = sum(1 for a, b in ranges if any(a <= u < b for u in crossing.consumers))
-        copies = reading if crossing.grad else min(reading, 1)
-        for _ in range(copies):
-            kept += crossing.bytes
-            seconds += prices.p2p(crossing.bytes) * (2.0 if crossing.grad else 1.0)
-    return kept, seconds
+
+    def __init__(self, profile: UnitProfile, prices: Prices) -> None:
+        crossings = profile.crossings
+        self.count = len(crossings)
+        self.bytes = [c.bytes for c in crossings]
+        self.seconds = [prices.p2p(c.bytes) * (2.0 if c.grad else 1.0) for c in crossings]
+        self.producer = np.array([c.producer for c in crossings], dtype=np.int64)
+        self.grad = np.array([c.grad for c in crossings], dtype=bool)
+        self.consumer = np.array([u for c in crossings for u in c.consumers], dtype=np.int64)
+        self.owner = np.repeat(np.arange(self.count), [len(c.consumers) for c in crossings])
+
+    def of(self, ranges: Sequence[tuple[int, int]]) -> tuple[float, float]:
+        """(bytes kept, seconds) of the device holding unit `ranges`."""
+        if not self.count:
+            return 0.0, 0.0
+        reading = np.zeros(self.count, dtype=np.int64)
+        produced = np.zeros(self.count, dtype=bool)
+        for a, b in ranges:
+            inside = (self.consumer >= a) & (self.consumer < b)
+            reading += np.bincount(self.owner[inside], minlength=self.count) > 0
+            produced |= (self.producer >= a) & (self.producer < b)
+        copies = np.where(self.grad, reading, np.minimum(reading, 1))
+        copies[produced] = 0
+        kept = seconds = 0.0
+        for index in np.flatnonzero(copies):  # in crossing order, as they are received
+            for _ in range(int(copies[index])):
+                kept += self.bytes[index]
+                seconds += self.seconds[index]
+        return kept, seconds
 
 
 class Pricer:
@@ -169,6 +195,7 @@ class Pricer:
         self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
         self.prices = Prices(hardware, mesh)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
+        self.arrivals = Arrivals(profile, self.prices)
 
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: Recompute) -> StagePrice:
@@ -184,7 +211,7 @@ class Pricer:
         extra = {Recompute.NONE: 0.0,
                  Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
                  Recompute.FULL: forward_compute + forward_comm}[mode]
-        kept, p2p = received(profile, ranges, self.prices)
+        kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
         end = weights.end
         for param, _, exchange in self.weights.shared:
