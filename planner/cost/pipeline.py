@@ -77,7 +77,7 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                  mesh: DeviceMesh, prices: Prices) -> WeightTerms:
     """One weight under `config.zero`: its memory, shards, and the collectives of
     `planner.sharding.weights.sync_steps` over its gradient axes."""
-    axes = tuple(a for a in param.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+    axes = param.synced_axes(mesh)
     shards = mesh.group_size(axes)
     micro = end = 0.0
     if axes:

@@ -25,6 +25,7 @@ from planner.cost.oplevel import PricedGraph
 from planner.kinds import Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
+from planner.sharding.mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class ParamShare:
     itemsize: int
     axes: tuple[str, ...]  # mesh axes its gradient is summed (and ZeRO shards it) over
     units: tuple[int, ...]  # units whose ops read it
+
+    def synced_axes(self, mesh: DeviceMesh) -> tuple[str, ...]:
+        """The axes of `axes` this mesh has more than one device on: the group its
+        gradient synchronisation really runs over (empty: nothing to synchronise)."""
+        return tuple(a for a in self.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
 
 
 @dataclass(frozen=True)

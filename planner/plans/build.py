@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
 from planner.cost.oplevel import PricedGraph, priced_choice
-from planner.cost.pipeline import PIPELINE_AXIS, Pricer
-from planner.cost.pricing import collective_seconds
+from planner.cost.pipeline import PIPELINE_AXIS, Pricer, Prices
 from planner.cost.step import StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
@@ -41,6 +40,7 @@ from planner.plans.sections import (
     TensorBinding,
     TensorEntry,
     UnitEntry,
+    chunks_of,
 )
 from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
@@ -162,8 +162,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     sharded = priced.sharded
     profile = unit_profile(priced, analysis.units)
     config = pipeline_config(choice, training)
-    price = Pricer(profile, config, context.hardware, mesh).price(decision.devices,
-                                                                   decision.recompute)
+    pricer = Pricer(profile, config, context.hardware, mesh)
+    price = pricer.price(decision.devices, decision.recompute)
     warnings = list(_warnings(graph, sharded))
     tp = choice.tp
     if choice.tp > 1 and not any(AxisRole.TENSOR in op.strategy.used_axes
@@ -192,8 +192,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
                                         config.virtual_stages),
         units=_unit_entries(analysis.units), stages=stages, sends=sends)
     collectives = (*(c for c in priced.collectives if c.phase != Phase.GRADIENT),
-                   *_weight_collectives(profile, stages, choice.zero, context.hardware, mesh),
-                   *_send_collectives(sends, stages, graph, context.hardware, mesh))
+                   *_weight_collectives(profile, stages, choice.zero, pricer.prices),
+                   *_send_collectives(sends, stages, graph, pricer.prices))
     return Derived(decision, Plan(
         model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh), mesh=mesh,
         parallel=parallel, ops=_op_entries(priced), tensors=_tensor_entries(sharded),
@@ -263,7 +263,7 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
     first of its chunks reading it, which hands it on to the device's later chunks.
     """
     units = analysis.units
-    chunks = sorted((r, stage.device_stage) for stage in stages for r in stage.ops)
+    chunks = chunks_of(stages)
     chunk_of_unit: dict[int, int] = {}
     for index, ((first, end), _) in enumerate(chunks):
         for u in range(units.bounds.index(first), units.bounds.index(end)):
@@ -285,7 +285,7 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
 
 
 def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
-                        hardware: HardwareProfile, mesh: DeviceMesh) -> list[Collective]:
+                        prices: Prices) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
     holding it, and the sum between the holders of a weight two stages read (a tied
     embedding), priced as one exchange with the other holder."""
@@ -295,16 +295,15 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
             holders.setdefault(name, []).append(stage.device_stage)
     result = []
     for param in profile.params:
-        axes = tuple(a for a in param.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+        axes = param.synced_axes(prices.mesh)
         held_by = holders.get(param.name, [0])
         for _ in held_by:
             for step in sync_steps(zero) if axes else ():
-                seconds = collective_seconds(hardware, step.kind, param.bytes, axes, mesh)
+                seconds = prices(step.kind, param.bytes, axes)
                 result.append(Collective(step.kind, param.name, axes, round(param.bytes),
                                          step.phase, OPTIMIZER_OP, seconds))
             if len(held_by) > 1:
-                seconds = collective_seconds(hardware, CollectiveKind.SEND_RECV, param.bytes,
-                                             (PIPELINE_AXIS,), mesh)
+                seconds = prices.p2p(param.bytes)
                 result.append(Collective(CollectiveKind.ALL_REDUCE, param.name,
                                          (PIPELINE_AXIS,), round(param.bytes), Phase.GRADIENT,
                                          OPTIMIZER_OP, seconds))
@@ -312,17 +311,14 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
 
 
 def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
-                      graph: PlanningGraph, hardware: HardwareProfile,
-                      mesh: DeviceMesh) -> list[Collective]:
+                      graph: PlanningGraph, prices: Prices) -> list[Collective]:
     """Each send's point-to-point transfer every micro-batch (its gradient back too),
     named after the first op of the receiving chunk that reads it."""
-    chunks = sorted(r for stage in stages for r in stage.ops)
+    chunks = chunks_of(stages)
     result = []
     for send in sends:
-        seconds = collective_seconds(hardware, CollectiveKind.SEND_RECV, send.bytes,
-                                     (PIPELINE_AXIS,), mesh) \
-            if PIPELINE_AXIS in mesh.axis_names else 0.0
-        first, end = chunks[send.to_chunk]
+        seconds = prices.p2p(send.bytes)
+        (first, end), _ = chunks[send.to_chunk]
         op = next((node.name for node in graph.ops[first:end] if send.tensor in node.inputs),
                   "pipeline")
         phases = (Phase.FORWARD, Phase.BACKWARD) if send.grad else (Phase.FORWARD,)

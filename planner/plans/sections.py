@@ -7,7 +7,7 @@ the plan file's objects (`predicted.memory["peak"]`). Each section's JSON form i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -360,6 +360,12 @@ class SendEntry:
                    int(data.get("to_chunk", -1)))
 
 
+def chunks_of(stages: Sequence[StageEntry]) -> list[tuple[Range, int]]:
+    """Every op range of `stages` with the device stage running it, in op order: the
+    chunks (virtual stages) a `SendEntry` names by index."""
+    return sorted((r, stage.device_stage) for stage in stages for r in stage.ops)
+
+
 @dataclass(frozen=True)
 class PipelineSection:
     """Stages, micro-batches and schedule of a plan that pipelines (or micro-batches, or
@@ -378,7 +384,7 @@ class PipelineSection:
     def chunks(self) -> list[tuple[Range, int]]:
         """Every op range with the device stage running it, in op order: the chunks
         (virtual stages) that sends name by index."""
-        return sorted((r, stage.device_stage) for stage in self.stages for r in stage.ops)
+        return chunks_of(self.stages)
 
     def to_json(self) -> dict[str, Any]:
         return {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
