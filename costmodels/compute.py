@@ -39,7 +39,8 @@ from planner.ops import is_matrix_op
 
 #: Map a tensor element type to the profile's peak-FLOP/s key.
 DTYPE_TO_PEAK = {"float32": "fp32", "float64": "fp32", "float16": "fp16", "bfloat16": "bf16",
-                 "float8e4m3fn": "fp8", "float8e5m2": "fp8"}
+                 "float8e4m3fn": "fp8", "float8e5m2": "fp8",
+                 "tfloat32": "tf32"}  # fp32 storage, GEMMs on tensor cores (--precision tf32)
 
 #: Peak key used when a profile lacks the op's key (the 910A has no fp32 peak; see above).
 PEAK_FALLBACK = {"fp32": "fp16"}
@@ -88,11 +89,12 @@ def matmul_efficiency(profile: HardwareProfile, flops: float, dtype: str,
 
 
 def op_time(profile: HardwareProfile, op_type: str, flops: float, nbytes: float, dtype: str,
-            *, ramp_s: float | None = None) -> float:
+            *, ramp_s: float | None = None, launches: int = 1) -> float:
     """Seconds for one op that does `flops` and moves `nbytes` on one device.
 
     `ramp_s` overrides the profile's GEMM ramp (calibration and benchmarks use it); the
-    planner leaves it None.
+    planner leaves it None. `launches` is 0 for the work of an op inside a kernel another
+    op starts (`planner.cost.kernels`): it pays neither the launch floor nor the ramp.
     """
     if flops <= 0 and nbytes <= 0:
         return 0.0
@@ -101,9 +103,9 @@ def op_time(profile: HardwareProfile, op_type: str, flops: float, nbytes: float,
     if is_matrix_op(op_type) and flops > 0:
         ramp = matmul_ramp_s(profile, dtype) if ramp_s is None else ramp_s
         rate = peak_flops(profile, dtype) * float(profile.matmul_efficiency.value)
-        compute_time = flops / rate + ramp
+        compute_time = flops / rate + ramp * launches
     elif flops > 0 and "fp32" in profile.peak_flops:
         compute_time = flops / float(profile.peak_flops["fp32"].value)
     else:
         compute_time = 0.0
-    return max(compute_time, memory_time, float(profile.kernel_launch_s.value))
+    return max(compute_time, memory_time, float(profile.kernel_launch_s.value) * launches)

@@ -1,16 +1,19 @@
 """Memory per device for a training step, by category.
 
-Parameters and gradients are held in the model's dtype. Adam keeps two fp32 moments per
-parameter, plus an fp32 master copy when the model trains in 16-bit (the "16 bytes per
-parameter" of mixed-precision Adam); SGD with momentum keeps one fp32 buffer. ZeRO stage
-1 shards optimizer states over the data-parallel degree, stage 2 gradients too, stage 3
-parameters too. Activations are those saved for the backward pass.
+Weights are held as the graph stores them; gradients, the fp32 master copy and the
+optimizer's moments take the bytes per parameter of the training precision
+(`costmodels.precision`: bf16-mixed Adam is Megatron's 2 + 4 + 4 + 8 = 18 bytes). ZeRO
+stage 1 shards the optimizer (moments and master) over each weight's gradient group,
+stage 2 gradients too, stage 3 weights too. Activations are those saved for the backward
+pass.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
 
+from costmodels.precision import parameter_bytes as per_parameter
+from planner.kinds import Precision
 from planner.records import MemoryBreakdown
 
 if TYPE_CHECKING:
@@ -19,22 +22,21 @@ if TYPE_CHECKING:
 #: Bytes or element counts: one number, or one per stage range (the stage search).
 Amount = TypeVar("Amount", float, "np.ndarray")
 
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}
-MASTER_COPY_BYTES = 4
+
+def optimizer_state_bytes(parameter_elements: Amount, parameter_itemsize: int,
+                          optimizer: str, precision: Precision | None = None) -> Amount:
+    """Bytes the optimizer holds for `parameter_elements` local parameter elements: its
+    moments and the fp32 master copy of a mixed precision."""
+    return parameter_elements * per_parameter(precision, parameter_itemsize,
+                                              optimizer).optimizer
 
 
-def optimizer_state_bytes(
-    parameter_elements: Amount, parameter_itemsize: int, optimizer: str
-) -> Amount:
-    """Bytes of optimizer state for `parameter_elements` local parameter elements."""
-    try:
-        per_element = OPTIMIZER_STATE_BYTES[optimizer]
-    except KeyError:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATE_BYTES)}"
-        ) from None
-    master = MASTER_COPY_BYTES if parameter_itemsize < 4 and per_element else 0
-    return parameter_elements * (per_element + master)
+def gradient_bytes(parameter_elements: Amount, parameter_itemsize: int,
+                   precision: Precision | None = None) -> Amount:
+    """Bytes of the gradients of `parameter_elements` elements (fp32 main gradients under
+    a mixed precision)."""
+    return parameter_elements * per_parameter(precision, parameter_itemsize,
+                                              "sgd").gradients
 
 
 def training_memory(
@@ -50,6 +52,7 @@ def training_memory(
     sharded_bytes: Amount | None = None,
     sharded_elements: Amount | None = None,
     rounded: bool = True,
+    precision: Precision | None = None,
 ) -> MemoryBreakdown:
     """Per-device memory; all inputs are already local to one device (after op sharding).
 
@@ -63,9 +66,9 @@ def training_memory(
         sharded_bytes = parameter_bytes / dp
     if sharded_elements is None:
         sharded_elements = parameter_elements / dp
-    elements = sharded_elements if zero >= 1 else parameter_elements
-    states = optimizer_state_bytes(elements, parameter_itemsize, optimizer)
-    gradients = sharded_bytes if zero >= 2 else parameter_bytes
+    per = per_parameter(precision, parameter_itemsize, optimizer)
+    states = (sharded_elements if zero >= 1 else parameter_elements) * per.optimizer
+    gradients = (sharded_elements if zero >= 2 else parameter_elements) * per.gradients
     parameters = sharded_bytes if zero >= 3 else parameter_bytes
     parts = (parameters, gradients, states, activation_bytes, workspace_bytes)
     if rounded:

@@ -22,6 +22,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 from hardware_profiles import PROFILE_DIR
 from planner.errors import ProfileError
+from planner.kinds import AttentionKernel, Fusion
 
 SCHEMA = "shardplan.hardware-profile/1"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -42,7 +43,9 @@ MAX_MEMORY_BYTES = 1 << 60
 _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
                   "memory_efficiency", "kernel_launch_s")
-_DEVICE_OPTIONAL = ("matmul_overhead_s",)
+_DEVICE_OPTIONAL = ("matmul_overhead_s", "kernels")
+#: `device.kernels`: the kernels the device's training stacks run (costmodels.kernels).
+_KERNEL_FIELDS = ("attention", "fusion")
 _TOPOLOGY_FIELDS = ("devices_per_node", "levels")
 _TOPOLOGY_OPTIONAL = ("allowed_devices_within_node",)
 _LEVEL_FIELDS = ("name", "group_size", "bandwidth_Bps", "efficiency", "latency_s")
@@ -124,6 +127,19 @@ class HardwareProfile:
     path: str
     #: GEMM ramp R in seconds (costmodels.compute): one value, or one per peak_flops key.
     matmul_overhead_s: Cited[float] | dict[str, Cited[float]] | None = None
+    #: `device.kernels`: how attention cores and elementwise chains run by default
+    #: (planner.cost.kernels); left out: one kernel per op, as an eager interpreter runs.
+    attention_kernel: Cited[str] | None = None
+    fusion: Cited[str] | None = None
+
+    @property
+    def default_attention(self) -> AttentionKernel:
+        return AttentionKernel(self.attention_kernel.value if self.attention_kernel
+                               else AttentionKernel.EAGER)
+
+    @property
+    def default_fusion(self) -> Fusion:
+        return Fusion(self.fusion.value if self.fusion else Fusion.NONE)
 
     def __getstate__(self) -> dict:
         """Pickle the fields only, not the pricing memo (`planner.cost.pricing`) a run adds."""
@@ -300,8 +316,27 @@ class _Reader:
                       f"{_show(value)}; check its unit")
 
     def fabric_word(self, value: Any, field: str) -> str:
-        if value not in FABRICS:
-            self.fail(field, f"must be one of {', '.join(map(repr, FABRICS))}, "
+        return self.word(value, field, FABRICS)
+
+    def kernels(self, device: dict[str, Any]) -> dict[str, Cited[str]]:
+        """`device.kernels`: {attention: cited "flash"|"eager", fusion: cited
+        "elementwise"|"none"}, both optional."""
+        if "kernels" not in device:
+            return {}
+        body = self.obj(device["kernels"], "device.kernels", (), _KERNEL_FIELDS)
+        found: dict[str, Cited[str]] = {}
+        if "attention" in body:
+            found["attention_kernel"] = self.cited(
+                body["attention"], "device.kernels.attention",
+                lambda v, f: self.word(v, f, [k.value for k in AttentionKernel]))
+        if "fusion" in body:
+            found["fusion"] = self.cited(body["fusion"], "device.kernels.fusion",
+                                         lambda v, f: self.word(v, f, [k.value for k in Fusion]))
+        return found
+
+    def word(self, value: Any, field: str, choices: Sequence[str]) -> str:
+        if value not in choices:
+            self.fail(field, f"must be one of {', '.join(map(repr, choices))}, "
                       f"got {_show(value)}")
         return value
 
@@ -379,6 +414,7 @@ class _Reader:
             levels=self.levels(topology["levels"], int(per_node.value)),
             path=self.path,
             matmul_overhead_s=self.overhead(device),  # after peak_flops: it names its keys
+            **self.kernels(device),
         )
 
     def read_sources(self, value: Any) -> dict[str, str]:

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
+from typing import TypeVar
 
+from costmodels.precision import default_precision, policy
 from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.importer import import_model, rebind
+from planner.importer import import_model, rebind, retyped
+from planner.kinds import AttentionKernel, Fusion, Precision
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
 
 MODES = ("data", "semi", "auto")
+Choice = TypeVar("Choice", bound=StrEnum)
 GIB = 1 << 30
 
 
@@ -50,6 +55,9 @@ def plan(
     memory_limit_gib: float | None = None,
     inference: bool = False,
     overlap: float = 0.0,
+    precision: str | Precision | None = None,
+    attention: str | AttentionKernel | None = None,
+    fusion: str | Fusion | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -59,7 +67,11 @@ def plan(
     "auto" (everything searched). The plan says in `plan.predicted.fits` whether it fits
     device memory; when no plan can fit, `NoPlanFits` (CLI exit code 3) is raised.
     `inference` plans a forward pass only; `overlap` is the share (0..1) of gradient
-    synchronisation hidden behind the backward pass.
+    synchronisation hidden behind the backward pass. `precision` (`costmodels.precision`;
+    default: the graph's own dtype, a 16-bit graph in its `-mixed` form) decides the bytes
+    per parameter and the dtype activations and GEMMs run in; `attention` ("flash" or
+    "eager") and `fusion` ("elementwise" or "none") the kernels (default: the profile's,
+    `device.kernels`). The plan's `step` section records all three.
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -76,10 +88,16 @@ def plan(
     if time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
+    chosen = _choice(Precision, precision, "--precision") or default_precision(
+        graph.stored_float_dtype)
+    graph = retyped(graph, policy(chosen).storage_dtype)
     training = TrainingOptions(
         optimizer=optimizer,
         memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
-        inference=inference, overlap=overlap,
+        inference=inference, overlap=overlap, precision=chosen,
+        attention=_choice(AttentionKernel, attention, "--attention")
+        or hardware.default_attention,
+        fusion=_choice(Fusion, fusion, "--fusion") or hardware.default_fusion,
     )
     if mode == "data":
         return plan_data_parallel(graph, hardware, devices, training)
@@ -89,3 +107,15 @@ def plan(
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
     return plan_search(graph, hardware, devices, options, training, progress)
+
+
+def _choice(kind: type[Choice], value: str | Choice | None, flag: str) -> Choice | None:
+    """`value` as a member of the StrEnum `kind` (None stays None); a one-line error names
+    the flag and its choices."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ShardplanError(f"{flag} {value!r}: choose one of "
+                             f"{', '.join(member.value for member in kind)}") from None

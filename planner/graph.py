@@ -108,6 +108,17 @@ class PlanningGraph:
     #: The prepared model it was imported from, to bind other dims without the file
     #: (`planner.importer.rebind`); None for graphs not made by the importer.
     source: RetainedModel | None = field(default=None, compare=False, repr=False)
+    #: The float dtype its float tensors were re-typed to for a training precision
+    #: (`planner.importer.retyped`); None: as the file stores them. Rebinding keeps it.
+    float_dtype: str | None = None
+
+    @property
+    def stored_float_dtype(self) -> str:
+        """The float dtype its weights (else its float tensors) have: what a precision
+        left unset defaults from."""
+        floats = [t for t in self.parameters if t.is_float] or [
+            t for t in self.tensors.values() if t.is_float]
+        return floats[0].dtype if floats else "float32"
 
     def op(self, name: str) -> OpNode:
         index = self.__dict__.get("_op_index")

@@ -83,3 +83,33 @@ class AxisRole(StrEnum):
 
 
 GENERIC_AXES = ("a0", "a1", "a2")
+
+
+class Precision(StrEnum):
+    """What a training step computes and stores in (`costmodels.precision` has the bytes
+    and peaks of each). `-mixed` keeps fp32 master weights and fp32 main gradients."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+    FP8 = "fp8"
+
+
+class AttentionKernel(StrEnum):
+    """How an attention core (QKᵀ → scale → mask → softmax → dropout → ·V) runs: one fused
+    kernel (FlashAttention: no s² tensor in memory, the core recomputed in backward) or
+    one kernel per op."""
+
+    FLASH = "flash"
+    EAGER = "eager"
+
+
+class Fusion(StrEnum):
+    """Whether chains of elementwise and normalisation ops between two GEMMs run as one
+    kernel (one pass over memory, as torch.compile and Megatron's fused kernels do)."""
+
+    ELEMENTWISE = "elementwise"
+    NONE = "none"

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from costmodels.precision import parameter_bytes
 from planner.humanize import human_bytes, human_count, human_seconds
 from planner.plans.model import Plan
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
+
+
+def _kernels(plan: Plan) -> list[str]:
+    """The precision with its bytes per parameter, and the kernels the plan was priced
+    with (none for files written before plans recorded them)."""
+    step = plan.step
+    if step.precision is None:
+        return []
+    line = f"precision  {step.precision}"
+    if step.kind == "training":
+        per = parameter_bytes(step.precision, 4, plan.parallel.optimizer)
+        line += (f": {per.weights:g} B weights + {per.gradients:g} B gradients + "
+                 f"{per.master:g} B master + {per.moments:g} B {plan.parallel.optimizer} "
+                 f"= {per.total:g} B per parameter")
+    return [line, f"kernels    attention {step.attention}, fusion {step.fusion}"]
 
 
 def summary(plan: Plan) -> str:
@@ -25,6 +41,7 @@ def summary(plan: Plan) -> str:
         f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} "
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
+        *_kernels(plan),
         f"solver     {plan.solver.name}: {plan.solver.status} in "
         f"{human_seconds(plan.solver.time_s)}",
         "",

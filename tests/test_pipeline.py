@@ -40,9 +40,9 @@ def gpt8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _plan(path: Path, devices: int, **pins):
+def _plan(path: Path, devices: int, attention: str | None = None, **pins):
     return plan(path, devices=devices, batch=16, dims={"seq": 16}, profile="a100-80g",
-                parallel=pins)
+                parallel=pins, attention=attention)
 
 
 # ---------------------------------------------------------------- schedule formulas
@@ -212,7 +212,9 @@ def test_zero_stages_cut_exactly_their_share(gpt8: Path) -> None:
 
 
 def test_recompute_trades_memory_for_time(gpt8: Path) -> None:
-    plans = {mode: _plan(gpt8, 2, dp=2, tp=1, pp=1, micro_batches=1, zero=0, recompute=mode)
+    """Eager attention keeps the s² probabilities, which selective recompute drops."""
+    plans = {mode: _plan(gpt8, 2, dp=2, tp=1, pp=1, micro_batches=1, zero=0, recompute=mode,
+                         attention="eager")
              for mode in ("none", "selective", "full")}
     activations = {m: p.predicted.memory["activations"] for m, p in plans.items()}
     steps = {m: p.predicted.step_time_s for m, p in plans.items()}
@@ -225,6 +227,20 @@ def test_recompute_trades_memory_for_time(gpt8: Path) -> None:
     assert plans["full"].pipeline.stages[0].recompute_segments
     # The time added is what was re-run: the step grows by exactly the recompute time.
     assert steps["full"] - steps["none"] == pytest.approx(full["recompute_s"], rel=1e-9)
+    # Selective checkpoints exactly the attention cores, q kᵀ to · v.
+    segments = plans["selective"].pipeline.stages[0].recompute_segments
+    ops = plans["selective"].ops
+    assert segments and all(ops[a].op_type == "MatMul" and ops[b - 1].op_type == "MatMul"
+                            for a, b in segments)
+
+
+def test_flash_attention_leaves_selective_recompute_nothing_to_drop(gpt8: Path) -> None:
+    """A flash kernel keeps no s² tensor: selective recompute would save no memory."""
+    none, selective = (_plan(gpt8, 2, dp=2, tp=1, pp=1, micro_batches=1, zero=0,
+                             recompute=mode, attention="flash")
+                       for mode in ("none", "selective"))
+    assert none.predicted.memory["activations"] == selective.predicted.memory["activations"]
+    assert selective.predicted.step_time_s > none.predicted.step_time_s
 
 
 def test_interleaved_schedule_gives_each_device_two_chunks(gpt8: Path) -> None:

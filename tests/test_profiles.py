@@ -47,6 +47,9 @@ def cited_values(profile: HardwareProfile) -> Iterator[tuple[str, Cited]]:
         yield "matmul_overhead_s", ramp
     for dtype, cited in (ramp.items() if isinstance(ramp, dict) else ()):
         yield f"matmul_overhead_s.{dtype}", cited
+    for field in ("attention_kernel", "fusion"):
+        if getattr(profile, field) is not None:
+            yield field, getattr(profile, field)
     for level in profile.levels:
         for field in ("bandwidth_Bps", "efficiency", "latency_s"):
             yield f"{level.name}.{field}", getattr(level, field)
@@ -560,3 +563,20 @@ def test_top_level_must_be_an_object(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match=f"{path}: the file's top level must be a JSON "
                                            f"object, got a list"):
         load_profile(path)
+
+
+def test_kernels_load_and_default_to_one_kernel_per_op(tmp_path: Path) -> None:
+    """`device.kernels` names how attention and elementwise chains run; a profile without
+    it (a calibrated CPU) prices one kernel per op, as the executor runs them."""
+    assert load_profile("cpu").default_attention == "eager"
+    assert load_profile("cpu").default_fusion == "none"
+    assert load_profile("a100-80g").default_attention == "flash"
+    assert load_profile("ascend-910a").default_attention == "eager"  # no FlashAttentionScore
+    changed = _load_changed(tmp_path, "cpu", _set("device", "kernels", value={
+        "fusion": {"value": "elementwise", "source": "measured-2026-11-29"}}))
+    assert changed.default_fusion == "elementwise" and changed.default_attention == "eager"
+    with pytest.raises(ProfileError, match=r"device\.kernels\.attention\.value must be one of"):
+        _load_changed(tmp_path, "cpu", _set("device", "kernels", value={
+            "attention": {"value": "fast", "source": "measured-2026-11-29"}}))
+    with pytest.raises(ProfileError, match=r"device\.kernels\.speed"):
+        _load_changed(tmp_path, "cpu", _set("device", "kernels", value={"speed": 1}))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from planner.cli.args import Verbs, dim, mesh, parallel, positive_int
 from planner.errors import NoPlanFits
+from planner.kinds import AttentionKernel, Fusion, Precision
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}
@@ -52,6 +53,15 @@ def add_parser(verbs: Verbs) -> None:
                       help="plan a forward pass only (no gradients, optimizer, saved activations)")
     plan.add_argument("--overlap", type=float, default=0.0, metavar="SHARE",
                       help="share (0..1) of gradient synchronisation hidden behind backward")
+    plan.add_argument("--precision", choices=[p.value for p in Precision],
+                      help="training precision (default: the graph's dtype; a 16-bit graph "
+                           "trains -mixed, with fp32 master weights and main gradients)")
+    plan.add_argument("--attention", choices=[a.value for a in AttentionKernel],
+                      help="attention cores as one flash kernel or one kernel per op "
+                           "(default: the profile's)")
+    plan.add_argument("--fusion", choices=[f.value for f in Fusion],
+                      help="elementwise chains as one kernel or one per op (default: the "
+                           "profile's)")
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
@@ -81,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
                           time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
                           max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
                           optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
-                          inference=args.inference, overlap=args.overlap, progress=progress)
+                          inference=args.inference, overlap=args.overlap,
+                          precision=args.precision, attention=args.attention,
+                          fusion=args.fusion, progress=progress)
         finally:
             if progress is not None:
                 progress.close()

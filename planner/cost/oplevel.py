@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
-from planner.cost.pricing import exposed, op_seconds, optimizer_seconds, price
+from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
+from planner.cost.pricing import exposed, op_times, optimizer_seconds, price, saved_bytes
 from planner.cost.step import (
     PipelineConfig,
     StagePrice,
@@ -32,8 +33,6 @@ from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
-BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2 × forward: gradients of inputs and of weights
-
 
 @dataclass(frozen=True)
 class PricedGraph:
@@ -44,11 +43,13 @@ class PricedGraph:
     collectives: tuple[Collective, ...]  # the derivation's, in the same order, priced
     stage: StagePrice  # the whole graph as one stage running one micro-batch
     options: TrainingOptions
+    kernels: KernelPlan  # the kernels the ops run as, and what autograd keeps
 
     def step(self) -> StepPrice:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""
         return step_price([self.stage], PipelineConfig(optimizer=self.options.optimizer,
-                                                        overlap=self.options.overlap))
+                                                        overlap=self.options.overlap,
+                                                        precision=self.options.precision))
 
 
 def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -78,18 +79,19 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     tensors, mesh = graph.tensors, sharded.mesh
     needs_grad = sharded.analysis.needs_grad if not options.inference else {}
     live_peak = _LivePeak(graph) if options.inference else None
+    kernels = kernel_plan(sharded.analysis, policy_for(profile, options.attention,
+                                                       options.fusion))
     costs: list[OpCost] = []
     compute_forward = compute_backward = saved_total = workspace = 0.0
     for op in sharded.ops:
         node = op.node
-        forward = op_seconds(node, tensors, op.fraction, profile)
-        backward = saved = 0.0
+        differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
+        forward, backward = op_times(node, kernels, tensors, op.fraction, profile,
+                                     options.precision, differentiated)
+        saved = 0.0 if options.inference else saved_bytes(
+            node, kernels, tensors, [sharded.layouts.get(o) if o else None
+                                     for o in node.outputs], mesh)
         compute_forward += forward
-        if any(needs_grad.get(o, False) for o in node.outputs if o):
-            backward = BACKWARD_FLOP_RATIO * forward
-            if not node.is_view:
-                saved = sum(tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh)
-                            for o in node.outputs if o and tensors[o].is_float)
         compute_backward += backward
         saved_total += saved
         output_bytes = sum(tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh)
@@ -119,7 +121,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         backward_communication_s=times[Phase.BACKWARD], recompute_s=0.0, p2p_s=0.0,
         zero_s=0.0, sync_s=sync, hidden_s=hidden, optimizer_s=optimizer_s, in_flight=1.0,
         memory=memory)
-    return PricedGraph(sharded, tuple(costs), collectives, stage, options)
+    return PricedGraph(sharded, tuple(costs), collectives, stage, options, kernels)
 
 
 def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfile,
@@ -140,8 +142,9 @@ def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfil
     memory = training_memory(
         parameter_bytes=local_bytes, parameter_elements=local_elements,
         parameter_itemsize=itemsize, activation_bytes=activation_bytes,
-        workspace_bytes=workspace, optimizer=options.optimizer)
-    states = optimizer_state_bytes(local_elements, itemsize, options.optimizer)
+        workspace_bytes=workspace, optimizer=options.optimizer, precision=options.precision)
+    states = optimizer_state_bytes(local_elements, itemsize, options.optimizer,
+                                   options.precision)
     return memory, optimizer_seconds(profile, local_bytes, states)
 
 

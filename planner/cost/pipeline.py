@@ -89,7 +89,8 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                 end += seconds
     shown, hidden = exposed(end, config.overlap)
     divide = shards if config.zero >= 1 else 1
-    states = optimizer_state_bytes(param.elements, param.itemsize, config.optimizer)
+    states = optimizer_state_bytes(param.elements, param.itemsize, config.optimizer,
+                                   config.precision)
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
                        param.elements / shards, micro, shown, hidden,
                        optimizer_seconds(hardware, param.bytes / divide, states / divide),
@@ -233,6 +234,7 @@ class Pricer:
             + transient,
             workspace_bytes=workspace, optimizer=config.optimizer, zero=config.zero,
             sharded_bytes=weights.sharded_bytes, sharded_elements=weights.sharded_elements,
+            precision=config.precision,
         )
         return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
                           backward_comm, extra, p2p, weights.micro, end, weights.hidden,

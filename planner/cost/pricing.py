@@ -11,9 +11,11 @@ from collections.abc import Mapping, Sequence
 
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
+from costmodels.precision import policy
 from costmodels.profile import HardwareProfile
+from planner.cost.kernels import KernelPlan, OpKernel
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Phase
+from planner.kinds import CollectiveKind, Phase, Precision
 from planner.records import Collective
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
@@ -24,14 +26,45 @@ from planner.sharding.mesh import DeviceMesh
 RUN_ALGORITHMS = ("ring", "tree", "pairwise", "direct")
 
 
-def op_seconds(node: OpNode, tensors: Mapping[str, TensorInfo], fraction: float,
+def op_seconds(node: OpNode, kernel: OpKernel, dtype: str, fraction: float,
                profile: HardwareProfile) -> float:
-    """One device's share `fraction` of one op's forward pass."""
-    if node.is_view:
+    """One device's share `fraction` of one op's forward pass, as its share of the kernel
+    it runs in (`planner.cost.kernels`)."""
+    if kernel.flops <= 0 and kernel.bytes <= 0:
         return 0.0
-    dtype = next((tensors[o].dtype for o in node.outputs if o), "float32")
-    nbytes = (node.bytes_read + node.bytes_written) * fraction
-    return op_time(profile, node.op_type, node.flops * fraction, nbytes, dtype)
+    return op_time(profile, node.op_type, kernel.flops * fraction, kernel.bytes * fraction,
+                   dtype, launches=kernel.launches)
+
+
+def op_dtype(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
+             precision: Precision | None) -> str:
+    """The dtype whose peak the op runs at: a GEMM at its precision's (tf32, fp8), every
+    other op at its output's."""
+    if kernel.matrix and precision is not None:
+        return policy(precision).matmul_dtype
+    return next((tensors[o].dtype for o in node.outputs if o), "float32")
+
+
+def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],
+             fraction: float, profile: HardwareProfile, precision: Precision | None,
+             differentiated: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one device's share `fraction` of one op; the
+    backward pass is its kernel's multiple of the forward when a gradient flows."""
+    kernel = kernels.ops[node.name]
+    forward = op_seconds(node, kernel, op_dtype(node, kernel, tensors, precision), fraction,
+                         profile)
+    return forward, (kernel.backward_ratio * forward if differentiated else 0.0)
+
+
+def saved_bytes(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],
+                layouts: Sequence[Layout | None], mesh: DeviceMesh) -> float:
+    """Bytes of `node`'s outputs (in `layouts`) that autograd keeps for the backward pass."""
+    total = 0.0
+    for name, layout in zip(node.outputs, layouts, strict=True):
+        share = kernels.saved.get(name, 0.0) if name else 0.0
+        if share and layout is not None:
+            total += share * tensors[name].nbytes * fraction_of_layout(layout, mesh)
+    return total
 
 
 def collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,

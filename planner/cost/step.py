@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodels.schedule import pipeline_time
-from planner.kinds import Recompute, Schedule
+from planner.kinds import AttentionKernel, Fusion, Precision, Recompute, Schedule
 from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
 
@@ -28,6 +28,9 @@ class TrainingOptions:
     memory_limit_bytes: int | None = None  # None: the profile's device memory
     inference: bool = False  # forward only: no gradients, optimizer or saved activations
     overlap: float = 0.0  # share of gradient synchronisation hidden behind backward compute
+    precision: Precision | None = None  # None: the graph's own (costmodels.precision)
+    attention: AttentionKernel | None = None  # None: the profile's (device.kernels)
+    fusion: Fusion | None = None  # None: the profile's
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved schedule)
     optimizer: str = "adam"
     overlap: float = 0.0
+    precision: Precision | None = None  # None: the weights' own (costmodels.precision)
 
 
 @dataclass(frozen=True)

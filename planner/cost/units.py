@@ -8,10 +8,11 @@ tensors crossing unit boundaries. The pipeline price (`planner.cost.pipeline`) s
 over any partition into stages.
 
 Recompute modes (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-"none" keeps every activation; "selective" keeps the outputs of ops that read weights and
-those leaving the unit, and re-runs the weight-free ops (attention core, activations,
-norms' arithmetic) in the backward pass; "full" keeps only what leaves each unit and
-re-runs the unit's forward pass.
+"none" keeps every activation autograd saves (`planner.cost.kernels`); "selective" drops
+what the attention cores keep (the s² scores, probabilities and dropout masks) and re-runs
+the cores in the backward pass (§4.2: the same as Megatron-LM's selective recompute; a
+model without attention cores has nothing to drop); "full" keeps only what leaves each
+unit, in the layout its producer wrote it, and re-runs the unit's forward pass.
 """
 
 from __future__ import annotations
@@ -103,19 +104,19 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     forward, backward = np.zeros(count), np.zeros(count)
     forward_comm, backward_comm = np.zeros(count), np.zeros(count)
     selective = np.zeros(count)
-    saved_all, saved_weights = np.zeros(count), np.zeros(count)
+    saved_all, dropped = np.zeros(count), np.zeros(count)
     workspace = np.zeros(count)
-    reads_weight = analysis.reads_weight
+    core_ops = priced.kernels.core_ops
+    recomputed = priced.kernels.dropped_by_selective
     for k, (node, cost) in enumerate(zip(graph.ops, priced.costs, strict=True)):
         u = unit_of[k]
         forward[u] += cost.forward_s
         backward[u] += cost.backward_s
         saved_all[u] += cost.saved_bytes
         workspace[u] = max(workspace[u], cost.output_bytes)
-        if reads_weight[k]:
-            saved_weights[u] += cost.saved_bytes
-        elif not node.is_view:
+        if node.name in core_ops:
             selective[u] += cost.forward_s
+        dropped[u] += _kept_bytes(priced, node.outputs, recomputed)
     for collective in priced.collectives:
         op_index = index_of.get(collective.op)
         if op_index is None or collective.phase == Phase.GRADIENT:
@@ -123,13 +124,13 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         u = unit_of[op_index]
         if collective.phase == Phase.FORWARD:
             forward_comm[u] += collective.time_s
-            if not reads_weight[op_index]:
+            if collective.op in core_ops:
                 selective[u] += collective.time_s
         else:
             backward_comm[u] += collective.time_s
         workspace[u] = max(workspace[u], float(collective.bytes))
     crossings, leaving = _crossings(priced, unit_of)
-    keep_selective = np.minimum(saved_all, saved_weights + leaving)
+    keep_selective = saved_all - dropped
     saved = {Recompute.NONE: saved_all, Recompute.SELECTIVE: keep_selective,
              Recompute.FULL: np.minimum(saved_all, leaving)}
     transient = {Recompute.NONE: np.zeros(count),
@@ -137,6 +138,15 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                  Recompute.FULL: saved_all - saved[Recompute.FULL]}
     return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
                        transient, workspace, _params(priced, unit_of), crossings)
+
+
+def _kept_bytes(priced: PricedGraph, names: Sequence[str], among: frozenset[str]) -> float:
+    """Local bytes autograd keeps of the tensors `names` that are in `among`."""
+    sharded = priced.sharded
+    tensors = sharded.analysis.graph.tensors
+    return sum(priced.kernels.saved[name] * tensors[name].nbytes
+               * fraction_of_layout(sharded.layouts[name], sharded.mesh)
+               for name in names if name in among)
 
 
 def _crossings(priced: PricedGraph,

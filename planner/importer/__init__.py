@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 import onnx
 
@@ -25,8 +26,9 @@ from planner.importer.fold import fold_until_stable
 from planner.importer.load import load_onnx
 from planner.importer.prepare import prepare
 from planner.importer.source import ModelSource
+from planner.ops import cost_op
 
-__all__ = ["ModelSource", "import_model", "rebind"]
+__all__ = ["ModelSource", "import_model", "rebind", "retyped"]
 
 
 def import_model(
@@ -69,7 +71,23 @@ def rebind(
             "was not made by import_model); import the model file with the dims wanted"
         )
     source = graph.source
-    return _bound_graph(source, source.model(), batch, wanted)
+    bound = _bound_graph(source, source.model(), batch, wanted)
+    return retyped(bound, graph.float_dtype) if graph.float_dtype else bound
+
+
+def retyped(graph: PlanningGraph, float_dtype: str) -> PlanningGraph:
+    """`graph` as a training precision stores it: every float tensor in `float_dtype`,
+    FLOPs and bytes counted again (an fp32 export trained in bf16 moves half the bytes).
+    Returns `graph` itself when nothing changes."""
+    if all(t.dtype == float_dtype for t in graph.tensors.values() if t.is_float):
+        return graph if graph.float_dtype == float_dtype or graph.float_dtype is None \
+            else replace(graph, float_dtype=float_dtype)
+    tensors = {name: replace(t, dtype=float_dtype, consumers=list(t.consumers))
+               if t.is_float else t for name, t in graph.tensors.items()}
+    ops = [replace(node, attrs=dict(node.attrs)) for node in graph.ops]
+    for node in ops:
+        cost_op(node, tensors)
+    return replace(graph, ops=ops, tensors=tensors, float_dtype=float_dtype)
 
 
 def _bound_graph(source: ModelSource, model: onnx.ModelProto, batch: int | None,

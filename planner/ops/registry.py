@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from planner.graph import OpNode, TensorInfo
 from planner.ops import axes, contraction, indexing, movement, rewrites
+from planner.ops import saving as s
 from planner.ops import work as w
 from planner.ops.annotation import Annotation, RankCases
 from planner.ops.labels import DimLabels, Labeller, NoRule
@@ -47,6 +48,7 @@ class OpRecord:
       sums (`planner.ops.linearity`; proven by tests/test_op_registry.py). The search does
       not use this field yet: it reduces every partial sum before a consumer.
     - `rewrite`: the per-device program when the op is split, and the op types it emits.
+    - `saves`: what autograd keeps of it for the backward pass (`planner.ops.saving`).
     """
 
     op_type: str
@@ -56,6 +58,7 @@ class OpRecord:
     matrix: bool = False
     linearity: Linearity = NOT_LINEAR
     rewrite: LocalRewrite | None = None
+    saves: s.Saves = s.UNKNOWN
 
     @property
     def key(self) -> tuple[str, str]:
@@ -87,17 +90,27 @@ MATMUL = RankCases.parse({
 
 
 def _elementwise(op_type: str, work: Work, linearity: Linearity = NOT_LINEAR,
-                 labels: Labeller = ELEMENTWISE) -> OpRecord:
-    return OpRecord(op_type, labels=labels, work=work, linearity=linearity)
+                 labels: Labeller = ELEMENTWISE, saves: s.Saves = s.NOTHING) -> OpRecord:
+    return OpRecord(op_type, labels=labels, work=work, linearity=linearity, saves=saves)
 
 
-_ELEMENTWISE_FLOPS: dict[str, float] = {
-    "Pow": 4, "Max": 1, "Min": 1, "Equal": 1, "Less": 1, "Greater": 1, "LessOrEqual": 1,
-    "GreaterOrEqual": 1, "And": 1, "Or": 1, "Xor": 1, "PRelu": 2, "BitShift": 1, "Mod": 2,
-    "Abs": 1, "Relu": 1, "LeakyRelu": 2, "Sigmoid": 5, "Tanh": 6, "Erf": 6, "Exp": 4,
-    "Log": 4, "Sqrt": 4, "Reciprocal": 1, "Sin": 4, "Cos": 4, "Gelu": 10, "Softplus": 6,
-    "Elu": 5, "Selu": 5, "Celu": 5, "HardSigmoid": 3, "HardSwish": 4, "Mish": 12, "Sign": 1,
-    "Floor": 1, "Ceil": 1, "Round": 1, "Not": 1, "IsNaN": 1, "IsInf": 1,
+#: FLOPs per output element, and what autograd keeps (comparisons and rounding carry no
+#: gradient: their outputs are not float or have a zero derivative).
+_ELEMENTWISE: dict[str, tuple[float, s.Saves]] = {
+    "Pow": (4, s.INPUT), "Max": (1, s.OPERANDS), "Min": (1, s.OPERANDS),
+    "Equal": (1, s.NOTHING), "Less": (1, s.NOTHING), "Greater": (1, s.NOTHING),
+    "LessOrEqual": (1, s.NOTHING), "GreaterOrEqual": (1, s.NOTHING), "And": (1, s.NOTHING),
+    "Or": (1, s.NOTHING), "Xor": (1, s.NOTHING), "PRelu": (2, s.OPERANDS),
+    "BitShift": (1, s.NOTHING), "Mod": (2, s.NOTHING), "Abs": (1, s.INPUT),
+    "Relu": (1, s.OUTPUT), "LeakyRelu": (2, s.INPUT), "Sigmoid": (5, s.OUTPUT),
+    "Tanh": (6, s.OUTPUT), "Erf": (6, s.INPUT), "Exp": (4, s.OUTPUT), "Log": (4, s.INPUT),
+    "Sqrt": (4, s.OUTPUT), "Reciprocal": (1, s.OUTPUT), "Sin": (4, s.INPUT),
+    "Cos": (4, s.INPUT), "Gelu": (10, s.INPUT), "Softplus": (6, s.INPUT),
+    "Elu": (5, s.INPUT), "Selu": (5, s.INPUT), "Celu": (5, s.INPUT),
+    "HardSigmoid": (3, s.INPUT), "HardSwish": (4, s.INPUT), "Mish": (12, s.INPUT),
+    "Sign": (1, s.NOTHING), "Floor": (1, s.NOTHING), "Ceil": (1, s.NOTHING),
+    "Round": (1, s.NOTHING), "Not": (1, s.NOTHING), "IsNaN": (1, s.NOTHING),
+    "IsInf": (1, s.NOTHING),
 }
 
 _RECORDS: list[OpRecord] = [
@@ -106,81 +119,110 @@ _RECORDS: list[OpRecord] = [
     _elementwise("Sub", w.per_output(1), JOINTLY),
     _elementwise("Sum", w.per_output(1), JOINTLY),
     _elementwise("Mean", w.per_output(1), JOINTLY),
-    _elementwise("Mul", w.per_output(1), in_any_one(0, 1)),
-    _elementwise("Div", w.per_output(1), in_any_one(0)),  # the numerator
+    _elementwise("Mul", w.per_output(1), in_any_one(0, 1), saves=s.OPERANDS),
+    _elementwise("Div", w.per_output(1), in_any_one(0), saves=s.DIVIDE),  # the numerator
     _elementwise("Neg", w.per_output(1), IN_DATA),
-    _elementwise("Where", w.DATA_MOVEMENT, jointly(1, 2)),  # the two branches
+    _elementwise("Where", w.DATA_MOVEMENT, jointly(1, 2), saves=s.CONDITION),  # the branches
     _elementwise("Identity", w.VIEW, IN_DATA),
     _elementwise("Cast", w.DATA_MOVEMENT),
     _elementwise("CastLike", w.DATA_MOVEMENT, labels=CAST_LIKE),
-    _elementwise("Clip", w.per_output(2), labels=CLIP),
-    *[_elementwise(op, w.per_output(flops)) for op, flops in _ELEMENTWISE_FLOPS.items()],
-    OpRecord("Dropout", labels=DROPOUT, work=w.per_output(2)),
+    _elementwise("Clip", w.per_output(2), labels=CLIP, saves=s.INPUT),
+    *[_elementwise(op, w.per_output(flops), saves=saves)
+      for op, (flops, saves) in _ELEMENTWISE.items()],
+    OpRecord("Dropout", labels=DROPOUT, work=w.per_output(2), saves=s.MASK),
     OpRecord("Expand", labels=EXPAND, work=w.DATA_MOVEMENT, linearity=IN_DATA,
-             rewrite=rewrites.EXPAND_TARGET),
-    # Contractions.
+             rewrite=rewrites.EXPAND_TARGET, saves=s.NOTHING),
+    # Contractions: each operand kept for the other's gradient.
     OpRecord("MatMul", labels=MATMUL, work=w.MATMUL, matrix=True,
-             linearity=in_any_one(0, 1)),
+             linearity=in_any_one(0, 1), saves=s.OPERANDS),
     OpRecord("Gemm", labels=contraction.gemm, work=w.GEMM, matrix=True,
-             linearity=in_any_one(0, 1, with_=(2,)), rewrite=rewrites.GEMM_BIAS_ONCE),
+             linearity=in_any_one(0, 1, with_=(2,)), rewrite=rewrites.GEMM_BIAS_ONCE,
+             saves=s.OPERANDS),
     OpRecord("Einsum", labels=contraction.einsum, work=w.EINSUM, matrix=True,
-             linearity=IN_EACH),
+             linearity=IN_EACH, saves=s.OPERANDS),
     OpRecord("Conv", labels=contraction.conv, work=w.CONV, matrix=True,
-             linearity=in_any_one(0, 1, with_=(2,)), rewrite=rewrites.CONV_BIAS_ONCE),
+             linearity=in_any_one(0, 1, with_=(2,)), rewrite=rewrites.CONV_BIAS_ONCE,
+             saves=s.OPERANDS),
     OpRecord("ConvTranspose", work=w.CONV_TRANSPOSE, matrix=True,
-             linearity=in_any_one(0, 1, with_=(2,))),
-    OpRecord("MatMulInteger", work=w.MATMUL, matrix=True),
-    OpRecord("FusedMatMul", domain="com.microsoft", work=w.MATMUL, matrix=True),
-    OpRecord("Attention", matrix=True),
-    # Layout and data movement.
-    OpRecord("Transpose", labels=movement.transpose, work=w.DATA_MOVEMENT, linearity=IN_DATA),
+             linearity=in_any_one(0, 1, with_=(2,)), saves=s.OPERANDS),
+    OpRecord("MatMulInteger", work=w.MATMUL, matrix=True, saves=s.OPERANDS),
+    OpRecord("FusedMatMul", domain="com.microsoft", work=w.MATMUL, matrix=True,
+             saves=s.OPERANDS),
+    # Opset 23's fused attention: q, k, v and its output (the kernel plan adds the
+    # softmax statistics a flash kernel keeps).
+    OpRecord("Attention", work=w.ATTENTION, matrix=True,
+             saves=s.Saves(inputs=(0, 1, 2), outputs=(0,))),
+    # Layout and data movement: nothing to keep but shapes and indices.
+    OpRecord("Transpose", labels=movement.transpose, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.NOTHING),
     OpRecord("Reshape", labels=movement.reshape, work=w.VIEW, linearity=IN_DATA,
-             rewrite=rewrites.RESHAPE_TARGET),
-    *[OpRecord(op, labels=movement.reshape, work=w.VIEW, linearity=IN_DATA)
+             rewrite=rewrites.RESHAPE_TARGET, saves=s.NOTHING),
+    *[OpRecord(op, labels=movement.reshape, work=w.VIEW, linearity=IN_DATA, saves=s.NOTHING)
       for op in ("Flatten", "Squeeze", "Unsqueeze")],
-    OpRecord("Concat", labels=movement.concat, work=w.DATA_MOVEMENT, linearity=JOINTLY),
-    OpRecord("Split", labels=movement.split, work=w.DATA_MOVEMENT, linearity=IN_DATA),
-    OpRecord("Slice", labels=movement.slice_, work=w.DATA_MOVEMENT, linearity=IN_DATA),
-    OpRecord("Tile", labels=movement.tile, work=w.DATA_MOVEMENT, linearity=IN_DATA),
+    OpRecord("Concat", labels=movement.concat, work=w.DATA_MOVEMENT, linearity=JOINTLY,
+             saves=s.NOTHING),
+    OpRecord("Split", labels=movement.split, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.NOTHING),
+    OpRecord("Slice", labels=movement.slice_, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.NOTHING),
+    OpRecord("Tile", labels=movement.tile, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.NOTHING),
     OpRecord("Gather", labels=indexing.gather, work=w.LOOKUP, linearity=IN_DATA,
-             rewrite=rewrites.VOCAB_SPLIT_GATHER),
+             rewrite=rewrites.VOCAB_SPLIT_GATHER, saves=s.Saves(inputs=(1,))),
     OpRecord("GatherElements", labels=indexing.gather_elements, work=w.DATA_MOVEMENT,
-             linearity=IN_DATA),
-    OpRecord("GatherND", labels=indexing.gather_nd, work=w.DATA_MOVEMENT, linearity=IN_DATA),
-    OpRecord("OneHot", labels=indexing.one_hot, work=w.DATA_MOVEMENT),
-    OpRecord("Trilu", labels=axes.trilu, work=w.DATA_MOVEMENT, linearity=IN_DATA),
-    OpRecord("TopK", labels=axes.topk, work=w.DATA_MOVEMENT),
-    *[OpRecord(op, work=w.DATA_MOVEMENT) for op in (
+             linearity=IN_DATA, saves=s.Saves(inputs=(1,))),
+    OpRecord("GatherND", labels=indexing.gather_nd, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.Saves(inputs=(1,))),
+    OpRecord("OneHot", labels=indexing.one_hot, work=w.DATA_MOVEMENT, saves=s.NOTHING),
+    OpRecord("Trilu", labels=axes.trilu, work=w.DATA_MOVEMENT, linearity=IN_DATA,
+             saves=s.NOTHING),
+    OpRecord("TopK", labels=axes.topk, work=w.DATA_MOVEMENT, saves=s.Saves(outputs=(1,))),
+    *[OpRecord(op, work=w.DATA_MOVEMENT, saves=s.NOTHING) for op in (
         "Pad", "ScatterND", "ScatterElements", "ConstantOfShape", "Range", "Resize", "Shape",
         "Size", "Constant", "NonZero")],
-    *[OpRecord(op, work=w.DATA_MOVEMENT, linearity=IN_DATA)
+    *[OpRecord(op, work=w.DATA_MOVEMENT, linearity=IN_DATA, saves=s.NOTHING)
       for op in ("DepthToSpace", "SpaceToDepth")],
     # Softmax and normalisations: FLOPs per input element.
-    OpRecord("Softmax", labels=axes.softmax, work=w.per_input(5)),
-    OpRecord("LogSoftmax", labels=axes.softmax, work=w.per_input(6)),
-    OpRecord("Hardmax", labels=axes.softmax),
-    OpRecord("LayerNormalization", labels=axes.layer_norm, work=w.per_input(8)),
-    OpRecord("SimplifiedLayerNormalization", labels=axes.layer_norm, work=w.per_input(6)),
-    OpRecord("RMSNormalization", labels=axes.layer_norm, work=w.per_input(6)),
+    OpRecord("Softmax", labels=axes.softmax, work=w.per_input(5), saves=s.OUTPUT),
+    OpRecord("LogSoftmax", labels=axes.softmax, work=w.per_input(6), saves=s.OUTPUT),
+    OpRecord("Hardmax", labels=axes.softmax, saves=s.NOTHING),
+    OpRecord("LayerNormalization", labels=axes.layer_norm, work=w.per_input(8),
+             saves=s.norm(2)),
+    OpRecord("SimplifiedLayerNormalization", labels=axes.layer_norm, work=w.per_input(6),
+             saves=s.norm(1)),
+    OpRecord("RMSNormalization", labels=axes.layer_norm, work=w.per_input(6),
+             saves=s.norm(1)),
     OpRecord("BatchNormalization", labels=axes.batch_norm, work=w.per_input(6),
-             rewrite=rewrites.SYNCED_BATCH_NORM),
-    OpRecord("InstanceNormalization", labels=axes.instance_norm, work=w.per_input(8)),
-    OpRecord("GroupNormalization", labels=axes.instance_norm, work=w.per_input(8)),
+             rewrite=rewrites.SYNCED_BATCH_NORM, saves=s.INPUT),
+    OpRecord("InstanceNormalization", labels=axes.instance_norm, work=w.per_input(8),
+             saves=s.INPUT),
+    OpRecord("GroupNormalization", labels=axes.instance_norm, work=w.per_input(8),
+             saves=s.INPUT),
     # Reductions.
-    OpRecord("ReduceSum", labels=axes.reduce, work=w.per_input(1), linearity=IN_DATA),
+    OpRecord("ReduceSum", labels=axes.reduce, work=w.per_input(1), linearity=IN_DATA,
+             saves=s.NOTHING),
     OpRecord("ReduceMean", labels=axes.reduce, work=w.per_input(1), linearity=IN_DATA,
-             rewrite=rewrites.MEAN_OF_SHARDS),
-    *[OpRecord(op, labels=axes.reduce, work=w.per_input(flops)) for op, flops in (
-        ("ReduceMax", 1), ("ReduceMin", 1), ("ReduceProd", 1), ("ReduceL1", 2),
-        ("ReduceL2", 2), ("ReduceSumSquare", 2), ("ReduceLogSumExp", 5))],
-    *[OpRecord(op, labels=axes.reduce, work=w.DATA_MOVEMENT) for op in ("ArgMax", "ArgMin")],
-    OpRecord("CumSum", labels=axes.cumsum, work=w.per_input(1), linearity=IN_DATA),
+             rewrite=rewrites.MEAN_OF_SHARDS, saves=s.NOTHING),
+    *[OpRecord(op, labels=axes.reduce, work=w.per_input(flops), saves=saves)
+      for op, flops, saves in (
+          ("ReduceMax", 1, s.INPUT_AND_OUTPUT), ("ReduceMin", 1, s.INPUT_AND_OUTPUT),
+          ("ReduceProd", 1, s.INPUT_AND_OUTPUT), ("ReduceL1", 2, s.INPUT),
+          ("ReduceL2", 2, s.INPUT_AND_OUTPUT), ("ReduceSumSquare", 2, s.INPUT),
+          ("ReduceLogSumExp", 5, s.INPUT_AND_OUTPUT))],
+    *[OpRecord(op, labels=axes.reduce, work=w.DATA_MOVEMENT, saves=s.NOTHING)
+      for op in ("ArgMax", "ArgMin")],
+    OpRecord("CumSum", labels=axes.cumsum, work=w.per_input(1), linearity=IN_DATA,
+             saves=s.NOTHING),
     # Pools.
-    OpRecord("MaxPool", labels=axes.pool, work=w.POOL, rewrite=rewrites.GLOBAL_POOL_INDICES),
-    OpRecord("AveragePool", labels=axes.pool, work=w.POOL, linearity=IN_DATA),
-    OpRecord("LpPool", labels=axes.pool, work=w.POOL),
-    OpRecord("GlobalAveragePool", labels=axes.pool, work=w.per_input(1), linearity=IN_DATA),
-    OpRecord("GlobalMaxPool", labels=axes.pool, work=w.per_input(1)),
+    OpRecord("MaxPool", labels=axes.pool, work=w.POOL, rewrite=rewrites.GLOBAL_POOL_INDICES,
+             saves=s.INPUT_AND_OUTPUT),
+    OpRecord("AveragePool", labels=axes.pool, work=w.POOL, linearity=IN_DATA,
+             saves=s.NOTHING),
+    OpRecord("LpPool", labels=axes.pool, work=w.POOL, saves=s.INPUT_AND_OUTPUT),
+    OpRecord("GlobalAveragePool", labels=axes.pool, work=w.per_input(1), linearity=IN_DATA,
+             saves=s.NOTHING),
+    OpRecord("GlobalMaxPool", labels=axes.pool, work=w.per_input(1),
+             saves=s.INPUT_AND_OUTPUT),
 ]
 
 #: Every record by (domain, op type). Read at every lookup, so tests may patch entries.

@@ -28,6 +28,7 @@ class WorkKind(enum.Enum):
     CONV_TRANSPOSE = "conv transpose"  # 2 * input elements * (C_out/group * kernel)
     EINSUM = "einsum"  # 2 * (operands - 1) * product of every letter's size
     POOL = "pool"  # output elements * kernel elements
+    ATTENTION = "attention"  # both GEMMs of softmax(q kᵀ) v: 2 * S_kv * (q + output elements)
     FLOOR = "floor"  # unknown: one FLOP per output element
 
 
@@ -48,6 +49,7 @@ CONV = Work(WorkKind.CONV)
 CONV_TRANSPOSE = Work(WorkKind.CONV_TRANSPOSE)
 EINSUM = Work(WorkKind.EINSUM)
 POOL = Work(WorkKind.POOL)
+ATTENTION = Work(WorkKind.ATTENTION)
 FLOOR = Work(WorkKind.FLOOR)
 
 
@@ -102,6 +104,8 @@ def _flops(work: Work, node: OpNode, inputs: list[TensorInfo | None],
         return _conv_flops(kind, inputs, out)
     if kind is WorkKind.EINSUM:
         return _einsum_flops(node, inputs)
+    if kind is WorkKind.ATTENTION:
+        return _attention_flops(inputs, out)
     if kind is WorkKind.POOL:
         kernel = node.attrs.get("kernel_shape", [1])
         return float(out.numel * _numel(tuple(kernel)))
@@ -137,3 +141,13 @@ def _einsum_flops(node: OpNode, inputs: list[TensorInfo | None]) -> float:
             sizes[label] = max(sizes.get(label, 1), size)
     operands = max(len(lhs) - 1, 1)
     return 2.0 * operands * _numel(tuple(sizes.values()))
+
+
+def _attention_flops(inputs: list[TensorInfo | None], out: TensorInfo) -> float:
+    """Opset 23 Attention: q kᵀ is 2 * q elements * S_kv FLOPs, the weighted sum of v
+    2 * output elements * S_kv, for 4-D [B, heads, S, d] and 3-D [B, S, heads * d] forms."""
+    query, key = inputs[0], inputs[1] if len(inputs) > 1 else None
+    if query is None or key is None or len(key.shape) < 3:
+        return float(out.numel)
+    kv_length = key.shape[-2] if len(key.shape) == 4 else key.shape[1]
+    return 2.0 * kv_length * (query.numel + out.numel)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
+from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
 from planner.cost.pipeline import PIPELINE_AXIS, Pricer, Prices
 from planner.cost.step import StepPrice, TrainingOptions, predicted
@@ -181,7 +182,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
         optimizer=training.optimizer)
-    stages = _stage_entries(analysis, sharded, price, decision, mesh.size // choice.pp)
+    stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
+                            mesh.size // choice.pp)
     sends = _sends(analysis, profile, stages)
     global_batch = decision.micro_batch_size * choice.micro_batches
     section = PipelineSection(
@@ -202,8 +204,9 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         units=_layer_units(analysis.units)), price)
 
 
-def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, price: StepPrice,
-                   decision: PipelineDecision, stage_size: int) -> tuple[StageEntry, ...]:
+def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,
+                   price: StepPrice, decision: PipelineDecision,
+                   stage_size: int) -> tuple[StageEntry, ...]:
     units = analysis.units
     rows = []
     for d, (stage, ranges, mode) in enumerate(zip(price.stages, decision.devices,
@@ -211,7 +214,8 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, price: StepPr
         ops = tuple((units.bounds[a], units.bounds[b]) for a, b in ranges)
         rows.append(StageEntry(
             device_stage=d, ops=ops, ranks=tuple(range(d * stage_size, (d + 1) * stage_size)),
-            recompute=mode, recompute_segments=recompute_segments(analysis, ranges, mode),
+            recompute=mode,
+            recompute_segments=recompute_segments(analysis, kernels, ranges, mode),
             memory=stage.memory, holds=_holds(sharded, ops),
             units=tuple((units.names[a], units.names[b - 1]) for a, b in ranges),
             forward_s=stage.forward_s, backward_s=stage.backward_s,
@@ -221,29 +225,22 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, price: StepPr
     return tuple(rows)
 
 
-def recompute_segments(analysis: GraphAnalysis, ranges: Sequence[tuple[int, int]],
+def recompute_segments(analysis: GraphAnalysis, kernels: KernelPlan,
+                       ranges: Sequence[tuple[int, int]],
                        mode: Recompute) -> tuple[tuple[int, int], ...]:
     """Op index ranges the executor runs under activation checkpointing: each unit (full),
-    or each maximal run of weight-free ops inside a unit (selective)."""
+    or each attention core inside the ranges, q kᵀ to · v (selective: what the pricing
+    re-runs, `planner.cost.units`)."""
     if mode == Recompute.NONE:
         return ()
-    units, reads_weight = analysis.units, analysis.reads_weight
-    segments: list[tuple[int, int]] = []
-    for a, b in ranges:
-        for u in range(a, b):
-            first, end = units.bounds[u], units.bounds[u + 1]
-            if mode == Recompute.FULL:
-                segments.append((first, end))
-                continue
-            run_start = None
-            for k in range(first, end + 1):
-                free = k < end and not reads_weight[k]
-                if free and run_start is None:
-                    run_start = k
-                elif not free and run_start is not None:
-                    segments.append((run_start, k))
-                    run_start = None
-    return tuple(segments)
+    bounds = analysis.units.bounds
+    spans = [(bounds[a], bounds[b]) for a, b in ranges]
+    if mode == Recompute.FULL:
+        return tuple((bounds[u], bounds[u + 1]) for a, b in ranges for u in range(a, b))
+    index = {node.name: k for k, node in enumerate(analysis.graph.ops)}
+    cores = sorted((index[core.first], index[core.last] + 1) for core in kernels.cores)
+    return tuple((first, end) for first, end in cores
+                 if any(lo <= first and end <= hi for lo, hi in spans))
 
 
 def _holds(sharded: ShardedGraph, ops: Sequence[tuple[int, int]]) -> tuple[str, ...]:
@@ -377,7 +374,7 @@ def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh) -> ClusterRef:
 
 def _step(training: TrainingOptions) -> StepSpec:
     return StepSpec(StepKind.INFERENCE if training.inference else StepKind.TRAINING,
-                    training.overlap)
+                    training.overlap, training.precision, training.attention, training.fusion)
 
 
 def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:

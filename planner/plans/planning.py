@@ -96,7 +96,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     alternatives: list[tuple[Alternative, Derived | None]] = []
     meshes: list[DeviceMesh] = []
     reasons = ""
-    floor = op_level_memory_floor(analysis, training) / devices
+    floor = op_level_memory_floor(analysis, training, hardware) / devices
     skip_op_level = joint_wanted and floor > context.limit
     if skip_op_level and progress is not None:
         progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "

@@ -11,7 +11,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from planner.kinds import CollectiveKind, Phase, Recompute, Schedule, StepKind
+from planner.kinds import (
+    AttentionKernel,
+    CollectiveKind,
+    Fusion,
+    Phase,
+    Precision,
+    Recompute,
+    Schedule,
+    StepKind,
+)
 from planner.records import Collective, MemoryBreakdown, OpCost, StepBreakdown
 from planner.sharding.layout import Layout
 
@@ -80,18 +89,31 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """What one step is: a training step or a forward pass, and the overlap priced."""
+    """What one step is: a training step or a forward pass, the overlap priced, and the
+    precision and kernels it was priced in (None in files written before they were)."""
 
     kind: StepKind = StepKind.TRAINING
     overlap: float = 0.0
+    precision: Precision | None = None
+    attention: AttentionKernel | None = None
+    fusion: Fusion | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": str(self.kind), "overlap": self.overlap}
+        found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap}
+        for key in ("precision", "attention", "fusion"):
+            value = getattr(self, key)
+            if value is not None:
+                found[key] = str(value)
+        return found
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StepSpec:
+        def optional(kind: Any, key: str) -> Any:
+            return _enum(kind, data[key], f"step.{key}") if key in data else None
+
         return cls(_enum(StepKind, data.get("kind", "training"), "step.kind"),
-                   float(data.get("overlap", 0.0)))
+                   float(data.get("overlap", 0.0)), optional(Precision, "precision"),
+                   optional(AttentionKernel, "attention"), optional(Fusion, "fusion"))
 
 
 @dataclass(frozen=True)

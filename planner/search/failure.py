@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from costmodels.memory import optimizer_state_bytes
+from costmodels.memory import gradient_bytes, optimizer_state_bytes
 from costmodels.profile import HardwareProfile
+from planner.cost.kernels import kernel_plan, policy_for
 from planner.cost.step import TrainingOptions
 from planner.errors import NoPlanFits, ShardplanError, StrategyError
 from planner.humanize import human_bytes
@@ -22,7 +23,8 @@ from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 
 
-def op_level_memory_floor(analysis: GraphAnalysis, training: TrainingOptions) -> float:
+def op_level_memory_floor(analysis: GraphAnalysis, training: TrainingOptions,
+                          profile: HardwareProfile) -> float:
     """Bytes all devices together hold under any op-level plan (one pass, no ZeRO, no
     recompute): every weight, gradient, optimizer state and saved activation lives on at
     least one device, so the busiest device holds at least this over the device count."""
@@ -32,11 +34,11 @@ def op_level_memory_floor(analysis: GraphAnalysis, training: TrainingOptions) ->
         return weights
     elements = float(sum(p.numel for p in graph.parameters))
     itemsize = graph.parameters[0].itemsize if graph.parameters else 4
-    needs_grad = analysis.needs_grad
-    saved = float(sum(graph.tensors[o].nbytes for node in graph.ops if not node.is_view
-                      for o in node.outputs
-                      if o and needs_grad.get(o, False) and graph.tensors[o].is_float))
-    return 2 * weights + optimizer_state_bytes(elements, itemsize, training.optimizer) + saved
+    kept = kernel_plan(analysis, policy_for(profile, training.attention, training.fusion)).saved
+    saved = float(sum(share * graph.tensors[name].nbytes for name, share in kept.items()))
+    return (weights + gradient_bytes(elements, itemsize, training.precision)
+            + optimizer_state_bytes(elements, itemsize, training.optimizer, training.precision)
+            + saved)
 
 
 def no_plan(analysis: GraphAnalysis, profile: HardwareProfile, devices: int,

@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodels.memory import optimizer_state_bytes
+from costmodels.memory import gradient_bytes, optimizer_state_bytes
 from costmodels.profile import HardwareProfile
-from planner.cost.oplevel import BACKWARD_FLOP_RATIO
+from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
 from planner.cost.pricing import (
     collective_seconds,
     edge_seconds,
     exposed,
-    op_seconds,
+    op_times,
     optimizer_seconds,
+    saved_bytes,
 )
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
@@ -122,9 +123,10 @@ def build_problem(
             candidates[member] = found
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
+    kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
-               needs_grad, owner)
+               needs_grad, owner, kernels)
         for members in groups_ops
     ]
     edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
@@ -146,7 +148,7 @@ def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMes
 def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, list[Candidate]],
            graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions, needs_grad: Mapping[str, bool],
-           owner: Mapping[str, tuple[str, int]]) -> Group:
+           owner: Mapping[str, tuple[str, int]], kernels: KernelPlan) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
     # Members of a tied group are the same op in repeated layers: equal signatures give
@@ -157,10 +159,11 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
         owns = tuple(bool(name) and owner.get(name) == (node.name, slot)
                      for slot, name in enumerate(node.inputs))
-        key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o))
+        key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o),
+               kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs))
         if key not in priced:
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
-                                               needs_grad, owner)
+                                               needs_grad, owner, kernels)
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3])
         seconds, held, largest = priced[key]
@@ -172,16 +175,17 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
 
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
                     profile: HardwareProfile, options: TrainingOptions,
-                    needs_grad: Mapping[str, bool],
-                    owner: Mapping[str, tuple[str, int]]) -> tuple[float, float, float, float]:
+                    needs_grad: Mapping[str, bool], owner: Mapping[str, tuple[str, int]],
+                    kernels: KernelPlan) -> tuple[float, float, float, float]:
     """(seconds, owned weight memory, saved activations, largest output) of one candidate."""
     tensors = graph.tensors
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
         fraction /= mesh.axis_size(axis)
-    forward = op_seconds(node, tensors, fraction, profile)
     outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
-    seconds = forward * (1.0 + (BACKWARD_FLOP_RATIO if outputs_need_grad else 0.0))
+    forward, backward = op_times(node, kernels, tensors, fraction, profile, options.precision,
+                                 outputs_need_grad)
+    seconds = forward + backward
     for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
         seconds += collective_seconds(profile, kind, nbytes, axes, mesh)
     owned = 0.0
@@ -197,21 +201,21 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
             owned += local_bytes
             continue
         local_elements = info.numel * fraction_of_layout(layout, mesh)
-        states = optimizer_state_bytes(local_elements, info.itemsize, options.optimizer)
-        owned += 2 * local_bytes + states
+        states = optimizer_state_bytes(local_elements, info.itemsize, options.optimizer,
+                                       options.precision)
+        owned += local_bytes + gradient_bytes(local_elements, info.itemsize,
+                                              options.precision) + states
         seconds += optimizer_seconds(profile, local_bytes, states)
         axes = candidate.grad_partial[slot]
         if axes:
             seconds += exposed(collective_seconds(profile, CollectiveKind.ALL_REDUCE,
                                                   local_bytes, axes, mesh), options.overlap)[0]
-    saved = largest = 0.0
+    largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
-        if not name or layout is None:
-            continue
-        local = tensors[name].nbytes * fraction_of_layout(layout, mesh)
-        largest += local
-        if outputs_need_grad and not node.is_view and tensors[name].is_float:
-            saved += local
+        if name and layout is not None:
+            largest += tensors[name].nbytes * fraction_of_layout(layout, mesh)
+    saved = 0.0 if options.inference else saved_bytes(node, kernels, tensors,
+                                                       candidate.outputs, mesh)
     return seconds, owned, saved, largest
 
 

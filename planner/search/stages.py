@@ -179,7 +179,7 @@ class StageTables:
             activation_bytes=flight * (self.saved[mode] + self.received)
             + self.transient[mode], workspace_bytes=self.workspace,
             optimizer=config.optimizer, zero=config.zero, sharded_bytes=t.sharded_bytes,
-            sharded_elements=t.sharded_elements, rounded=False)
+            sharded_elements=t.sharded_elements, rounded=False, precision=config.precision)
         return memory.peak
 
     def solve(self, limit: float,

@@ -301,6 +301,15 @@ class GraphBuilder:
         one_plus = self.op("Add", f"{node}.one_plus", t, self.scalar(1.0, "one"))
         return self.op("Mul", f"{node}.mul", half, one_plus)
 
+    def dropout(self, x: str, node: str, ratio: float) -> str:
+        """Training-mode Dropout (its mask is the second output), or x when ratio is 0."""
+        if ratio == 0:
+            return x
+        train = self.const(np.array(True), "training_mode")
+        outputs = self.op_n("Dropout", node, 2, x, self.scalar(ratio, f"dropout_{ratio}"),
+                            train, outs=[node, f"{node}.mask"])
+        return outputs[0]
+
     def silu(self, x: str, node: str) -> str:
         return self.op("Mul", f"{node}.mul", x, self.op("Sigmoid", f"{node}.sigmoid", x))
 
@@ -327,7 +336,8 @@ class GraphBuilder:
         return self.op("Transpose", f"{node}.transpose", y, perm=list(perm))
 
     def attention(self, q: str, k_t: str, v: str, node: str, head_dim: int,
-                  causal: str | None = None, additive: str | None = None) -> str:
+                  causal: str | None = None, additive: str | None = None,
+                  dropout: float = 0.0) -> str:
         """softmax(q k^T / sqrt(d) [masked]) v for q [B,h,S,d], k_t [B,h,d,S]; -> [B,S,h*d]."""
         scores = self.op("MatMul", f"{node}.qk_matmul", q, k_t)
         scores = self.op("Mul", f"{node}.scale", scores,
@@ -338,6 +348,7 @@ class GraphBuilder:
         if additive is not None:
             scores = self.op("Add", f"{node}.add_mask", scores, additive)
         probs = self.op("Softmax", f"{node}.softmax", scores, axis=-1)
+        probs = self.dropout(probs, f"{node}.dropout", dropout)
         ctx = self.op("MatMul", f"{node}.pv_matmul", probs, v)
         ctx = self.op("Transpose", f"{node}.merge_transpose", ctx, perm=[0, 2, 1, 3])
         return self.reshape(ctx, f"{node}.merge_heads", [0, 0, -1])

@@ -35,6 +35,7 @@ class GPTConfig:
     ffn: int | None = None
     tied_head: bool = True
     layer_norm_eps: float = 1e-5
+    dropout: float = 0.0  # attention-probability and residual dropout (Megatron trains at 0.1)
     dtype: str = "float32"
     opset: int = 17
 
@@ -44,6 +45,8 @@ class GPTConfig:
         check_divisible(self, "hidden", "heads")
         require(isinstance(self.tied_head, bool), "tied_head", "must be a bool")
         check_positive_number(self, "layer_norm_eps")
+        require(isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1, "dropout",
+                "must be a probability in [0, 1)")
         check_common(self)
 
     @property
@@ -96,7 +99,8 @@ def dense_mlp(config: GPTConfig) -> MlpFn:
         p, n = f"transformer.h.{i}.mlp", f"h.{i}.mlp"
         y = b.linear(x, f"{p}.c_fc", f"{n}.c_fc", config.hidden, config.ffn_dim)
         y = b.gelu(y, f"{n}.gelu", approximate=True)
-        return b.linear(y, f"{p}.c_proj", f"{n}.c_proj", config.ffn_dim, config.hidden)
+        y = b.linear(y, f"{p}.c_proj", f"{n}.c_proj", config.ffn_dim, config.hidden)
+        return b.dropout(y, f"{n}.dropout", config.dropout)
 
     return mlp
 
@@ -109,8 +113,9 @@ def _attention(b: GraphBuilder, config: GPTConfig, i: int, x: str, mask: str) ->
     q = b.heads(q, f"{n}.q", config.heads, hd)
     k = b.heads(k, f"{n}.k", config.heads, hd, perm=(0, 2, 3, 1))
     v = b.heads(v, f"{n}.v", config.heads, hd)
-    ctx = b.attention(q, k, v, f"{n}.core", hd, causal=mask)
-    return b.linear(ctx, f"{p}.c_proj", f"{n}.c_proj", h, h)
+    ctx = b.attention(q, k, v, f"{n}.core", hd, causal=mask, dropout=config.dropout)
+    out = b.linear(ctx, f"{p}.c_proj", f"{n}.c_proj", h, h)
+    return b.dropout(out, f"{n}.dropout", config.dropout)
 
 
 def build_decoder(b: GraphBuilder, config: GPTConfig, mlp: MlpFn) -> None:

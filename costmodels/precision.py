@@ -1,0 +1,120 @@
+"""What each training precision stores and computes in: bytes per parameter by category,
+the dtype activations are kept in, and the peak the GEMMs run at.
+
+| precision | activations | GEMMs at | weights | gradients | fp32 master | moments | Adam B/param |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| fp32 | fp32 | fp32 peak (CUDA cores on NVIDIA) | 4 | 4 | 0 | 4 | 16 |
+| tf32 | fp32 | tf32 peak (tensor cores) | 4 | 4 | 0 | 4 | 16 |
+| bf16, fp16 | 16-bit | 16-bit peak | 2 | 2 | 0 | 2 | 8 |
+| bf16-mixed, fp16-mixed | 16-bit | 16-bit peak | 2 | 4 | 4 | 4 | 18 |
+| fp8 | bf16 | fp8 peak | 2 | 4 | 4 | 4 | 18 |
+
+Sources. Pure 16-bit (`model.to(torch.bfloat16)` with torch.optim.AdamW): the moments are
+`torch.zeros_like(param)`, in the parameter's dtype, and there is no master copy.
+`-mixed` follows Megatron-LM: 16-bit weights for compute, fp32 main gradients
+(`accumulate_allreduce_grads_in_fp32` is set for bf16), fp32 main parameters and fp32
+Adam moments: "bf16 param, fp32 grads: 18 bytes per parameter" (Megatron-LM,
+docs/source/distrib_optimizer.md, the table of theoretical bytes per parameter; fp32
+params and grads: 16). fp8 follows Transformer Engine's recipe inside Megatron: GEMM
+inputs are cast to fp8 per kernel (transient), everything else is bf16-mixed.
+
+A precision not given is the graph's own: an fp32 graph trains in fp32, a 16-bit graph in
+its `-mixed` form (what frameworks do when training a 16-bit model: fp32 master weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.kinds import Precision
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """One precision's storage and compute."""
+
+    precision: Precision
+    storage_dtype: str  # float activations and compute weights
+    matmul_dtype: str  # the dtype whose peak the GEMMs run at (`costmodels.compute`)
+    weight_bytes: int  # per parameter, the copy the kernels read
+    gradient_bytes: int
+    master_bytes: int  # fp32 copy the optimizer updates (0: it updates the weights)
+    moment_bytes: int  # per optimizer moment
+
+    @property
+    def mixed(self) -> bool:
+        return self.master_bytes > 0
+
+
+_POLICIES = {
+    Precision.FP32: PrecisionPolicy(Precision.FP32, "float32", "float32", 4, 4, 0, 4),
+    Precision.TF32: PrecisionPolicy(Precision.TF32, "float32", "tfloat32", 4, 4, 0, 4),
+    Precision.BF16: PrecisionPolicy(Precision.BF16, "bfloat16", "bfloat16", 2, 2, 0, 2),
+    Precision.FP16: PrecisionPolicy(Precision.FP16, "float16", "float16", 2, 2, 0, 2),
+    Precision.BF16_MIXED: PrecisionPolicy(Precision.BF16_MIXED, "bfloat16", "bfloat16",
+                                          2, 4, 4, 4),
+    Precision.FP16_MIXED: PrecisionPolicy(Precision.FP16_MIXED, "float16", "float16",
+                                          2, 4, 4, 4),
+    Precision.FP8: PrecisionPolicy(Precision.FP8, "bfloat16", "float8e4m3fn", 2, 4, 4, 4),
+}
+
+#: Moments each optimizer keeps per parameter.
+OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+
+_DEFAULT_FOR_DTYPE = {"float32": Precision.FP32, "float64": Precision.FP32,
+                      "bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}
+
+
+def policy(precision: Precision | str) -> PrecisionPolicy:
+    """The policy of a precision name; a one-line ValueError names the choices."""
+    try:
+        return _POLICIES[Precision(precision)]
+    except ValueError:
+        raise ValueError(f"unknown precision {precision!r}; choose one of "
+                         f"{', '.join(p.value for p in Precision)}") from None
+
+
+def default_precision(float_dtype: str) -> Precision:
+    """The precision a graph of `float_dtype` trains in when none is asked for."""
+    return _DEFAULT_FOR_DTYPE.get(float_dtype, Precision.FP32)
+
+
+def resolve(precision: Precision | None, weight_itemsize: int) -> PrecisionPolicy:
+    """`precision`, or the default of weights of `weight_itemsize` bytes (16-bit weights:
+    their `-mixed` form; the two 16-bit formats store the same bytes)."""
+    if precision is not None:
+        return policy(precision)
+    return policy(Precision.FP32 if weight_itemsize >= 4 else Precision.BF16_MIXED)
+
+
+@dataclass(frozen=True)
+class ParameterBytes:
+    """Bytes one parameter element costs, by memory category."""
+
+    weights: float
+    gradients: float
+    master: float
+    moments: float
+
+    @property
+    def optimizer(self) -> float:
+        """What the optimizer holds: its moments and the fp32 master copy."""
+        return self.master + self.moments
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def parameter_bytes(precision: Precision | None, weight_itemsize: int,
+                    optimizer: str) -> ParameterBytes:
+    """Bytes per parameter element under `precision` (None: the weights' default) and
+    `optimizer`."""
+    try:
+        moments = OPTIMIZER_MOMENTS[optimizer]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of "
+                         f"{sorted(OPTIMIZER_MOMENTS)}") from None
+    chosen = resolve(precision, weight_itemsize)
+    return ParameterBytes(chosen.weight_bytes, chosen.gradient_bytes, chosen.master_bytes,
+                          moments * chosen.moment_bytes)

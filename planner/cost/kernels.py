@@ -1,0 +1,373 @@
+"""The kernels a graph runs as, not its ONNX nodes: fused attention and fused elementwise.
+
+An ONNX export spells an attention core as MatMul → scale → mask → softmax → dropout →
+MatMul and a GELU or a norm as a dozen elementwise nodes; what trains is a few kernels.
+`kernel_plan` maps each op to its share of the kernel it runs in (FLOPs, HBM bytes, kernel
+launches, the backward pass's multiple of the forward) and says which activations
+autograd keeps for the backward pass:
+
+- **attention cores** (`attention_cores`) under `AttentionKernel.FLASH` run as one
+  kernel: the FLOPs of both GEMMs, HBM traffic of q, k, v and the output only (no s²
+  tensor), the softmax statistics (fp32 per row) kept instead of the probabilities, and the
+  backward pass recomputing q kᵀ (5 GEMMs to the forward's 2: Dao 2023, FlashAttention-2,
+  §3.1). Under `EAGER` every op of the core is a kernel of its own.
+- **elementwise regions** under `Fusion.ELEMENTWISE`: connected elementwise,
+  normalisation and reduction ops with no GEMM between them run as one kernel that reads
+  its inputs and writes what leaves it once (one launch). Autograd keeps what leaves the
+  region and dropout masks; a tensor used only inside it is recomputed from the region's
+  inputs in the backward pass (what torch.compile's partitioner and Megatron's fused
+  bias-GELU and bias-dropout-add kernels do), so the region keeps those inputs instead.
+
+Saved tensors start from each op's rule in the registry (`planner.ops.saving`).
+`KernelPlan.dropped_by_selective` lists the activations selective recompute drops: those
+of the attention cores (Korthikanti et al. 2022, §4.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from costmodels.profile import HardwareProfile
+from planner.graph import OpNode, PlanningGraph
+from planner.kinds import AttentionKernel, Fusion
+from planner.ops import record_for
+from planner.ops.saving import SavedTensors, Saves, buffer_of, saved_tensors
+from planner.ops.work import WorkKind
+from planner.sharding.analysis import GraphAnalysis
+
+#: Ops an elementwise kernel can absorb besides per-element and per-row work.
+_FUSABLE_MOVES = frozenset({"Cast", "CastLike", "Where", "Expand", "Identity"})
+_FUSABLE_WORK = frozenset({WorkKind.PER_OUTPUT, WorkKind.PER_INPUT, WorkKind.VIEW})
+#: Ops between q kᵀ and the softmax (scale, mask), and between the softmax and ·v
+#: (dropout, casts, the NaN guard the dynamo exporter writes).
+_BEFORE_SOFTMAX = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast"})
+_AFTER_SOFTMAX = frozenset({"Dropout", "Cast", "Where", "Mul", "Div"})
+_GUARDS = frozenset({"IsNaN", "IsInf", "Not"})
+_CHAIN_LIMIT = 8
+
+FLASH_BACKWARD_QK = 3.0  # the q kᵀ GEMM's backward: dq, dk and the recomputed scores
+BACKWARD_RATIO = 2.0  # an op's backward: the gradients of its inputs and of its weights
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    attention: AttentionKernel
+    fusion: Fusion
+
+
+def policy_for(profile: HardwareProfile, attention: AttentionKernel | None = None,
+               fusion: Fusion | None = None) -> KernelPolicy:
+    """The kernels asked for, the profile's (`device.kernels`) where not: eager and
+    unfused on a profile that names none."""
+    return KernelPolicy(attention or profile.default_attention, fusion or profile.default_fusion)
+
+
+@dataclass(frozen=True)
+class OpKernel:
+    """One op's share of the kernel it runs in, for the whole (unsharded) op."""
+
+    flops: float
+    bytes: float
+    launches: int  # 1: it starts a kernel (pays the launch floor and a GEMM's ramp)
+    backward_ratio: float  # backward seconds over forward seconds
+    matrix: bool
+
+
+@dataclass(frozen=True)
+class AttentionCore:
+    """softmax(q kᵀ ...) v found in the graph: its two GEMMs, the ops between them, and
+    the tensors that live only inside it (the s² scores and probabilities)."""
+
+    first: str  # q kᵀ
+    last: str  # · v
+    between: tuple[str, ...]
+    internal: frozenset[str]
+    output_transpose: str | None  # a Transpose of the result a flash kernel writes directly
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    policy: KernelPolicy
+    ops: Mapping[str, OpKernel]
+    saved: Mapping[str, float]  # tensor -> multiple of its bytes kept for the backward pass
+    cores: tuple[AttentionCore, ...]
+    regions: tuple[tuple[str, ...], ...]  # fused elementwise kernels, ops in order
+
+    @property
+    def dropped_by_selective(self) -> frozenset[str]:
+        """Saved tensors selective recompute does not keep: the attention cores' own."""
+        internal = frozenset().union(*(core.internal for core in self.cores))
+        return frozenset(name for name in self.saved if name in internal)
+
+    @property
+    def core_ops(self) -> frozenset[str]:
+        """Ops selective recompute re-runs in the backward pass."""
+        return frozenset(op for core in self.cores
+                         for op in (core.first, *core.between, core.last))
+
+
+def kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
+    """The kernels of `analysis.graph` under `policy`, computed once per graph and policy."""
+    key = ("kernels", policy)
+    found = analysis.memo.get(key)
+    if found is None:
+        found = analysis.memo[key] = _kernel_plan(analysis, policy)
+    return found
+
+
+def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
+    graph = analysis.graph
+    rules = {node.name: _rule(node) for node in graph.ops}
+    saved = saved_tensors(graph, analysis.needs_grad, rules)
+    kernels = {node.name: _own_kernel(node) for node in graph.ops}
+    cores = tuple(attention_cores(graph))
+    absorbed: set[str] = set()
+    for node in graph.ops:
+        if node.op_type == "Attention":
+            kernels[node.name] = _fused_attention_op(node, graph, saved)
+    if policy.attention is AttentionKernel.FLASH:
+        for core in cores:
+            absorbed |= _flash(core, graph, kernels, saved)
+    regions: tuple[tuple[str, ...], ...] = ()
+    if policy.fusion is Fusion.ELEMENTWISE:
+        regions = _regions(graph, absorbed)
+        for region in regions:
+            _fuse(region, graph, kernels, saved, analysis.needs_grad)
+    shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
+    return KernelPlan(policy, kernels, shares, cores, regions)
+
+
+def _rule(node: OpNode) -> Saves:
+    record = record_for(node.op_type, node.domain)
+    return Saves(every_output=True) if record is None else record.saves
+
+
+def _own_kernel(node: OpNode) -> OpKernel:
+    record = record_for(node.op_type, node.domain)
+    matrix = record is not None and record.matrix
+    launches = 0 if node.is_view else 1
+    return OpKernel(node.flops, node.bytes_read + node.bytes_written, launches,
+                    BACKWARD_RATIO, matrix)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_cores(graph: PlanningGraph) -> list[AttentionCore]:
+    """Every q kᵀ → (scale, mask) → softmax → (dropout) → · v chain whose inner tensors
+    nothing else reads."""
+    found = []
+    for node in graph.ops:
+        if node.op_type == "Softmax":
+            core = _core_around(graph, node)
+            if core is not None:
+                found.append(core)
+    return found
+
+
+def _core_around(graph: PlanningGraph, softmax: OpNode) -> AttentionCore | None:
+    tensors = graph.tensors
+    between = [softmax.name]
+    name = softmax.inputs[0]
+    first = None
+    for _ in range(_CHAIN_LIMIT):
+        producer = tensors[name].producer
+        if producer is None:
+            return None
+        node = graph.op(producer)
+        if node.op_type == "MatMul":
+            if all(i and tensors[i].kind == "activation" for i in node.inputs):
+                first = node
+            break
+        if node.op_type not in _BEFORE_SOFTMAX:
+            return None
+        between.append(node.name)
+        name = _data_input(node, graph)
+    if first is None:
+        return None
+    last = None
+    name = softmax.outputs[0]
+    for _ in range(_CHAIN_LIMIT):
+        consumers = [graph.op(c) for c in tensors[name].consumers]
+        readers = [c for c in consumers if c.op_type == "MatMul" and c.inputs[0] == name]
+        if readers and len(consumers) == 1:
+            last = readers[0]
+            break
+        main = [c for c in consumers if c.op_type in _AFTER_SOFTMAX
+                and c.outputs[0] and tensors[c.outputs[0]].shape == tensors[name].shape
+                and tensors[c.outputs[0]].is_float]
+        guards = [c for c in consumers if c.op_type in _GUARDS]
+        if len(main) != 1 or len(main) + len(guards) != len(consumers):
+            return None
+        between += [g.name for g in guards] + [main[0].name]
+        name = main[0].outputs[0]
+    if last is None:
+        return None
+    members = {first.name, *between}
+    internal = frozenset(o for op in members for o in graph.op(op).outputs if o)
+    readers_ok = {*members, last.name}
+    if any(c not in readers_ok for t in internal for c in tensors[t].consumers):
+        return None
+    if any(t in graph.outputs for t in internal):
+        return None
+    after = tensors[last.outputs[0]].consumers
+    transpose = after[0] if len(after) == 1 and graph.op(after[0]).op_type == "Transpose" \
+        else None
+    ordered = tuple(op.name for op in graph.ops if op.name in set(between))
+    return AttentionCore(first.name, last.name, ordered, internal, transpose)
+
+
+def _data_input(node: OpNode, graph: PlanningGraph) -> str:
+    """The input of a scale or mask op that carries the scores (shaped like its output)."""
+    shape = graph.tensors[node.outputs[0]].shape
+    for name in node.inputs:
+        if name and graph.tensors[name].is_float and graph.tensors[name].shape == shape:
+            return name
+    return node.inputs[0]
+
+
+def _flash(core: AttentionCore, graph: PlanningGraph, kernels: dict[str, OpKernel],
+           saved: SavedTensors) -> set[str]:
+    """Price `core` as one flash kernel and keep what it keeps; returns the ops it
+    absorbs (no elementwise region may take them)."""
+    tensors = graph.tensors
+    first, last = graph.op(core.first), graph.op(core.last)
+    q, k = first.inputs[0], first.inputs[1]
+    v = last.inputs[1]
+    out = last.outputs[0]
+    absorbed = {*core.between}
+    if core.output_transpose is not None:
+        absorbed.add(core.output_transpose)
+        out = graph.op(core.output_transpose).outputs[0]
+    rows = tensors[last.outputs[0]].numel / max(tensors[last.outputs[0]].shape[-1], 1)
+    statistics = 4.0 * rows  # the fp32 log-sum-exp per query row
+    moved = tensors[q].nbytes + tensors[k].nbytes + tensors[v].nbytes + tensors[out].nbytes
+    kernels[first.name] = OpKernel(first.flops, moved + statistics, 1, FLASH_BACKWARD_QK, True)
+    kernels[last.name] = OpKernel(last.flops, 0.0, 0, BACKWARD_RATIO, True)
+    for op in absorbed:
+        kernels[op] = OpKernel(0.0, 0.0, 0, 0.0, False)
+    for name in core.internal:  # no s² tensor; dropout replays its random state
+        saved.whole.discard(name)
+        saved.extra.pop(name, None)
+    for name in (q, k, v, out):
+        base = buffer_of(graph, name)
+        if tensors[base].producer is not None:
+            saved.whole.add(base)
+    saved.extra[out] = saved.extra.get(out, 0.0) + statistics / tensors[out].nbytes
+    return absorbed | {first.name, last.name}
+
+
+def _fused_attention_op(node: OpNode, graph: PlanningGraph,
+                        saved: SavedTensors) -> OpKernel:
+    """Opset 23 Attention runs fused whatever the policy: it keeps its softmax
+    statistics beside its output, and its backward recomputes the scores."""
+    out = node.outputs[0]
+    info = graph.tensors[out]
+    rows = info.numel / max(info.shape[-1], 1)
+    if out in saved.whole:
+        saved.extra[out] = saved.extra.get(out, 0.0) + 4.0 * rows / info.nbytes
+    return OpKernel(node.flops, node.bytes_read + node.bytes_written, 1,
+                    (FLASH_BACKWARD_QK + BACKWARD_RATIO) / 2, True)
+
+
+# --------------------------------------------------------------------------- elementwise
+
+
+def _fusable(node: OpNode) -> bool:
+    record = record_for(node.op_type, node.domain)
+    if record is None or record.matrix:
+        return False
+    return record.work.kind in _FUSABLE_WORK or node.op_type in _FUSABLE_MOVES
+
+
+def _regions(graph: PlanningGraph, absorbed: set[str]) -> tuple[tuple[str, ...], ...]:
+    """Connected fusable ops at the same kernel depth (the count of unfused kernels on
+    the longest path to them): no unfused op can sit between two members, so every
+    region can run as one kernel."""
+    tensors = graph.tensors
+    fusable = {n.name for n in graph.ops if n.name not in absorbed and _fusable(n)}
+    depth: dict[str, int] = {}
+    parent: dict[str, str] = {}
+
+    def root(op: str) -> str:
+        while parent[op] != op:
+            parent[op] = parent[parent[op]]
+            op = parent[op]
+        return op
+
+    for node in graph.ops:
+        level = 0
+        for name in node.inputs:
+            producer = tensors[name].producer if name else None
+            if producer is not None:
+                level = max(level, depth[producer] + (0 if producer in fusable else 1))
+        depth[node.name] = level
+        if node.name not in fusable:
+            continue
+        parent[node.name] = node.name
+        for name in node.inputs:
+            producer = tensors[name].producer if name else None
+            if producer in fusable and depth[producer] == level:
+                parent[root(producer)] = root(node.name)
+    members: dict[str, list[str]] = {}
+    for node in graph.ops:
+        if node.name in fusable:
+            members.setdefault(root(node.name), []).append(node.name)
+    return tuple(tuple(ops) for ops in members.values()
+                 if any(not graph.op(op).is_view for op in ops))
+
+
+def _fuse(region: tuple[str, ...], graph: PlanningGraph, kernels: dict[str, OpKernel],
+          saved: SavedTensors, needs_grad: Mapping[str, bool]) -> None:
+    """One kernel for `region`: it reads each outside input once, writes what leaves it
+    and the masks and statistics it keeps, and keeps its inputs in place of the float
+    tensors only it reads."""
+    tensors = graph.tensors
+    inside = set(region)
+    produced = {o for op in region for o in graph.op(op).outputs if o}
+    outputs = set(graph.outputs)
+    leaving = {t for t in produced
+               if t in outputs or any(c not in inside for c in tensors[t].consumers)}
+    for name in [t for t in produced if t in saved.whole and t not in leaving]:
+        if not tensors[name].is_float:  # a mask: written and kept as it is
+            continue
+        saved.whole.discard(name)
+        for source in _region_inputs(name, graph, inside):
+            if tensors[source].producer is not None and needs_grad.get(source, False):
+                saved.whole.add(buffer_of(graph, source))
+    read: set[str] = set()
+    first = True
+    for op in region:
+        node = graph.op(op)
+        moved = 0.0
+        for name in node.inputs:
+            if name and name not in produced and name not in read:
+                read.add(name)
+                moved += tensors[name].nbytes
+        for name in node.outputs:
+            if name and not node.is_view:
+                written = 1.0 if name in leaving or name in saved.whole else 0.0
+                moved += tensors[name].nbytes * (written + saved.extra.get(name, 0.0))
+        launches = 0
+        if first and not node.is_view:
+            launches, first = 1, False
+        kernels[op] = OpKernel(node.flops, moved, launches, BACKWARD_RATIO, False)
+
+
+def _region_inputs(name: str, graph: PlanningGraph, inside: set[str]) -> set[str]:
+    """The tensors from outside the region that `name` is computed from."""
+    found: set[str] = set()
+    stack = [name]
+    seen: set[str] = set()
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        producer = graph.tensors[tensor].producer
+        if producer is None or producer not in inside:
+            found.add(tensor)
+            continue
+        stack.extend(i for i in graph.op(producer).inputs if i)
+    return found

@@ -1,0 +1,162 @@
+"""What autograd keeps of one op for its backward pass: its saved-tensor rule.
+
+The rules follow what torch's autograd saves for the matching aten op
+(`tools/autograd/derivatives.yaml`): a GEMM keeps each operand the other operand's
+gradient needs, softmax its output, dropout a one-byte mask, GELU its input, a
+normalisation its input and its per-row statistics, additions nothing. A tensor is
+saved once however many ops keep it. Summed over a GPT layer these rules give
+Korthikanti et al. 2022's `sbh(34 + 5as/h)` (tests/test_saved_memory.py).
+
+`saved_tensors` applies them to a graph: which activations stay alive until the backward
+pass, and the extra buffers kept beside some of them (a dropout mask the graph does not
+name, as a multiple of the tensor it masks; a norm's statistics beside its input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.graph import OpNode, PlanningGraph, TensorInfo
+
+STATISTIC_BYTES = 4  # norms keep their per-row mean / inverse std in fp32
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What one op keeps when a gradient flows through it.
+
+    - `inputs`, `outputs`: kept whenever the op is differentiated (GELU's input,
+      softmax's output);
+    - `operands`: each input kept when another input needs a gradient (a GEMM or a
+      product: d(a·b)/da needs b);
+    - `divisor`: Div's rule (the divisor always, the numerator for the divisor's gradient);
+    - `mask`: a one-byte mask shaped like output 0 (dropout): its mask output when the
+      graph has one, else an extra buffer beside output 0;
+    - `row_statistics`: fp32 values per normalised row kept beside input 0 (norms).
+    """
+
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    operands: bool = False
+    divisor: bool = False
+    mask: bool = False
+    row_statistics: int = 0
+    every_output: bool = False  # an op nothing is known of: all its float outputs
+
+
+NOTHING = Saves()
+INPUT = Saves(inputs=(0,))
+OUTPUT = Saves(outputs=(0,))
+INPUT_AND_OUTPUT = Saves(inputs=(0,), outputs=(0,))
+OPERANDS = Saves(operands=True)
+DIVIDE = Saves(divisor=True)
+MASK = Saves(mask=True)
+CONDITION = Saves(inputs=(0,))  # Where keeps its condition to route the gradient
+UNKNOWN = Saves(every_output=True)
+
+
+def norm(statistics: int) -> Saves:
+    """A normalisation: its input and `statistics` fp32 values per normalised row."""
+    return Saves(inputs=(0,), row_statistics=statistics)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One tensor an op keeps (`extra` 0), or an extra buffer beside it of `extra` times
+    its bytes (a mask the graph does not name, per-row statistics)."""
+
+    tensor: str
+    extra: float = 0.0
+
+
+def kept_by(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
+            needs_grad: Mapping[str, bool]) -> list[Kept]:
+    """What `node` keeps for its backward pass; nothing when no gradient flows through
+    it."""
+    if not any(needs_grad.get(o, False) for o in node.outputs if o):
+        return []
+    inputs = list(node.inputs)
+    kept: list[Kept] = []
+
+    def keep(name: str, extra: float = 0.0) -> None:
+        if name:
+            kept.append(Kept(name, extra))
+
+    for slot in rule.inputs:
+        if slot < len(inputs):
+            keep(inputs[slot])
+            if rule.row_statistics and inputs[slot]:
+                info = tensors[inputs[slot]]
+                row = info.shape[-1] if info.shape else 1
+                keep(inputs[slot], rule.row_statistics * STATISTIC_BYTES / (row * info.itemsize))
+    for slot in rule.outputs:
+        if slot < len(node.outputs):
+            keep(node.outputs[slot])
+    if rule.every_output:
+        for name in node.outputs:
+            if name and tensors[name].is_float:
+                keep(name)
+    if rule.operands:
+        grads = [bool(name) and needs_grad.get(name, False) for name in inputs]
+        for slot, name in enumerate(inputs):
+            if any(grads[other] for other in range(len(inputs)) if other != slot):
+                keep(name)
+    if rule.divisor and len(inputs) >= 2:
+        keep(inputs[1])
+        if needs_grad.get(inputs[1], False):
+            keep(inputs[0])
+    if rule.mask and node.outputs and node.outputs[0]:
+        if len(node.outputs) > 1 and node.outputs[1]:
+            keep(node.outputs[1])
+        else:
+            keep(node.outputs[0], 1.0 / tensors[node.outputs[0]].itemsize)
+    return kept
+
+
+@dataclass
+class SavedTensors:
+    """What autograd keeps of a graph: whole activations, and extra buffers beside some
+    (as a multiple of that tensor's bytes)."""
+
+    whole: set[str]
+    extra: dict[str, float]
+
+    def share(self, name: str) -> float:
+        """The multiple of `name`'s bytes kept for the backward pass."""
+        return (1.0 if name in self.whole else 0.0) + self.extra.get(name, 0.0)
+
+
+def saved_tensors(graph: PlanningGraph, needs_grad: Mapping[str, bool],
+                  rule_of: Mapping[str, Saves]) -> SavedTensors:
+    """Activations kept for the backward pass.
+
+    `rule_of` gives each op's rule by name. Weights, buffers and graph inputs are not
+    activations (a weight is counted as a weight; an input as the batch's own memory), and
+    a view keeps its source buffer, so two views of one tensor are kept once.
+    """
+    tensors = graph.tensors
+    saved = SavedTensors(set(), {})
+    for node in graph.ops:
+        for kept in kept_by(node, rule_of[node.name], tensors, needs_grad):
+            base = buffer_of(graph, kept.tensor)
+            if tensors[base].producer is None:
+                continue
+            if kept.extra:
+                saved.extra[base] = saved.extra.get(base, 0.0) + kept.extra
+            else:
+                saved.whole.add(base)
+    return saved
+
+
+def buffer_of(graph: PlanningGraph, name: str) -> str:
+    """The tensor whose buffer `name` shares: through views to the first real output."""
+    tensors = graph.tensors
+    while True:
+        producer = tensors[name].producer
+        if producer is None:
+            return name
+        node = graph.op(producer)
+        if not node.is_view or not node.inputs or not node.inputs[0]:
+            return name
+        name = node.inputs[0]

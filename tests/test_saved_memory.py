@@ -1,0 +1,126 @@
+"""What autograd keeps, summed over a GPT layer, against Korthikanti et al. 2022.
+
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198) counts
+the bytes one transformer layer keeps for the backward pass in 16-bit training with
+dropout: §4.1, eq. 1: sbh(34 + 5as/h) without parallelism; with flash attention the s²
+term vanishes. (Eq. 2, the tensor-parallel form, needs a head-split layout, which the
+Megatron baseline does not find on the zoo GPT's fused QKV projection: its split of the
+3h columns cannot pass the Split into q, k and v; so it is not pinned here.)
+The planner's per-op rules (`planner.ops.saving`) and kernels (`planner.cost.kernels`)
+must add up to the same, plus what the formulas leave out: a layer norm's fp32 mean and
+inverse std per row (2 · 4 bytes for each of 2 norms) and, under flash attention, the
+kernel's fp32 log-sum-exp per query row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from costmodels.profile import load_profile
+from planner import zoo
+from planner.cost.kernels import KernelPolicy, kernel_plan
+from planner.cost.oplevel import priced_choice
+from planner.cost.step import TrainingOptions
+from planner.importer import import_model
+from planner.kinds import AttentionKernel, AxisRole, Fusion
+from planner.search.megatron import megatron_strategies
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
+from planner.zoo.gpt import GPTConfig
+
+S, B, H, A = 64, 2, 128, 4  # sequence, micro-batch, hidden, heads
+LAYER = "h.1."  # a middle layer: its own tensors and the next layer's input
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> GraphAnalysis:
+    config = GPTConfig(layers=3, hidden=H, heads=A, vocab=256, max_positions=S, dropout=0.1,
+                       dtype="bfloat16")
+    path = zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
+    return GraphAnalysis.of(import_model(Path(path), batch=B, dims={"seq": S}))
+
+
+def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy) -> float:
+    """Bytes one device keeps for one layer."""
+    graph = analysis.graph
+    mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: 1}, 8)
+    strategies = megatron_strategies(graph, mesh, analysis.labels)
+    options = TrainingOptions(attention=policy.attention, fusion=policy.fusion)
+    priced = priced_choice(analysis, mesh, strategies, load_profile("a100-80g"), options)
+    return sum(cost.saved_bytes for node, cost in zip(graph.ops, priced.costs, strict=True)
+               if node.name.startswith(LAYER))
+
+
+def _extras(flash: bool) -> float:
+    norms = 2 * S * B * 2 * 4  # two layer norms, fp32 mean and inverse std per row
+    log_sum_exp = B * A * S * 4 if flash else 0.0
+    return norms + log_sum_exp
+
+
+def test_eager_attention_keeps_korthikanti_bytes(gpt: GraphAnalysis) -> None:
+    """Eq. 1: sbh(34 + 5as/h) under eager attention with the elementwise chains fused
+    (Megatron's fused softmax and bias-GELU kernels)."""
+    sbh = S * B * H
+    expected = sbh * (34 + 5 * A * S / H) + _extras(False)
+    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_flash_attention_keeps_the_s_linear_form(gpt: GraphAnalysis) -> None:
+    """Flash attention: no s² term, 34sbh, and its softmax statistics."""
+    expected = S * B * H * 34 + _extras(True)
+    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.FLASH, Fusion.ELEMENTWISE))
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_unfused_ops_keep_what_eager_autograd_keeps(gpt: GraphAnalysis) -> None:
+    """One kernel per op keeps every intermediate a rule asks for: the decomposed tanh
+    GELU keeps x for x³ (8sbh), tanh's output (8sbh) and both factors of the last product
+    (16sbh) where the fused kernel keeps only its input (8sbh): 24sbh more."""
+    sbh = S * B * H
+    fused = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    eager = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    assert eager - fused == pytest.approx(24 * sbh, rel=1e-9)
+
+
+def test_selective_recompute_drops_exactly_the_attention_cores(gpt: GraphAnalysis) -> None:
+    """Korthikanti §4.2: selective recompute keeps 34sbh of 34sbh + 5as²b."""
+    plan = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    tensors = gpt.graph.tensors
+    dropped = sum(plan.saved[name] * tensors[name].nbytes
+                  for name in plan.dropped_by_selective if name.startswith(LAYER))
+    assert dropped == pytest.approx(5 * A * S * S * B, rel=1e-9)
+    assert len(plan.cores) == 3  # one per layer
+
+
+def test_fused_elementwise_reads_and_writes_once(gpt: GraphAnalysis) -> None:
+    """The bias-GELU region of an MLP reads the GEMM's output and the bias, and writes
+    the GELU's output: one pass over memory, one launch, instead of a pass per node."""
+    plan = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    region = next(r for r in plan.regions if f"{LAYER}mlp.gelu.mul" in r)
+    assert f"{LAYER}mlp.c_fc.bias_add" in region
+    moved = sum(plan.ops[op].bytes for op in region)
+    ffn = S * B * 4 * H * 2
+    scalars = 5 * 2  # the tanh formula's constants 0.5, 3, 0.044715, sqrt(2/pi), 1
+    assert moved == pytest.approx(2 * ffn + 4 * H * 2 + scalars, rel=1e-9)
+    assert sum(plan.ops[op].launches for op in region) == 1
+    unfused = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    assert sum(unfused.ops[op].bytes for op in region) > 8 * moved
+
+
+def test_flash_core_moves_no_s_squared_bytes(gpt: GraphAnalysis) -> None:
+    """A flash core reads q, k, v and writes its output once; both GEMMs' FLOPs stay and
+    the backward is 5 GEMMs to the forward's 2."""
+    flash = kernel_plan(gpt, KernelPolicy(AttentionKernel.FLASH, Fusion.NONE))
+    eager = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    core = next(c for c in flash.cores if c.first.startswith(LAYER))
+    ops = (core.first, *core.between, core.last)
+    assert sum(flash.ops[op].bytes for op in ops) < 0.2 * sum(eager.ops[op].bytes for op in ops)
+    assert sum(flash.ops[op].flops for op in ops) >= sum(
+        gpt.graph.op(op).flops for op in (core.first, core.last))
+    first, last = flash.ops[core.first], flash.ops[core.last]
+    forward = first.flops + last.flops
+    backward = first.backward_ratio * first.flops + last.backward_ratio * last.flops
+    assert backward / forward == pytest.approx(2.5)
