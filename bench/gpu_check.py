@@ -216,7 +216,8 @@ def _stack_rows(profile: HardwareProfile, size: StackSize, torch, repeats: int) 
 
 
 def _time_stack(torch, size: StackSize, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    model = _torch_llama(torch, size).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):  # build on the GPU: a CPU init of 1B parameters takes long
+        model = _torch_llama(torch, size).to(dtype=torch.bfloat16)
     ids = torch.randint(0, size.vocab, (size.batch, size.seq), device="cuda")
 
     def step() -> None:
