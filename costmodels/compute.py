@@ -34,47 +34,22 @@ docs/cost-model.md.
 
 from __future__ import annotations
 
+from costmodels.gemm import GemmShape, gemm_seconds, has_shape_terms
 from costmodels.profile import HardwareProfile
+from costmodels.rates import (
+    DTYPE_TO_PEAK,
+    MATMUL_RAMP_S,
+    PEAK_FALLBACK,
+    large_gemm_rate,
+    launch_floor_s,
+    matmul_ramp_s,
+    memory_seconds,
+    peak_flops,
+)
 from planner.ops import is_matrix_op
 
-#: Map a tensor element type to the profile's peak-FLOP/s key.
-DTYPE_TO_PEAK = {"float32": "fp32", "float64": "fp32", "float16": "fp16", "bfloat16": "bf16",
-                 "float8e4m3fn": "fp8", "float8e5m2": "fp8",
-                 "tfloat32": "tf32"}  # fp32 storage, GEMMs on tensor cores (--precision tf32)
-
-#: Peak key used when a profile lacks the op's key (the 910A has no fp32 peak; see above).
-PEAK_FALLBACK = {"fp32": "fp16"}
-
-#: Default GEMM ramp R in seconds, for profiles without `matmul_overhead_s`. Least-squares
-#: fit (relative error) of t = F / P_large + R to the cublasLt TF32 square-GEMM sweep of
-#: AD2605/gemm-zoo benchmarks.md (128^3 .. 8192^3): R = 6.9 us, within 12% of every point up
-#: to 1024^3. Calculon's A100 step table (systems/a100_80g.json: 0.6 of peak from 1 GFLOP,
-#: 0.9 from 16, 0.95 from 128) implies R between 2 us (bin lower edges) and 31 us (upper).
-MATMUL_RAMP_S = 7e-6
-
-
-def peak_flops(profile: HardwareProfile, dtype: str) -> float:
-    """Dense peak FLOP/s for a tensor dtype, with the documented fp32 -> fp16 fallback."""
-    return profile.peak(_peak_key(profile, dtype))  # ProfileError names the dtypes it has
-
-
-def _peak_key(profile: HardwareProfile, dtype: str) -> str:
-    key = DTYPE_TO_PEAK.get(dtype, "fp32")
-    if key not in profile.peak_flops and PEAK_FALLBACK.get(key) in profile.peak_flops:
-        return PEAK_FALLBACK[key]
-    return key
-
-
-def matmul_ramp_s(profile: HardwareProfile, dtype: str = "float32") -> float:
-    """The profile's GEMM ramp R for `dtype`, else MATMUL_RAMP_S.
-
-    Reads the optional field `device.matmul_overhead_s`: one cited value, or one per peak
-    key like `peak_flops` (a CPU's bf16 GEMM pays ~12 us of oneDNN setup where its fp32
-    GEMM pays ~2 us; docs/cost-model.md). A per-dtype object without the key the dtype
-    runs at (after the fp32 -> fp16 fallback) gives the default.
-    """
-    ramp = profile.matmul_overhead(_peak_key(profile, dtype))
-    return MATMUL_RAMP_S if ramp is None else ramp
+__all__ = ["DTYPE_TO_PEAK", "MATMUL_RAMP_S", "PEAK_FALLBACK", "matmul_efficiency",
+           "matmul_ramp_s", "op_time", "peak_flops"]
 
 
 def matmul_efficiency(profile: HardwareProfile, flops: float, dtype: str,
@@ -84,28 +59,33 @@ def matmul_efficiency(profile: HardwareProfile, flops: float, dtype: str,
         return 0.0
     asymptote = float(profile.matmul_efficiency.value)
     ramp = matmul_ramp_s(profile, dtype) if ramp_s is None else ramp_s
-    work_time = flops / (peak_flops(profile, dtype) * asymptote)
+    work_time = flops / large_gemm_rate(profile, dtype)
     return asymptote * work_time / (work_time + ramp)
 
 
 def op_time(profile: HardwareProfile, op_type: str, flops: float, nbytes: float, dtype: str,
-            *, ramp_s: float | None = None, launches: int = 1) -> float:
+            *, ramp_s: float | None = None, shape: GemmShape | None = None,
+            launches: int = 1) -> float:
     """Seconds for one op that does `flops` and moves `nbytes` on one device.
 
     `ramp_s` overrides the profile's GEMM ramp (calibration and benchmarks use it); the
-    planner leaves it None. `launches` is 0 for the work of an op inside a kernel another
-    op starts (`planner.cost.kernels`): it pays neither the launch floor nor the ramp.
+    planner leaves it None. `shape` (a matrix op's local m, n, k, batch) prices the compute
+    term by tiles and waves (`costmodels.gemm.gemm_seconds`); without it, or on a profile
+    without `compute_units` and `gemm_tile`, the compute term is F / (P * E) + R.
+    `launches` is 0 for the work of an op inside a kernel another op starts
+    (`planner.cost.kernels`): it pays no launch floor and no ramp, at the large-GEMM rate.
     """
     if flops <= 0 and nbytes <= 0:
         return 0.0
-    memory_time = nbytes / (float(profile.memory_bandwidth_Bps.value)
-                            * float(profile.memory_efficiency.value))
+    memory_time = memory_seconds(profile, nbytes)
     if is_matrix_op(op_type) and flops > 0:
-        ramp = matmul_ramp_s(profile, dtype) if ramp_s is None else ramp_s
-        rate = peak_flops(profile, dtype) * float(profile.matmul_efficiency.value)
-        compute_time = flops / rate + ramp * launches
+        if shape is not None and launches and has_shape_terms(profile):
+            compute_time = gemm_seconds(profile, shape, dtype, ramp_s=ramp_s)
+        else:
+            ramp = matmul_ramp_s(profile, dtype) if ramp_s is None else ramp_s
+            compute_time = flops / large_gemm_rate(profile, dtype) + ramp * launches
     elif flops > 0 and "fp32" in profile.peak_flops:
         compute_time = flops / float(profile.peak_flops["fp32"].value)
     else:
         compute_time = 0.0
-    return max(compute_time, memory_time, float(profile.kernel_launch_s.value) * launches)
+    return max(compute_time, memory_time, launch_floor_s(profile) * launches)

@@ -43,9 +43,11 @@ MAX_MEMORY_BYTES = 1 << 60
 _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
                   "memory_efficiency", "kernel_launch_s")
-_DEVICE_OPTIONAL = ("matmul_overhead_s", "kernels")
-#: `device.kernels`: the kernels the device's training stacks run (costmodels.kernels).
+_DEVICE_OPTIONAL = ("matmul_overhead_s", "compute_units", "gemm_tile", "kernels")
+#: `device.kernels`: the kernels the device's training stacks run (planner.cost.kernels).
 _KERNEL_FIELDS = ("attention", "fusion")
+#: Largest GEMM tile edge a profile may state (a CTA tile is at most a few hundred).
+MAX_TILE = 4096
 _TOPOLOGY_FIELDS = ("devices_per_node", "levels")
 _TOPOLOGY_OPTIONAL = ("allowed_devices_within_node",)
 _LEVEL_FIELDS = ("name", "group_size", "bandwidth_Bps", "efficiency", "latency_s")
@@ -127,6 +129,10 @@ class HardwareProfile:
     path: str
     #: GEMM ramp R in seconds (costmodels.compute): one value, or one per peak_flops key.
     matmul_overhead_s: Cited[float] | dict[str, Cited[float]] | None = None
+    #: Compute units a GEMM's tiles run on at once (SMs, AI cores): costmodels.gemm.
+    compute_units: Cited[int] | None = None
+    #: (m, n, k) of the large-GEMM kernel's tile (CTA tile, cube base block): costmodels.gemm.
+    gemm_tile: Cited[tuple[int, int, int]] | None = None
     #: `device.kernels`: how attention cores and elementwise chains run by default
     #: (planner.cost.kernels); left out: one kernel per op, as an eager interpreter runs.
     attention_kernel: Cited[str] | None = None
@@ -318,21 +324,17 @@ class _Reader:
     def fabric_word(self, value: Any, field: str) -> str:
         return self.word(value, field, FABRICS)
 
-    def kernels(self, device: dict[str, Any]) -> dict[str, Cited[str]]:
-        """`device.kernels`: {attention: cited "flash"|"eager", fusion: cited
-        "elementwise"|"none"}, both optional."""
+    def kernel_word(self, device: dict[str, Any], key: str,
+                    choices: Sequence[str]) -> Cited[str] | None:
+        """One entry of `device.kernels` ({attention: cited "flash"|"eager", fusion: cited
+        "elementwise"|"none"}, both optional)."""
         if "kernels" not in device:
-            return {}
+            return None
         body = self.obj(device["kernels"], "device.kernels", (), _KERNEL_FIELDS)
-        found: dict[str, Cited[str]] = {}
-        if "attention" in body:
-            found["attention_kernel"] = self.cited(
-                body["attention"], "device.kernels.attention",
-                lambda v, f: self.word(v, f, [k.value for k in AttentionKernel]))
-        if "fusion" in body:
-            found["fusion"] = self.cited(body["fusion"], "device.kernels.fusion",
-                                         lambda v, f: self.word(v, f, [k.value for k in Fusion]))
-        return found
+        if key not in body:
+            return None
+        return self.cited(body[key], f"device.kernels.{key}",
+                          lambda v, f: self.word(v, f, choices))
 
     def word(self, value: Any, field: str, choices: Sequence[str]) -> str:
         if value not in choices:
@@ -414,7 +416,10 @@ class _Reader:
             levels=self.levels(topology["levels"], int(per_node.value)),
             path=self.path,
             matmul_overhead_s=self.overhead(device),  # after peak_flops: it names its keys
-            **self.kernels(device),
+            **self.gemm_shape(device),
+            attention_kernel=self.kernel_word(device, "attention",
+                                              [k.value for k in AttentionKernel]),
+            fusion=self.kernel_word(device, "fusion", [k.value for k in Fusion]),
         )
 
     def read_sources(self, value: Any) -> dict[str, str]:
@@ -458,6 +463,25 @@ class _Reader:
                 self.fail(f"{field}.{dtype}", f"has no device.peak_flops.{dtype} to go with "
                           f"it (peaks: {', '.join(peaks)})")
         return {d: self.cited(v, f"{field}.{d}", self.non_negative) for d, v in value.items()}
+
+    def gemm_shape(self, device: dict[str, Any]) -> dict[str, Any]:
+        """`device.compute_units` and `device.gemm_tile`: both or neither."""
+        given = [key for key in ("compute_units", "gemm_tile") if key in device]
+        if len(given) == 1:
+            other = "gemm_tile" if given[0] == "compute_units" else "compute_units"
+            self.fail(f"device.{other}", f"is missing; GEMM shape pricing needs it together "
+                      f"with device.{given[0]}")
+        if not given:
+            return {}
+        return {"compute_units": self.cited(device["compute_units"], "device.compute_units",
+                                            self.count),
+                "gemm_tile": self.cited(device["gemm_tile"], "device.gemm_tile", self.tile)}
+
+    def tile(self, value: Any, field: str) -> tuple[int, int, int]:
+        if not isinstance(value, list) or len(value) != 3:
+            self.fail(field, f"must be a list of 3 tile sizes [m, n, k], got {_show(value)}")
+        sizes = [self.count(v, f"{field}[{i}]", MAX_TILE) for i, v in enumerate(value)]
+        return sizes[0], sizes[1], sizes[2]
 
     def allowed(self, topology: dict[str, Any], per_node: int) -> Cited[tuple[int, ...]] | None:
         field = "topology.allowed_devices_within_node"

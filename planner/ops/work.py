@@ -151,3 +151,47 @@ def _attention_flops(inputs: list[TensorInfo | None], out: TensorInfo) -> float:
         return float(out.numel)
     kv_length = key.shape[-2] if len(key.shape) == 4 else key.shape[1]
     return 2.0 * kv_length * (query.numel + out.numel)
+
+
+def gemm_dims(node: OpNode, tensors: Mapping[str, TensorInfo]) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a MatMul, Gemm or FusedMatMul from its input shapes.
+
+    The cost model prices a GEMM by its tiles (costmodels.gemm), so it needs the problem's
+    shape, not only its FLOPs. MatMul and FusedMatMul broadcast leading dims into `batch`
+    (a 1-D operand is a vector: m or n is 1); Gemm is 2-D with transA/transB. None for
+    other ops and for unknown or empty shapes.
+    """
+    if node.op_type not in ("MatMul", "Gemm", "FusedMatMul") or len(node.inputs) < 2:
+        return None
+    a, b = (tensors.get(name) if name else None for name in node.inputs[:2])
+    if a is None or b is None or not a.shape or not b.shape:
+        return None
+    if node.op_type == "Gemm":
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            return None
+        m, k = a.shape[::-1] if node.attrs.get("transA", 0) else a.shape
+        k_b, n = b.shape[::-1] if node.attrs.get("transB", 0) else b.shape
+        dims = (1, m, n, k)
+    else:
+        a_shape, b_shape = _fused_transposed(node, a.shape, b.shape)
+        m, k = (1, a_shape[0]) if len(a_shape) == 1 else a_shape[-2:]
+        k_b, n = (b_shape[0], 1) if len(b_shape) == 1 else b_shape[-2:]
+        lead_a, lead_b = a_shape[:-2], b_shape[:-2]
+        width = max(len(lead_a), len(lead_b))
+        pad_a = (1,) * (width - len(lead_a)) + lead_a
+        pad_b = (1,) * (width - len(lead_b)) + lead_b
+        batch = math.prod(max(x, y) for x, y in zip(pad_a, pad_b, strict=True))
+        dims = (batch, m, n, k)
+    if k != k_b or min(dims) < 1:
+        return None
+    return dims
+
+
+def _fused_transposed(node: OpNode, a: tuple[int, ...],
+                      b: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """FusedMatMul's transA/transB swap the last two dims of an operand (com.microsoft)."""
+    def swap(shape: tuple[int, ...], flag: str) -> tuple[int, ...]:
+        if node.op_type != "FusedMatMul" or not node.attrs.get(flag, 0) or len(shape) < 2:
+            return shape
+        return (*shape[:-2], shape[-1], shape[-2])
+    return swap(a, "transA"), swap(b, "transB")
