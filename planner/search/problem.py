@@ -120,6 +120,7 @@ def build_problem(
         found = _candidates(first, labels.get(first.name), tensors, mesh, fixed.get(first.name))
         for member in members:
             candidates[member] = found
+    _resolve_outputs(graph, groups_ops, candidates, fixed)
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
     groups = [
@@ -131,6 +132,30 @@ def build_problem(
                    options)
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
     return StrategyProblem(graph, mesh, groups, edges, float(limit), group_of, dict(labels))
+
+
+def _resolve_outputs(graph: PlanningGraph, groups_ops: Sequence[Sequence[str]],
+                     candidates: dict[str, list[Candidate]],
+                     fixed: Mapping[str, OpStrategy]) -> None:
+    """A graph output leaves the graph resolved: nothing after the graph sums a pending
+    partial sum, so the op writing a (non-scalar) output keeps only candidates that write
+    it whole over every axis it is summed on; the reduction then happens inside the graph,
+    where an edge prices it (e.g. the hidden split gathered before a language-model head,
+    not gigabytes of partial logits). A scalar output (the model's own loss) may stay a
+    pending sum: its gradient is right as it is and its value is summed for the report
+    only. Ops pinned by the user keep their strategy."""
+    class_of = {op: members for members in groups_ops for op in members}
+    for name in graph.outputs:
+        info = graph.tensors.get(name)
+        if info is None or info.producer is None or info.numel <= 1 or info.producer in fixed:
+            continue
+        producer = graph.op(info.producer)
+        slot = list(producer.outputs).index(name)
+        found = candidates[producer.name]
+        kept = [c for c in found if c.outputs[slot] is None or not c.outputs[slot].partial]
+        if kept and len(kept) < len(found):
+            for member in class_of.get(producer.name, [producer.name]):
+                candidates[member] = kept
 
 
 def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
