@@ -36,7 +36,8 @@ def dim(text: str) -> tuple[str, int]:
 
 
 def parallel(text: str) -> dict[str, int | str]:
-    """`--parallel dp=4,tp=8,recompute=full`: pinned global choices (zero may be 0)."""
+    """`--parallel dp=4,tp=8,recompute=full`: pinned global choices (zero and sp may be
+    0)."""
     pins: dict[str, int | str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
@@ -51,7 +52,7 @@ def parallel(text: str) -> dict[str, int | str]:
             number = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--parallel {key}={value}: not an integer") from None
-        if number < 0 or (number == 0 and key != "zero"):
+        if number < 0 or (number == 0 and key not in ("zero", "sp")):
             raise argparse.ArgumentTypeError(f"--parallel {key}={value}: must be positive")
         pins[key] = number
     return pins

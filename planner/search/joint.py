@@ -49,7 +49,9 @@ from planner.sharding.strategy import OpStrategy
 UNLIMITED = 1 << 62
 MAX_LOCAL_MICRO_BATCH = 16  # per device; GEMMs are near their peak efficiency by then
 SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)  # GPipe: 1F1B's time,
-INTERLEAVE_CHUNKS = 2  # more memory
+# more memory. Interleaved chunks per device searched: 2 up to this, while every chunk
+# keeps at least one layer (Megatron-LM SC'21 ran up to 4; more adds sends, little bubble).
+MAX_INTERLEAVE_CHUNKS = 8
 
 
 @dataclass
@@ -156,15 +158,27 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
                 zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if dp > 1
                                                                    else [0])
                 schedules = [pins.schedule] if pins.schedule is not None else (
+                    [Schedule.INTERLEAVED] if pins.vpp is not None else
                     list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
                 for zero in zeros:
                     for schedule in schedules:
-                        chunks = INTERLEAVE_CHUNKS if schedule == Schedule.INTERLEAVED else 1
                         if schedule == Schedule.INTERLEAVED and (pp == 1 or m % pp):
                             continue
-                        choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks))
+                        for chunks in chunk_counts(schedule, pp, layers, pins):
+                            choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks))
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
                                                c.schedule))
+
+
+def chunk_counts(schedule: Schedule, pp: int, layers: int, pins: Pins) -> list[int]:
+    """Model chunks per device: 1 unless interleaved; then the pinned vpp, or every v from
+    2 while each of the pp·v chunks keeps at least one layer (at most
+    MAX_INTERLEAVE_CHUNKS)."""
+    if schedule != Schedule.INTERLEAVED:
+        return [1]
+    if pins.vpp is not None:
+        return [pins.vpp]
+    return list(range(2, min(MAX_INTERLEAVE_CHUNKS, max(1, layers) // pp) + 1))
 
 
 def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig:
@@ -270,9 +284,9 @@ def _unformed(choice: Choice, units: Units) -> str:
     """Why a configuration cannot be laid on the model's units at all."""
     layers = len(units.layer_units)
     if choice.schedule == Schedule.INTERLEAVED:
-        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs a layer "
-                f"count divisible by {choice.pp * choice.virtual_stages}; the model has "
-                f"{layers} repeated layers")
+        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs at least "
+                f"{choice.pp * choice.virtual_stages} repeated layers (one per chunk); the "
+                f"model has {layers}")
     return (f"pp={choice.pp} needs at least as many units as stages; the model has "
             f"{units.count} (prefix, {layers} layers, suffix)")
 

@@ -39,6 +39,7 @@ from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.derive import fraction_of_layout
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
@@ -152,10 +153,14 @@ def _resolve_outputs(graph: PlanningGraph, groups_ops: Sequence[Sequence[str]],
         producer = graph.op(info.producer)
         slot = list(producer.outputs).index(name)
         found = candidates[producer.name]
-        kept = [c for c in found if c.outputs[slot] is None or not c.outputs[slot].partial]
+        kept = [c for c in found if not _partial(c.outputs[slot])]
         if kept and len(kept) < len(found):
             for member in class_of.get(producer.name, [producer.name]):
                 candidates[member] = kept
+
+
+def _partial(layout: Layout | None) -> bool:
+    return layout is not None and bool(layout.partial)
 
 
 def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
