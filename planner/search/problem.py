@@ -51,6 +51,7 @@ class Group:
     cost: np.ndarray  # seconds per candidate, summed over members
     memory: np.ndarray  # bytes per candidate, summed over members
     workspace: np.ndarray  # bytes per candidate: the largest local output of one member
+    saved: np.ndarray | None = None  # the part of `memory` that is saved activations
 
     @property
     def name(self) -> str:
@@ -85,6 +86,23 @@ class StrategyProblem:
                                                                       strict=True)),
                          *(float(e.buffer[choice[e.u], choice[e.v]]) for e in self.edges)])
         return time, memory + workspace
+
+    def memory_parts(self, choice: Sequence[int]) -> tuple[float, float]:
+        """(weights with their gradients and states, saved activations) of one choice."""
+        total = saved = 0.0
+        for group, c in zip(self.groups, choice, strict=True):
+            total += float(group.memory[c])
+            saved += float(group.saved[c]) if group.saved is not None else 0.0
+        return total - saved, saved
+
+    def weigh_memory(self, weights: float, activations: float) -> None:
+        """Count each choice's memory as `weights`·(its weights and states) +
+        `activations`·(its saved activations): the op-level memory as a configuration
+        holds it (pipeline stages, ZeRO shards, micro-batches in flight, recompute)."""
+        for group in self.groups:
+            saved = group.saved if group.saved is not None else np.zeros_like(group.memory)
+            group.memory = weights * (group.memory - saved) + activations * saved
+            group.saved = activations * saved
 
     def strategies(self, choice: Sequence[int]) -> dict[str, OpStrategy]:
         return {op: group.candidates[c].strategy
@@ -179,9 +197,10 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
            owner: Mapping[str, tuple[str, int]]) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
+    saved_total = np.zeros(count)
     # Members of a tied group are the same op in repeated layers: equal signatures give
     # equal prices, provided each owns the weights at the same input slots.
-    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
@@ -192,12 +211,14 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
                                                needs_grad, owner)
                                for candidate in candidates[node.name]]).reshape(count, 4)
-            priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3])
-        seconds, held, largest = priced[key]
+            priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
+                           values[:, 2])
+        seconds, held, largest, saved = priced[key]
         cost += seconds
         memory += held
+        saved_total += saved
         workspace = np.maximum(workspace, largest)
-    return Group(members, list(candidates[members[0]]), cost, memory, workspace)
+    return Group(members, list(candidates[members[0]]), cost, memory, workspace, saved_total)
 
 
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
@@ -369,6 +390,8 @@ def restrict_candidates(problem: StrategyProblem, index: int, keep: list[int]) -
     group.candidates = [group.candidates[i] for i in keep]
     group.cost, group.memory = group.cost[keep], group.memory[keep]
     group.workspace = group.workspace[keep]
+    if group.saved is not None:
+        group.saved = group.saved[keep]
     for edge in problem.edges:
         if edge.u == index:
             edge.cost, edge.buffer = edge.cost[keep, :], edge.buffer[keep, :]
