@@ -130,8 +130,8 @@ def test_vpp_pin_with_uneven_layers(gpt: Path) -> None:
 
 @pytest.mark.parametrize("pins,needle", [
     ("pp=2,vpp=1", "vpp"), ("pp=2,vpp=3,schedule=1f1b", "vpp"), ("pp=2,vpp=x", "vpp"),
-    ("pp=2,vpp=4,micro_batches=4", "interleaving"), ("sp=2", "sp")])
-def test_bad_vpp_and_sp_exit_2(gpt: Path, pins: str, needle: str, capsys) -> None:
+    ("pp=2,vpp=4,micro_batches=4", "interleaving")])
+def test_bad_vpp_exit_2(gpt: Path, pins: str, needle: str, capsys) -> None:
     code = main(["plan", str(gpt), "--devices", "2", "--batch", "16", "--dim", "seq=16",
                  "--parallel", pins])
     err = capsys.readouterr().err

@@ -36,8 +36,7 @@ def dim(text: str) -> tuple[str, int]:
 
 
 def parallel(text: str) -> dict[str, int | str]:
-    """`--parallel dp=4,tp=8,recompute=full`: pinned global choices (zero and sp may be
-    0)."""
+    """`--parallel dp=4,tp=8,recompute=full`: pinned global choices (zero may be 0)."""
     pins: dict[str, int | str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
@@ -52,7 +51,7 @@ def parallel(text: str) -> dict[str, int | str]:
             number = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--parallel {key}={value}: not an integer") from None
-        if number < 0 or (number == 0 and key not in ("zero", "sp")):
+        if number < 0 or (number == 0 and key != "zero"):
             raise argparse.ArgumentTypeError(f"--parallel {key}={value}: must be positive")
         pins[key] = number
     return pins

@@ -9,8 +9,7 @@ from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
-PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "sp")
+PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp")
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp")  # joint only
 
 
@@ -40,12 +39,11 @@ class Pins:
     recompute: Recompute | None = None
     schedule: Schedule | None = None
     vpp: int | None = None  # interleaved model chunks per device
-    sp: bool | None = None  # Megatron sequence parallelism: required (True), forbidden
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
-        return {f.name: (str(v) if isinstance(v, str) else int(v) if isinstance(v, bool)
-                         else v) for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        return {f.name: (str(v) if isinstance(v, str) else v) for f in fields(self)
+                if (v := getattr(self, f.name)) is not None}
 
     @property
     def joint_only(self) -> tuple[str, ...]:
@@ -75,12 +73,6 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShardplanError(f"--parallel {key}={value}: must be an integer")
-        if key == "sp":
-            if value not in (0, 1):
-                raise ShardplanError(f"--parallel sp={value}: must be 0 (forbid Megatron "
-                                     "sequence parallelism) or 1 (require it)")
-            pins[key] = value
-            continue
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")
@@ -98,6 +90,4 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
                                           Schedule.INTERLEAVED) != Schedule.INTERLEAVED:
         raise ShardplanError(f"--parallel vpp={pins['vpp']}: model chunks per device "
                              f"need schedule=interleaved, not {pins['schedule']}")
-    if "sp" in pins:
-        typed["sp"] = bool(pins["sp"])
     return Pins(**typed)  # type: ignore[arg-type]
