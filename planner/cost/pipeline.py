@@ -238,7 +238,30 @@ class Pricer:
         )
         return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
                           backward_comm, extra, p2p, weights.micro, end, weights.hidden,
-                          weights.optimizer, flight, memory)
+                          weights.optimizer, flight, memory,
+                          self._chunks(ranges, mode, p2p + weights.micro))
+
+    def _chunks(self, ranges: Sequence[tuple[int, int]], mode: Recompute,
+                shared: float) -> tuple[tuple[float, float], ...]:
+        """Each chunk's (forward, backward) seconds per micro-batch: its units' compute
+        and collectives (the backward with what it re-runs), and the device's sends and
+        ZeRO collectives (`shared`) spread over its chunks by their share of that time."""
+        profile = self.profile
+        own = []
+        for a, b in ranges:
+            forward = float(profile.forward_compute[a:b].sum()
+                            + profile.forward_communication[a:b].sum())
+            backward = float(profile.backward_compute[a:b].sum()
+                             + profile.backward_communication[a:b].sum())
+            backward += {Recompute.NONE: 0.0,
+                         Recompute.SELECTIVE: float(profile.selective_extra[a:b].sum()),
+                         Recompute.FULL: forward}[mode]
+            own.append((forward, backward))
+        total = sum(f + b for f, b in own)
+        if total <= 0.0:
+            return tuple((shared / (2 * len(own)),) * 2 for _ in own) if own else ()
+        scale = 1.0 + shared / total
+        return tuple((f * scale, b * scale) for f, b in own)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],
               recompute: Sequence[Recompute]) -> StepPrice:

@@ -68,6 +68,9 @@ class StagePrice:
     optimizer_s: float
     in_flight: float  # micro-batches whose activations the stage holds at its peak
     memory: MemoryBreakdown
+    #: per chunk (unit range), its (forward, backward) seconds per micro-batch; they add
+    #: up to `per_micro_batch_s`. The interleaved schedule is priced from them.
+    chunks: tuple[tuple[float, float], ...] = ()
 
     @property
     def forward_s(self) -> float:
@@ -105,8 +108,9 @@ class StepPrice:
 def step_price(stages: Sequence[StagePrice], config: PipelineConfig) -> StepPrice:
     """The step: the pipeline's time for every micro-batch, then (on every device at once)
     the end-of-step gradient reduction and optimizer pass."""
+    chunks = [s.chunks for s in stages] if all(s.chunks for s in stages) else None
     pipeline = pipeline_time([s.per_micro_batch_s for s in stages], config.micro_batches,
-                             config.schedule, config.virtual_stages)
+                             config.schedule, config.virtual_stages, chunks)
     tail = max(s.sync_s + s.optimizer_s for s in stages)
     return StepPrice(config, tuple(stages), pipeline + tail, pipeline)
 

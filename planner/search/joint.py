@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
@@ -47,9 +48,24 @@ from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
 UNLIMITED = 1 << 62
+MAX_MEMORY_AWARE = 8  # configurations per search given a memory-aware layout
+MEMORY_AWARE_ROUNDS = 3  # budgets tried per configuration
 MAX_LOCAL_MICRO_BATCH = 16  # per device; GEMMs are near their peak efficiency by then
 SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)  # GPipe: 1F1B's time,
-INTERLEAVE_CHUNKS = 2  # more memory
+# more memory. Interleaved chunks per device searched: 2 up to this, while every chunk
+# keeps at least one layer (Megatron-LM SC'21 ran up to 4; more adds sends, little bubble).
+MAX_INTERLEAVE_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory-aware op-level solve: each choice's memory counted as `weights`·(its
+    weights, gradients and states) + `activations`·(its saved activations), within
+    `limit` bytes (with the workspace)."""
+
+    limit: float
+    weights: float
+    activations: float
 
 
 @dataclass
@@ -57,6 +73,7 @@ class Scored:
     choice: Choice
     partition: Partition
     units: Units
+    budget: MemoryBudget | None = None  # the memory-aware layout's budget, if any
 
     @property
     def step_time_s(self) -> float:
@@ -85,14 +102,20 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                               hardware: HardwareProfile, training: TrainingOptions,
                               batch: Mapping[str, frozenset[str]], time_limit: float,
                               fixed: Mapping[str, OpStrategy] | None = None,
-                              ) -> tuple[dict[str, OpStrategy], SolverRecord]:
+                              budget: MemoryBudget | None = None,
+                              ) -> tuple[dict[str, OpStrategy], SolverRecord,
+                                         tuple[float, float] | None]:
     """The fastest op-level plan on `mesh` where "dp" splits exactly the batch and "tp"
-    never does (memory is the stage search's business: unlimited here)."""
+    never does, and its memory as the op-level problem counts it (weights with their
+    gradients and states, saved activations, workspace). Without a `budget` memory is the
+    stage search's business (unlimited); with one, the layout is the fastest whose memory,
+    weighed as the configuration holds it, stays within the budget (the memory-aware
+    layout of a configuration the fastest layout does not fit)."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
-        return {}, SolverRecord("none", "optimal", 0.0, 0.0, 0.0)
-    unlimited = replace(training, memory_limit_bytes=UNLIMITED)
+        return {}, SolverRecord("none", "optimal", 0.0, 0.0, 0.0), (0.0, 0.0)
+    unlimited = replace(training, memory_limit_bytes=int(budget.limit) if budget else UNLIMITED)
     problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
                             tie_classes(analysis.graph, analysis.repeats))
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
@@ -107,12 +130,17 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                 keep.append(position)
         if keep:
             restrict_candidates(problem, index, keep)
+    if budget is not None:
+        problem.weigh_memory(budget.weights, budget.activations)
     prune_dominated(problem)
     solution = solve(problem, Engine("auto", time_limit))
-    if not solution.choice:
+    if not solution.choice or (budget and solution.status not in ("optimal", "feasible")):
+        if budget:
+            return {}, record_of(solution), None
         raise ShardplanError(f"{analysis.graph.path}: no op-level plan on mesh {mesh.shape} "
                              f"({solution.status})")
-    return problem.strategies(solution.choice), record_of(solution)
+    return (problem.strategies(solution.choice), record_of(solution),
+            problem.memory_parts(solution.choice))
 
 
 def _divisors(n: int) -> list[int]:
@@ -156,15 +184,27 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
                 zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if dp > 1
                                                                    else [0])
                 schedules = [pins.schedule] if pins.schedule is not None else (
+                    [Schedule.INTERLEAVED] if pins.vpp is not None else
                     list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
                 for zero in zeros:
                     for schedule in schedules:
-                        chunks = INTERLEAVE_CHUNKS if schedule == Schedule.INTERLEAVED else 1
                         if schedule == Schedule.INTERLEAVED and (pp == 1 or m % pp):
                             continue
-                        choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks))
+                        for chunks in chunk_counts(schedule, pp, layers, pins):
+                            choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks))
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
                                                c.schedule))
+
+
+def chunk_counts(schedule: Schedule, pp: int, layers: int, pins: Pins) -> list[int]:
+    """Model chunks per device: 1 unless interleaved; then the pinned vpp, or every v from
+    2 while each of the pp·v chunks keeps at least one layer (at most
+    MAX_INTERLEAVE_CHUNKS)."""
+    if schedule != Schedule.INTERLEAVED:
+        return [1]
+    if pins.vpp is not None:
+        return [pins.vpp]
+    return list(range(2, min(MAX_INTERLEAVE_CHUNKS, max(1, layers) // pp) + 1))
 
 
 def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig:
@@ -198,25 +238,41 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         raise ShardplanError(f"--parallel {pins.given()}: no configuration of {devices} devices "
                              f"and batch {graph.batch} matches these pins")
     batch = root.batch_labels
-    profiles: dict[tuple[int, int], tuple[UnitProfile, Units]] = {}
+    Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
+    profiles: dict[tuple[int, int, MemoryBudget | None], Layout] = {}
 
-    def profile_of(tp: int, local: int) -> tuple[UnitProfile, Units]:
-        key = (tp, local)
+    def layout_of(tp: int, local: int, budget: MemoryBudget | None = None) -> Layout:
+        """The unit profile of the fastest layout (within `budget`, when given) at tp and
+        the local micro-batch, its units and its op-level memory; None: no layout fits."""
+        key = (tp, local, budget)
         if key not in profiles:
             small = graphs.at(local)
             mesh = stage_mesh(1, tp, per_node)
-            strategies, _ = model_parallel_strategies(small, mesh, hardware, training, batch,
-                                                      time_limit)
-            priced = priced_choice(small, mesh, strategies, hardware, training)
-            profiles[key] = (unit_profile(priced, small.units), small.units)
+            strategies, _, memory = model_parallel_strategies(
+                small, mesh, hardware, training, batch, time_limit, budget=budget)
+            if memory is None:
+                profiles[key] = (None, small.units, memory)
+            else:
+                priced = priced_choice(small, mesh, strategies, hardware, training)
+                profiles[key] = (unit_profile(priced, small.units), small.units, memory)
         return profiles[key]
+
+    def profile_of(tp: int, local: int) -> tuple[UnitProfile, Units, tuple[float, float]]:
+        profile, units, memory = layout_of(tp, local)
+        assert profile is not None and memory is not None  # unbudgeted: it raises instead
+        return profile, units, memory
+
+    def partitioner_of(choice: Choice, profile: UnitProfile) -> Partitioner:
+        profile = profile.with_gradient_axes((str(AxisRole.DATA),) if choice.dp > 1 else ())
+        mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+        return Partitioner(Pricer(profile, pipeline_config(choice, training), hardware, mesh))
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync.
     bounds = []
     for choice in choices:
         local = graph.batch // (choice.dp * choice.micro_batches)
-        profile, _ = profile_of(choice.tp, local)
+        profile, _, _ = profile_of(choice.tp, local)
         mean = float((profile.forward + profile.backward).sum()) / choice.pp
         bound = pipeline_time([mean] * choice.pp, choice.micro_batches, choice.schedule,
                               choice.virtual_stages)
@@ -228,11 +284,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     with_dp: dict[tuple[int, int, bool], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
+    retries = 0
     for bound, choice in bounds:
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
             break
         local = graph.batch // (choice.dp * choice.micro_batches)
-        profile, small_units = profile_of(choice.tp, local)
+        profile, small_units, layout_memory = profile_of(choice.tp, local)
         key = (choice.tp, local, choice.dp > 1)
         if key not in with_dp:
             with_dp[key] = profile.with_gradient_axes(
@@ -243,6 +300,13 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                          mesh))
         tried += 1
         found = partitioner.solve(limit, modes)
+        budget = None
+        if found is None and retries < MAX_MEMORY_AWARE and choice.tp > 1:
+            retries += 1
+            found, budget = _memory_aware(choice, limit, modes, layout_memory,
+                                          partitioner.solve(math.inf, [Recompute.FULL]),
+                                          partial(layout_of, choice.tp, local),
+                                          partitioner_of)
         if found is None:
             least = partitioner.solve(math.inf, [Recompute.FULL])
             if least is None:
@@ -255,12 +319,53 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         if found.price.peak_memory < smallest:
             smallest, where = found.price.peak_memory, choice.describe()
             categories = _peak_stage_memory(found.price)
-        ranked.append(Scored(choice, found, small_units))
+        ranked.append(Scored(choice, found, small_units, budget))
         ranked.sort(key=lambda s: s.step_time_s)
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
     return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories)
+
+
+def _memory_aware(choice: Choice, limit: float, modes: list[Recompute],
+                  layout_memory: tuple[float, float], least: Partition | None,
+                  profile_at: Callable[[MemoryBudget], tuple[UnitProfile | None, Units,
+                                                             tuple[float, float] | None]],
+                  partitioner_of: Callable[[Choice, UnitProfile], Partitioner],
+                  ) -> tuple[Partition | None, MemoryBudget | None]:
+    """A configuration the fastest layout does not fit: re-solve the op-level layout with
+    the memory constraint of this configuration, and partition again.
+
+    The configuration's least-memory partition says how its fullest device holds the
+    fastest layout's memory: weights, gradients and states scaled by `weights` = (its
+    parameters + gradients + optimizer) / (the layout's), saved activations by
+    `activations` = its activations / the layout's saved activations (pipeline stages,
+    ZeRO shards, micro-batches in flight and recompute all show in these two ratios). The
+    op-level ILP then finds the fastest layout whose memory, so weighed, fits the limit;
+    the limit tightens by each new overshoot (at most MEMORY_AWARE_ROUNDS solves). The
+    partition is priced exactly, as any other."""
+    owned, saved = layout_memory
+    if least is None or owned <= 0:
+        return None, None
+    memory = least.price.fullest.memory
+    weights = float(memory.parameters + memory.gradients + memory.optimizer) / owned
+    activations = float(memory.activations) / saved if saved > 0 else 1.0
+    budget_limit, peak = limit, float(least.price.peak_memory)
+    for _ in range(MEMORY_AWARE_ROUNDS):
+        budget = MemoryBudget(0.97 * budget_limit, weights, activations)
+        profile, _, _ = profile_at(budget)
+        if profile is None:
+            return None, None
+        partitioner = partitioner_of(choice, profile)
+        found = partitioner.solve(limit, modes)
+        if found is not None:
+            return found, budget
+        smallest = partitioner.solve(math.inf, [Recompute.FULL])
+        if smallest is None or smallest.price.peak_memory >= peak:
+            return None, None
+        budget_limit *= limit / float(smallest.price.peak_memory)
+        peak = float(smallest.price.peak_memory)
+    return None, None
 
 
 def _peak_stage_memory(price: StepPrice) -> dict[str, int]:
@@ -271,16 +376,17 @@ def _unformed(choice: Choice, units: Units) -> str:
     """Why a configuration cannot be laid on the model's units at all."""
     layers = len(units.layer_units)
     if choice.schedule == Schedule.INTERLEAVED:
-        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs a layer "
-                f"count divisible by {choice.pp * choice.virtual_stages}; the model has "
-                f"{layers} repeated layers")
+        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs at least "
+                f"{choice.pp * choice.virtual_stages} repeated layers (one per chunk); the "
+                f"model has {layers}")
     return (f"pp={choice.pp} needs at least as many units as stages; the model has "
             f"{units.count} (prefix, {layers} layers, suffix)")
 
 
 def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
-                   tp_pinned: bool, record: SolverRecord) -> PipelineDecision | None:
+                   tp_pinned: bool, record: SolverRecord,
+                   budget: MemoryBudget | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit."""
     graph = graphs.root.graph
@@ -292,8 +398,11 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     micro_size = graph.batch // choice.micro_batches
     micro = graphs.at(micro_size)
     inner = stage_mesh(choice.dp, choice.tp, per_node)
-    strategies, _ = model_parallel_strategies(micro, inner, hardware, training,
-                                              micro.batch_labels, time_limit)
+    strategies, _, memory = model_parallel_strategies(micro, inner, hardware, training,
+                                                      micro.batch_labels, time_limit,
+                                                      budget=budget)
+    if memory is None:
+        return None
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
     priced = priced_choice(micro, mesh, strategies, hardware, training)
     pricer = Pricer(unit_profile(priced, micro.units), pipeline_config(choice, training),
@@ -327,7 +436,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                 stages="partition DP over units (layers), recompute per "
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
-                                  time_limit, pins.tp is not None, record)
+                                  time_limit, pins.tp is not None, record, scored.budget)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

@@ -9,8 +9,8 @@ from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
-PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule")
-JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule")  # only the joint search
+PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp")
+JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp")  # joint only
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     schedule: Schedule | None = None
+    vpp: int | None = None  # interleaved model chunks per device
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -72,6 +73,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShardplanError(f"--parallel {key}={value}: must be an integer")
+        if key == "vpp" and value < 2:
+            raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
+                                 "model chunks per device")
         low = 0 if key == "zero" else 1
         if value < low or (key == "zero" and value > 3):
             raise ShardplanError(f"--parallel {key}={value}: must be "
@@ -82,4 +86,8 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         typed["recompute"] = Recompute(str(pins["recompute"]))
     if "schedule" in pins:
         typed["schedule"] = Schedule(str(pins["schedule"]))
+    if "vpp" in pins and typed.setdefault("schedule",
+                                          Schedule.INTERLEAVED) != Schedule.INTERLEAVED:
+        raise ShardplanError(f"--parallel vpp={pins['vpp']}: model chunks per device "
+                             f"need schedule=interleaved, not {pins['schedule']}")
     return Pins(**typed)  # type: ignore[arg-type]

@@ -40,6 +40,7 @@ from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.derive import fraction_of_layout
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
@@ -51,6 +52,7 @@ class Group:
     cost: np.ndarray  # seconds per candidate, summed over members
     memory: np.ndarray  # bytes per candidate, summed over members
     workspace: np.ndarray  # bytes per candidate: the largest local output of one member
+    saved: np.ndarray | None = None  # the part of `memory` that is saved activations
 
     @property
     def name(self) -> str:
@@ -85,6 +87,23 @@ class StrategyProblem:
                                                                       strict=True)),
                          *(float(e.buffer[choice[e.u], choice[e.v]]) for e in self.edges)])
         return time, memory + workspace
+
+    def memory_parts(self, choice: Sequence[int]) -> tuple[float, float]:
+        """(weights with their gradients and states, saved activations) of one choice."""
+        total = saved = 0.0
+        for group, c in zip(self.groups, choice, strict=True):
+            total += float(group.memory[c])
+            saved += float(group.saved[c]) if group.saved is not None else 0.0
+        return total - saved, saved
+
+    def weigh_memory(self, weights: float, activations: float) -> None:
+        """Count each choice's memory as `weights`·(its weights and states) +
+        `activations`·(its saved activations): the op-level memory as a configuration
+        holds it (pipeline stages, ZeRO shards, micro-batches in flight, recompute)."""
+        for group in self.groups:
+            saved = group.saved if group.saved is not None else np.zeros_like(group.memory)
+            group.memory = weights * (group.memory - saved) + activations * saved
+            group.saved = activations * saved
 
     def strategies(self, choice: Sequence[int]) -> dict[str, OpStrategy]:
         return {op: group.candidates[c].strategy
@@ -121,6 +140,7 @@ def build_problem(
         found = _candidates(first, labels.get(first.name), tensors, mesh, fixed.get(first.name))
         for member in members:
             candidates[member] = found
+    _resolve_outputs(graph, groups_ops, candidates, fixed)
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
@@ -133,6 +153,34 @@ def build_problem(
                    options)
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
     return StrategyProblem(graph, mesh, groups, edges, float(limit), group_of, dict(labels))
+
+
+def _resolve_outputs(graph: PlanningGraph, groups_ops: Sequence[Sequence[str]],
+                     candidates: dict[str, list[Candidate]],
+                     fixed: Mapping[str, OpStrategy]) -> None:
+    """A graph output leaves the graph resolved: nothing after the graph sums a pending
+    partial sum, so the op writing a (non-scalar) output keeps only candidates that write
+    it whole over every axis it is summed on; the reduction then happens inside the graph,
+    where an edge prices it (e.g. the hidden split gathered before a language-model head,
+    not gigabytes of partial logits). A scalar output (the model's own loss) may stay a
+    pending sum: its gradient is right as it is and its value is summed for the report
+    only. Ops pinned by the user keep their strategy."""
+    class_of = {op: members for members in groups_ops for op in members}
+    for name in graph.outputs:
+        info = graph.tensors.get(name)
+        if info is None or info.producer is None or info.numel <= 1 or info.producer in fixed:
+            continue
+        producer = graph.op(info.producer)
+        slot = list(producer.outputs).index(name)
+        found = candidates[producer.name]
+        kept = [c for c in found if not _partial(c.outputs[slot])]
+        if kept and len(kept) < len(found):
+            for member in class_of.get(producer.name, [producer.name]):
+                candidates[member] = kept
+
+
+def _partial(layout: Layout | None) -> bool:
+    return layout is not None and bool(layout.partial)
 
 
 def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMesh,
@@ -151,9 +199,10 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
            owner: Mapping[str, tuple[str, int]], kernels: KernelPlan) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
+    saved_total = np.zeros(count)
     # Members of a tied group are the same op in repeated layers: equal signatures give
     # equal prices, provided each owns the weights at the same input slots.
-    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
@@ -165,12 +214,14 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
                                                needs_grad, owner, kernels)
                                for candidate in candidates[node.name]]).reshape(count, 4)
-            priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3])
-        seconds, held, largest = priced[key]
+            priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
+                           values[:, 2])
+        seconds, held, largest, saved = priced[key]
         cost += seconds
         memory += held
+        saved_total += saved
         workspace = np.maximum(workspace, largest)
-    return Group(members, list(candidates[members[0]]), cost, memory, workspace)
+    return Group(members, list(candidates[members[0]]), cost, memory, workspace, saved_total)
 
 
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
@@ -343,6 +394,8 @@ def restrict_candidates(problem: StrategyProblem, index: int, keep: list[int]) -
     group.candidates = [group.candidates[i] for i in keep]
     group.cost, group.memory = group.cost[keep], group.memory[keep]
     group.workspace = group.workspace[keep]
+    if group.saved is not None:
+        group.saved = group.saved[keep]
     for edge in problem.edges:
         if edge.u == index:
             edge.cost, edge.buffer = edge.cost[keep, :], edge.buffer[keep, :]

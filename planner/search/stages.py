@@ -4,8 +4,11 @@
 inter-op pass (Zheng et al., OSDI 2022): it minimises the bottleneck stage load
 m·t_s + e_s under the memory limit, choosing each stage's recompute mode, vectorised over
 every contiguous range with numpy (`StageTables`). Interleaved schedules use Megatron's
-even chunking instead. The result is a decision (unit ranges and a recompute mode per
-device) with its exact price from `planner.cost.pipeline.Pricer`.
+round-robin chunking instead, with v chunks per device of equal layer counts or, where
+the layers do not divide or the embedding and head make the end chunks heavier, the end
+chunks a layer lighter (`chunk_layer_counts`); the exact price picks the counts. The
+result is a decision (unit ranges and a recompute mode per device) with its exact price
+from `planner.cost.pipeline.Pricer`.
 """
 
 from __future__ import annotations
@@ -30,21 +33,65 @@ def contiguous(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
     return [[(bounds[k], bounds[k + 1])] for k in range(len(bounds) - 1)]
 
 
-def interleaved(units: Units, pp: int, chunks: int) -> list[list[tuple[int, int]]] | None:
-    """Megatron's interleaved assignment: the layers in pp·chunks equal chunks, chunk c on
-    device c mod pp; the prefix joins the first chunk and the suffix the last. None when
-    the layers do not divide evenly."""
+def interleaved(units: Units, pp: int, chunks: int,
+                counts: Sequence[int] | None = None) -> list[list[tuple[int, int]]] | None:
+    """Megatron's interleaved assignment: the layers in pp·chunks chunks of `counts` layers
+    (default: equal), chunk c on device c mod pp; the prefix joins the first chunk and the
+    suffix the last. None when the layers do not divide evenly (default counts) or the
+    counts do not add up to the layers, or a chunk would hold no layer."""
     layers = units.layer_units
     pieces = pp * chunks
-    if not layers or len(layers) % pieces:
+    if not layers or pp < 1 or chunks < 1:
         return None
-    size = len(layers) // pieces
-    starts = [layers[0] + k * size for k in range(pieces)] + [layers[-1] + 1]
+    if counts is None:
+        if len(layers) % pieces:
+            return None
+        counts = [len(layers) // pieces] * pieces
+    if len(counts) != pieces or sum(counts) != len(layers) or min(counts) < 1:
+        return None
+    starts = [layers[0]]
+    for count in counts:
+        starts.append(starts[-1] + count)
     starts[0], starts[-1] = 0, units.count
     devices: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     for c in range(pieces):
         devices[c % pp].append((starts[c], starts[c + 1]))
     return devices
+
+
+def chunk_layer_counts(layers: int, pieces: int) -> list[tuple[int, ...]]:
+    """Layer counts worth trying for `pieces` interleaved chunks of `layers` layers (each
+    at least one): the first and last chunks each at q − 1, q or q + 1 layers
+    (q = layers // pieces), the rest spread evenly over the middle chunks; kept when all
+    chunks are within one layer of each other, or the end chunks are the lightest.
+    Lighter end chunks are what Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers`` set, since those chunks also hold the
+    embedding and the head; the exact price picks among the counts."""
+    if pieces < 1 or layers < pieces:
+        return []
+    if pieces == 1:
+        return [(layers,)]
+    q = layers // pieces
+    found: list[tuple[int, ...]] = []
+    for first in (q, q - 1, q + 1):
+        for last in (q, q - 1, q + 1):
+            middle, rest = pieces - 2, layers - first - last
+            if min(first, last) < 1 or rest < middle or (middle == 0 and rest):
+                continue
+            inner: list[int] = []
+            if middle:
+                even, extra = divmod(rest, middle)
+                inner = [even] * middle
+                for k in sorted(range(middle), key=lambda k: (abs(2 * k - (middle - 1)), k))[
+                        :extra]:
+                    inner[k] += 1
+            counts = (first, *inner, last)
+            balanced = max(counts) - min(counts) <= 1
+            lighter_ends = max(counts) - min(counts) <= 2 and max(first, last) <= min(
+                inner or [first])
+            if (balanced or lighter_ends) and counts not in found:
+                found.append(counts)
+    return found
 
 
 @dataclass
@@ -77,10 +124,15 @@ class Partitioner:
         pricer = self.pricer
         profile, config = pricer.profile, pricer.config
         if config.schedule == Schedule.INTERLEAVED:
-            devices = interleaved(profile.units, config.pp, config.virtual_stages)
-            if devices is None:
-                return None
-            return _best_modes(pricer, devices, limit, modes)
+            best: Partition | None = None
+            pieces = config.pp * config.virtual_stages
+            for counts in chunk_layer_counts(len(profile.units.layer_units), pieces):
+                devices = interleaved(profile.units, config.pp, config.virtual_stages, counts)
+                laid = _best_modes(pricer, devices, limit, modes) if devices else None
+                if laid is not None and (best is None or laid.price.step_time_s
+                                         < best.price.step_time_s):
+                    best = laid
+            return best
         if config.pp > profile.count:
             return None
         found = self.tables.solve(limit, modes)
