@@ -34,7 +34,7 @@ def test_the_pinned_layout_shards_weights_when_the_fastest_does_not_fit(gpt: Pat
     weights = fastest.model.parameters * 2  # bf16
     held = fastest.predicted.memory["parameters"]
     assert held > 1.5 * weights / 4  # the fastest layout keeps weights replicated over tp
-    limit = 9.0
+    limit = 6.0  # the fastest layout needs 9.0 GiB
     assert fastest.predicted.memory["peak"] > limit * GIB
     fitted = _plan(gpt, limit)
     assert fitted.predicted.fits and fitted.predicted.memory["peak"] <= limit * GIB
