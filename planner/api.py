@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 from costmodels.profile import HardwareProfile, load_profile
+from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -50,6 +52,7 @@ def plan(
     memory_limit_gib: float | None = None,
     inference: bool = False,
     overlap: float = 0.0,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -59,7 +62,9 @@ def plan(
     "auto" (everything searched). The plan says in `plan.predicted.fits` whether it fits
     device memory; when no plan can fit, `NoPlanFits` (CLI exit code 3) is raised.
     `inference` plans a forward pass only; `overlap` is the share (0..1) of gradient
-    synchronisation hidden behind the backward pass.
+    synchronisation hidden behind the backward pass at least (the schedule may hide more);
+    `bucket_mb` the bucket (MiB) gradient reductions and ZeRO gathers are issued in
+    (default PyTorch DDP's 25; 0: one collective per tensor).
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -73,13 +78,16 @@ def plan(
         raise ShardplanError(f"--memory-limit {memory_limit_gib}: must be a positive GiB figure")
     if not 0.0 <= overlap <= 1.0:
         raise ShardplanError(f"--overlap {overlap}: a share between 0 and 1")
+    if not math.isfinite(bucket_mb) or bucket_mb < 0:
+        raise ShardplanError(f"--bucket-mb {bucket_mb}: a bucket size in MiB, 0 or more "
+                             "(0: one collective per tensor)")
     if time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
     training = TrainingOptions(
         optimizer=optimizer,
         memory_limit_bytes=int(memory_limit_gib * GIB) if memory_limit_gib else None,
-        inference=inference, overlap=overlap,
+        inference=inference, overlap=overlap, bucket_mb=float(bucket_mb),
     )
     if mode == "data":
         return plan_data_parallel(graph, hardware, devices, training)

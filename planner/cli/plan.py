@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -51,7 +52,12 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--inference", action="store_true",
                       help="plan a forward pass only (no gradients, optimizer, saved activations)")
     plan.add_argument("--overlap", type=float, default=0.0, metavar="SHARE",
-                      help="share (0..1) of gradient synchronisation hidden behind backward")
+                      help="least share (0..1) of the end-of-step gradient synchronisation "
+                           "hidden behind backward (the schedule may hide more)")
+    plan.add_argument("--bucket-mb", type=bucket_mb, metavar="MIB",
+                      help="bucket size gradient reductions and ZeRO gathers are issued in "
+                           "(default 25, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 "
+                           "elements are 954 in bf16; 0: one collective per tensor)")
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
@@ -64,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import memory_shortfall, summary
 
     dims = dict(args.dim)
+    # Not given: the API's default (planner.cost.buckets.DEFAULT_BUCKET_MB).
+    buckets = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
         model = args.model
         batch = args.batch
@@ -81,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                           time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
                           max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
                           optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
-                          inference=args.inference, overlap=args.overlap, progress=progress)
+                          inference=args.inference, overlap=args.overlap,
+                          progress=progress, **buckets)
         finally:
             if progress is not None:
                 progress.close()
@@ -91,6 +100,18 @@ def run(args: argparse.Namespace) -> int:
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0
+
+
+def bucket_mb(text: str) -> float:
+    """`--bucket-mb 25`: a bucket size in MiB, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a bucket size in MiB, 0 or more "
+                                         "(0: one collective per tensor)")
+    return value
 
 
 def _write_demo_model(folder: Path) -> Path:

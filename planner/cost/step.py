@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodels.schedule import pipeline_time
+from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.kinds import Recompute, Schedule
 from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
@@ -28,6 +29,7 @@ class TrainingOptions:
     memory_limit_bytes: int | None = None  # None: the profile's device memory
     inference: bool = False  # forward only: no gradients, optimizer or saved activations
     overlap: float = 0.0  # share of gradient synchronisation hidden behind backward compute
+    bucket_mb: float = DEFAULT_BUCKET_MB  # weight collectives' bucket (MiB); 0: one per tensor
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved schedule)
     optimizer: str = "adam"
     overlap: float = 0.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
 
 
 @dataclass(frozen=True)

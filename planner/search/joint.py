@@ -170,7 +170,8 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
 def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig:
     return PipelineConfig(pp=choice.pp, micro_batches=choice.micro_batches, zero=choice.zero,
                           schedule=choice.schedule, virtual_stages=choice.virtual_stages,
-                          optimizer=training.optimizer, overlap=training.overlap)
+                          optimizer=training.optimizer, overlap=training.overlap,
+                          bucket_mb=training.bucket_mb)
 
 
 def recompute_modes(pins: Pins) -> list[Recompute]:
