@@ -151,10 +151,15 @@ def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
 def _first_use(sharded: ShardedGraph, tensor: str) -> int:
     """Index of the first op reading `tensor` (the order the backward pass reverses)."""
     analysis = sharded.analysis
-    found = analysis.memo.setdefault("_op_index", {
-        node.name: k for k, node in enumerate(analysis.graph.ops)})
+    found = analysis.memo.get(OP_INDEX)
+    if found is None:
+        found = analysis.memo[OP_INDEX] = {node.name: k
+                                           for k, node in enumerate(analysis.graph.ops)}
     first = analysis.first_consumers.get(tensor)
     return found[first[0]] if first is not None else 0
+
+
+OP_INDEX = "op index"  # memo key of the analysis: op name -> index
 
 
 def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
