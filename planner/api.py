@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
@@ -9,6 +10,7 @@ from typing import TypeVar
 
 from costmodels.precision import default_precision, policy
 from costmodels.profile import HardwareProfile, load_profile
+from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -58,6 +60,7 @@ def plan(
     precision: str | Precision | None = None,
     attention: str | AttentionKernel | None = None,
     fusion: str | Fusion | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -67,11 +70,14 @@ def plan(
     "auto" (everything searched). The plan says in `plan.predicted.fits` whether it fits
     device memory; when no plan can fit, `NoPlanFits` (CLI exit code 3) is raised.
     `inference` plans a forward pass only; `overlap` is the share (0..1) of gradient
-    synchronisation hidden behind the backward pass. `precision` (`costmodels.precision`;
-    default: the graph's own dtype, a 16-bit graph in its `-mixed` form) decides the bytes
-    per parameter and the dtype activations and GEMMs run in; `attention` ("flash" or
-    "eager") and `fusion` ("elementwise" or "none") the kernels (default: the profile's,
-    `device.kernels`). The plan's `step` section records all three.
+    synchronisation hidden behind the backward pass at least (the schedule may hide more);
+    `bucket_mb` the bucket (MiB) gradient reductions and ZeRO gathers are issued in
+    (default PyTorch DDP's 25; 0: one collective per tensor). `precision`
+    (`costmodels.precision`; default: the graph's own dtype, a 16-bit graph in its `-mixed`
+    form) decides the bytes per parameter and the dtype activations and GEMMs run in;
+    `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
+    (default: the profile's, `device.kernels`). The plan's `step` section records all
+    three.
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -85,6 +91,9 @@ def plan(
         raise ShardplanError(f"--memory-limit {memory_limit_gib}: must be a positive GiB figure")
     if not 0.0 <= overlap <= 1.0:
         raise ShardplanError(f"--overlap {overlap}: a share between 0 and 1")
+    if not math.isfinite(bucket_mb) or bucket_mb < 0:
+        raise ShardplanError(f"--bucket-mb {bucket_mb}: a bucket size in MiB, 0 or more "
+                             "(0: one collective per tensor)")
     if time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
@@ -98,6 +107,7 @@ def plan(
         attention=_choice(AttentionKernel, attention, "--attention")
         or hardware.default_attention,
         fusion=_choice(Fusion, fusion, "--fusion") or hardware.default_fusion,
+        bucket_mb=float(bucket_mb),
     )
     if mode == "data":
         return plan_data_parallel(graph, hardware, devices, training)

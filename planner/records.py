@@ -64,7 +64,11 @@ class MemoryBreakdown(Mapping[str, Any]):
 @dataclass(frozen=True)
 class Collective:
     """One collective of a plan with its price: what the run issues, per micro-batch
-    (forward, backward) or per step (gradient), and the seconds it takes each time."""
+    (forward, backward) or per step (gradient), and the seconds it takes each time.
+
+    Weight synchronisation is issued in buckets (`planner.cost.buckets`): the record stays
+    one per tensor, `bucket` numbers the bucket it joins (tensors of one bucket share one
+    collective call), and `time_s` is the tensor's share of that call."""
 
     kind: CollectiveKind
     tensor: str
@@ -72,7 +76,8 @@ class Collective:
     bytes: int
     phase: Phase
     op: str  # the consuming op, "optimizer" for weight synchronisation, or a stage send's
-    time_s: float
+    time_s: float  # a bucketed weight collective: its share of the bucket's time
+    bucket: int | None = None  # the bucket a weight collective is issued in (None: alone)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -53,7 +54,8 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--inference", action="store_true",
                       help="plan a forward pass only (no gradients, optimizer, saved activations)")
     plan.add_argument("--overlap", type=float, default=0.0, metavar="SHARE",
-                      help="share (0..1) of gradient synchronisation hidden behind backward")
+                      help="least share (0..1) of the end-of-step gradient synchronisation "
+                           "hidden behind backward (the schedule may hide more)")
     plan.add_argument("--precision", choices=[p.value for p in Precision],
                       help="training precision (default: the graph's dtype; a 16-bit graph "
                            "trains -mixed, with fp32 master weights and main gradients)")
@@ -63,6 +65,10 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--fusion", choices=[f.value for f in Fusion],
                       help="elementwise chains as one kernel or one per op (default: the "
                            "profile's)")
+    plan.add_argument("--bucket-mb", type=bucket_mb, metavar="MIB",
+                      help="bucket size gradient reductions and ZeRO gathers are issued in "
+                           "(default 25, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 "
+                           "elements are 954 in bf16; 0: one collective per tensor)")
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
@@ -75,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import memory_shortfall, summary
 
     dims = dict(args.dim)
+    # Not given: the API's default (planner.cost.buckets.DEFAULT_BUCKET_MB).
+    buckets = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
         model = args.model
         batch = args.batch
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                           optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
                           inference=args.inference, overlap=args.overlap,
                           precision=args.precision, attention=args.attention,
-                          fusion=args.fusion, progress=progress)
+                          fusion=args.fusion, progress=progress, **buckets)
         finally:
             if progress is not None:
                 progress.close()
@@ -104,6 +112,18 @@ def run(args: argparse.Namespace) -> int:
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0
+
+
+def bucket_mb(text: str) -> float:
+    """`--bucket-mb 25`: a bucket size in MiB, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a bucket size in MiB, 0 or more "
+                                         "(0: one collective per tensor)")
+    return value
 
 
 def _write_demo_model(folder: Path) -> Path:

@@ -10,13 +10,20 @@ set of activations alive at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
+from planner.cost.buckets import (
+    Issue,
+    assign_buckets,
+    bucket_bytes,
+    bucketed_seconds,
+    schedule_overlap,
+)
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
-from planner.cost.pricing import exposed, op_times, optimizer_seconds, price, saved_bytes
+from planner.cost.pricing import op_times, optimizer_seconds, price, saved_bytes
 from planner.cost.step import (
     PipelineConfig,
     StagePrice,
@@ -49,7 +56,8 @@ class PricedGraph:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""
         return step_price([self.stage], PipelineConfig(optimizer=self.options.optimizer,
                                                         overlap=self.options.overlap,
-                                                        precision=self.options.precision))
+                                                        precision=self.options.precision,
+                                                        bucket_mb=self.options.bucket_mb))
 
 
 def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -100,17 +108,16 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         if live_peak is not None:
             live_peak.step(node, sharded.layouts, mesh)
         costs.append(OpCost(forward, backward, saved, output_bytes))
-    collectives = tuple(price(spec, mesh, profile) for spec in sharded.collectives)
+    collectives = (*(price(spec, mesh, profile) for op in sharded.ops
+                     for spec in op.collectives),
+                   *gradient_collectives(sharded, profile, options.bucket_mb))
     # Activation collectives need their own buffer (the gathered or unreduced tensor);
     # gradient reductions run in place on the gradient buffers.
     workspace = max([workspace, *(c.bytes for c in collectives if c.phase != Phase.GRADIENT)])
     times = {phase: 0.0 for phase in Phase}
-    sync = hidden = 0.0
     for collective in collectives:
         times[collective.phase] += collective.time_s
-        if collective.phase == Phase.GRADIENT:
-            shown, behind = exposed(collective.time_s, options.overlap)
-            sync, hidden = sync + shown, hidden + behind
+    sync, hidden = _gradient_overlap(sharded, collectives, costs, options.overlap)
     memory, optimizer_s = _memory(graph, sharded, profile, options,
                                   live_peak.peak if live_peak is not None else saved_total,
                                   workspace)
@@ -122,6 +129,59 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         zero_s=0.0, sync_s=sync, hidden_s=hidden, optimizer_s=optimizer_s, in_flight=1.0,
         memory=memory)
     return PricedGraph(sharded, tuple(costs), collectives, stage, options, kernels)
+
+
+def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
+                         bucket_mb: float) -> tuple[Collective, ...]:
+    """The weights' gradient all-reduces of an op-level plan, each priced as its share of
+    its bucket and numbered with it; buckets fill in the order the backward pass issues
+    them (last weight first)."""
+    mesh = sharded.mesh
+    bucket = bucket_bytes(bucket_mb)
+    specs = sharded.gradients
+    issued = sorted(range(len(specs)), key=lambda k: _first_use(sharded, specs[k].tensor),
+                    reverse=True)
+    numbers = assign_buckets((Issue((specs[k].kind, specs[k].axes), specs[k].nbytes)
+                              for k in issued), bucket)
+    bucket_of = dict(zip(issued, numbers, strict=True))
+    return tuple(Collective(spec.kind, spec.tensor, spec.axes, int(spec.nbytes), spec.phase,
+                            spec.op, bucketed_seconds(profile, spec.kind, spec.nbytes,
+                                                      spec.axes, mesh, bucket), bucket_of[k])
+                 for k, spec in enumerate(specs))
+
+
+def _first_use(sharded: ShardedGraph, tensor: str) -> int:
+    """Index of the first op reading `tensor` (the order the backward pass reverses)."""
+    analysis = sharded.analysis
+    found = analysis.memo.get(OP_INDEX)
+    if found is None:
+        found = analysis.memo[OP_INDEX] = {node.name: k
+                                           for k, node in enumerate(analysis.graph.ops)}
+    first = analysis.first_consumers.get(tensor)
+    return found[first[0]] if first is not None else 0
+
+
+OP_INDEX = "op index"  # memo key of the analysis: op name -> index
+
+
+def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
+                      costs: Sequence[OpCost], overlap: float) -> tuple[float, float]:
+    """(exposed, hidden) gradient synchronisation: all but the first unit's weights' (the
+    last bucket) behind the backward compute of the other units (`schedule_overlap`)."""
+    analysis = sharded.analysis
+    unit_of = analysis.units.unit_of_ops()
+    first_unit = int(unit_of[0]) if len(unit_of) else 0
+    total = last = 0.0
+    for collective in collectives:
+        if collective.phase != Phase.GRADIENT:
+            continue
+        total += collective.time_s
+        index = _first_use(sharded, collective.tensor)
+        if int(unit_of[index]) == first_unit:
+            last += collective.time_s
+    backward = sum(cost.backward_s for cost in costs)
+    first = sum(cost.backward_s for k, cost in enumerate(costs) if unit_of[k] == first_unit)
+    return schedule_overlap(total, last, backward - first, overlap)
 
 
 def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfile,

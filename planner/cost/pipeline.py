@@ -20,10 +20,17 @@ import numpy as np
 from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import in_flight
+from planner.cost.buckets import (
+    backward_prefetch_exposed,
+    bucket_bytes,
+    bucketed_seconds,
+    prefetch_exposed,
+    schedule_overlap,
+)
 from planner.cost.pricing import collective_seconds, exposed, optimizer_seconds
 from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import ParamShare, UnitProfile
-from planner.kinds import AxisRole, CollectiveKind, Recompute
+from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.weights import sync_steps
 
@@ -33,11 +40,17 @@ PIPELINE_AXIS: str = AxisRole.PIPELINE
 class Prices:
     """Collective times on one mesh (`collective_seconds` memoises them per profile)."""
 
-    def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh) -> None:
+    def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh,
+                 bucket_mb: float = 0.0) -> None:
         self.hardware, self.mesh = hardware, mesh
+        self.bucket = bucket_bytes(bucket_mb)  # weight collectives' bucket, bytes (0: none)
 
     def __call__(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
         return collective_seconds(self.hardware, kind, nbytes, axes, self.mesh)
+
+    def bucketed(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
+        """A weight collective's share of its bucket (`planner.cost.buckets`)."""
+        return bucketed_seconds(self.hardware, kind, nbytes, axes, self.mesh, self.bucket)
 
     def p2p(self, nbytes: float) -> float:
         """One send between neighbouring stages (nothing without a pipeline axis)."""
@@ -55,7 +68,10 @@ class WeightTerms:
     elements: Any
     sharded_bytes: Any  # the ZeRO shard over each weight's gradient group
     sharded_elements: Any
-    micro: Any  # seconds per micro-batch (ZeRO-2/3 collectives)
+    micro: Any  # seconds per micro-batch (ZeRO-2/3 collectives), the three below summed
+    micro_forward: Any  # of which before the forward pass (ZeRO-3 gathers)
+    micro_gather: Any  # before the backward pass (ZeRO-3 gathers)
+    micro_reduce: Any  # after the backward pass (ZeRO-2/3 reduce-scatters)
     end: Any  # seconds once per step, exposed (gradient reduction, parameter gathers)
     hidden: Any  # the part of the end-of-step synchronisation overlap hides
     optimizer: Any  # seconds of the optimizer pass
@@ -79,12 +95,16 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
     `planner.sharding.weights.sync_steps` over its gradient axes."""
     axes = param.synced_axes(mesh)
     shards = mesh.group_size(axes)
-    micro = end = 0.0
+    forward = gather = reduce = end = 0.0
     if axes:
         for step in sync_steps(config.zero):
-            seconds = prices(step.kind, param.bytes, axes)
-            if step.per_micro_batch:
-                micro += seconds
+            seconds = prices.bucketed(step.kind, param.bytes, axes)
+            if step.phase == Phase.FORWARD:
+                forward += seconds
+            elif step.phase == Phase.BACKWARD and step.kind == CollectiveKind.ALL_GATHER:
+                gather += seconds
+            elif step.per_micro_batch:
+                reduce += seconds
             else:
                 end += seconds
     shown, hidden = exposed(end, config.overlap)
@@ -92,7 +112,8 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
     states = optimizer_state_bytes(param.elements, param.itemsize, config.optimizer,
                                    config.precision)
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
-                       param.elements / shards, micro, shown, hidden,
+                       param.elements / shards, forward + gather + reduce, forward, gather,
+                       reduce, shown, hidden,
                        optimizer_seconds(hardware, param.bytes / divide, states / divide),
                        param.bytes)
 
@@ -194,7 +215,7 @@ class Pricer:
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh) -> None:
         self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
-        self.prices = Prices(hardware, mesh)
+        self.prices = Prices(hardware, mesh, config.bucket_mb)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
         self.arrivals = Arrivals(profile, self.prices)
 
@@ -214,7 +235,7 @@ class Pricer:
                  Recompute.FULL: forward_compute + forward_comm}[mode]
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
-        end = weights.end
+        end, hidden, zero = self._overlap(chosen, weights)
         for param, _, exchange in self.weights.shared:
             mine = chosen[list(param.units)].any()
             if mine and any(any(a <= u < b for a, b in other for u in param.units)
@@ -237,9 +258,9 @@ class Pricer:
             precision=config.precision,
         )
         return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
-                          backward_comm, extra, p2p, weights.micro, end, weights.hidden,
+                          backward_comm, extra, p2p, zero, end, hidden,
                           weights.optimizer, flight, memory,
-                          self._chunks(ranges, mode, p2p + weights.micro))
+                          self._chunks(ranges, mode, p2p + zero))
 
     def _chunks(self, ranges: Sequence[tuple[int, int]], mode: Recompute,
                 shared: float) -> tuple[tuple[float, float], ...]:
@@ -262,6 +283,34 @@ class Pricer:
             return tuple((shared / (2 * len(own)),) * 2 for _ in own) if own else ()
         scale = 1.0 + shared / total
         return tuple((f * scale, b * scale) for f, b in own)
+
+    def _overlap(self, chosen: np.ndarray, weights: WeightTerms) -> tuple[float, float, float]:
+        """(exposed, hidden) seconds of the device's end-of-step synchronisation, and the
+        exposed seconds per micro-batch of its ZeRO-2/3 collectives, as the schedule hides
+        them (`planner.cost.buckets`): the gradient reduction behind the last
+        micro-batch's backward pass but for the last bucket (its first unit's weights);
+        ZeRO-3 gathers prefetched one unit ahead, reduce-scatters behind the next unit."""
+        profile, own = self.profile, self.weights.own
+        units = np.flatnonzero(chosen)
+        if not len(units):
+            return 0.0, 0.0, 0.0
+        columns = {name: getattr(own, name)[units].copy()
+                   for name in ("micro_forward", "micro_gather", "micro_reduce", "end",
+                                "hidden")}
+        for param, terms, _ in self.weights.shared:
+            held = [k for k, u in enumerate(units) if u in param.units]
+            if held:  # counted once, at the device's first unit reading it
+                for name, column in columns.items():
+                    column[held[0]] += getattr(terms, name)
+        sync = columns["end"] + columns["hidden"]
+        backward = profile.backward_compute[units]
+        end, hidden = schedule_overlap(float(sync.sum()), float(sync[0]),
+                                       float(backward.sum() - backward[0]),
+                                       self.config.overlap)
+        zero = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units]) \
+            + backward_prefetch_exposed(columns["micro_gather"], columns["micro_reduce"],
+                                        backward)
+        return end, hidden, min(zero, weights.micro)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],
               recompute: Sequence[Recompute]) -> StepPrice:

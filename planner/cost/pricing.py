@@ -84,6 +84,18 @@ def collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
     return found
 
 
+def bucketed_seconds(profile: HardwareProfile, kind: str, nbytes: float,
+                     axes: Sequence[str], mesh: DeviceMesh, bucket: float) -> float:
+    """One weight collective's share of the bucket of `bucket` bytes it is issued in
+    (`planner.cost.buckets`): t(bucket) · nbytes / bucket, its own t(nbytes) when it is no
+    smaller than a bucket or bucketing is off (`bucket` 0)."""
+    if bucket <= 0 or nbytes >= bucket:
+        return collective_seconds(profile, kind, nbytes, axes, mesh)
+    if nbytes <= 0:
+        return 0.0
+    return collective_seconds(profile, kind, bucket, axes, mesh) * (nbytes / bucket)
+
+
 def _collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
                         axes: Sequence[str], mesh: DeviceMesh) -> float:
     size, per_node, extent, node_extent = mesh.placement(axes)
@@ -116,10 +128,10 @@ def exposed(seconds: float, overlap: float) -> tuple[float, float]:
 def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
                  mesh: DeviceMesh, profile: HardwareProfile, requires_grad: bool,
                  partial_axes: tuple[str, ...], weight_derived: bool,
-                 overlap: float) -> tuple[float, float]:
+                 overlap: float, bucket: float = 0.0) -> tuple[float, float]:
     """Seconds of reading `info` in `dst` when stored in `src` (forward and backward moves,
-    and the exposed part of a deferred weight-gradient sum), and the largest collective
-    buffer the move needs."""
+    and the exposed part of a deferred weight-gradient sum, in buckets of `bucket` bytes),
+    and the largest collective buffer the move needs."""
     found, deferred = edge_steps(info, src, dst, consumer, mesh, requires_grad, partial_axes,
                                  weight_derived)
     priced = [price(spec, mesh, profile) for spec in found]
@@ -129,7 +141,8 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
         local = info.nbytes * fraction_of_layout(src, mesh)
         gradient = CollectiveSpec(CollectiveKind.ALL_REDUCE, info.name, tuple(sorted(deferred)),
                                   local, Phase.GRADIENT, OPTIMIZER_OP)
-        seconds += exposed(price(gradient, mesh, profile).time_s, overlap)[0]
+        seconds += exposed(bucketed_seconds(profile, gradient.kind, gradient.nbytes,
+                                            gradient.axes, mesh, bucket), overlap)[0]
     return seconds, buffer
 
 

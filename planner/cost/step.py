@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodels.schedule import pipeline_time
+from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.kinds import AttentionKernel, Fusion, Precision, Recompute, Schedule
 from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
@@ -31,6 +32,7 @@ class TrainingOptions:
     precision: Precision | None = None  # None: the graph's own (costmodels.precision)
     attention: AttentionKernel | None = None  # None: the profile's (device.kernels)
     fusion: Fusion | None = None  # None: the profile's
+    bucket_mb: float = DEFAULT_BUCKET_MB  # weight collectives' bucket (MiB); 0: one per tensor
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class PipelineConfig:
     optimizer: str = "adam"
     overlap: float = 0.0
     precision: Precision | None = None  # None: the weights' own (costmodels.precision)
+    bucket_mb: float = DEFAULT_BUCKET_MB
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
+from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
 from planner.cost.pipeline import PIPELINE_AXIS, Pricer, Prices
@@ -284,19 +285,27 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
 def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
                         prices: Prices) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
-    holding it, and the sum between the holders of a weight two stages read (a tied
-    embedding), priced as one exchange with the other holder."""
+    holding it, each priced as its share of its bucket and numbered with it (buckets of
+    one stage, kind, phase and group fill in the order the step issues them), and the sum
+    between the holders of a weight two stages read (a tied embedding), priced as one
+    exchange with the other holder."""
     holders: dict[str, list[int]] = {}
     for stage in stages:
         for name in stage.holds:
             holders.setdefault(name, []).append(stage.device_stage)
-    result = []
+    result: list[Collective] = []
+    issues: list[tuple[tuple, int, Issue]] = []  # (issue order, record index, bucket key)
     for param in profile.params:
         axes = param.synced_axes(prices.mesh)
         held_by = holders.get(param.name, [0])
-        for _ in held_by:
-            for step in sync_steps(zero) if axes else ():
-                seconds = prices(step.kind, param.bytes, axes)
+        first = param.units[0] if param.units else 0
+        for holder in held_by:
+            for number, step in enumerate(sync_steps(zero) if axes else ()):
+                seconds = prices.bucketed(step.kind, param.bytes, axes)
+                # Forward gathers run in layer order; the rest in the backward pass's order.
+                position = first if step.phase == Phase.FORWARD else -first
+                issues.append(((holder, number, position, param.name), len(result),
+                               Issue((holder, step.kind, step.phase, axes), param.bytes)))
                 result.append(Collective(step.kind, param.name, axes, round(param.bytes),
                                          step.phase, OPTIMIZER_OP, seconds))
             if len(held_by) > 1:
@@ -304,6 +313,10 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
                 result.append(Collective(CollectiveKind.ALL_REDUCE, param.name,
                                          (PIPELINE_AXIS,), round(param.bytes), Phase.GRADIENT,
                                          OPTIMIZER_OP, seconds))
+    issues.sort(key=lambda item: item[0])
+    buckets = assign_buckets((issue for _, _, issue in issues), prices.bucket)
+    for (_, index, _), bucket in zip(issues, buckets, strict=True):
+        result[index] = replace(result[index], bucket=bucket)
     return result
 
 

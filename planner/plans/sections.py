@@ -195,14 +195,16 @@ class TensorEntry:
 
 def collective_to_json(c: Collective) -> dict[str, Any]:
     return {"kind": str(c.kind), "tensor": c.tensor, "axes": list(c.axes), "bytes": c.bytes,
-            "phase": str(c.phase), "op": c.op, "time_s": c.time_s}
+            "phase": str(c.phase), "op": c.op, "time_s": c.time_s, "bucket": c.bucket}
 
 
 def collective_from_json(data: Mapping[str, Any]) -> Collective:
+    """A plan file's collective; files of earlier releases have no `bucket` (None)."""
+    bucket = data.get("bucket")
     return Collective(_enum(CollectiveKind, data["kind"], "collectives[].kind"), data["tensor"],
                       tuple(data["axes"]), int(data["bytes"]),
                       _enum(Phase, data["phase"], "collectives[].phase"), data["op"],
-                      float(data["time_s"]))
+                      float(data["time_s"]), int(bucket) if bucket is not None else None)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ import numpy as np
 
 from costmodels.memory import gradient_bytes, optimizer_state_bytes
 from costmodels.profile import HardwareProfile
+from planner.cost.buckets import bucket_bytes
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
 from planner.cost.pricing import (
+    bucketed_seconds,
     collective_seconds,
     edge_seconds,
     exposed,
@@ -259,8 +261,10 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
         seconds += optimizer_seconds(profile, local_bytes, states)
         axes = candidate.grad_partial[slot]
         if axes:
-            seconds += exposed(collective_seconds(profile, CollectiveKind.ALL_REDUCE,
-                                                  local_bytes, axes, mesh), options.overlap)[0]
+            seconds += exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
+                                                local_bytes, axes, mesh,
+                                                bucket_bytes(options.bucket_mb)),
+                               options.overlap)[0]
     largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if name and layout is not None:
@@ -304,7 +308,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             if found is None:
                 found = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
                                      slot, info, node, mesh, profile, grad, derived,
-                                     options.overlap, cache)
+                                     options.overlap, cache, bucket_bytes(options.bucket_mb))
                 matrices[signature] = found
             matrix, buffer = found
             if not matrix.any() and not buffer.any():
@@ -324,7 +328,8 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
 def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: list[Candidate],
                  slot: int, info, consumer: OpNode, mesh: DeviceMesh,
                  profile: HardwareProfile, grad: bool, derived: bool, overlap: float,
-                 cache: dict[tuple, tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+                 cache: dict[tuple, tuple[float, float]],
+                 bucket: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Seconds, and the largest collective buffer, of moving one tensor for every
     (source choice, target choice)."""
     kind, index = source_slot
@@ -341,7 +346,7 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
             key = (info.shape, info.dtype, src, dst, axes, grad, derived)
             if key not in cache:
                 cache[key] = edge_seconds(info, src, dst, consumer.name, mesh, profile, grad,
-                                          axes, derived, overlap)
+                                          axes, derived, overlap, bucket)
             matrix[a, b], buffer[a, b] = cache[key]
     return matrix, buffer
 
