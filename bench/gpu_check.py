@@ -16,7 +16,6 @@ The whole run is sized to finish in under 5 minutes on one H100/H200/A100.
 from __future__ import annotations
 
 import argparse
-import inspect
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,9 @@ from costmodels.gemm import GemmShape
 from costmodels.profile import HardwareProfile, load_profile
 
 #: API options the lead engineer is adding to planner.api.plan; passed only if it has them.
-PLAN_OPTIONS = {"attention": "flash", "fusion": "auto", "precision": "bf16-mixed"}
+#: What the plain-torch stack runs: SDPA's flash kernel, every other op its own eager
+#: kernel (no torch.compile), bf16 weights and activations.
+PLAN_OPTIONS = {"attention": "flash", "fusion": "none", "precision": "bf16"}
 NO_CUDA = 2
 
 
@@ -180,14 +181,6 @@ def _median_cuda_s(torch, run: Callable[[], object], repeats: int) -> float:  # 
 # -- (b) the LLaMA-like stack ---------------------------------------------------------------
 
 
-def plan_options() -> dict[str, str]:
-    """The PLAN_OPTIONS that this planner.api.plan accepts (it is gaining them)."""
-    from planner.api import plan
-
-    accepted = inspect.signature(plan).parameters
-    return {key: value for key, value in PLAN_OPTIONS.items() if key in accepted}
-
-
 def predicted_stack_s(profile: HardwareProfile, size: StackSize) -> tuple[float, dict[str, str]]:
     """One-device forward + backward compute of the planner.zoo LLaMA at `size`."""
     from planner import zoo
@@ -196,18 +189,18 @@ def predicted_stack_s(profile: HardwareProfile, size: StackSize) -> tuple[float,
     model = zoo.build("llama", layers=size.layers, hidden=size.hidden, heads=size.heads,
                       kv_heads=size.kv_heads, ffn=size.ffn, vocab=size.vocab,
                       max_positions=size.seq, dtype="bfloat16")
-    options = plan_options()
+    options = dict(PLAN_OPTIONS)
     with tempfile.TemporaryDirectory() as tmp:
         path = zoo.save(model, Path(tmp) / "llama.onnx")
         result = plan(path, profile=profile, devices=1, batch=size.batch,
-                      dims={"seq": size.seq}, mode="data", **options)  # type: ignore[arg-type]
+                      dims={"seq": size.seq}, mode="data", **options)
     parts = result.predicted.breakdown
     return parts.forward_s + parts.backward_s, options
 
 
 def _stack_rows(profile: HardwareProfile, size: StackSize, torch, repeats: int) -> list[Row]:  # type: ignore[no-untyped-def]
     predicted, options = predicted_stack_s(profile, size)
-    used = ", ".join(f"{k}={v}" for k, v in options.items()) or "none (the API has none yet)"
+    used = ", ".join(f"{k}={v}" for k, v in options.items())
     print(f"plan options passed: {used}")
     measured = None if torch is None else _time_stack(torch, size, max(3, repeats // 4))
     label = (f"{size.layers} layers, hidden {size.hidden}, {size.heads}/{size.kv_heads} heads, "

@@ -10,9 +10,12 @@ paper counts a step's FLOPs as (its eq. 3, with recomputation)
     F = 96 B s l h² (1 + s / (6h) + V / (16 l h)),
 
 so the published step time is F / (GPUs × achieved FLOP/s per GPU). Each row is planned
-with its configuration pinned (dp, tp, pp, full recompute; micro-batches and schedule
-searched), kernels as in 2021 (no flash attention: `--attention eager`; Megatron's fused
-softmax / bias-GELU / bias-dropout-add kernels: `--fusion elementwise`).
+with its configuration pinned (dp, tp, pp, full recompute, Megatron's tensor-parallel
+split: `--parallel ...,layout=megatron`; micro-batches, schedule and ZeRO searched), the
+kernels of 2021 (no flash attention: `--attention eager`; Megatron's fused softmax,
+bias-GELU and bias-dropout-add kernels: `--fusion elementwise`), on the zoo GPT with
+separate q, k, v projections (Megatron lays its fused QKV weight out per head, which an
+ONNX Split of a [h, 3h] projection cannot express; the FLOPs and parameters are the same).
 
     python bench/published_runs.py                 # every row
     python bench/published_runs.py --rows 1.7B 7.5B
@@ -81,10 +84,10 @@ TABLE_1 = (
 
 def predict(row: Row, folder: Path) -> str:
     config = GPTConfig(layers=row.layers, hidden=row.hidden, heads=row.heads, vocab=VOCAB,
-                       max_positions=SEQUENCE, dropout=0.1, dtype="float16")
+                       max_positions=SEQUENCE, dropout=0.1, dtype="float16", fused_qkv=False)
     path = zoo.save(zoo.build("gpt", config), folder / f"gpt-{row.name}.onnx")
     pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp,
-                                  "recompute": "full"}
+                                  "recompute": "full", "layout": "megatron"}
     started = time.perf_counter()
     try:
         result = plan(path, profile="a100-80g", devices=row.gpus, batch=row.batch,

@@ -106,6 +106,8 @@ class Tiling:
 
 def itemsize_of(dtype: str) -> int:
     """Bytes per element; float8 types (which numpy lacks) are 1."""
+    if dtype == "tfloat32":  # fp32 storage, tensor-core GEMMs (--precision tf32)
+        return 4
     return 1 if dtype.startswith("float8") else dtype_itemsize(dtype)
 
 

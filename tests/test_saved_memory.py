@@ -2,10 +2,10 @@
 
 "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198) counts
 the bytes one transformer layer keeps for the backward pass in 16-bit training with
-dropout: §4.1, eq. 1: sbh(34 + 5as/h) without parallelism; with flash attention the s²
-term vanishes. (Eq. 2, the tensor-parallel form, needs a head-split layout, which the
-Megatron baseline does not find on the zoo GPT's fused QKV projection: its split of the
-3h columns cannot pass the Split into q, k and v; so it is not pinned here.)
+dropout: §4.1, eq. 1: sbh(34 + 5as/h) without parallelism; §4.2.2, eq. 2: with tensor
+parallelism over t, sbh(10 + 24/t + 5as/(ht)); with flash attention the s² terms vanish.
+The layout is Megatron-LM's (`planner.search.megatron`), on the zoo GPT with separate q, k,
+v projections (a fused [h, 3h] projection's Split cannot carry the head split).
 The planner's per-op rules (`planner.ops.saving`) and kernels (`planner.cost.kernels`)
 must add up to the same, plus what the formulas leave out: a layer norm's fp32 mean and
 inverse std per row (2 · 4 bytes for each of 2 norms) and, under flash attention, the
@@ -37,15 +37,15 @@ LAYER = "h.1."  # a middle layer: its own tensors and the next layer's input
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory: pytest.TempPathFactory) -> GraphAnalysis:
     config = GPTConfig(layers=3, hidden=H, heads=A, vocab=256, max_positions=S, dropout=0.1,
-                       dtype="bfloat16")
+                       dtype="bfloat16", fused_qkv=False)
     path = zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
     return GraphAnalysis.of(import_model(Path(path), batch=B, dims={"seq": S}))
 
 
-def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy) -> float:
-    """Bytes one device keeps for one layer."""
+def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy, tp: int = 1) -> float:
+    """Bytes one device keeps for one layer under Megatron's split over `tp`."""
     graph = analysis.graph
-    mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: 1}, 8)
+    mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: tp}, 8)
     strategies = megatron_strategies(graph, mesh, analysis.labels)
     options = TrainingOptions(attention=policy.attention, fusion=policy.fusion)
     priced = priced_choice(analysis, mesh, strategies, load_profile("a100-80g"), options)
@@ -53,25 +53,27 @@ def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy) -> float:
                if node.name.startswith(LAYER))
 
 
-def _extras(flash: bool) -> float:
+def _extras(flash: bool, tp: int = 1) -> float:
     norms = 2 * S * B * 2 * 4  # two layer norms, fp32 mean and inverse std per row
-    log_sum_exp = B * A * S * 4 if flash else 0.0
+    log_sum_exp = B * A * S * 4 / tp if flash else 0.0
     return norms + log_sum_exp
 
 
-def test_eager_attention_keeps_korthikanti_bytes(gpt: GraphAnalysis) -> None:
-    """Eq. 1: sbh(34 + 5as/h) under eager attention with the elementwise chains fused
-    (Megatron's fused softmax and bias-GELU kernels)."""
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_eager_attention_keeps_korthikanti_bytes(gpt: GraphAnalysis, tp: int) -> None:
+    """Eq. 2 (eq. 1 at t = 1): sbh(10 + 24/t + 5as/(ht)) under eager attention with the
+    elementwise chains fused (Megatron's fused softmax and bias-GELU kernels)."""
     sbh = S * B * H
-    expected = sbh * (34 + 5 * A * S / H) + _extras(False)
-    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    expected = sbh * (10 + 24 / tp + 5 * A * S / (H * tp)) + _extras(False)
+    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE), tp)
     assert got == pytest.approx(expected, rel=1e-9)
 
 
-def test_flash_attention_keeps_the_s_linear_form(gpt: GraphAnalysis) -> None:
-    """Flash attention: no s² term, 34sbh, and its softmax statistics."""
-    expected = S * B * H * 34 + _extras(True)
-    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.FLASH, Fusion.ELEMENTWISE))
+@pytest.mark.parametrize("tp", [1, 4])
+def test_flash_attention_keeps_the_s_linear_form(gpt: GraphAnalysis, tp: int) -> None:
+    """Flash attention: no s² term, sbh(10 + 24/t), and its softmax statistics."""
+    expected = S * B * H * (10 + 24 / tp) + _extras(True, tp)
+    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.FLASH, Fusion.ELEMENTWISE), tp)
     assert got == pytest.approx(expected, rel=1e-9)
 
 

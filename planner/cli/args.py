@@ -44,7 +44,7 @@ def parallel(text: str) -> dict[str, int | str]:
             raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected KEY=VALUE,..., "
                                              "e.g. dp=4,tp=8")
         key = key.strip()
-        if key in ("recompute", "schedule"):
+        if key in ("recompute", "schedule", "layout"):
             pins[key] = value.strip()
             continue
         try:

@@ -94,8 +94,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     for op in sharded.ops:
         node = op.node
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
-        forward, backward = op_times(node, kernels, tensors, op.fraction, profile,
-                                     options.precision, differentiated)
+        forward, backward = op_times(node, kernels, tensors, op.inputs, op.fraction, mesh,
+                                     profile, options.precision, differentiated)
         saved = 0.0 if options.inference else saved_bytes(
             node, kernels, tensors, [sharded.layouts.get(o) if o else None
                                      for o in node.outputs], mesh)

@@ -8,14 +8,17 @@ so the search optimises exactly what the plan reports.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
+from costmodels.gemm import GemmShape
 from costmodels.precision import policy
 from costmodels.profile import HardwareProfile
 from planner.cost.kernels import KernelPlan, OpKernel
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Phase, Precision
+from planner.ops.work import gemm_dims
 from planner.records import Collective
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
@@ -27,13 +30,30 @@ RUN_ALGORITHMS = ("ring", "tree", "pairwise", "direct")
 
 
 def op_seconds(node: OpNode, kernel: OpKernel, dtype: str, fraction: float,
-               profile: HardwareProfile) -> float:
+               profile: HardwareProfile, shape: GemmShape | None = None) -> float:
     """One device's share `fraction` of one op's forward pass, as its share of the kernel
-    it runs in (`planner.cost.kernels`)."""
+    it runs in (`planner.cost.kernels`); a GEMM's local `shape` prices its tiles and
+    waves (`costmodels.gemm`)."""
     if kernel.flops <= 0 and kernel.bytes <= 0:
         return 0.0
     return op_time(profile, node.op_type, kernel.flops * fraction, kernel.bytes * fraction,
-                   dtype, launches=kernel.launches)
+                   dtype, launches=kernel.launches, shape=shape)
+
+
+def local_gemm_shape(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
+                     inputs: Sequence[Layout | None], mesh: DeviceMesh) -> GemmShape | None:
+    """The (batch, m, n, k) one device's GEMM runs: the op's operands as its input layouts
+    cut them; None for ops that are not a GEMM kernel of their own."""
+    if not kernel.matrix or not kernel.launches:
+        return None
+    local: dict[str, TensorInfo] = {}
+    for name, layout in zip(node.inputs[:2], inputs, strict=False):
+        if name:
+            info = tensors[name]
+            local[name] = info if layout is None else replace(
+                info, shape=layout.local_shape(info.shape, mesh))
+    dims = gemm_dims(node, local)
+    return None if dims is None else GemmShape(m=dims[1], n=dims[2], k=dims[3], batch=dims[0])
 
 
 def op_dtype(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
@@ -46,13 +66,16 @@ def op_dtype(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
 
 
 def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],
-             fraction: float, profile: HardwareProfile, precision: Precision | None,
+             inputs: Sequence[Layout | None], fraction: float, mesh: DeviceMesh,
+             profile: HardwareProfile, precision: Precision | None,
              differentiated: bool) -> tuple[float, float]:
-    """(forward, backward) seconds of one device's share `fraction` of one op; the
-    backward pass is its kernel's multiple of the forward when a gradient flows."""
+    """(forward, backward) seconds of one device's share `fraction` of one op that reads
+    its inputs in `inputs`; the backward pass is its kernel's multiple of the forward when
+    a gradient flows."""
     kernel = kernels.ops[node.name]
+    shape = local_gemm_shape(node, kernel, tensors, inputs, mesh)
     forward = op_seconds(node, kernel, op_dtype(node, kernel, tensors, precision), fraction,
-                         profile)
+                         profile, shape)
     return forward, (kernel.backward_ratio * forward if differentiated else 0.0)
 
 

@@ -38,8 +38,14 @@ from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import Choice, PipelineDecision
 from planner.search.layers import tie_classes
+from planner.search.megatron import megatron_strategies
 from planner.search.options import Pins
-from planner.search.problem import build_problem, prune_dominated, restrict_candidates
+from planner.search.problem import (
+    StrategyProblem,
+    build_problem,
+    prune_dominated,
+    restrict_candidates,
+)
 from planner.search.solve import Engine, solve
 from planner.search.stages import Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
@@ -103,6 +109,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                               batch: Mapping[str, frozenset[str]], time_limit: float,
                               fixed: Mapping[str, OpStrategy] | None = None,
                               budget: MemoryBudget | None = None,
+                              layout: str | None = None,
                               ) -> tuple[dict[str, OpStrategy], SolverRecord,
                                          tuple[float, float] | None]:
     """The fastest op-level plan on `mesh` where "dp" splits exactly the batch and "tp"
@@ -110,7 +117,9 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     gradients and states, saved activations, workspace). Without a `budget` memory is the
     stage search's business (unlimited); with one, the layout is the fastest whose memory,
     weighed as the configuration holds it, stays within the budget (the memory-aware
-    layout of a configuration the fastest layout does not fit)."""
+    layout of a configuration the fastest layout does not fit). `layout="megatron"` (the
+    `--parallel layout=megatron` pin) takes Megatron-LM's split instead of searching one
+    (`planner.search.megatron`); no budget can change it."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
@@ -130,6 +139,13 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                 keep.append(position)
         if keep:
             restrict_candidates(problem, index, keep)
+    if layout is not None:
+        if budget is not None:
+            return {}, SolverRecord(layout, "infeasible", 0.0, 0.0, 0.0), None
+        choice = _pinned_layout(problem, megatron_strategies(analysis.graph, mesh,
+                                                             analysis.labels), analysis)
+        return (problem.strategies(choice), SolverRecord(layout, "optimal", 0.0, 0.0, 0.0),
+                problem.memory_parts(choice))
     if budget is not None:
         problem.weigh_memory(budget.weights, budget.activations)
     prune_dominated(problem)
@@ -141,6 +157,21 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                              f"({solution.status})")
     return (problem.strategies(solution.choice), record_of(solution),
             problem.memory_parts(solution.choice))
+
+
+def _pinned_layout(problem: StrategyProblem, wanted: Mapping[str, OpStrategy],
+                   analysis: GraphAnalysis) -> list[int]:
+    """The candidate index of each group that is `wanted`'s strategy for its ops."""
+    choice = []
+    for group in problem.groups:
+        strategies = {wanted[op] for op in group.ops}
+        found = [k for k, c in enumerate(group.candidates) if c.strategy in strategies]
+        if len(strategies) != 1 or not found:
+            raise ShardplanError(
+                f"{analysis.graph.path}: --parallel layout=megatron: op {group.ops[0]} has "
+                "no Megatron-LM split on this mesh; drop the layout pin to search one")
+        choice.append(found[0])
+    return choice
 
 
 def _divisors(n: int) -> list[int]:
@@ -249,7 +280,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             small = graphs.at(local)
             mesh = stage_mesh(1, tp, per_node)
             strategies, _, memory = model_parallel_strategies(
-                small, mesh, hardware, training, batch, time_limit, budget=budget)
+                small, mesh, hardware, training, batch, time_limit, budget=budget,
+                layout=pins.layout)
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
@@ -386,7 +418,8 @@ def _unformed(choice: Choice, units: Units) -> str:
 def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
                    tp_pinned: bool, record: SolverRecord,
-                   budget: MemoryBudget | None = None) -> PipelineDecision | None:
+                   budget: MemoryBudget | None = None,
+                   layout: str | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit."""
     graph = graphs.root.graph
@@ -400,7 +433,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     inner = stage_mesh(choice.dp, choice.tp, per_node)
     strategies, _, memory = model_parallel_strategies(micro, inner, hardware, training,
                                                       micro.batch_labels, time_limit,
-                                                      budget=budget)
+                                                      budget=budget, layout=layout)
     if memory is None:
         return None
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
@@ -436,7 +469,8 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                 stages="partition DP over units (layers), recompute per "
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
-                                  time_limit, pins.tp is not None, record, scored.budget)
+                                  time_limit, pins.tp is not None, record, scored.budget,
+                                  pins.layout)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

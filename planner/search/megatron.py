@@ -2,10 +2,14 @@
 
 The data-parallel axis carries the batch as in `data_parallel`. The tensor-parallel axis
 follows Megatron-LM's pattern, derived from the graph instead of hand-written per layer:
-an op with a weight whose activation input is replicated splits the weight's output dim
-(column parallel: QKV, the first MLP matmul, the vocabulary of an embedding table); an op
-whose activation input is already split along a dim it contracts keeps that split (row
-parallel: a partial sum, reduced once); every other op carries an existing split along.
+a GEMM with a weight whose activation input is replicated splits the weight's output dim
+(column parallel: QKV, the first MLP matmul); an embedding lookup splits its table's
+vocabulary (a partial sum, reduced once); an op whose activation input is already split
+along a dim it contracts keeps that split (row parallel: a partial sum, reduced once);
+every other op carries an existing split along, and norms, biases and residual additions
+of a replicated input stay replicated. A fused QKV projection whose output a Split cuts
+into q, k and v (the zoo GPT, Hugging Face GPT-2) cannot carry a head split through the
+Split, so its attention stays replicated: Megatron lays the fused weight out per head.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from planner.graph import OpNode, PlanningGraph
-from planner.ops import DimLabels
+from planner.ops import DimLabels, is_matrix_op
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
@@ -23,12 +27,13 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                         labels: Mapping[str, DimLabels | None], dp_axis: str = "dp",
                         tp_axis: str = "tp") -> dict[str, OpStrategy]:
     data = data_parallel_strategies(graph, DeviceMesh.build(
-        {dp_axis: mesh.axis_size(dp_axis)}, mesh.devices_per_node), labels, dp_axis)
+        {dp_axis: mesh.axis_size(dp_axis)}, mesh.devices_per_node), labels, dp_axis) \
+        if dp_axis in mesh.axis_names else {}
     split: dict[str, int] = {}  # tensor -> dim split over tp
     result: dict[str, OpStrategy] = {}
     for node in graph.ops:
         op_labels = labels.get(node.name)
-        batch = dict(data[node.name].assignment)
+        batch = dict(data[node.name].assignment) if node.name in data else {}
         if op_labels is None:
             result[node.name] = REPLICATED
             continue
@@ -69,8 +74,12 @@ def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
         return [label for label in dict.fromkeys(carried) if label not in taken]
     if not weight_labels:
         return []
-    outputs = {n for names in labels.outputs if names is not None for n in names}
-    column = [n for n in weight_labels if n in outputs and n not in activation_labels]
     vocabulary = [n for n in weight_labels if n in labels.sum_labels
                   and n not in activation_labels]
-    return [label for label in column + vocabulary if label not in taken]
+    if node.op_type == "Gather":
+        return [label for label in vocabulary if label not in taken]
+    if not is_matrix_op(node.op_type):
+        return []  # a norm's scale, a bias: replicated with its replicated input
+    outputs = {n for names in labels.outputs if names is not None for n in names}
+    column = [n for n in weight_labels if n in outputs and n not in activation_labels]
+    return [label for label in column if label not in taken]

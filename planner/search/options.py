@@ -9,8 +9,13 @@ from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
-PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp")
-JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp")  # joint only
+PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
+                 "layout")
+JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
+              "layout")  # joint only
+#: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
+#: instead of the fastest layout the op-level search finds.
+LAYOUTS = ("megatron",)
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Pins:
     recompute: Recompute | None = None
     schedule: Schedule | None = None
     vpp: int | None = None  # interleaved model chunks per device
+    layout: str | None = None  # "megatron": Megatron-LM's tensor-parallel split (LAYOUTS)
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -64,8 +70,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
     pins: dict[str, int | str] = {}
     for key, value in parallel.items():
-        if key in ("recompute", "schedule"):
-            allowed = [str(m) for m in RECOMPUTE_MODES] if key == "recompute" else SCHEDULES
+        if key in ("recompute", "schedule", "layout"):
+            allowed = {"recompute": [str(m) for m in RECOMPUTE_MODES], "schedule": SCHEDULES,
+                       "layout": list(LAYOUTS)}[key]
             if value not in allowed:
                 raise ShardplanError(f"--parallel {key}={value}: choose one of "
                                      f"{', '.join(allowed)}")

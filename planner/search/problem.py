@@ -236,8 +236,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     for axis in candidate.strategy.used_axes:
         fraction /= mesh.axis_size(axis)
     outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
-    forward, backward = op_times(node, kernels, tensors, fraction, profile, options.precision,
-                                 outputs_need_grad)
+    forward, backward = op_times(node, kernels, tensors, candidate.inputs, fraction, mesh,
+                                 profile, options.precision, outputs_need_grad)
     seconds = forward + backward
     for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
         seconds += collective_seconds(profile, kind, nbytes, axes, mesh)

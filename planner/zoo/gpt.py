@@ -36,6 +36,9 @@ class GPTConfig:
     tied_head: bool = True
     layer_norm_eps: float = 1e-5
     dropout: float = 0.0  # attention-probability and residual dropout (Megatron trains at 0.1)
+    #: One [h, 3h] QKV projection split into q, k and v (GPT-2's c_attn), or three [h, h]
+    #: projections: the same FLOPs and parameters, and a layout Megatron's head split fits.
+    fused_qkv: bool = True
     dtype: str = "float32"
     opset: int = 17
 
@@ -44,6 +47,7 @@ class GPTConfig:
         check_optional_positive(self, "ffn")
         check_divisible(self, "hidden", "heads")
         require(isinstance(self.tied_head, bool), "tied_head", "must be a bool")
+        require(isinstance(self.fused_qkv, bool), "fused_qkv", "must be a bool")
         check_positive_number(self, "layer_norm_eps")
         require(isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1, "dropout",
                 "must be a probability in [0, 1)")
@@ -107,8 +111,13 @@ def dense_mlp(config: GPTConfig) -> MlpFn:
 
 def _attention(b: GraphBuilder, config: GPTConfig, i: int, x: str, mask: str) -> str:
     p, n, h = f"transformer.h.{i}.attn", f"h.{i}.attn", config.hidden
-    qkv = b.linear(x, f"{p}.c_attn", f"{n}.c_attn", h, 3 * h)
-    q, k, v = b.op_n("Split", f"{n}.split_qkv", 3, qkv, b.ints([h, h, h], "qkv_split"), axis=-1)
+    if config.fused_qkv:
+        qkv = b.linear(x, f"{p}.c_attn", f"{n}.c_attn", h, 3 * h)
+        q, k, v = b.op_n("Split", f"{n}.split_qkv", 3, qkv, b.ints([h, h, h], "qkv_split"),
+                         axis=-1)
+    else:
+        q, k, v = (b.linear(x, f"{p}.{name}_proj", f"{n}.{name}_proj", h, h)
+                   for name in ("q", "k", "v"))
     hd = config.head_dim
     q = b.heads(q, f"{n}.q", config.heads, hd)
     k = b.heads(k, f"{n}.k", config.heads, hd, perm=(0, 2, 3, 1))

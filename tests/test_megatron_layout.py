@@ -1,0 +1,85 @@
+"""Megatron-LM's tensor-parallel split: the baseline's layout and the `layout=megatron` pin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import zoo
+from planner.api import plan
+from planner.errors import ShardplanError
+from planner.importer import import_model
+from planner.kinds import CollectiveKind, Phase
+from planner.search.megatron import megatron_strategies
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
+from planner.zoo.gpt import GPTConfig
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> GraphAnalysis:
+    family, config = zoo.preset("llama-tiny")
+    path = zoo.save(zoo.build(family, config), tmp_path_factory.mktemp("llama") / "l.onnx")
+    return GraphAnalysis.of(import_model(Path(path), batch=2, dims={"seq": 16}))
+
+
+def _tp_label(strategies, op: str) -> str | None:  # type: ignore[no-untyped-def]
+    return next((label for label, axes in strategies[op].assignment if "tp" in axes), None)
+
+
+def test_megatron_splits_columns_then_rows_and_the_vocabulary(llama: GraphAnalysis) -> None:
+    """Column-parallel q, k, v, gate and up (their output dim), row-parallel o and down
+    (the contracted dim), the embedding by vocabulary; norms and residuals replicated."""
+    mesh = DeviceMesh.build({"dp": 1, "tp": 2}, 8)
+    strategies = megatron_strategies(llama.graph, mesh, llama.labels)
+    layer = "layers.1."
+    labels = llama.labels
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj"):
+        op = f"{layer}{name}.matmul"
+        out = labels[op].outputs[0]
+        assert _tp_label(strategies, op) == out[-1], op  # the output (column) dim
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        op = f"{layer}{name}.matmul"
+        assert _tp_label(strategies, op) in labels[op].sum_labels, op  # the contracted dim
+    for op in (f"{layer}input_layernorm.pow", f"{layer}attn_residual",
+               f"{layer}post_attention_layernorm.scale"):
+        assert _tp_label(strategies, op) is None, op
+    assert _tp_label(strategies, "embed_tokens.gather") in labels["embed_tokens.gather"].sum_labels
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = GPTConfig(layers=2, hidden=256, heads=8, vocab=1024, max_positions=128,
+                       fused_qkv=False)
+    return zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
+
+
+def test_layout_pin_prices_megatrons_all_reduces(gpt: Path) -> None:
+    """Pinned to Megatron's split, each layer's two row-parallel GEMMs end in a tensor-
+    parallel all-reduce in the forward pass (and their transposes in the backward)."""
+    pins = {"dp": 2, "tp": 2, "pp": 1, "recompute": "none", "zero": 0}
+    pinned = plan(gpt, devices=4, batch=8, dims={"seq": 128},
+                  parallel={**pins, "layout": "megatron"})
+    forward = [c for c in pinned.collectives
+               if c.kind == CollectiveKind.ALL_REDUCE and c.phase == Phase.FORWARD
+               and c.axes == ("tp",)]
+    reduced = {c.tensor for c in forward}
+    assert {f"h.{i}.{block}.c_proj.matmul" for i in (0, 1) for block in ("attn", "mlp")} \
+        <= reduced
+    searched = plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel=pins)
+    assert searched.predicted.step_time_s <= pinned.predicted.step_time_s
+
+
+def test_layout_pin_is_checked(gpt: Path) -> None:
+    with pytest.raises(ShardplanError, match="--parallel layout=fast: choose one of megatron"):
+        plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={"tp": 2, "layout": "fast"})
+    done = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "plan", str(gpt), "--devices", "4", "--batch",
+         "8", "--dim", "seq=128", "--parallel", "tp=2,layout=fast"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "layout=fast" in done.stderr
+    assert "Traceback" not in done.stderr
