@@ -50,6 +50,10 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
         for name, names in zip(node.outputs, op_labels.outputs, strict=True):
             if name and names is not None and tp_label in names:
                 split[name] = names.index(tp_label)
+        for name, names in zip(node.inputs, op_labels.inputs, strict=False):
+            if name and names is not None and tp_label in names \
+                    and graph.tensors[name].kind == "parameter":
+                split.setdefault(name, names.index(tp_label))  # as its first reader lays it
     return result
 
 
@@ -66,6 +70,8 @@ def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
         info = graph.tensors[name]
         if info.kind == "parameter":
             weight_labels += [n for n in names if n not in weight_labels]
+            if name in split and not is_matrix_op(node.op_type):
+                carried.append(names[split[name]])  # a tied table's transpose, say
             continue
         activation_labels.update(names)
         if name in split:
