@@ -83,3 +83,21 @@ def test_layout_pin_is_checked(gpt: Path) -> None:
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "layout=fast" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_sequence_parallelism_pin_swaps_all_reduces_for_scatters_and_gathers(gpt: Path) -> None:
+    """`sp=1` (Megatron's layout with sequence parallelism): no tensor-parallel all-reduce
+    is left in the forward pass; the row-parallel sums are reduce-scattered along the
+    sequence and all-gathered before the next column-parallel GEMM. It fits in less
+    activation memory than the layout without it."""
+    pins = {"dp": 2, "tp": 2, "pp": 1, "recompute": "none", "zero": 0, "layout": "megatron"}
+    plain = plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel=pins)
+    sp = plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={**pins, "sp": 1})
+    forward = {(c.kind, c.tensor) for c in sp.collectives
+               if c.phase == Phase.FORWARD and c.axes == ("tp",)}
+    assert not any(kind == CollectiveKind.ALL_REDUCE for kind, _ in forward)
+    assert (CollectiveKind.REDUCE_SCATTER, "h.0.attn.c_proj.matmul") in forward
+    assert (CollectiveKind.ALL_GATHER, "h.0.ln_2") in forward
+    assert sp.predicted.memory["activations"] < plain.predicted.memory["activations"]
+    with pytest.raises(ShardplanError, match="--parallel sp=2"):
+        plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={"tp": 2, "sp": 2})

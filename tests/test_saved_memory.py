@@ -3,7 +3,8 @@
 "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198) counts
 the bytes one transformer layer keeps for the backward pass in 16-bit training with
 dropout: §4.1, eq. 1: sbh(34 + 5as/h) without parallelism; §4.2.2, eq. 2: with tensor
-parallelism over t, sbh(10 + 24/t + 5as/(ht)); with flash attention the s² terms vanish.
+parallelism over t, sbh(10 + 24/t + 5as/(ht)); eq. 3: with sequence parallelism too,
+sbh/t (34 + 5as/h); with flash attention the s² terms vanish.
 The layout is Megatron-LM's (`planner.search.megatron`), on the zoo GPT with separate q, k,
 v projections (a fused [h, 3h] projection's Split cannot carry the head split).
 The planner's per-op rules (`planner.ops.saving`) and kernels (`planner.cost.kernels`)
@@ -42,11 +43,13 @@ def gpt(tmp_path_factory: pytest.TempPathFactory) -> GraphAnalysis:
     return GraphAnalysis.of(import_model(Path(path), batch=B, dims={"seq": S}))
 
 
-def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy, tp: int = 1) -> float:
+def _layer_bytes(analysis: GraphAnalysis, policy: KernelPolicy, tp: int = 1,
+                 sequence_parallel: bool = False) -> float:
     """Bytes one device keeps for one layer under Megatron's split over `tp`."""
     graph = analysis.graph
     mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: tp}, 8)
-    strategies = megatron_strategies(graph, mesh, analysis.labels)
+    strategies = megatron_strategies(graph, mesh, analysis.labels,
+                                     sequence_parallel=sequence_parallel)
     options = TrainingOptions(attention=policy.attention, fusion=policy.fusion)
     priced = priced_choice(analysis, mesh, strategies, load_profile("a100-80g"), options)
     return sum(cost.saved_bytes for node, cost in zip(graph.ops, priced.costs, strict=True)
@@ -66,6 +69,17 @@ def test_eager_attention_keeps_korthikanti_bytes(gpt: GraphAnalysis, tp: int) ->
     sbh = S * B * H
     expected = sbh * (10 + 24 / tp + 5 * A * S / (H * tp)) + _extras(False)
     got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE), tp)
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallelism_divides_every_term_by_t(gpt: GraphAnalysis, tp: int) -> None:
+    """§4.2.2, eq. 3: with sequence parallelism sbh/t (34 + 5as/h): the norms, dropouts and
+    the column-parallel GEMMs' inputs are kept split along the sequence."""
+    sbh = S * B * H
+    expected = sbh / tp * (34 + 5 * A * S / H) + _extras(False) / tp
+    got = _layer_bytes(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE), tp,
+                       sequence_parallel=True)
     assert got == pytest.approx(expected, rel=1e-9)
 
 

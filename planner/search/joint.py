@@ -109,7 +109,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                               batch: Mapping[str, frozenset[str]], time_limit: float,
                               fixed: Mapping[str, OpStrategy] | None = None,
                               budget: MemoryBudget | None = None,
-                              layout: str | None = None,
+                              layout: str | None = None, sequence_parallel: bool = False,
                               ) -> tuple[dict[str, OpStrategy], SolverRecord,
                                          tuple[float, float] | None]:
     """The fastest op-level plan on `mesh` where "dp" splits exactly the batch and "tp"
@@ -119,7 +119,8 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     weighed as the configuration holds it, stays within the budget (the memory-aware
     layout of a configuration the fastest layout does not fit). `layout="megatron"` (the
     `--parallel layout=megatron` pin) takes Megatron-LM's split instead of searching one
-    (`planner.search.megatron`); no budget can change it."""
+    (`planner.search.megatron`), with its sequence parallelism when `sequence_parallel`
+    (`sp=1`); no budget can change it."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
@@ -142,8 +143,9 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     if layout is not None:
         if budget is not None:
             return {}, SolverRecord(layout, "infeasible", 0.0, 0.0, 0.0), None
-        choice = _pinned_layout(problem, megatron_strategies(analysis.graph, mesh,
-                                                             analysis.labels), analysis)
+        pinned = megatron_strategies(analysis.graph, mesh, analysis.labels,
+                                     sequence_parallel=sequence_parallel)
+        choice = _pinned_layout(problem, pinned, analysis)
         return (problem.strategies(choice), SolverRecord(layout, "optimal", 0.0, 0.0, 0.0),
                 problem.memory_parts(choice))
     if budget is not None:
@@ -281,7 +283,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             mesh = stage_mesh(1, tp, per_node)
             strategies, _, memory = model_parallel_strategies(
                 small, mesh, hardware, training, batch, time_limit, budget=budget,
-                layout=pins.layout)
+                layout=pins.layout, sequence_parallel=pins.sp == 1)
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
@@ -418,8 +420,8 @@ def _unformed(choice: Choice, units: Units) -> str:
 def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
                    tp_pinned: bool, record: SolverRecord,
-                   budget: MemoryBudget | None = None,
-                   layout: str | None = None) -> PipelineDecision | None:
+                   budget: MemoryBudget | None = None, layout: str | None = None,
+                   sequence_parallel: bool = False) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit."""
     graph = graphs.root.graph
@@ -433,7 +435,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     inner = stage_mesh(choice.dp, choice.tp, per_node)
     strategies, _, memory = model_parallel_strategies(micro, inner, hardware, training,
                                                       micro.batch_labels, time_limit,
-                                                      budget=budget, layout=layout)
+                                                      budget=budget, layout=layout,
+                                                      sequence_parallel=sequence_parallel)
     if memory is None:
         return None
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
@@ -470,7 +473,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout)
+                                  pins.layout, pins.sp == 1)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

@@ -10,11 +10,18 @@ every other op carries an existing split along, and norms, biases and residual a
 of a replicated input stay replicated. A fused QKV projection whose output a Split cuts
 into q, k and v (the zoo GPT, Hugging Face GPT-2) cannot carry a head split through the
 Split, so its attention stays replicated: Megatron lays the fused weight out per head.
+
+With `sequence_parallel` (Korthikanti et al. 2022, §4.2.2: Megatron's `--sequence-parallel`)
+the ops Megatron keeps replicated over tp (norms, dropout, bias and residual additions on
+[batch, sequence, hidden] activations) split the sequence over tp instead: the
+row-parallel GEMM's partial sum is reduce-scattered into them and all-gathered again
+before the next column-parallel GEMM, which reads its input whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 from planner.graph import OpNode, PlanningGraph
 from planner.ops import DimLabels, is_matrix_op
@@ -25,11 +32,13 @@ from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
 def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                         labels: Mapping[str, DimLabels | None], dp_axis: str = "dp",
-                        tp_axis: str = "tp") -> dict[str, OpStrategy]:
+                        tp_axis: str = "tp",
+                        sequence_parallel: bool = False) -> dict[str, OpStrategy]:
     data = data_parallel_strategies(graph, DeviceMesh.build(
         {dp_axis: mesh.axis_size(dp_axis)}, mesh.devices_per_node), labels, dp_axis) \
         if dp_axis in mesh.axis_names else {}
     split: dict[str, int] = {}  # tensor -> dim split over tp
+    sequence: set[str] = set()  # tensors split along the sequence (sequence parallelism)
     result: dict[str, OpStrategy] = {}
     for node in graph.ops:
         op_labels = labels.get(node.name)
@@ -38,18 +47,29 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
             result[node.name] = REPLICATED
             continue
         chosen = None
-        for label in _tp_choices(node, op_labels, graph, split, set(batch)):
+        for label in _tp_choices(node, op_labels, graph, split, set(batch), sequence):
             candidate = OpStrategy.of({**batch, label: (tp_axis,)})
             if is_valid(node, op_labels, candidate, graph.tensors, mesh):
                 chosen = candidate
                 break
+        along_sequence = False
+        if chosen is None and sequence_parallel:
+            along = _sequence_label(node, op_labels, graph, set(batch))
+            sliced = OpStrategy.of({**batch, along: (tp_axis,)}) if along else None
+            if sliced and is_valid(node, op_labels, sliced, graph.tensors, mesh):
+                chosen, along_sequence = sliced, True
         if chosen is None:
             chosen = OpStrategy.of(batch) if batch else REPLICATED
         result[node.name] = chosen
         tp_label = next((k for k, axes in chosen.assignment if tp_axis in axes), None)
+        along_sequence = along_sequence or any(
+            name in sequence and names is not None and names[split[name]] == tp_label
+            for name, names in zip(node.inputs, op_labels.inputs, strict=False))
         for name, names in zip(node.outputs, op_labels.outputs, strict=True):
             if name and names is not None and tp_label in names:
                 split[name] = names.index(tp_label)
+                if along_sequence:
+                    sequence.add(name)
         for name, names in zip(node.inputs, op_labels.inputs, strict=False):
             if name and names is not None and tp_label in names \
                     and graph.tensors[name].kind == "parameter":
@@ -57,9 +77,24 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
     return result
 
 
+def _sequence_label(node: OpNode, labels: DimLabels, graph: PlanningGraph,
+                    taken: set[str]) -> str | None:
+    """The sequence label of an op on [batch, sequence, hidden] activations: its first
+    output's dim 1, when it is neither the batch nor a contracted dim."""
+    names = labels.outputs[0] if labels.outputs else None
+    out = node.outputs[0] if node.outputs else ""
+    if names is None or not out or len(graph.tensors[out].shape) < 3 \
+            or not graph.tensors[out].is_float:  # activations, not masks or positions
+        return None
+    label = names[1]
+    return None if label in taken or label in labels.sum_labels else label
+
+
 def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
-                split: Mapping[str, int], taken: set[str]) -> list[str]:
-    """Labels to try for the tp axis, best first."""
+                split: Mapping[str, int], taken: set[str],
+                sequence: AbstractSet[str] = frozenset()) -> list[str]:
+    """Labels to try for the tp axis, best first. A GEMM does not carry a sequence split
+    (sequence parallelism): it reads that input gathered."""
     carried: list[str] = []
     activation_labels: set[str] = set()
     weight_labels: list[str] = []
@@ -74,7 +109,7 @@ def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
                 carried.append(names[split[name]])  # a tied table's transpose, say
             continue
         activation_labels.update(names)
-        if name in split:
+        if name in split and not (name in sequence and is_matrix_op(node.op_type)):
             carried.append(names[split[name]])
     if carried:
         return [label for label in dict.fromkeys(carried) if label not in taken]

@@ -10,9 +10,9 @@ from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "layout")
+                 "layout", "sp")
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-              "layout")  # joint only
+              "layout", "sp")  # joint only
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
 #: instead of the fastest layout the op-level search finds.
 LAYOUTS = ("megatron",)
@@ -45,6 +45,7 @@ class Pins:
     schedule: Schedule | None = None
     vpp: int | None = None  # interleaved model chunks per device
     layout: str | None = None  # "megatron": Megatron-LM's tensor-parallel split (LAYOUTS)
+    sp: int | None = None  # 1: Megatron's sequence parallelism (implies layout=megatron)
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -80,6 +81,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShardplanError(f"--parallel {key}={value}: must be an integer")
+        if key == "sp" and value not in (0, 1):
+            raise ShardplanError(f"--parallel sp={value}: 1 turns Megatron's sequence "
+                                 "parallelism on (with layout=megatron), 0 off")
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")
@@ -93,6 +97,8 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         typed["recompute"] = Recompute(str(pins["recompute"]))
     if "schedule" in pins:
         typed["schedule"] = Schedule(str(pins["schedule"]))
+    if pins.get("sp") == 1:
+        typed.setdefault("layout", "megatron")
     if "vpp" in pins and typed.setdefault("schedule",
                                           Schedule.INTERLEAVED) != Schedule.INTERLEAVED:
         raise ShardplanError(f"--parallel vpp={pins['vpp']}: model chunks per device "
