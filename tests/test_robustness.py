@@ -307,7 +307,10 @@ def test_profile_figures_outside_a_plausible_range_are_refused(
 
 @pytest.fixture(scope="module")
 def plan_json() -> dict[str, Any]:
-    return json.loads(fuzz_cases.base_plan("seed-mlp", 2))
+    """The seed network's plan on 2 devices: a (dp=1, tp=2) mesh, the weights split."""
+    data = json.loads(fuzz_cases.base_plan("seed-mlp", 2))
+    assert data["mesh"]["axes"] == ["dp", "tp"] and data["mesh"]["shape"] == [1, 2]
+    return data
 
 
 def _split_tensor(data: dict[str, Any]) -> str:
@@ -322,19 +325,19 @@ def _indivisible(data: dict[str, Any]) -> None:
 
 PLAN_BUGS: list[tuple[Callable[[dict[str, Any]], None], str]] = [
     (lambda d: d["tensors"][_split_tensor(d)]["layout"]["dims"].__setitem__(0, ["zz"]),
-     "mesh axis 'zz' is not one of the mesh's axes ['a0']"),
+     "mesh axis 'zz' is not one of the mesh's axes ['dp', 'tp']"),
     (lambda d: d["tensors"][_split_tensor(d)]["layout"]["dims"].append([]),
      "3 dims for a tensor of shape"),
-    (lambda d: d["tensors"][_split_tensor(d)]["layout"]["dims"].__setitem__(0, ["a0", "a0"]),
-     "mesh axis 'a0' is used twice"),
+    (lambda d: d["tensors"][_split_tensor(d)]["layout"]["dims"].__setitem__(0, ["tp", "tp"]),
+     "mesh axis 'tp' is used twice"),
     (lambda d: _indivisible(d), "of size 7 cannot be split into 2 equal parts"),
     (lambda d: d["ops"][0]["inputs"][0].__setitem__("tensor", "ghost"),
      "ops[0] (matmul1).inputs[0]: tensor 'ghost' is not in the plan's tensors"),
     (lambda d: d["ops"].append(d["ops"][0]), "a second entry for op matmul1"),
-    (lambda d: d["mesh"].__setitem__("shape", [4]),
-     "mesh [4] has 4 devices but cluster.devices is 2"),
-    (lambda d: d["mesh"].__setitem__("axes", ["a0", "a1"]),
-     "mesh shape (2,) and axis names ('a0', 'a1') differ in length"),
+    (lambda d: d["mesh"].__setitem__("shape", [2, 2]),
+     "mesh [2, 2] has 4 devices but cluster.devices is 2"),
+    (lambda d: d["mesh"].__setitem__("axes", ["a0"]),
+     "mesh shape (1, 2) and axis names ('a0',) differ in length"),
     (lambda d: d["model"]["bound_dims"].__setitem__("batch", "8"),
      "model.bound_dims.batch must be an integer, got \"8\""),
     (lambda d: d["model"].__setitem__("sha256", 12), "model.sha256 must be a string, got 12"),
