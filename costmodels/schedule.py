@@ -28,6 +28,7 @@ holding 1/v of the device's activations (megatron/core/pipeline_parallel/schedul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from planner.kinds import Schedule
@@ -67,6 +68,13 @@ def _equal_chunks(chunks: ChunkTimes) -> bool:
     return bool(sums) and max(sums) - min(sums) <= 1e-12 * max(sums)
 
 
+@functools.lru_cache(maxsize=256)
+def _order(stages: int, chunks: int, micro_batches: int,
+           device: int) -> tuple[tuple[bool, int, int], ...]:
+    """`interleaved_order`, kept: the partition search prices the same schedule often."""
+    return tuple(interleaved_order(stages, chunks, micro_batches, device))
+
+
 def interleaved_order(stages: int, chunks: int, micro_batches: int,
                       device: int) -> list[tuple[bool, int, int]]:
     """Megatron-LM's interleaved 1F1B order on `device` (megatron/core/pipeline_parallel/
@@ -93,6 +101,15 @@ def interleaved_order(stages: int, chunks: int, micro_batches: int,
 
 
 def interleaved_time(chunks: ChunkTimes, micro_batches: int) -> float:
+    """The interleaved step's length (`_interleaved_time`), memoised on the chunk times:
+    the stage search asks for the same partitions' schedule many times."""
+    return _interleaved_time(tuple(tuple((float(f), float(b)) for f, b in device)
+                                   for device in chunks), micro_batches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_time(chunks: tuple[tuple[tuple[float, float], ...], ...],
+                      micro_batches: int) -> float:
     """The interleaved step's length: every device runs `interleaved_order`, chunk c·p + d
     of the model on device d taking `chunks[d][c]` = (forward, backward) seconds; a pass
     starts when its device is free and its inputs are done. Chunks of one device may
@@ -108,31 +125,38 @@ def interleaved_time(chunks: ChunkTimes, micro_batches: int) -> float:
         raise ValueError(f"interleaved_time: {micro_batches} micro-batches is not a multiple "
                          f"of {p} stages")
     last = p * v - 1
-    orders = [interleaved_order(p, v, micro_batches, d) for d in range(p)]
-    done: dict[tuple[bool, int, int], float] = {}  # (forward, micro, global chunk) -> end
+    orders = [_order(p, v, micro_batches, d) for d in range(p)]
+    # End time of each pass, by micro-batch and global chunk; -1: not run yet.
+    forward_end = [[-1.0] * (last + 1) for _ in range(micro_batches)]
+    backward_end = [[-1.0] * (last + 1) for _ in range(micro_batches)]
     free = [0.0] * p
     position = [0] * p
     remaining = sum(len(order) for order in orders)
     while remaining:
         moved = False
         for d in range(p):
-            order = orders[d]
-            while position[d] < len(order):
-                is_forward, micro, slot = order[position[d]]
+            order, device_chunks = orders[d], chunks[d]
+            at, clock = position[d], free[d]
+            while at < len(order):
+                is_forward, micro, slot = order[at]
                 chunk = slot * p + d
                 if is_forward:
-                    needs = [(True, micro, chunk - 1)] if chunk else []
+                    ready = forward_end[micro][chunk - 1] if chunk else 0.0
+                    if ready < 0.0:
+                        break
+                    clock = max(clock, ready) + device_chunks[slot][0]
+                    forward_end[micro][chunk] = clock
                 else:
-                    needs = [(True, micro, chunk)] + (
-                        [(False, micro, chunk + 1)] if chunk < last else [])
-                if any(need not in done for need in needs):
-                    break
-                start = max([free[d], *(done[need] for need in needs)])
-                forward_s, backward_s = chunks[d][slot]
-                free[d] = done[(is_forward, micro, chunk)] = start + (
-                    forward_s if is_forward else backward_s)
-                position[d] += 1
-                remaining -= 1
+                    ready = forward_end[micro][chunk]
+                    after = backward_end[micro][chunk + 1] if chunk < last else 0.0
+                    if ready < 0.0 or after < 0.0:
+                        break
+                    clock = max(clock, ready, after) + device_chunks[slot][1]
+                    backward_end[micro][chunk] = clock
+                at += 1
+            if at != position[d]:
+                remaining -= at - position[d]
+                position[d], free[d] = at, clock
                 moved = True
         if not moved:  # Megatron's order never deadlocks; a guard against misuse
             raise ValueError("interleaved_time: the schedule cannot proceed")

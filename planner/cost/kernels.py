@@ -158,15 +158,17 @@ def attention_cores(graph: PlanningGraph) -> list[AttentionCore]:
     """Every q kᵀ → (scale, mask) → softmax → (dropout) → · v chain whose inner tensors
     nothing else reads."""
     found = []
+    index = {node.name: k for k, node in enumerate(graph.ops)}
     for node in graph.ops:
         if node.op_type == "Softmax":
-            core = _core_around(graph, node)
+            core = _core_around(graph, node, index)
             if core is not None:
                 found.append(core)
     return found
 
 
-def _core_around(graph: PlanningGraph, softmax: OpNode) -> AttentionCore | None:
+def _core_around(graph: PlanningGraph, softmax: OpNode,
+                 index: Mapping[str, int]) -> AttentionCore | None:
     tensors = graph.tensors
     between = [softmax.name]
     name = softmax.inputs[0]
@@ -214,7 +216,7 @@ def _core_around(graph: PlanningGraph, softmax: OpNode) -> AttentionCore | None:
     after = tensors[last.outputs[0]].consumers
     transpose = after[0] if len(after) == 1 and graph.op(after[0]).op_type == "Transpose" \
         else None
-    ordered = tuple(op.name for op in graph.ops if op.name in set(between))
+    ordered = tuple(sorted(set(between), key=index.__getitem__))
     return AttentionCore(first.name, last.name, ordered, internal, transpose)
 
 
