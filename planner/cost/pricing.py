@@ -8,6 +8,7 @@ so the search optimises exactly what the plan reports.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
@@ -80,10 +81,14 @@ def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo
 
 
 def saved_bytes(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],
-                layouts: Sequence[Layout | None], mesh: DeviceMesh) -> float:
-    """Bytes of `node`'s outputs (in `layouts`) that autograd keeps for the backward pass."""
+                layouts: Sequence[Layout | None], mesh: DeviceMesh,
+                among: AbstractSet[str] | None = None) -> float:
+    """Bytes of `node`'s outputs (in `layouts`) that autograd keeps for the backward pass
+    (of those in `among`, when given)."""
     total = 0.0
     for name, layout in zip(node.outputs, layouts, strict=True):
+        if among is not None and name not in among:
+            continue
         share = kernels.saved.get(name, 0.0) if name else 0.0
         if share and layout is not None:
             total += share * tensors[name].nbytes * fraction_of_layout(layout, mesh)

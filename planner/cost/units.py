@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.cost.oplevel import PricedGraph
+from planner.cost.pricing import saved_bytes
 from planner.kinds import Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
@@ -116,7 +117,9 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         workspace[u] = max(workspace[u], cost.output_bytes)
         if node.name in core_ops:
             selective[u] += cost.forward_s
-        dropped[u] += _kept_bytes(priced, node.outputs, recomputed)
+        dropped[u] += saved_bytes(node, priced.kernels, graph.tensors,
+                                  [sharded.layouts.get(o) if o else None
+                                   for o in node.outputs], sharded.mesh, recomputed)
     for collective in priced.collectives:
         op_index = index_of.get(collective.op)
         if op_index is None or collective.phase == Phase.GRADIENT:
@@ -138,15 +141,6 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                  Recompute.FULL: saved_all - saved[Recompute.FULL]}
     return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
                        transient, workspace, _params(priced, unit_of), crossings)
-
-
-def _kept_bytes(priced: PricedGraph, names: Sequence[str], among: frozenset[str]) -> float:
-    """Local bytes autograd keeps of the tensors `names` that are in `among`."""
-    sharded = priced.sharded
-    tensors = sharded.analysis.graph.tensors
-    return sum(priced.kernels.saved[name] * tensors[name].nbytes
-               * fraction_of_layout(sharded.layouts[name], sharded.mesh)
-               for name in names if name in among)
 
 
 def _crossings(priced: PricedGraph,

@@ -32,7 +32,6 @@ class GraphAnalysis:
     repeats: Repeats | None
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
-    reads_weight: tuple[bool, ...]  # per op (in order): it reads a parameter
     # Derivations of choices on this graph, kept by `planner.cost.oplevel.priced_choice` so
     # that the search and the plan builder derive and price each choice once.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -45,14 +44,11 @@ class GraphAnalysis:
     def of(cls, graph: PlanningGraph) -> GraphAnalysis:
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
         repeats = find_repeats(graph)
-        params = {p.name for p in graph.parameters}
         return cls(
             graph=graph, labels=labels, needs_grad=needs_grad_map(graph),
             weight_roots=weight_roots_map(graph), first_consumers=first_consumers(graph),
             repeats=repeats, units=find_units(graph, repeats),
             batch_labels=_batch_labels(graph, labels),
-            reads_weight=tuple(any(i in params for i in node.inputs if i)
-                               for node in graph.ops),
         )
 
 
