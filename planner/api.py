@@ -61,6 +61,7 @@ def plan(
     attention: str | AttentionKernel | None = None,
     fusion: str | Fusion | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    overlap_grad_reduce: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -72,7 +73,9 @@ def plan(
     `inference` plans a forward pass only; `overlap` is the share (0..1) of gradient
     synchronisation hidden behind the backward pass at least (the schedule may hide more);
     `bucket_mb` the bucket (MiB) gradient reductions and ZeRO gathers are issued in
-    (default PyTorch DDP's 25; 0: one collective per tensor). `precision`
+    (default PyTorch DDP's 25; 0: one collective per tensor); `overlap_grad_reduce` whether
+    the gradient reduction runs behind the backward pass as torch DDP and FSDP issue it
+    (default) or after it, as Megatron-LM does without `--overlap-grad-reduce`. `precision`
     (`costmodels.precision`; default: the graph's own dtype, a 16-bit graph in its `-mixed`
     form) decides the bytes per parameter and the dtype activations and GEMMs run in;
     `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
@@ -107,7 +110,7 @@ def plan(
         attention=_choice(AttentionKernel, attention, "--attention")
         or hardware.default_attention,
         fusion=_choice(Fusion, fusion, "--fusion") or hardware.default_fusion,
-        bucket_mb=float(bucket_mb),
+        bucket_mb=float(bucket_mb), overlap_grad_reduce=bool(overlap_grad_reduce),
     )
     if mode == "data":
         return plan_data_parallel(graph, hardware, devices, training)

@@ -21,7 +21,12 @@ def _kernels(plan: Plan) -> list[str]:
         line += (f": {per.weights:g} B weights + {per.gradients:g} B gradients + "
                  f"{per.master:g} B master + {per.moments:g} B {plan.parallel.optimizer} "
                  f"= {per.total:g} B per parameter")
-    return [line, f"kernels    attention {step.attention}, fusion {step.fusion}"]
+    lines = [line, f"kernels    attention {step.attention}, fusion {step.fusion}"]
+    if step.kind == "training":
+        buckets = f"{step.bucket_mb:g} MiB buckets" if step.bucket_mb else "one per tensor"
+        when = "behind" if step.overlap_grad_reduce else "after"
+        lines.append(f"gradients  reduced in {buckets}, {when} the backward pass")
+    return lines
 
 
 def summary(plan: Plan) -> str:

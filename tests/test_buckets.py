@@ -97,6 +97,9 @@ def test_the_schedule_hides_all_but_the_last_bucket() -> None:
     assert schedule_overlap(10.0, 2.0, 100.0, 0.0) == (2.0, 8.0)  # the last bucket waits
     assert schedule_overlap(10.0, 2.0, 5.0, 0.9) == pytest.approx((1.0, 9.0))  # --overlap
     assert schedule_overlap(0.0, 0.0, 5.0, 0.5) == (0.0, 0.0)
+    # After the backward pass (Megatron-LM without --overlap-grad-reduce): only the floor.
+    assert schedule_overlap(10.0, 2.0, 100.0, 0.0, scheduled=False) == (10.0, 0.0)
+    assert schedule_overlap(10.0, 2.0, 100.0, 0.25, scheduled=False) == (7.5, 2.5)
     # ZeRO-3 gathers one unit ahead: the first waits, the rest hide behind the previous
     # unit's compute as far as it lasts.
     gathers, compute = np.array([1.0, 1.0, 3.0]), np.array([2.0, 2.0, 2.0])
@@ -159,3 +162,33 @@ def test_bad_bucket_sizes_exit_2_with_one_line(capsys: pytest.CaptureFixture[str
         assert main(["plan", "--bucket-mb", bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "--bucket-mb" in err
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_reduction_after_the_backward_pass_exposes_all_of_it(gpt8: Path, pp: int) -> None:
+    """`overlap_grad_reduce=False`: the data-parallel all-reduce waits for the backward pass
+    (nothing hidden), the plan records it, and only the exposed time grows."""
+    def planned(overlap: bool) -> Plan:
+        return plan(gpt8, devices=32, batch=32, dims={"seq": 16}, profile="a100-80g",
+                    parallel={"dp": 32 // pp, "tp": 1, "pp": pp, "zero": 0},
+                    overlap_grad_reduce=overlap)
+
+    behind, after = planned(True), planned(False)
+    assert behind.predicted.breakdown.hidden_communication_s > 0
+    assert after.predicted.breakdown.hidden_communication_s == 0
+    assert after.step.overlap_grad_reduce is False and behind.step.overlap_grad_reduce
+    gradient = [c for c in after.collectives if c.phase == Phase.GRADIENT]
+    assert sum(c.time_s for c in gradient) == pytest.approx(
+        sum(c.time_s for c in behind.collectives if c.phase == Phase.GRADIENT))
+    assert after.predicted.step_time_s > behind.predicted.step_time_s
+    assert Plan.from_json(json.loads(after.dumps())).step.overlap_grad_reduce is False
+
+
+def test_the_cli_flag_reaches_the_plan_and_the_summary(gpt8: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    out = tmp_path / "after.json"
+    assert main(["plan", str(gpt8), "--devices", "4", "--batch", "8", "--dim", "seq=16",
+                 "--parallel", "dp=4", "--no-overlap-grad-reduce", "-o", str(out)]) == 0
+    assert "after the backward pass" in capsys.readouterr().out
+    assert json.loads(out.read_text())["step"]["overlap_grad_reduce"] is False

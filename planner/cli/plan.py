@@ -69,6 +69,10 @@ def add_parser(verbs: Verbs) -> None:
                       help="bucket size gradient reductions and ZeRO gathers are issued in "
                            "(default 25, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 "
                            "elements are 954 in bf16; 0: one collective per tensor)")
+    plan.add_argument("--no-overlap-grad-reduce", action="store_true",
+                      help="reduce gradients after the backward pass, as Megatron-LM does "
+                           "without --overlap-grad-reduce (default: behind it, as torch "
+                           "DDP and FSDP do)")
     plan.add_argument("-o", "--output", help="write the strategy JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON, not a summary")
 
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                           optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
                           inference=args.inference, overlap=args.overlap,
                           precision=args.precision, attention=args.attention,
-                          fusion=args.fusion, progress=progress, **buckets)
+                          fusion=args.fusion, progress=progress,
+                          overlap_grad_reduce=not args.no_overlap_grad_reduce, **buckets)
         finally:
             if progress is not None:
                 progress.close()

@@ -21,7 +21,9 @@ under-counted by at most one bucket's α per group).
 
 **Overlap.** `schedule_overlap`: gradient reduction of the buckets of later layers runs
 behind the backward pass of earlier layers, so all but the last bucket (the first layer's
-weights) can hide behind the backward compute of the other layers; ZeRO-3 gathers of
+weights) can hide behind the backward compute of the other layers, where the framework
+issues it so (torch DDP and FSDP do; Megatron-LM reduces after the backward pass unless
+`--overlap-grad-reduce`, off by default: `TrainingOptions.overlap_grad_reduce`); ZeRO-3 gathers of
 layer k + 1 are prefetched behind layer k's compute (`prefetch_exposed`). `--overlap` is a
 floor on the hidden share of the end-of-step synchronisation (what users asserted before
 the schedule was modelled): the hidden part is the larger of the two.
@@ -83,15 +85,16 @@ def assign_buckets(issues: Iterable[Issue], bucket: float) -> list[int | None]:
     return result
 
 
-def schedule_overlap(total: float, last: float, hide: float,
-                     overlap: float) -> tuple[float, float]:
+def schedule_overlap(total: float, last: float, hide: float, overlap: float,
+                     scheduled: bool = True) -> tuple[float, float]:
     """(exposed, hidden) seconds of an end-of-step gradient synchronisation of `total`
     seconds whose last bucket takes `last` (it is ready only when the backward pass ends),
     the rest running behind `hide` seconds of backward compute; `overlap` is the least
-    share hidden (`--overlap`)."""
+    share hidden (`--overlap`). Not `scheduled` (`--no-overlap-grad-reduce`): the
+    reduction starts after the backward pass, and only the `overlap` floor is hidden."""
     if total <= 0:
         return 0.0, 0.0
-    by_schedule = min(max(0.0, total - last), max(0.0, hide))
+    by_schedule = min(max(0.0, total - last), max(0.0, hide)) if scheduled else 0.0
     hidden = min(total, max(by_schedule, overlap * total))
     return total - hidden, hidden
 

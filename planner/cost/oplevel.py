@@ -54,10 +54,11 @@ class PricedGraph:
 
     def step(self) -> StepPrice:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""
-        return step_price([self.stage], PipelineConfig(optimizer=self.options.optimizer,
-                                                        overlap=self.options.overlap,
-                                                        precision=self.options.precision,
-                                                        bucket_mb=self.options.bucket_mb))
+        options = self.options
+        return step_price([self.stage], PipelineConfig(
+            optimizer=options.optimizer, overlap=options.overlap,
+            precision=options.precision, bucket_mb=options.bucket_mb,
+            overlap_grad_reduce=options.overlap_grad_reduce))
 
 
 def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -117,7 +118,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     times = {phase: 0.0 for phase in Phase}
     for collective in collectives:
         times[collective.phase] += collective.time_s
-    sync, hidden = _gradient_overlap(sharded, collectives, costs, options.overlap)
+    sync, hidden = _gradient_overlap(sharded, collectives, costs, options.overlap,
+                                     options.overlap_grad_reduce)
     memory, optimizer_s = _memory(graph, sharded, profile, options,
                                   live_peak.peak if live_peak is not None else saved_total,
                                   workspace)
@@ -165,7 +167,8 @@ OP_INDEX = "op index"  # memo key of the analysis: op name -> index
 
 
 def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
-                      costs: Sequence[OpCost], overlap: float) -> tuple[float, float]:
+                      costs: Sequence[OpCost], overlap: float,
+                      scheduled: bool) -> tuple[float, float]:
     """(exposed, hidden) gradient synchronisation: all but the first unit's weights' (the
     last bucket) behind the backward compute of the other units (`schedule_overlap`)."""
     analysis = sharded.analysis
@@ -181,7 +184,7 @@ def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
             last += collective.time_s
     backward = sum(cost.backward_s for cost in costs)
     first = sum(cost.backward_s for k, cost in enumerate(costs) if unit_of[k] == first_unit)
-    return schedule_overlap(total, last, backward - first, overlap)
+    return schedule_overlap(total, last, backward - first, overlap, scheduled)
 
 
 def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfile,

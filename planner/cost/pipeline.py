@@ -306,7 +306,8 @@ class Pricer:
         backward = profile.backward_compute[units]
         end, hidden = schedule_overlap(float(sync.sum()), float(sync[0]),
                                        float(backward.sum() - backward[0]),
-                                       self.config.overlap)
+                                       self.config.overlap,
+                                       self.config.overlap_grad_reduce)
         zero = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units]) \
             + backward_prefetch_exposed(columns["micro_gather"], columns["micro_reduce"],
                                         backward)

@@ -33,6 +33,9 @@ class TrainingOptions:
     attention: AttentionKernel | None = None  # None: the profile's (device.kernels)
     fusion: Fusion | None = None  # None: the profile's
     bucket_mb: float = DEFAULT_BUCKET_MB  # weight collectives' bucket (MiB); 0: one per tensor
+    #: whether the gradient reduction runs behind the backward pass (torch DDP and FSDP do;
+    #: Megatron-LM only with `--overlap-grad-reduce`, default off) or after it
+    overlap_grad_reduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class PipelineConfig:
     overlap: float = 0.0
     precision: Precision | None = None  # None: the weights' own (costmodels.precision)
     bucket_mb: float = DEFAULT_BUCKET_MB
+    overlap_grad_reduce: bool = True  # TrainingOptions.overlap_grad_reduce
 
 
 @dataclass(frozen=True)

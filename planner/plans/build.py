@@ -387,7 +387,8 @@ def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh) -> ClusterRef:
 
 def _step(training: TrainingOptions) -> StepSpec:
     return StepSpec(StepKind.INFERENCE if training.inference else StepKind.TRAINING,
-                    training.overlap, training.precision, training.attention, training.fusion)
+                    training.overlap, training.precision, training.attention, training.fusion,
+                    training.bucket_mb, training.overlap_grad_reduce)
 
 
 def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:

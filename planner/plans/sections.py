@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
@@ -89,17 +90,23 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """What one step is: a training step or a forward pass, the overlap priced, and the
-    precision and kernels it was priced in (None in files written before they were)."""
+    """What one step is: a training step or a forward pass, the overlap priced, the
+    precision and kernels it was priced in (None in files written before they were), and
+    how its weight collectives are issued (bucket MiB; the gradient reduction behind the
+    backward pass or after it)."""
 
     kind: StepKind = StepKind.TRAINING
     overlap: float = 0.0
     precision: Precision | None = None
     attention: AttentionKernel | None = None
     fusion: Fusion | None = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    overlap_grad_reduce: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap}
+        found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap,
+                                 "bucket_mb": self.bucket_mb,
+                                 "overlap_grad_reduce": self.overlap_grad_reduce}
         for key in ("precision", "attention", "fusion"):
             value = getattr(self, key)
             if value is not None:
@@ -113,7 +120,9 @@ class StepSpec:
 
         return cls(_enum(StepKind, data.get("kind", "training"), "step.kind"),
                    float(data.get("overlap", 0.0)), optional(Precision, "precision"),
-                   optional(AttentionKernel, "attention"), optional(Fusion, "fusion"))
+                   optional(AttentionKernel, "attention"), optional(Fusion, "fusion"),
+                   float(data.get("bucket_mb", DEFAULT_BUCKET_MB)),
+                   _flag(data.get("overlap_grad_reduce", True), "step.overlap_grad_reduce"))
 
 
 @dataclass(frozen=True)
@@ -442,6 +451,12 @@ def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
 def _range(value: Any) -> Range:
     first, end = value
     return int(first), int(end)
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} {value!r}: true or false")
+    return value
 
 
 def _enum(kind: type, value: Any, where: str) -> Any:
