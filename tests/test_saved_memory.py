@@ -140,3 +140,23 @@ def test_flash_core_moves_no_s_squared_bytes(gpt: GraphAnalysis) -> None:
     forward = first.flops + last.flops
     backward = first.backward_ratio * first.flops + last.backward_ratio * last.flops
     assert backward / forward == pytest.approx(2.5)
+
+
+def test_a_fused_softmax_writes_its_probabilities_and_dropout_runs_after_it(
+        gpt: GraphAnalysis) -> None:
+    """Megatron's fused scale-mask-softmax reads the scores and writes the probabilities
+    (2 · a s² b bytes each way in 16-bit, and the causal mask); the attention dropout is a kernel of its own that
+    reads them and writes its output and a 1-byte mask."""
+    plan = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    core = f"{LAYER}attn.core."
+    softmax = next(r for r in plan.regions if f"{core}softmax" in r)
+    assert f"{core}scale" in softmax and f"{core}dropout" not in softmax
+    scores = A * S * S * B * 2
+    mask = B * S * S  # the causal mask, read once (bool)
+    constants = 2 * 2  # the scale and the fill value
+    moved = sum(plan.ops[op].bytes for op in softmax)
+    assert moved == pytest.approx(2 * scores + mask + constants, rel=1e-9)
+    dropout = plan.ops[f"{core}dropout"]
+    assert dropout.launches == 1
+    ratio_and_mode = 2 + 1  # the dropout ratio (16-bit) and training_mode (bool)
+    assert dropout.bytes == pytest.approx(2 * scores + scores / 2 + ratio_and_mode, rel=1e-9)

@@ -17,6 +17,8 @@ autograd keeps for the backward pass:
   region and dropout masks; a tensor used only inside it is recomputed from the region's
   inputs in the backward pass (what torch.compile's partitioner and Megatron's fused
   bias-GELU and bias-dropout-add kernels do), so the region keeps those inputs instead.
+  A softmax ends its region (Megatron's fused scale-mask-softmax writes the
+  probabilities; the attention dropout is its own kernel).
 
 Saved tensors start from each op's rule in the registry (`planner.ops.saving`).
 `KernelPlan.dropped_by_selective` lists the activations selective recompute drops: those
@@ -44,6 +46,10 @@ _FUSABLE_WORK = frozenset({WorkKind.PER_OUTPUT, WorkKind.PER_INPUT, WorkKind.VIE
 _BEFORE_SOFTMAX = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast"})
 _AFTER_SOFTMAX = frozenset({"Dropout", "Cast", "Where", "Mul", "Div"})
 _GUARDS = frozenset({"IsNaN", "IsInf", "Not"})
+#: Ops whose output always leaves their kernel: a fused softmax (Megatron-LM's
+#: FusedScaleMaskSoftmax, Apex's scaled_masked_softmax) takes the scale and the mask in and
+#: writes the probabilities; the attention dropout after it is a kernel of its own.
+_ENDS_REGION = frozenset({"Softmax", "LogSoftmax"})
 _CHAIN_LIMIT = 8
 
 FLASH_BACKWARD_QK = 3.0  # the q kᵀ GEMM's backward: dq, dk and the recomputed scores
@@ -303,14 +309,16 @@ def _regions(graph: PlanningGraph, absorbed: set[str]) -> tuple[tuple[str, ...],
         for name in node.inputs:
             producer = tensors[name].producer if name else None
             if producer is not None:
-                level = max(level, depth[producer] + (0 if producer in fusable else 1))
+                joins = producer in fusable and graph.op(producer).op_type not in _ENDS_REGION
+                level = max(level, depth[producer] + (0 if joins else 1))
         depth[node.name] = level
         if node.name not in fusable:
             continue
         parent[node.name] = node.name
         for name in node.inputs:
             producer = tensors[name].producer if name else None
-            if producer in fusable and depth[producer] == level:
+            if (producer in fusable and depth[producer] == level
+                    and graph.op(producer).op_type not in _ENDS_REGION):
                 parent[root(producer)] = root(node.name)
     members: dict[str, list[str]] = {}
     for node in graph.ops:
