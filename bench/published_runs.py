@@ -1,6 +1,7 @@
-"""Predicted against published training runs: Megatron-LM SC'21, Table 1.
+"""Predicted against published training runs: Megatron-LM SC'21 Table 1 and Korthikanti
+et al. 2022 Table 5.
 
-Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+**Narayanan et al. 2021**, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT models of 1.7B to 1T
 parameters (vocabulary 51,200, sequence 2048, fp16 mixed precision, dropout 0.1, full
 activation recomputation) on DGX A100 80 GB nodes, with the tensor- and pipeline-parallel
@@ -9,16 +10,29 @@ paper counts a step's FLOPs as (its eq. 3, with recomputation)
 
     F = 96 B s l h² (1 + s / (6h) + V / (16 l h)),
 
-so the published step time is F / (GPUs × achieved FLOP/s per GPU). Each row is planned
-with its configuration pinned (dp, tp, pp, full recompute, Megatron's tensor-parallel
-split: `--parallel ...,layout=megatron`; micro-batches, schedule and ZeRO searched), the
-kernels of 2021 (no flash attention: `--attention eager`; Megatron's fused softmax,
-bias-GELU and bias-dropout-add kernels: `--fusion elementwise`), on the zoo GPT with
-separate q, k, v projections (Megatron lays its fused QKV weight out per head, which an
-ONNX Split of a [h, 3h] projection cannot express; the FLOPs and parameters are the same).
+so the published step time is F / (GPUs × achieved FLOP/s per GPU).
+
+**Korthikanti et al. 2022**, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), Table 5: the end-to-end iteration time of four GPT models
+(22B, 175B, 530B, 1T; their Table 3 configurations: tensor parallel 8, data parallel 1,
+sequence 2048) with full recomputation and with "present work" (selective recomputation
+and sequence parallelism). The transcription is checked against the table's own MFU
+column: the model FLOPs 72 B s l h² (1 + s/(6h) + V/(12 l h)) over time × GPUs × 312
+TFLOP/s give 41.5, 51.4, 56.0 and 56.3 % (`tests/test_published_runs.py`).
+
+Each run is planned with its configuration pinned: dp, tp, pp, the recompute mode,
+sequence parallelism where it ran, Megatron's tensor-parallel split (`layout=megatron`),
+no ZeRO (Megatron-LM of 2021-22 had none: its distributed optimizer came later), the
+gradient all-reduce after the backward pass (Megatron-LM's `--overlap-grad-reduce` is
+off by default), the kernels of that Megatron (no flash attention: `--attention eager`;
+its fused softmax, bias-GELU and bias-dropout-add kernels: `--fusion elementwise`);
+micro-batches and the pipeline schedule are searched, since neither table gives them.
+The model is the zoo GPT with separate q, k, v projections (Megatron lays its fused QKV
+weight out per head, which an ONNX Split of a [h, 3h] projection cannot express; the
+FLOPs and parameters are the same).
 
     python bench/published_runs.py                 # every row
-    python bench/published_runs.py --rows 1.7B 7.5B
+    python bench/published_runs.py --rows 1.7B 22B-selective
 
 Prints per row the predicted and published step time, the error, the shares of the
 predicted step (compute, communication, bubble), and inside compute the share of the
@@ -42,12 +56,14 @@ from planner.zoo.gpt import GPTConfig
 
 SEQUENCE = 2048
 VOCAB = 51200
+A100_PEAK = 312e12  # dense fp16 tensor-core FLOP/s, the peak both papers quote
 
 
 @dataclass(frozen=True)
-class Row:
-    """One run of Table 1."""
+class Run:
+    """One published run: the model, how it was split, and its measured step time."""
 
+    source: str  # "SC'21 T1" or "K'22 T5"
     name: str
     heads: int
     hidden: int
@@ -56,48 +72,78 @@ class Row:
     pp: int
     gpus: int
     batch: int
-    teraflops_per_gpu: float  # achieved, as published
+    published_s: float
+    recompute: str = "full"
+    sequence_parallel: bool = False
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
 
-    def published_step_s(self) -> float:
+    def model_flops(self) -> float:
+        """Korthikanti's model FLOPs per step (no recomputation counted)."""
         s, h, n = SEQUENCE, self.hidden, self.layers
-        flops = 96 * self.batch * s * n * h * h * (1 + s / (6 * h) + VOCAB / (16 * n * h))
-        return flops / (self.gpus * self.teraflops_per_gpu * 1e12)
+        return 72 * self.batch * s * n * h * h * (1 + s / (6 * h) + VOCAB / (12 * n * h))
+
+    def mfu(self) -> float:
+        return self.model_flops() / (self.published_s * self.gpus * A100_PEAK)
+
+
+def _table_1(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
+             batch: int, teraflops_per_gpu: float) -> Run:
+    """A Table 1 row: its step time from the paper's eq. 3 and the achieved FLOP/s."""
+    s, h, n = SEQUENCE, hidden, layers
+    flops = 96 * batch * s * n * h * h * (1 + s / (6 * h) + VOCAB / (16 * n * h))
+    return Run("SC'21 T1", name, heads, hidden, layers, tp, pp, gpus, batch,
+               flops / (gpus * teraflops_per_gpu * 1e12))
 
 
 TABLE_1 = (
-    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
-    Row("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    Row("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
-    Row("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    Row("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    Row("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    Row("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    Row("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    _table_1("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    _table_1("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    _table_1("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    _table_1("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    _table_1("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _table_1("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _table_1("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _table_1("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _table_1("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    _table_1("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 
+#: Korthikanti et al. 2022, Table 3 (configurations) and Table 5 (iteration time, s).
+_K22 = (("22B", 64, 6144, 48, 8, 1, 8, 4, 1.42, 1.10),
+        ("175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, 13.75),
+        ("530B", 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
+        ("1T", 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49))
+TABLE_5 = tuple(
+    run for name, heads, hidden, layers, tp, pp, gpus, batch, full, present in _K22
+    for run in (Run("K'22 T5", f"{name}-full", heads, hidden, layers, tp, pp, gpus, batch,
+                    full),
+                Run("K'22 T5", f"{name}-selective", heads, hidden, layers, tp, pp, gpus,
+                    batch, present, recompute="selective", sequence_parallel=True)))
+RUNS = TABLE_1 + TABLE_5
 
-def predict(row: Row, folder: Path) -> str:
+
+def predict(row: Run, folder: Path) -> str:
     config = GPTConfig(layers=row.layers, hidden=row.hidden, heads=row.heads, vocab=VOCAB,
                        max_positions=SEQUENCE, dropout=0.1, dtype="float16", fused_qkv=False)
-    path = zoo.save(zoo.build("gpt", config), folder / f"gpt-{row.name}.onnx")
-    pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp,
-                                  "recompute": "full", "layout": "megatron"}
+    path = folder / f"gpt-{row.hidden}x{row.layers}.onnx"
+    if not path.exists():
+        zoo.save(zoo.build("gpt", config), path)
+    pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "zero": 0,
+                                  "recompute": row.recompute, "layout": "megatron",
+                                  "sp": int(row.sequence_parallel)}
     started = time.perf_counter()
     try:
         result = plan(path, profile="a100-80g", devices=row.gpus, batch=row.batch,
                       dims={"seq": SEQUENCE}, parallel=pins, attention="eager",
-                      fusion="elementwise")
+                      fusion="elementwise", overlap_grad_reduce=False)
     except ShardplanError as error:
-        return f"| {row.name} | refused: {str(error).splitlines()[0][:90]} |"
+        return f"| {row.source} | {row.name} | refused: {str(error).splitlines()[0][:90]} |"
     took = time.perf_counter() - started
     p = result.predicted
-    published = row.published_step_s()
+    published = row.published_s
     step = p.step_time_s
     gemm = other = 0.0
     for op in result.ops:
@@ -109,7 +155,8 @@ def predict(row: Row, folder: Path) -> str:
     compute_total = gemm + other or 1.0
     bubble = p.breakdown.get("bubble_s", 0.0)
     fits = "yes" if p.fits else "NO"
-    return (f"| {row.name} | {row.dp}/{row.tp}/{row.pp} | {result.parallel.micro_batches} "
+    return (f"| {row.source} | {row.name} | {row.dp}/{row.tp}/{row.pp} "
+            f"| {result.parallel.micro_batches} "
             f"| {step:.2f} | {published:.2f} | {100 * (step / published - 1):+.1f} % "
             f"| {100 * p.compute_s / step:.0f} / {100 * p.communication_s / step:.0f} / "
             f"{100 * bubble / step:.0f} | {100 * gemm / compute_total:.0f} / "
@@ -121,11 +168,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", help="row names (default: all)")
     args = parser.parse_args()
-    rows = [r for r in TABLE_1 if not args.rows or r.name in args.rows]
-    print("| model | dp/tp/pp | micro-batches | predicted s | published s | error "
+    rows = [r for r in RUNS if not args.rows or r.name in args.rows]
+    print("| source | model | dp/tp/pp | micro-batches | predicted s | published s | error "
           "| compute / comm / bubble % | GEMM / other % of compute | memory per GPU "
           "| planned in |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         for row in rows:
