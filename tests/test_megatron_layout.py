@@ -99,5 +99,7 @@ def test_sequence_parallelism_pin_swaps_all_reduces_for_scatters_and_gathers(gpt
     assert (CollectiveKind.REDUCE_SCATTER, "h.0.attn.c_proj.matmul") in forward
     assert (CollectiveKind.ALL_GATHER, "h.0.ln_2") in forward
     assert sp.predicted.memory["activations"] < plain.predicted.memory["activations"]
+    off = plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={**pins, "sp": 0})
+    assert off.predicted.step_time_s == plain.predicted.step_time_s  # sp=0: the plain layout
     with pytest.raises(ShardplanError, match="--parallel sp=2"):
         plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={"tp": 2, "sp": 2})

@@ -87,7 +87,7 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")
-        low = 0 if key == "zero" else 1
+        low = 0 if key in ("zero", "sp") else 1
         if value < low or (key == "zero" and value > 3):
             raise ShardplanError(f"--parallel {key}={value}: must be "
                                  f"{'0, 1, 2 or 3' if key == 'zero' else 'positive'}")
