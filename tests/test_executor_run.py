@@ -50,6 +50,27 @@ def test_tensor_parallel_llama_on_two_ranks(tmp_path: Path) -> None:
     _check(path, chosen, optimizer="adamw")
 
 
+def test_q_k_v_projections_of_one_norm_reduce_their_gradient_once(tmp_path: Path) -> None:
+    """Separate q, k and v column-parallel GEMMs read one norm output: autograd sums their
+    partial input gradients and one all-reduce follows (as DTensor and Megatron do), in the
+    plan and in the run; with full recompute as well (the reads re-run in a checkpoint)."""
+    from planner.kinds import CollectiveKind, Phase
+    from planner.zoo.gpt import GPTConfig
+
+    config = GPTConfig(layers=2, hidden=32, heads=4, vocab=64, max_positions=8,
+                       fused_qkv=False)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt-qkv.onnx")
+    for recompute in ("none", "full"):
+        chosen = plan(path, devices=2, batch=4, dims={"seq": 8},
+                      parallel={"dp": 1, "tp": 2, "pp": 1, "zero": 0, "layout": "megatron",
+                                "recompute": recompute})
+        norm = [c for c in chosen.collectives if c.tensor == "h.0.ln_1"
+                and c.phase == Phase.BACKWARD]
+        assert [(c.kind, c.op) for c in norm] == [(CollectiveKind.ALL_REDUCE,
+                                                   "h.0.attn.q_proj.matmul")]
+        _check(path, chosen)
+
+
 def test_tensor_parallel_resnet_on_two_ranks(tmp_path: Path) -> None:
     """Convolutions with split input channels: partial sums, the bias added once."""
     path = _zoo(tmp_path, "resnet-tiny")

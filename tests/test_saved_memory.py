@@ -145,8 +145,8 @@ def test_flash_core_moves_no_s_squared_bytes(gpt: GraphAnalysis) -> None:
 def test_a_fused_softmax_writes_its_probabilities_and_dropout_runs_after_it(
         gpt: GraphAnalysis) -> None:
     """Megatron's fused scale-mask-softmax reads the scores and writes the probabilities
-    (2 · a s² b bytes each way in 16-bit, and the causal mask); the attention dropout is a kernel of its own that
-    reads them and writes its output and a 1-byte mask."""
+    (2 · a s² b bytes each way in 16-bit, and the causal mask); the attention dropout is
+    a kernel of its own that reads them and writes its output and a 1-byte mask."""
     plan = kernel_plan(gpt, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
     core = f"{LAYER}attn.core."
     softmax = next(r for r in plan.regions if f"{core}softmax" in r)

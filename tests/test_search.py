@@ -246,7 +246,8 @@ def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
     infer = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", inference=True)
     hidden = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", overlap=1.0)
     assert infer.step.to_json() == {"kind": "inference", "overlap": 0.0, "precision": "fp32",
-                                    "attention": "flash", "fusion": "elementwise"}
+                                    "attention": "flash", "fusion": "elementwise",
+                                    "bucket_mb": 25.0, "overlap_grad_reduce": True}
     assert infer.predicted.memory["gradients"] == infer.predicted.memory["optimizer"] == 0
     assert not [c for c in infer.collectives if c.phase in ("backward", "gradient")]
     assert infer.predicted.compute_s == pytest.approx(train.predicted.breakdown["forward_s"])

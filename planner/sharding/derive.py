@@ -3,7 +3,8 @@
 Given a strategy per op on a mesh, each op's input and output layouts follow from its
 labelling; every tensor is stored as its producer writes it (inputs and weights as their
 first consumer needs them); every read in another layout is a redistribution, whose
-forward steps and transposed backward steps are collectives; the op's own collectives
+forward steps and transposed backward steps are collectives (reads of one tensor in one
+layout within a layer share one gradient reduction: `shared_gradient_key`); the op's own collectives
 (a split training batch norm's statistics) follow from the strategy; and every weight's
 gradient is summed over the axes its consumers split work on. `derive` computes this
 once, in op order, as typed records. The cost layer prices them; the plan builder writes
@@ -104,7 +105,9 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     layout_of: dict[str, Layout] = {}
     deferred_axes: dict[str, set[str]] = {}
     ops: list[OpSharding] = []
-    for node in graph.ops:
+    unit_of = analysis.units.unit_of_ops()
+    reduced: set[tuple] = set()
+    for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
         labels = rule if rule is not None else replicated_labels(node)
@@ -119,10 +122,16 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             if name not in layout_of:  # inputs and weights are placed as first consumed
                 layout_of[name] = want
             roots = analysis.weight_roots.get(name)
+            partial = grad_partial_axes(labels, strategy, index)
+            requires_grad = needs_grad.get(name, False)
+            key = shared_gradient_key(tensors[name], layout_of[name], want, partial,
+                                      int(unit_of[k]), mesh,
+                                      requires_grad and roots is None)
             found, deferred = edge_steps(tensors[name], layout_of[name], want, node.name, mesh,
-                                         needs_grad.get(name, False),
-                                         grad_partial_axes(labels, strategy, index),
+                                         requires_grad and key not in reduced, partial,
                                          weight_derived=roots is not None)
+            if key is not None:
+                reduced.add(key)
             specs += found
             for root in roots or ():
                 if deferred:
@@ -146,6 +155,28 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
         for name, axes in gradient_axes.items())
     return ShardedGraph(analysis, mesh, training, tuple(ops), layout_of, gradient_axes,
                         gradients)
+
+
+def shared_gradient_key(info: TensorInfo, src: Layout, dst: Layout,
+                        partial_axes: tuple[str, ...], unit: int, mesh: DeviceMesh,
+                        reduces_here: bool) -> tuple | None:
+    """The key under which reading `info` (stored in `src`) in `dst` shares its gradient
+    reduction with other reads, or None.
+
+    Autograd sums the gradients of every read of a tensor before it flows on, so reads in
+    the layout the tensor is stored in (no forward move) that leave the same pending sum
+    (a column-parallel GEMM's input gradient, Partial over tp) add their partial gradients
+    locally and reduce once, as torch's DTensor and Megatron-LM's `f` operator do: q, k
+    and v projections of one norm output are one all-reduce, not three. Reads within one
+    unit (layer) only, so a stage boundary never separates the reads of one reduction.
+    `reduces_here`: the read's gradient is reduced at the read at all (it needs a
+    gradient and is not a weight's, whose partial sums are deferred to the weight).
+    """
+    if not reduces_here or not partial_axes or not info.is_float:
+        return None
+    if redistribute(src, dst, info.shape, info.itemsize, mesh):
+        return None
+    return (info.name, dst, tuple(partial_axes), unit)
 
 
 def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: DeviceMesh,
