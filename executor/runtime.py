@@ -30,7 +30,7 @@ from planner.kinds import AxisRole, CollectiveKind, Move, Phase
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import OPTIMIZER_OP, shared_gradient_key
+from planner.sharding.derive import OPTIMIZER_OP, shared_read_key
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
@@ -379,9 +379,9 @@ class PlanRunner:
         self._steps: dict[tuple, list[CommStep]] = {}
         self._programs: dict[int, tuple] = {}
         self._segments: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
-        self._unit_of = analysis.units.unit_of_ops()
-        # Reads that share one gradient reduction (`shared_gradient_key`): key -> (the
-        # tensor read, the moved tensor every such read uses), dropped at the last read.
+        self._region_of = analysis.recompute_regions()
+        # Reads that share one move and one gradient reduction (`shared_read_key`): key ->
+        # (the tensor read, the moved tensor every such read uses), dropped at the last.
         self._shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._last_read: dict[tuple, int] = {}
         for k, node in enumerate(graph.ops):
@@ -396,10 +396,9 @@ class PlanRunner:
 
     def _shared_key(self, k: int, name: str, src: Layout, dst: Layout,
                     partial_axes: tuple[str, ...]) -> tuple | None:
-        return shared_gradient_key(self.graph.tensors[name], src, dst, partial_axes,
-                                   int(self._unit_of[k]), self.mesh,
-                                   self.needs_grad.get(name, False)
-                                   and name not in self.weight_derived)
+        return shared_read_key(self.graph.tensors[name], src, dst, partial_axes,
+                               int(self._region_of[k]), self.mesh,
+                               self.needs_grad.get(name, False), name in self.weight_derived)
 
     def inputs(self, feeds: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
         """The held weights and this rank's shards of the fed inputs, with their layouts."""
@@ -514,7 +513,7 @@ class PlanRunner:
             key = self._shared_key(k, name, layouts[name], wanted, partial)
             shared = self._shared.get(key) if key is not None else None
             if shared is not None and shared[0] is values[name]:
-                env[name] = shared[1]  # autograd sums the reads' gradients: one reduction
+                env[name] = shared[1]  # one move; autograd sums the reads' gradients
             else:
                 env[name] = self._move(values[name], layouts[name], wanted,
                                        self.graph.tensors[name], partial)

@@ -50,25 +50,31 @@ def test_tensor_parallel_llama_on_two_ranks(tmp_path: Path) -> None:
     _check(path, chosen, optimizer="adamw")
 
 
-def test_q_k_v_projections_of_one_norm_reduce_their_gradient_once(tmp_path: Path) -> None:
-    """Separate q, k and v column-parallel GEMMs read one norm output: autograd sums their
-    partial input gradients and one all-reduce follows (as DTensor and Megatron do), in the
-    plan and in the run; with full recompute as well (the reads re-run in a checkpoint)."""
+@pytest.mark.parametrize(("recompute", "sp"), [("none", 0), ("full", 0), ("none", 1),
+                                              ("selective", 1)])
+def test_q_k_v_projections_of_one_norm_share_one_move(tmp_path: Path, recompute: str,
+                                                      sp: int) -> None:
+    """Separate q, k and v column-parallel GEMMs read one norm output: one move serves the
+    three (sequence parallel: one all-gather) and autograd sums their partial input
+    gradients before one reduction (an all-reduce; a reduce-scatter under sequence
+    parallelism), as DTensor and Megatron-LM do, in the plan and in the run; under
+    recompute too (a checkpointed layer re-runs the move its reads share)."""
     from planner.kinds import CollectiveKind, Phase
     from planner.zoo.gpt import GPTConfig
 
     config = GPTConfig(layers=2, hidden=32, heads=4, vocab=64, max_positions=8,
                        fused_qkv=False)
     path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt-qkv.onnx")
-    for recompute in ("none", "full"):
-        chosen = plan(path, devices=2, batch=4, dims={"seq": 8},
-                      parallel={"dp": 1, "tp": 2, "pp": 1, "zero": 0, "layout": "megatron",
-                                "recompute": recompute})
-        norm = [c for c in chosen.collectives if c.tensor == "h.0.ln_1"
-                and c.phase == Phase.BACKWARD]
-        assert [(c.kind, c.op) for c in norm] == [(CollectiveKind.ALL_REDUCE,
-                                                   "h.0.attn.q_proj.matmul")]
-        _check(path, chosen)
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8},
+                  parallel={"dp": 1, "tp": 2, "pp": 1, "zero": 0, "layout": "megatron",
+                            "recompute": recompute, "sp": sp})
+    norm = [(c.phase, c.kind, c.op) for c in chosen.collectives if c.tensor == "h.0.ln_1"]
+    first = "h.0.attn.q_proj.matmul"
+    expected = [(Phase.FORWARD, CollectiveKind.ALL_GATHER, first),
+                (Phase.BACKWARD, CollectiveKind.REDUCE_SCATTER, first)] if sp else [
+        (Phase.BACKWARD, CollectiveKind.ALL_REDUCE, first)]
+    assert norm == expected
+    _check(path, chosen)
 
 
 def test_tensor_parallel_resnet_on_two_ranks(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AttentionKernel, Fusion
 from planner.ops import record_for
+from planner.ops.attention import AttentionCore, attention_cores
 from planner.ops.saving import SavedTensors, Saves, buffer_of, saved_tensors
 from planner.ops.work import WorkKind
 from planner.sharding.analysis import GraphAnalysis
@@ -41,16 +42,10 @@ from planner.sharding.analysis import GraphAnalysis
 #: Ops an elementwise kernel can absorb besides per-element and per-row work.
 _FUSABLE_MOVES = frozenset({"Cast", "CastLike", "Where", "Expand", "Identity"})
 _FUSABLE_WORK = frozenset({WorkKind.PER_OUTPUT, WorkKind.PER_INPUT, WorkKind.VIEW})
-#: Ops between q kᵀ and the softmax (scale, mask), and between the softmax and ·v
-#: (dropout, casts, the NaN guard the dynamo exporter writes).
-_BEFORE_SOFTMAX = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast"})
-_AFTER_SOFTMAX = frozenset({"Dropout", "Cast", "Where", "Mul", "Div"})
-_GUARDS = frozenset({"IsNaN", "IsInf", "Not"})
 #: Ops whose output always leaves their kernel: a fused softmax (Megatron-LM's
 #: FusedScaleMaskSoftmax, Apex's scaled_masked_softmax) takes the scale and the mask in and
 #: writes the probabilities; the attention dropout after it is a kernel of its own.
 _ENDS_REGION = frozenset({"Softmax", "LogSoftmax"})
-_CHAIN_LIMIT = 8
 
 FLASH_BACKWARD_QK = 3.0  # the q kᵀ GEMM's backward: dq, dk and the recomputed scores
 BACKWARD_RATIO = 2.0  # an op's backward: the gradients of its inputs and of its weights
@@ -78,18 +73,6 @@ class OpKernel:
     launches: int  # 1: it starts a kernel (pays the launch floor and a GEMM's ramp)
     backward_ratio: float  # backward seconds over forward seconds
     matrix: bool
-
-
-@dataclass(frozen=True)
-class AttentionCore:
-    """softmax(q kᵀ ...) v found in the graph: its two GEMMs, the ops between them, and
-    the tensors that live only inside it (the s² scores and probabilities)."""
-
-    first: str  # q kᵀ
-    last: str  # · v
-    between: tuple[str, ...]
-    internal: frozenset[str]
-    output_transpose: str | None  # a Transpose of the result a flash kernel writes directly
 
 
 @dataclass(frozen=True)
@@ -158,81 +141,6 @@ def _own_kernel(node: OpNode) -> OpKernel:
 
 
 # --------------------------------------------------------------------------- attention
-
-
-def attention_cores(graph: PlanningGraph) -> list[AttentionCore]:
-    """Every q kᵀ → (scale, mask) → softmax → (dropout) → · v chain whose inner tensors
-    nothing else reads."""
-    found = []
-    index = {node.name: k for k, node in enumerate(graph.ops)}
-    for node in graph.ops:
-        if node.op_type == "Softmax":
-            core = _core_around(graph, node, index)
-            if core is not None:
-                found.append(core)
-    return found
-
-
-def _core_around(graph: PlanningGraph, softmax: OpNode,
-                 index: Mapping[str, int]) -> AttentionCore | None:
-    tensors = graph.tensors
-    between = [softmax.name]
-    name = softmax.inputs[0]
-    first = None
-    for _ in range(_CHAIN_LIMIT):
-        producer = tensors[name].producer
-        if producer is None:
-            return None
-        node = graph.op(producer)
-        if node.op_type == "MatMul":
-            if all(i and tensors[i].kind == "activation" for i in node.inputs):
-                first = node
-            break
-        if node.op_type not in _BEFORE_SOFTMAX:
-            return None
-        between.append(node.name)
-        name = _data_input(node, graph)
-    if first is None:
-        return None
-    last = None
-    name = softmax.outputs[0]
-    for _ in range(_CHAIN_LIMIT):
-        consumers = [graph.op(c) for c in tensors[name].consumers]
-        readers = [c for c in consumers if c.op_type == "MatMul" and c.inputs[0] == name]
-        if readers and len(consumers) == 1:
-            last = readers[0]
-            break
-        main = [c for c in consumers if c.op_type in _AFTER_SOFTMAX
-                and c.outputs[0] and tensors[c.outputs[0]].shape == tensors[name].shape
-                and tensors[c.outputs[0]].is_float]
-        guards = [c for c in consumers if c.op_type in _GUARDS]
-        if len(main) != 1 or len(main) + len(guards) != len(consumers):
-            return None
-        between += [g.name for g in guards] + [main[0].name]
-        name = main[0].outputs[0]
-    if last is None:
-        return None
-    members = {first.name, *between}
-    internal = frozenset(o for op in members for o in graph.op(op).outputs if o)
-    readers_ok = {*members, last.name}
-    if any(c not in readers_ok for t in internal for c in tensors[t].consumers):
-        return None
-    if any(t in graph.outputs for t in internal):
-        return None
-    after = tensors[last.outputs[0]].consumers
-    transpose = after[0] if len(after) == 1 and graph.op(after[0]).op_type == "Transpose" \
-        else None
-    ordered = tuple(sorted(set(between), key=index.__getitem__))
-    return AttentionCore(first.name, last.name, ordered, internal, transpose)
-
-
-def _data_input(node: OpNode, graph: PlanningGraph) -> str:
-    """The input of a scale or mask op that carries the scores (shaped like its output)."""
-    shape = graph.tensors[node.outputs[0]].shape
-    for name in node.inputs:
-        if name and graph.tensors[name].is_float and graph.tensors[name].shape == shape:
-            return name
-    return node.inputs[0]
 
 
 def _flash(core: AttentionCore, graph: PlanningGraph, kernels: dict[str, OpKernel],

@@ -156,10 +156,11 @@ def exposed(seconds: float, overlap: float) -> tuple[float, float]:
 def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
                  mesh: DeviceMesh, profile: HardwareProfile, requires_grad: bool,
                  partial_axes: tuple[str, ...], weight_derived: bool,
-                 overlap: float, bucket: float = 0.0) -> tuple[float, float]:
+                 overlap: float, bucket: float = 0.0,
+                 once: float = 1.0) -> tuple[float, float]:
     """Seconds of reading `info` in `dst` when stored in `src` (forward and backward moves,
-    and the exposed part of a deferred weight-gradient sum, in buckets of `bucket` bytes),
-    and the largest collective buffer the move needs."""
+    and `once` times the exposed part of a deferred weight-gradient sum, in buckets of
+    `bucket` bytes), and the largest collective buffer the move needs."""
     found, deferred = edge_steps(info, src, dst, consumer, mesh, requires_grad, partial_axes,
                                  weight_derived)
     priced = [price(spec, mesh, profile) for spec in found]
@@ -169,8 +170,8 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
         local = info.nbytes * fraction_of_layout(src, mesh)
         gradient = CollectiveSpec(CollectiveKind.ALL_REDUCE, info.name, tuple(sorted(deferred)),
                                   local, Phase.GRADIENT, OPTIMIZER_OP)
-        seconds += exposed(bucketed_seconds(profile, gradient.kind, gradient.nbytes,
-                                            gradient.axes, mesh, bucket), overlap)[0]
+        seconds += once * exposed(bucketed_seconds(profile, gradient.kind, gradient.nbytes,
+                                                   gradient.axes, mesh, bucket), overlap)[0]
     return seconds, buffer
 
 

@@ -110,6 +110,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                               fixed: Mapping[str, OpStrategy] | None = None,
                               budget: MemoryBudget | None = None,
                               layout: str | None = None, sequence_parallel: bool = False,
+                              micro_batches: int = 1,
                               ) -> tuple[dict[str, OpStrategy], SolverRecord,
                                          tuple[float, float] | None]:
     """The fastest op-level plan on `mesh` where "dp" splits exactly the batch and "tp"
@@ -120,14 +121,15 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     layout of a configuration the fastest layout does not fit). `layout="megatron"` (the
     `--parallel layout=megatron` pin) takes Megatron-LM's split instead of searching one
     (`planner.search.megatron`), with its sequence parallelism when `sequence_parallel`
-    (`sp=1`); no budget can change it."""
+    (`sp=1`); no budget can change it. `micro_batches`: how many the step runs, so the
+    op-level problem weighs per-step costs against per-micro-batch ones as the step does."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
         return {}, SolverRecord("none", "optimal", 0.0, 0.0, 0.0), (0.0, 0.0)
     unlimited = replace(training, memory_limit_bytes=int(budget.limit) if budget else UNLIMITED)
     problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
-                            tie_classes(analysis.graph, analysis.repeats))
+                            tie_classes(analysis.graph, analysis.repeats), micro_batches)
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
     for index, group in enumerate(problem.groups):
         wanted = batch.get(group.ops[0], frozenset()) if dp > 1 else frozenset()
@@ -437,7 +439,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     strategies, _, memory = model_parallel_strategies(micro, inner, hardware, training,
                                                       micro.batch_labels, time_limit,
                                                       budget=budget, layout=layout,
-                                                      sequence_parallel=sequence_parallel)
+                                                      sequence_parallel=sequence_parallel,
+                                                      micro_batches=choice.micro_batches)
     if memory is None:
         return None
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)

@@ -123,12 +123,17 @@ def build_problem(
     options: TrainingOptions,
     fixed: Mapping[str, OpStrategy] | None = None,
     classes: Sequence[Sequence[str]] | None = None,
+    micro_batches: int = 1,
 ) -> StrategyProblem:
     """Tabulate every candidate's cost and every edge's cost matrix.
 
     `fixed` pins some ops to one strategy (semi-auto); `classes` lists groups of ops that
-    must choose alike (repeated layers), defaulting to one group per op.
+    must choose alike (repeated layers), defaulting to one group per op. Costs are per
+    micro-batch: what a step pays once (the gradient synchronisation, the optimizer pass)
+    counts 1 / `micro_batches` of itself, so that a layout gathering a weight every
+    micro-batch is weighed against a reduction paid once per step as the step pays them.
     """
+    once = 1.0 / max(1, micro_batches)
     fixed = dict(fixed or {})
     graph, labels = analysis.graph, analysis.labels
     tensors = graph.tensors
@@ -148,11 +153,11 @@ def build_problem(
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
-               needs_grad, owner, kernels)
+               needs_grad, owner, kernels, once)
         for members in groups_ops
     ]
     edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
-                   options)
+                   options, once)
     limit = options.memory_limit_bytes or int(profile.memory_bytes.value)
     return StrategyProblem(graph, mesh, groups, edges, float(limit), group_of, dict(labels))
 
@@ -198,7 +203,7 @@ def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMes
 def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, list[Candidate]],
            graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions, needs_grad: Mapping[str, bool],
-           owner: Mapping[str, tuple[str, int]], kernels: KernelPlan) -> Group:
+           owner: Mapping[str, tuple[str, int]], kernels: KernelPlan, once: float) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
     saved_total = np.zeros(count)
@@ -214,7 +219,7 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
                kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs))
         if key not in priced:
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
-                                               needs_grad, owner, kernels)
+                                               needs_grad, owner, kernels, once)
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
                            values[:, 2])
@@ -229,8 +234,9 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
                     profile: HardwareProfile, options: TrainingOptions,
                     needs_grad: Mapping[str, bool], owner: Mapping[str, tuple[str, int]],
-                    kernels: KernelPlan) -> tuple[float, float, float, float]:
-    """(seconds, owned weight memory, saved activations, largest output) of one candidate."""
+                    kernels: KernelPlan, once: float) -> tuple[float, float, float, float]:
+    """(seconds, owned weight memory, saved activations, largest output) of one candidate;
+    what the step pays once for its weights weighs `once` (1 / micro-batches)."""
     tensors = graph.tensors
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
@@ -258,13 +264,13 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
                                        options.precision)
         owned += local_bytes + gradient_bytes(local_elements, info.itemsize,
                                               options.precision) + states
-        seconds += optimizer_seconds(profile, local_bytes, states)
+        seconds += once * optimizer_seconds(profile, local_bytes, states)
         axes = candidate.grad_partial[slot]
         if axes:
-            seconds += exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
-                                                local_bytes, axes, mesh,
-                                                bucket_bytes(options.bucket_mb)),
-                               options.overlap)[0]
+            seconds += once * exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
+                                                       local_bytes, axes, mesh,
+                                                       bucket_bytes(options.bucket_mb)),
+                                      options.overlap)[0]
     largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if name and layout is not None:
@@ -278,7 +284,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            candidates: Mapping[str, list[Candidate]], group_of: Mapping[str, int],
            owner: Mapping[str, tuple[str, int]], needs_grad: Mapping[str, bool],
            roots: Mapping[str, frozenset[str]], groups: list[Group],
-           options: TrainingOptions) -> list[EdgeCost]:
+           options: TrainingOptions, once: float) -> list[EdgeCost]:
     tensors = graph.tensors
     merged: dict[tuple[int, int], EdgeCost] = {}
     cache: dict[tuple, tuple[float, float]] = {}
@@ -308,7 +314,8 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             if found is None:
                 found = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
                                      slot, info, node, mesh, profile, grad, derived,
-                                     options.overlap, cache, bucket_bytes(options.bucket_mb))
+                                     options.overlap, cache, bucket_bytes(options.bucket_mb),
+                                     once)
                 matrices[signature] = found
             matrix, buffer = found
             if not matrix.any() and not buffer.any():
@@ -329,7 +336,7 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
                  slot: int, info, consumer: OpNode, mesh: DeviceMesh,
                  profile: HardwareProfile, grad: bool, derived: bool, overlap: float,
                  cache: dict[tuple, tuple[float, float]],
-                 bucket: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                 bucket: float = 0.0, once: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Seconds, and the largest collective buffer, of moving one tensor for every
     (source choice, target choice)."""
     kind, index = source_slot
@@ -346,7 +353,7 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
             key = (info.shape, info.dtype, src, dst, axes, grad, derived)
             if key not in cache:
                 cache[key] = edge_seconds(info, src, dst, consumer.name, mesh, profile, grad,
-                                          axes, derived, overlap, bucket)
+                                          axes, derived, overlap, bucket, once)
             matrix[a, b], buffer[a, b] = cache[key]
     return matrix, buffer
 

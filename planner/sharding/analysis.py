@@ -13,13 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from planner.graph import PlanningGraph
 from planner.importer import rebind
 from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, find_repeats, find_units
 from planner.ops import DimLabels, safe_labels
+from planner.ops.attention import attention_cores
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
+
+_REGIONS = "recompute regions"  # memo key
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,24 @@ class GraphAnalysis:
     def __getstate__(self) -> dict:
         """Pickled (to the search's worker processes) without the kept derivations."""
         return {**self.__dict__, "memo": {}}
+
+    def recompute_regions(self) -> np.ndarray:
+        """Per op (by index), the region a recomputation re-runs whole: its unit (full
+        recompute re-runs units), split at the op range of each attention core, q kᵀ to
+        · v (selective recompute re-runs those). Numbered from 0 in op order."""
+        found = self.memo.get(_REGIONS)
+        if found is None:
+            ops = self.graph.ops
+            index = {node.name: k for k, node in enumerate(ops)}
+            inside = np.full(len(ops), -1, dtype=np.int64)
+            for number, core in enumerate(attention_cores(self.graph)):
+                inside[index[core.first]:index[core.last] + 1] = number
+            keys = list(zip(self.units.unit_of_ops().tolist(), inside.tolist(), strict=True))
+            numbers: dict[tuple[int, int], int] = {}
+            found = np.array([numbers.setdefault(key, len(numbers)) for key in keys],
+                             dtype=np.int64)
+            self.memo[_REGIONS] = found
+        return found
 
     @classmethod
     def of(cls, graph: PlanningGraph) -> GraphAnalysis:

@@ -4,11 +4,12 @@ Given a strategy per op on a mesh, each op's input and output layouts follow fro
 labelling; every tensor is stored as its producer writes it (inputs and weights as their
 first consumer needs them); every read in another layout is a redistribution, whose
 forward steps and transposed backward steps are collectives (reads of one tensor in one
-layout within a layer share one gradient reduction: `shared_gradient_key`); the op's own collectives
-(a split training batch norm's statistics) follow from the strategy; and every weight's
-gradient is summed over the axes its consumers split work on. `derive` computes this
-once, in op order, as typed records. The cost layer prices them; the plan builder writes
-them; `shardplan validate` re-derives them to check a plan file.
+layout within a layer share one move and one gradient reduction: `shared_read_key`); the
+op's own collectives (a split training batch norm's statistics) follow from the
+strategy; and every weight's gradient is summed over the axes its consumers split work
+on. `derive` computes this once, in op order, as typed records. The cost layer prices
+them; the plan builder writes them; `shardplan validate` re-derives them to check a plan
+file.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     layout_of: dict[str, Layout] = {}
     deferred_axes: dict[str, set[str]] = {}
     ops: list[OpSharding] = []
-    unit_of = analysis.units.unit_of_ops()
-    reduced: set[tuple] = set()
+    region_of = analysis.recompute_regions()
+    moved: set[tuple] = set()
     for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
@@ -123,15 +124,16 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
                 layout_of[name] = want
             roots = analysis.weight_roots.get(name)
             partial = grad_partial_axes(labels, strategy, index)
-            requires_grad = needs_grad.get(name, False)
-            key = shared_gradient_key(tensors[name], layout_of[name], want, partial,
-                                      int(unit_of[k]), mesh,
-                                      requires_grad and roots is None)
-            found, deferred = edge_steps(tensors[name], layout_of[name], want, node.name, mesh,
-                                         requires_grad and key not in reduced, partial,
-                                         weight_derived=roots is not None)
+            key = shared_read_key(tensors[name], layout_of[name], want, partial,
+                                  int(region_of[k]), mesh, needs_grad.get(name, False),
+                                  roots is not None)
+            if key is not None and key in moved:
+                continue  # an earlier read's move serves this one, both ways
             if key is not None:
-                reduced.add(key)
+                moved.add(key)
+            found, deferred = edge_steps(tensors[name], layout_of[name], want, node.name, mesh,
+                                         needs_grad.get(name, False), partial,
+                                         weight_derived=roots is not None)
             specs += found
             for root in roots or ():
                 if deferred:
@@ -157,26 +159,30 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
                         gradients)
 
 
-def shared_gradient_key(info: TensorInfo, src: Layout, dst: Layout,
-                        partial_axes: tuple[str, ...], unit: int, mesh: DeviceMesh,
-                        reduces_here: bool) -> tuple | None:
-    """The key under which reading `info` (stored in `src`) in `dst` shares its gradient
-    reduction with other reads, or None.
+def shared_read_key(info: TensorInfo, src: Layout, dst: Layout,
+                    partial_axes: tuple[str, ...], region: int, mesh: DeviceMesh,
+                    requires_grad: bool, weight_derived: bool) -> tuple | None:
+    """The key under which reading `info` (stored in `src`) in `dst` shares its move with
+    the other reads of the same key, or None when it moves and reduces nothing.
 
-    Autograd sums the gradients of every read of a tensor before it flows on, so reads in
-    the layout the tensor is stored in (no forward move) that leave the same pending sum
-    (a column-parallel GEMM's input gradient, Partial over tp) add their partial gradients
-    locally and reduce once, as torch's DTensor and Megatron-LM's `f` operator do: q, k
-    and v projections of one norm output are one all-reduce, not three. Reads within one
-    unit (layer) only, so a stage boundary never separates the reads of one reduction.
-    `reduces_here`: the read's gradient is reduced at the read at all (it needs a
-    gradient and is not a weight's, whose partial sums are deferred to the weight).
+    A framework moves a tensor once for all the ops that read it alike: torchtitan's
+    PrepareModuleInput all-gathers a norm's sequence-split output once for the q, k and v
+    projections, and autograd sums the three partial input gradients before the one
+    reduce-scatter (or, without sequence parallelism, the one all-reduce of Megatron-LM's
+    `f` operator). So reads of one tensor in one layout that leave the same pending sum
+    share one forward move and one backward reduction: the first read issues them. Within
+    one recompute region only (`GraphAnalysis.recompute_regions`: a unit, split at the
+    attention cores), so a recomputed region re-runs the moves its reads use and a stage
+    boundary never falls between the reads of one move. A weight's reads are not shared:
+    their partial sums are deferred to the weight (`edge_steps`).
     """
-    if not reduces_here or not partial_axes or not info.is_float:
+    if weight_derived:
         return None
-    if redistribute(src, dst, info.shape, info.itemsize, mesh):
+    grad = requires_grad and info.is_float
+    if not (grad and partial_axes) and not redistribute(src, dst, info.shape, info.itemsize,
+                                                        mesh):
         return None
-    return (info.name, dst, tuple(partial_axes), unit)
+    return (info.name, dst, tuple(partial_axes) if grad else (), region)
 
 
 def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: DeviceMesh,
