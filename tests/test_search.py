@@ -278,3 +278,29 @@ def test_time_limit_returns_the_best_plan_so_far_with_its_gap(tmp_path: Path) ->
     if rushed.solver.status == "feasible":
         assert 0.0 < rushed.solver.gap <= 1.0
         assert rushed.solver.bound <= settled.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_per_step_weight_costs_weigh_one_micro_batchs_share(gpt_tiny: Path) -> None:
+    """The op-level problem prices a micro-batch: a weight's optimizer pass and gradient
+    reduction, paid once a step, count 1/m of themselves at m micro-batches (so a layout
+    that gathers a weight every micro-batch is weighed fairly against one that reduces it
+    once); ops without weights cost the same."""
+    analysis = GraphAnalysis.of(import_model(gpt_tiny, batch=8, dims={"seq": 16}))
+    mesh = DeviceMesh.build({"dp": 2, "tp": 2}, 8)
+    profile = load_profile("a100-80g")
+    costs = {m: [g.cost.copy() for g in build_problem(analysis, mesh, profile,
+                                                      TrainingOptions(),
+                                                      micro_batches=m).groups]
+             for m in (1, 2, 4)}
+    owners = set(analysis.first_consumers[p.name][0] for p in analysis.graph.parameters)
+    weighted = 0
+    for k, group in enumerate(build_problem(analysis, mesh, profile, TrainingOptions()).groups):
+        once_2 = costs[1][k] - costs[2][k]  # half of the per-step part
+        once_4 = costs[1][k] - costs[4][k]  # three quarters of it
+        if owners & set(group.ops):
+            assert np.all(once_2 > 0)
+            np.testing.assert_allclose(once_4, 1.5 * once_2, rtol=1e-9)
+            weighted += 1
+        else:
+            np.testing.assert_allclose(once_4, 0.0, atol=1e-15)
+    assert weighted
