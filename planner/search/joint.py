@@ -426,7 +426,14 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    budget: MemoryBudget | None = None, layout: str | None = None,
                    sequence_parallel: bool = False) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
-    the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit."""
+    the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit.
+
+    The op-level layout is solved twice when the step runs several micro-batches: with
+    per-step weight costs weighed as the step pays them (1 / micro-batches of a
+    micro-batch's cost, `build_problem`) and as one micro-batch (the layout the surrogate
+    ranked the configuration with). The first can replicate weights the second splits
+    (their reduction looks cheap once per step) and outgrow memory the op-level problem
+    does not see; the faster of the two that fits is kept."""
     graph = graphs.root.graph
     if not graph.batch or graph.batch % (choice.dp * choice.micro_batches):
         raise ShardplanError(f"{graph.path}: batch {graph.batch} does not split into "
@@ -436,21 +443,27 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     micro_size = graph.batch // choice.micro_batches
     micro = graphs.at(micro_size)
     inner = stage_mesh(choice.dp, choice.tp, per_node)
-    strategies, _, memory = model_parallel_strategies(micro, inner, hardware, training,
-                                                      micro.batch_labels, time_limit,
-                                                      budget=budget, layout=layout,
-                                                      sequence_parallel=sequence_parallel,
-                                                      micro_batches=choice.micro_batches)
-    if memory is None:
-        return None
     mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
-    priced = priced_choice(micro, mesh, strategies, hardware, training)
-    pricer = Pricer(unit_profile(priced, micro.units), pipeline_config(choice, training),
-                    hardware, mesh)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
-    found = Partitioner(pricer).solve(limit, modes)
-    if found is None:
+    best: tuple[dict[str, OpStrategy], Partition] | None = None
+    seen: list[dict[str, OpStrategy]] = []
+    for weighed in dict.fromkeys((choice.micro_batches, 1)):
+        strategies, _, memory = model_parallel_strategies(
+            micro, inner, hardware, training, micro.batch_labels, time_limit, budget=budget,
+            layout=layout, sequence_parallel=sequence_parallel, micro_batches=weighed)
+        if memory is None or strategies in seen:
+            continue
+        seen.append(strategies)
+        priced = priced_choice(micro, mesh, strategies, hardware, training)
+        pricer = Pricer(unit_profile(priced, micro.units), pipeline_config(choice, training),
+                        hardware, mesh)
+        found = Partitioner(pricer).solve(limit, modes)
+        if found is not None and (best is None or found.price.step_time_s
+                                  < best[1].price.step_time_s):
+            best = (strategies, found)
+    if best is None:
         return None
+    strategies, found = best
     step = found.price.step_time_s
     return PipelineDecision(choice, micro_size, strategies,
                             tuple(tuple(ranges) for ranges in found.devices),
