@@ -22,7 +22,7 @@ def _kernels(plan: Plan) -> list[str]:
                  f"{per.master:g} B master + {per.moments:g} B {plan.parallel.optimizer} "
                  f"= {per.total:g} B per parameter")
     lines = [line, f"kernels    attention {step.attention}, fusion {step.fusion}"]
-    if step.kind == "training":
+    if step.kind == "training" and step.bucket_mb is not None:
         buckets = f"{step.bucket_mb:g} MiB buckets" if step.bucket_mb else "one per tensor"
         when = "behind" if step.overlap_grad_reduce else "after"
         lines.append(f"gradients  reduced in {buckets}, {when} the backward pass")

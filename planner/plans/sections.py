@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
@@ -91,22 +90,23 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class StepSpec:
     """What one step is: a training step or a forward pass, the overlap priced, the
-    precision and kernels it was priced in (None in files written before they were), and
-    how its weight collectives are issued (bucket MiB; the gradient reduction behind the
-    backward pass or after it)."""
+    precision and kernels it was priced in, and how its weight collectives are issued
+    (bucket MiB; the gradient reduction behind the backward pass or after it); None (and
+    the reduction behind the backward pass) in files written before they were recorded."""
 
     kind: StepKind = StepKind.TRAINING
     overlap: float = 0.0
     precision: Precision | None = None
     attention: AttentionKernel | None = None
     fusion: Fusion | None = None
-    bucket_mb: float = DEFAULT_BUCKET_MB
+    bucket_mb: float | None = None
     overlap_grad_reduce: bool = True
 
     def to_json(self) -> dict[str, Any]:
         found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap,
-                                 "bucket_mb": self.bucket_mb,
                                  "overlap_grad_reduce": self.overlap_grad_reduce}
+        if self.bucket_mb is not None:
+            found["bucket_mb"] = self.bucket_mb
         for key in ("precision", "attention", "fusion"):
             value = getattr(self, key)
             if value is not None:
@@ -121,7 +121,7 @@ class StepSpec:
         return cls(_enum(StepKind, data.get("kind", "training"), "step.kind"),
                    float(data.get("overlap", 0.0)), optional(Precision, "precision"),
                    optional(AttentionKernel, "attention"), optional(Fusion, "fusion"),
-                   float(data.get("bucket_mb", DEFAULT_BUCKET_MB)),
+                   float(data["bucket_mb"]) if "bucket_mb" in data else None,
                    _flag(data.get("overlap_grad_reduce", True), "step.overlap_grad_reduce"))
 
 
