@@ -134,7 +134,9 @@ class PipelineEngine:
             return
         to = transfer.dst if phase == "forward" else transfer.src
         comm = self.runner.comm
-        comm.send(value, comm.peer(self.stages.chunks[to].device),
+        if transfer.scatter_axes:  # Megatron's scatter/gather: this rank's slice only
+            value = comm.local_slice(value, transfer.scatter_axes, transfer.scatter_dim)
+        comm.send(value.contiguous(), comm.peer(self.stages.chunks[to].device),
                   self._tag(transfer, micro, phase), phase)
 
     def _take(self, transfer: Transfer, micro: int, phase: str) -> torch.Tensor:
@@ -143,8 +145,17 @@ class PipelineEngine:
         runner = self.runner
         origin = transfer.src if phase == "forward" else transfer.dst
         shape, dtype = self._wire(transfer.tensor)
-        return runner.comm.recv(shape, dtype, runner.comm.peer(self.stages.chunks[origin].device),
-                                self._tag(transfer, micro, phase), phase)
+        comm = runner.comm
+        if transfer.scatter_axes:
+            piece = list(shape)
+            piece[transfer.scatter_dim] //= comm.mesh.group_size(transfer.scatter_axes)
+            shape = tuple(piece)
+        received = comm.recv(shape, dtype, comm.peer(self.stages.chunks[origin].device),
+                             self._tag(transfer, micro, phase), phase)
+        if transfer.scatter_axes:
+            received = comm.all_gather(received, transfer.scatter_axes, transfer.scatter_dim,
+                                       phase)
+        return received
 
     def _wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Local shape and dtype of a transferred tensor, as the receiver allocates it."""

@@ -104,10 +104,14 @@ class MeshComm:
         group = self.group(axes)
         if group is None:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.mesh.group_size(axes))]
-        dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+        wire = tensor.detach().contiguous()
+        if wire.dtype == torch.bool:  # gloo moves no bool buffers
+            wire = wire.to(torch.uint8)
+        parts = [torch.empty_like(wire) for _ in range(self.mesh.group_size(axes))]
+        dist.all_gather(parts, wire, group=group)
         self.counters.add(CollectiveKind.ALL_GATHER, axes, phase)
-        return torch.cat(parts, dim=dim)
+        gathered = torch.cat(parts, dim=dim)
+        return gathered.to(torch.bool) if tensor.dtype == torch.bool else gathered
 
     def all_reduce_on(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                       axes: Sequence[str], phase: str) -> torch.Tensor:

@@ -50,6 +50,8 @@ class Transfer:
     dst: int
     grad: bool
     p2p: bool  # between devices (else a hand-off inside one device)
+    scatter_axes: tuple[str, ...] = ()  # a scattered send: each rank sends its slice ...
+    scatter_dim: int = -1  # ... along this local dim; the receivers all-gather it
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,11 @@ def _transfers(graph: PlanningGraph, chunks: Sequence[Chunk], producer: Mapping[
                                         "which the plan sends to no chunk of that stage; "
                                         "re-create the plan")
                 origin = min(held)
+            entry = sent.get((name, dst)) if chunks[origin].device != device else None
             result.append(Transfer(len(result), name, origin, dst, grad,
-                                   chunks[origin].device != device))
+                                   chunks[origin].device != device,
+                                   entry.scatter_axes if entry else (),
+                                   entry.scatter_dim if entry else -1))
     return result
 
 

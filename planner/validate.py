@@ -31,6 +31,7 @@ from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, derive
 from planner.sharding.layout import Layout
 from planner.sharding.redistribute import redistribute
+from planner.sharding.sends import SEND_OP, send_split
 from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
 
 MAX_LISTED = 20
@@ -112,6 +113,19 @@ def _pipeline(plan: Plan, report: Report) -> None:
     for send in pipe.sends:
         if send.tensor not in plan.tensors:
             report.add(f"pipeline send of unknown tensor {send.tensor!r}")
+        entry = plan.tensors.get(send.tensor)
+        if send.scatter_axes and entry is not None:
+            split = send_split(entry.layout, entry.shape, plan.mesh)
+            if split is None or split.axes != send.scatter_axes \
+                    or split.dim != send.scatter_dim:
+                report.add(f"pipeline send of {send.tensor}: scattered over "
+                           f"{list(send.scatter_axes)} along dim {send.scatter_dim}, but its "
+                           f"layout allows {'no scatter' if split is None else split}")
+            gathers = sum(1 for c in plan.collectives if c.op == SEND_OP
+                          and c.tensor == send.tensor and tuple(c.axes) == send.scatter_axes)
+            if not gathers:
+                report.add(f"pipeline send of {send.tensor}: scattered, but the plan lists "
+                           "no all-gather to reassemble it")
         if send.from_stage == send.to_stage or not all(
                 0 <= stage < len(stages) for stage in (send.from_stage, send.to_stage)):
             report.add(f"pipeline send of {send.tensor}: stages {send.from_stage} → "
@@ -252,7 +266,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
         return Counter((str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op)
                        for c in collectives
                        if c.phase in (Phase.FORWARD, Phase.BACKWARD) and c.op != OPTIMIZER_OP
-                       and c.kind != CollectiveKind.SEND_RECV)
+                       and c.kind != CollectiveKind.SEND_RECV and c.op != SEND_OP)
 
     expected, got = op_level(again.collectives), op_level(plan.collectives)
     for (kind, tensor, axes, phase, op), count in sorted((expected - got).items())[:MAX_LISTED]:

@@ -271,3 +271,55 @@ def test_cli_runs_a_pipeline_plan(models: dict[str, Path], tmp_path: Path,
     assert "collectives: as planned" in capsys.readouterr().out
     assert logs["4"]["losses"] == pytest.approx(logs["1"]["losses"], rel=1e-4)
     assert math.isfinite(logs["4"]["losses"][-1])
+
+
+def test_scattered_sends_carry_a_slice_and_are_gathered_where_they_arrive(
+        tmp_path: Path) -> None:
+    """Megatron's scatter/gather of pipeline sends: with the stages on different nodes
+    (a profile of 2 GPUs per node) and tp inside each, an activation replicated over tp
+    is sent as one half per rank and all-gathered over tp on arrival (its gradient
+    likewise), because that is cheaper than every rank sending all of it; the plan lists
+    both, validates, and a 4-rank run issues exactly them with one process's losses."""
+    import json
+
+    from planner.kinds import CollectiveKind
+    from planner.sharding.sends import SEND_OP
+    from planner.validate import validate
+    from planner.zoo.gpt import GPTConfig
+
+    data = json.loads((Path(__file__).parent.parent / "hardware_profiles" /
+                       "a100-80g.json").read_text())
+    data["topology"]["devices_per_node"]["value"] = 2
+    data["topology"]["levels"][0]["group_size"] = 2
+    profile = tmp_path / "a100-2-per-node.json"
+    profile.write_text(json.dumps(data))
+    config = GPTConfig(layers=4, hidden=256, heads=4, vocab=128, max_positions=256,
+                       fused_qkv=False)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt.onnx")
+    dims = {"seq": 256}
+    chosen = plan(path, profile=str(profile), devices=4, batch=4, dims=dims,
+                  parallel={"dp": 1, "tp": 2, "pp": 2, "zero": 0, "layout": "megatron",
+                            "micro_batches": 2, "schedule": "1f1b"})
+    scattered = [s for s in chosen.pipeline.sends if s.scatter_axes]
+    assert scattered and all(s.scatter_axes == ("tp",) for s in scattered)
+    for send in scattered:
+        sent = [c for c in chosen.collectives if c.tensor == send.tensor
+                and c.kind == CollectiveKind.SEND_RECV]
+        gathered = [c for c in chosen.collectives if c.tensor == send.tensor
+                    and c.op == SEND_OP]
+        assert {c.bytes for c in sent} == {send.bytes // 2}
+        assert {(c.kind, c.bytes) for c in gathered} == {(CollectiveKind.ALL_GATHER,
+                                                          send.bytes)}
+        assert len(gathered) == len(sent)  # the gradient comes back the same way
+    graph = load_graph(path, batch=chosen.model.batch, dims=dims)
+    assert validate(chosen, graph).ok
+    edited = Plan.from_json({**json.loads(chosen.dumps())})
+    pipe = dataclasses.replace(edited.pipeline, sends=tuple(
+        dataclasses.replace(s, scatter_dim=(s.scatter_dim + 1) % 3) if s.scatter_axes else s
+        for s in edited.pipeline.sends))
+    assert not validate(dataclasses.replace(edited, pipeline=pipe), graph).ok
+    reference = train_reference(path, chosen, steps=3, optimizer="adamw", lr=LR)
+    run = train(path, chosen, steps=3, optimizer="adamw", lr=LR)
+    assert run.losses == pytest.approx(reference.losses, rel=1e-4)
+    issued = {k: v for k, v in run.collectives["issued"].items() if not k.endswith("|loss")}
+    assert issued == planned_counts(chosen, 3)

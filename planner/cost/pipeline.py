@@ -32,6 +32,7 @@ from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import ParamShare, UnitProfile
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.sends import SendSplit
 from planner.sharding.weights import sync_steps
 
 PIPELINE_AXIS: str = AxisRole.PIPELINE
@@ -57,6 +58,34 @@ class Prices:
         if PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
             return 0.0
         return self(CollectiveKind.SEND_RECV, nbytes, (PIPELINE_AXIS,))
+
+    def send(self, nbytes: float, split: SendSplit | None) -> Send:
+        """An activation of `nbytes` (local) between stages, one way: whole, or scattered
+        by `split` (each rank sends 1/g, the receivers all-gather it) where that is
+        faster (`planner.sharding.sends`)."""
+        whole = Send(None, nbytes, self.p2p(nbytes), 0.0)
+        if split is None or PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
+            return whole
+        piece = nbytes / self.mesh.group_size(split.axes)
+        scattered = Send(split, piece, self.p2p(piece),
+                         self(CollectiveKind.ALL_GATHER, nbytes, split.axes))
+        return scattered if scattered.seconds < whole.seconds else whole
+
+
+@dataclass(frozen=True)
+class Send:
+    """How one activation crosses to the next stage, one way: the bytes each rank sends
+    (all of its local tensor, or its slice under `split`), and the seconds of the send and
+    of the receivers' all-gather."""
+
+    split: SendSplit | None
+    bytes: float
+    p2p_s: float
+    gather_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.p2p_s + self.gather_s
 
 
 @dataclass(frozen=True)
@@ -183,7 +212,8 @@ class Arrivals:
         crossings = profile.crossings
         self.count = len(crossings)
         self.bytes = [c.bytes for c in crossings]
-        self.seconds = [prices.p2p(c.bytes) * (2.0 if c.grad else 1.0) for c in crossings]
+        self.seconds = [prices.send(c.bytes, c.split).seconds * (2.0 if c.grad else 1.0)
+                        for c in crossings]
         self.producer = np.array([c.producer for c in crossings], dtype=np.int64)
         self.grad = np.array([c.grad for c in crossings], dtype=bool)
         self.consumer = np.array([u for c in crossings for u in c.consumers], dtype=np.int64)

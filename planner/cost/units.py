@@ -28,6 +28,7 @@ from planner.kinds import Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.sends import SendSplit, send_split
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Crossing:
     producer: int  # unit
     consumers: tuple[int, ...]  # units, ascending
     grad: bool  # a gradient flows back
+    split: SendSplit | None = None  # how its layout lets a send scatter it
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,8 @@ def _crossings(priced: PricedGraph,
         info = graph.tensors[name]
         local = info.nbytes * fraction_of_layout(sharded.layouts[name], sharded.mesh)
         grad = needs_grad.get(name, False)
-        result.append(Crossing(name, local, source, tuple(later), grad))
+        result.append(Crossing(name, local, source, tuple(later), grad,
+                               send_split(sharded.layouts[name], info.shape, sharded.mesh)))
         if grad:
             leaving[source] += local
     return tuple(result), leaving

@@ -50,6 +50,7 @@ from planner.search.joint import pipeline_config, stage_mesh
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.sends import SEND_OP, SendSplit
 from planner.sharding.weights import sync_steps
 
 
@@ -185,7 +186,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         optimizer=training.optimizer)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp)
-    sends = _sends(analysis, profile, stages)
+    sends = _sends(analysis, profile, stages, pricer.prices)
     global_batch = decision.micro_batch_size * choice.micro_batches
     section = PipelineSection(
         schedule=config.schedule, micro_batches=config.micro_batches,
@@ -253,8 +254,9 @@ def _holds(sharded: ShardedGraph, ops: Sequence[tuple[int, int]]) -> tuple[str, 
 
 
 def _sends(analysis: GraphAnalysis, profile: UnitProfile,
-           stages: Sequence[StageEntry]) -> tuple[SendEntry, ...]:
-    """Every activation a device stage receives from another, chunk to chunk.
+           stages: Sequence[StageEntry], prices: Prices) -> tuple[SendEntry, ...]:
+    """Every activation a device stage receives from another, chunk to chunk, scattered
+    over the axes it is replicated on where that is faster (`Prices.send`).
 
     A tensor that carries a gradient goes to every chunk reading it (each chunk's
     backward pass returns its own gradient); one without reaches a device once, at the
@@ -277,8 +279,10 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
             if device == source_device or (not crossing.grad and device in reached):
                 continue
             reached.add(device)
+            split = prices.send(crossing.bytes, crossing.split).split
             sends.append(SendEntry(crossing.tensor, source_device, device,
-                                   round(crossing.bytes), crossing.grad, source, target))
+                                   round(crossing.bytes), crossing.grad, source, target,
+                                   split.axes if split else (), split.dim if split else -1))
     return tuple(sends)
 
 
@@ -322,18 +326,25 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
 
 def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
                       graph: PlanningGraph, prices: Prices) -> list[Collective]:
-    """Each send's point-to-point transfer every micro-batch (its gradient back too),
-    named after the first op of the receiving chunk that reads it."""
+    """Each send's point-to-point transfer every micro-batch (its gradient back too), and
+    for a scattered send the all-gather of the slices where it arrives; named after the
+    first op of the receiving chunk that reads it."""
     chunks = chunks_of(stages)
     result = []
     for send in sends:
-        seconds = prices.p2p(send.bytes)
+        split = SendSplit(send.scatter_axes, send.scatter_dim) if send.scatter_axes else None
+        priced = prices.send(send.bytes, split)
+        assert priced.split == split, "a send's split is decided by Prices.send alone"
         (first, end), _ = chunks[send.to_chunk]
         op = next((node.name for node in graph.ops[first:end] if send.tensor in node.inputs),
                   "pipeline")
         phases = (Phase.FORWARD, Phase.BACKWARD) if send.grad else (Phase.FORWARD,)
-        result += [Collective(CollectiveKind.SEND_RECV, send.tensor, (PIPELINE_AXIS,),
-                              send.bytes, phase, op, seconds) for phase in phases]
+        for phase in phases:
+            result.append(Collective(CollectiveKind.SEND_RECV, send.tensor, (PIPELINE_AXIS,),
+                                     round(priced.bytes), phase, op, priced.p2p_s))
+            if split is not None:
+                result.append(Collective(CollectiveKind.ALL_GATHER, send.tensor, split.axes,
+                                         send.bytes, phase, SEND_OP, priced.gather_s))
     return result
 
 

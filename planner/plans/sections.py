@@ -373,7 +373,9 @@ _STAGE_FIGURES = ("forward_s", "backward_s", "recompute_s", "p2p_s", "zero_s",
 class SendEntry:
     """An activation sent from one device stage to another every micro-batch (and its
     gradient back when `grad`), from the chunk producing it to the first chunk of the
-    receiving stage that reads it."""
+    receiving stage that reads it. `bytes` is each rank's local tensor; a send scattered
+    over `scatter_axes` (Megatron's scatter/gather, `planner.sharding.sends`) carries
+    1/g of it, sliced along local dim `scatter_dim`, and is all-gathered on arrival."""
 
     tensor: str
     from_stage: int
@@ -382,15 +384,21 @@ class SendEntry:
     grad: bool
     from_chunk: int
     to_chunk: int
+    scatter_axes: tuple[str, ...] = ()
+    scatter_dim: int = -1
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        found = {f.name: getattr(self, f.name) for f in fields(self)}
+        found["scatter_axes"] = list(self.scatter_axes)
+        return found
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SendEntry:
         return cls(str(data["tensor"]), int(data["from_stage"]), int(data["to_stage"]),
                    int(data["bytes"]), bool(data["grad"]), int(data.get("from_chunk", -1)),
-                   int(data.get("to_chunk", -1)))
+                   int(data.get("to_chunk", -1)),
+                   tuple(str(a) for a in data.get("scatter_axes", ())),
+                   int(data.get("scatter_dim", -1)))
 
 
 def chunks_of(stages: Sequence[StageEntry]) -> list[tuple[Range, int]]:
