@@ -45,6 +45,7 @@ class Prices:
                  bucket_mb: float = 0.0) -> None:
         self.hardware, self.mesh = hardware, mesh
         self.bucket = bucket_bytes(bucket_mb)  # weight collectives' bucket, bytes (0: none)
+        self._sends: dict[tuple[float, SendSplit | None], Send] = {}  # layers repeat them
 
     def __call__(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
         return collective_seconds(self.hardware, kind, nbytes, axes, self.mesh)
@@ -63,6 +64,13 @@ class Prices:
         """An activation of `nbytes` (local) between stages, one way: whole, or scattered
         by `split` (each rank sends 1/g, the receivers all-gather it) where that is
         faster (`planner.sharding.sends`)."""
+        key = (nbytes, split)
+        found = self._sends.get(key)
+        if found is None:
+            found = self._sends[key] = self._send(nbytes, split)
+        return found
+
+    def _send(self, nbytes: float, split: SendSplit | None) -> Send:
         whole = Send(None, nbytes, self.p2p(nbytes), 0.0)
         if split is None or PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
             return whole
