@@ -256,11 +256,29 @@ class Pricer:
         self.prices = Prices(hardware, mesh, config.bucket_mb)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
         self.arrivals = Arrivals(profile, self.prices)
+        # A device's price depends on its own ranges, its place in the pipeline and which
+        # shared weights another device also holds: partitions that differ elsewhere (the
+        # interleaved search's uneven chunkings) reuse it.
+        self._devices: dict[tuple, StagePrice] = {}
 
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: Recompute) -> StagePrice:
-        profile, config = self.profile, self.config
         ranges = devices[index]
+        shared = tuple(any(any(a <= u < b for a, b in other for u in param.units)
+                           for k, other in enumerate(devices) if k != index)
+                       for param, _, _ in self.weights.shared)
+        key = (index, len(devices), tuple(tuple(r) for r in ranges), mode, shared)
+        found = self._devices.get(key)
+        if found is None:
+            found = self._devices[key] = self._device(index, len(devices), ranges, mode,
+                                                      shared)
+        return found
+
+    def _device(self, index: int, count: int, ranges: Sequence[tuple[int, int]],
+                mode: Recompute, shared: tuple[bool, ...]) -> StagePrice:
+        """`device` priced: `shared[k]` says whether another device holds a unit of the
+        k-th shared weight (then this one pays the exchange)."""
+        profile, config = self.profile, self.config
         chosen = np.zeros(profile.count, dtype=bool)
         for a, b in ranges:
             chosen[a:b] = True
@@ -274,12 +292,10 @@ class Pricer:
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
         end, hidden, zero = self._overlap(chosen, weights)
-        for param, _, exchange in self.weights.shared:
-            mine = chosen[list(param.units)].any()
-            if mine and any(any(a <= u < b for a, b in other for u in param.units)
-                            for k, other in enumerate(devices) if k != index):
+        for (param, _, exchange), elsewhere in zip(self.weights.shared, shared, strict=True):
+            if elsewhere and chosen[list(param.units)].any():
                 end += exchange
-        flight = in_flight(index, len(devices), config.micro_batches, config.schedule,
+        flight = in_flight(index, count, config.micro_batches, config.schedule,
                            config.virtual_stages)
         any_unit = bool(chosen.any())
         workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
