@@ -27,7 +27,7 @@ from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, CollectiveKind, Move, Phase
-from planner.ops import replicated_labels
+from planner.ops import DimLabels, replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, shared_read_key
@@ -389,7 +389,7 @@ class PlanRunner:
         self._shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._last_read: dict[tuple, int] = {}
         for k, node in enumerate(graph.ops):
-            labels, strategy, _ = self._program(k)
+            labels, strategy = self._labelling(k)
             for index, (name, wanted) in enumerate(
                     zip(node.inputs, placement.ops[node.name].inputs, strict=True)):
                 if name and wanted is not None and name in placement.stored:
@@ -489,14 +489,19 @@ class PlanRunner:
         values[name] = to_tensor(np.asarray(info.value))
         layouts[name] = Layout.replicated(len(info.shape))
 
+    def _labelling(self, k: int) -> tuple[DimLabels, OpStrategy]:
+        """Op k's labelling (its rule's, or all-replicated) and the strategy it runs."""
+        node = self.graph.ops[k]
+        labels = self.analysis.labels.get(node.name)
+        if labels is None:
+            return replicated_labels(node), REPLICATED
+        return labels, self.placement.ops[node.name].strategy
+
     def _program(self, k: int) -> tuple:
         """(labels, strategy, local program) of op k: the same every micro-batch."""
         if k not in self._programs:
             node, tensors = self.graph.ops[k], self.graph.tensors
-            labels = self.analysis.labels.get(node.name)
-            strategy = self.placement.ops[node.name].strategy if labels is not None \
-                else REPLICATED
-            labels = labels or replicated_labels(node)
+            labels, strategy = self._labelling(k)
             program = local_program(node, labels, strategy, tensors, self.mesh, self.comm.coord)
             self._programs[k] = (labels, strategy, program)
         return self._programs[k]

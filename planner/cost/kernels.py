@@ -34,7 +34,7 @@ from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AttentionKernel, Fusion
 from planner.ops import record_for
-from planner.ops.attention import AttentionCore, attention_cores
+from planner.ops.attention import AttentionCore
 from planner.ops.saving import SavedTensors, Saves, buffer_of, saved_tensors
 from planner.ops.work import WorkKind
 from planner.sharding.analysis import GraphAnalysis
@@ -110,7 +110,7 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     rules = {node.name: _rule(node) for node in graph.ops}
     saved = saved_tensors(graph, analysis.needs_grad, rules)
     kernels = {node.name: _own_kernel(node) for node in graph.ops}
-    cores = tuple(attention_cores(graph))
+    cores = analysis.attention_cores()
     absorbed: set[str] = set()
     for node in graph.ops:
         if node.op_type == "Attention":

@@ -20,11 +20,12 @@ from planner.importer import rebind
 from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, find_repeats, find_units
 from planner.ops import DimLabels, safe_labels
-from planner.ops.attention import attention_cores
+from planner.ops.attention import AttentionCore, attention_cores
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
 
-_REGIONS = "recompute regions"  # memo key
+_REGIONS = "recompute regions"  # memo keys
+_CORES = "attention cores"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,14 @@ class GraphAnalysis:
         """Pickled (to the search's worker processes) without the kept derivations."""
         return {**self.__dict__, "memo": {}}
 
+    def attention_cores(self) -> tuple[AttentionCore, ...]:
+        """The graph's attention cores (`planner.ops.attention`), found once: the kernel
+        model and the recompute regions both read them."""
+        found = self.memo.get(_CORES)
+        if found is None:
+            found = self.memo[_CORES] = tuple(attention_cores(self.graph))
+        return found
+
     def recompute_regions(self) -> np.ndarray:
         """Per op (by index), the region a recomputation re-runs whole: its unit (full
         recompute re-runs units), split at the op range of each attention core, q kᵀ to
@@ -54,7 +63,7 @@ class GraphAnalysis:
             ops = self.graph.ops
             index = {node.name: k for k, node in enumerate(ops)}
             inside = np.full(len(ops), -1, dtype=np.int64)
-            for number, core in enumerate(attention_cores(self.graph)):
+            for number, core in enumerate(self.attention_cores()):
                 inside[index[core.first]:index[core.last] + 1] = number
             keys = list(zip(self.units.unit_of_ops().tolist(), inside.tolist(), strict=True))
             numbers: dict[tuple[int, int], int] = {}

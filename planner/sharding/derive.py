@@ -24,7 +24,7 @@ from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.redistribute import backward_steps, redistribute
+from planner.sharding.redistribute import backward_steps, equivalent, redistribute
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
@@ -179,8 +179,7 @@ def shared_read_key(info: TensorInfo, src: Layout, dst: Layout,
     if weight_derived:
         return None
     grad = requires_grad and info.is_float
-    if not (grad and partial_axes) and not redistribute(src, dst, info.shape, info.itemsize,
-                                                        mesh):
+    if not (grad and partial_axes) and equivalent(src, dst, mesh):
         return None
     return (info.name, dst, tuple(partial_axes) if grad else (), region)
 

@@ -143,13 +143,19 @@ def _moves(layout: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh
     return moves
 
 
+def equivalent(src: Layout, dst: Layout, mesh: DeviceMesh) -> bool:
+    """Whether reading a tensor stored in `src` in `dst` moves nothing (`redistribute`
+    returns no step)."""
+    return _normal(src, mesh) == _normal(dst, mesh)
+
+
 def redistribute(
     src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh,
     cost: StepCost = ring_traffic,
 ) -> list[CommStep]:
     """The cheapest move sequence from `src` to `dst` under `cost` (empty when equal)."""
     start, goal = _normal(src, mesh), _normal(dst, mesh)
-    if start == goal:
+    if start == goal:  # `equivalent`
         return []
     direct = _direct(start, goal, shape, itemsize, mesh)
     if direct is not None and cost is ring_traffic:
