@@ -23,10 +23,13 @@ TFLOP/s give 41.5, 51.4, 56.0 and 56.3 % (`tests/test_published_runs.py`).
 Each run is planned with its configuration pinned: dp, tp, pp, the recompute mode,
 sequence parallelism where it ran, Megatron's tensor-parallel split (`layout=megatron`),
 no ZeRO (Megatron-LM of 2021-22 had none: its distributed optimizer came later), the
-gradient all-reduce after the backward pass (Megatron-LM's `--overlap-grad-reduce` is
-off by default), the kernels of that Megatron (no flash attention: `--attention eager`;
-its fused softmax, bias-GELU and bias-dropout-add kernels: `--fusion elementwise`);
-micro-batches and the pipeline schedule are searched, since neither table gives them.
+kernels of that Megatron (no flash attention: `--attention eager`; its fused softmax,
+bias-GELU and bias-dropout-add kernels: `--fusion elementwise`). Table 1's micro-batch
+size, interleaved chunks and DDP (torch DDP reduces gradients behind the backward pass;
+Megatron's "local" DDP after it) are the authors' launch script's (`TABLE_1`); Table 5's
+micro-batches and schedule are not published, so they are searched, with the gradient
+reduction after the backward pass (Megatron-LM's `--overlap-grad-reduce` is off by
+default).
 The model is the zoo GPT with separate q, k, v projections (Megatron lays its fused QKV
 weight out per head, which an ONNX Split of a [h, 3h] projection cannot express; the
 FLOPs and parameters are the same).
@@ -75,6 +78,13 @@ class Run:
     published_s: float
     recompute: str = "full"
     sequence_parallel: bool = False
+    #: What the authors' launch script sets (None: not published, so searched): the
+    #: micro-batch size, the model chunks per device of the interleaved schedule (1: plain
+    #: 1F1B), and whether torch DDP reduces gradients behind the backward pass (Megatron's
+    #: own "local" DDP of 2021 reduces them after it).
+    micro_batch_size: int | None = None
+    chunks_per_device: int | None = None
+    overlap_grad_reduce: bool = False
 
     @property
     def dp(self) -> int:
@@ -90,25 +100,33 @@ class Run:
 
 
 def _table_1(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
-             batch: int, teraflops_per_gpu: float) -> Run:
-    """A Table 1 row: its step time from the paper's eq. 3 and the achieved FLOP/s."""
+             batch: int, teraflops_per_gpu: float, micro_batch_size: int,
+             layers_per_chunk: int | None, ddp: str) -> Run:
+    """A Table 1 row: its step time from the paper's eq. 3 and the achieved FLOP/s, and its
+    launch settings from the authors' script (`examples/sc21/run_table_1.sh`)."""
     s, h, n = SEQUENCE, hidden, layers
     flops = 96 * batch * s * n * h * h * (1 + s / (6 * h) + VOCAB / (16 * n * h))
+    chunks = 1 if layers_per_chunk is None else layers // (pp * layers_per_chunk)
     return Run("SC'21 T1", name, heads, hidden, layers, tp, pp, gpus, batch,
-               flops / (gpus * teraflops_per_gpu * 1e12))
+               flops / (gpus * teraflops_per_gpu * 1e12), micro_batch_size=micro_batch_size,
+               chunks_per_device=chunks, overlap_grad_reduce=ddp == "torch")
 
 
+#: The runs of Table 1, with the micro-batch size (MBS), layers per interleaved model chunk
+#: (`--num-layers-per-virtual-pipeline-stage`, None: 1F1B) and `--DDP-impl` of the authors'
+#: launch script, NVIDIA/Megatron-LM commit de7dc40 (2021-08-10), examples/sc21/
+#: run_table_1.sh ("scripts that were used to produce the results in the paper").
 TABLE_1 = (
-    _table_1("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    _table_1("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    _table_1("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
-    _table_1("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    _table_1("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
-    _table_1("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    _table_1("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    _table_1("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    _table_1("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    _table_1("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    _table_1("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, "torch"),
+    _table_1("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, None, "torch"),
+    _table_1("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, None, "torch"),
+    _table_1("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, None, "torch"),
+    _table_1("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, None, "local"),
+    _table_1("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+    _table_1("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+    _table_1("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+    _table_1("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+    _table_1("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, "local"),
 )
 
 #: Korthikanti et al. 2022, Table 3 (configurations) and Table 5 (iteration time, s).
@@ -134,11 +152,18 @@ def predict(row: Run, folder: Path) -> str:
     pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "zero": 0,
                                   "recompute": row.recompute, "layout": "megatron",
                                   "sp": int(row.sequence_parallel)}
+    if row.micro_batch_size is not None:
+        pins["micro_batches"] = row.batch // (row.dp * row.micro_batch_size)
+    if row.chunks_per_device is not None:
+        pins["schedule"] = "1f1b" if row.chunks_per_device == 1 else "interleaved"
+        if row.chunks_per_device > 1:
+            pins["vpp"] = row.chunks_per_device
     started = time.perf_counter()
     try:
         result = plan(path, profile="a100-80g", devices=row.gpus, batch=row.batch,
                       dims={"seq": SEQUENCE}, parallel=pins, attention="eager",
-                      fusion="elementwise", overlap_grad_reduce=False)
+                      fusion="elementwise",
+                      overlap_grad_reduce=row.overlap_grad_reduce)
     except ShardplanError as error:
         return f"| {row.source} | {row.name} | refused: {str(error).splitlines()[0][:90]} |"
     took = time.perf_counter() - started

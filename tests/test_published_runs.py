@@ -54,3 +54,17 @@ def test_korthikanti_configurations_are_model_parallel_only() -> None:
     """Table 3 of Korthikanti et al. runs every model with data parallel 1."""
     assert {run.dp for run in TABLE_5} == {1}
     assert {run.recompute for run in TABLE_5} == {"full", "selective"}
+
+
+def test_table_1_launch_settings_divide_the_batch_and_the_layers() -> None:
+    """The authors' script's micro-batch size divides each replica's share of the batch, and
+    its layers per interleaved chunk divide each device's layers (Megatron-LM asserts both),
+    so each pinned run is one Megatron could launch."""
+    for run in TABLE_1:
+        assert run.micro_batch_size is not None and run.chunks_per_device is not None
+        assert (run.batch // run.dp) % run.micro_batch_size == 0, run.name
+        assert run.layers % (run.pp * run.chunks_per_device) == 0, run.name
+    interleaved = {r.name: r.chunks_per_device for r in TABLE_1 if r.chunks_per_device > 1}
+    assert interleaved == {"76.1B": 3, "145.6B": 2, "310.1B": 2, "529.6B": 3}
+    assert {r.name for r in TABLE_1 if r.overlap_grad_reduce} == {"1.7B", "3.6B", "7.5B",
+                                                                  "18.4B"}
