@@ -57,8 +57,12 @@ def node_attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 
 def run_nodes(nodes: list[onnx.NodeProto], env: dict[str, torch.Tensor],
-              collective: Collective = _no_collective) -> None:
-    """Execute nodes in order, reading inputs from and writing outputs into env."""
+              collective: Collective = _no_collective,
+              extra_attrs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Execute nodes in order, reading inputs from and writing outputs into env.
+
+    `extra_attrs` adds attributes by op type, for what the run knows and the node does not
+    (a Dropout's `_site`: where its mask is drawn, `executor.dropout`)."""
     for node in nodes:
         if node.domain == SHARDPLAN_DOMAIN:
             collective(node, env)
@@ -81,7 +85,10 @@ def run_nodes(nodes: list[onnx.NodeProto], env: dict[str, torch.Tensor],
                 raise ShardplanError(f"node {label}: input {name!r} has no value (not fed, "
                                      f"not an initializer, not computed earlier)")
         try:
-            outputs = fn(inputs, node_attrs(node))
+            attrs = node_attrs(node)
+            if extra_attrs and node.op_type in extra_attrs:
+                attrs.update(extra_attrs[node.op_type])
+            outputs = fn(inputs, attrs)
         except ShardplanError as err:
             raise ShardplanError(f"node {label}: {err}") from err
         for name, value in zip(node.output, outputs, strict=False):

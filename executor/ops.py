@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from executor.dropout import keep_mask
 from planner.errors import ShardplanError
 
 Tensor = torch.Tensor
@@ -559,16 +560,25 @@ def _batch_norm(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
 
 @op("Dropout")
 def _dropout(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
-    """Identity unless training_mode; the mask output is True where a value is kept."""
+    """Identity unless training_mode; the mask output is True where a value is kept.
+
+    In a planned run the runner passes `_site` (`executor.dropout.DropoutSite`): the mask
+    is then a hash of the element's global place, the same under any split of the tensor.
+    Without it (a graph run outside a plan) it is drawn from torch's generator, seeded by
+    the node's `seed` attribute when it has one."""
     x, ratio_t, training = inputs[0], _opt(inputs, 1), _opt(inputs, 2)
     assert x is not None
     ratio = 0.5 if ratio_t is None else float(ratio_t.item())
     if training is None or not bool(training.item()) or ratio == 0.0:
         return [x, torch.ones_like(x, dtype=torch.bool)]
-    generator = None
-    if "seed" in attrs:
-        generator = torch.Generator(device=x.device).manual_seed(int(attrs["seed"]))
-    mask = torch.rand(x.shape, generator=generator, device=x.device) >= ratio
+    site = attrs.get("_site")
+    if site is not None:
+        mask = keep_mask(site, x.shape, ratio).to(x.device)
+    else:
+        generator = None
+        if "seed" in attrs:
+            generator = torch.Generator(device=x.device).manual_seed(int(attrs["seed"]))
+        mask = torch.rand(x.shape, generator=generator, device=x.device) >= ratio
     return [x * mask / (1.0 - ratio), mask]
 
 

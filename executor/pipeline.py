@@ -62,6 +62,7 @@ class PipelineEngine:
             raise ShardplanError(f"{len(feeds)} micro-batches fed, the plan has "
                                  f"{self.stages.micro_batches}")
         self._loss = 0.0
+        self.runner.step += 1
         for action in self.actions:
             if action.kind == "F":
                 self._forward(action.micro, action.chunk, feeds[action.micro],
@@ -77,6 +78,7 @@ class PipelineEngine:
     def _forward(self, micro: int, chunk: int, feeds: Mapping[str, torch.Tensor],
                  targets: torch.Tensor | None) -> None:
         runner, stages = self.runner, self.stages
+        runner.micro = micro
         span = stages.chunks[chunk]
         values, layouts = runner.inputs({n: v for n, v in feeds.items()
                                          if n in self.reads[chunk]})

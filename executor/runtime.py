@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from executor.dropout import DropoutSite
 from executor.interpreter import run_nodes, to_tensor
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -365,6 +366,11 @@ class PlanRunner:
         graph = analysis.graph
         self.graph, self.analysis, self.placement = graph, analysis, placement
         self.mesh = placement.mesh
+        self.seed = seed
+        # Which draw the dropout masks are of: the training step (the engine counts them
+        # from 1) and the micro-batch running (`executor.dropout`).
+        self.step = 0
+        self.micro = 0
         self.counters = Counters()
         self.comm = MeshComm(self.mesh, rank, self.counters)
         self.needs_grad = analysis.needs_grad
@@ -445,6 +451,7 @@ class PlanRunner:
                 self._constant(name, values, layouts)
         seen: dict[str, Layout] = {}
         calls = [0]
+        draw = (self.step, self.micro)  # the recomputation draws the forward's masks
 
         def body(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             calls[0] += 1
@@ -453,11 +460,14 @@ class PlanRunner:
             local_layouts = {n: layouts[n] for n in inputs}
             self.counters.recompute_calls += again
             self.counters.recomputing = again
+            running = (self.step, self.micro)
+            self.step, self.micro = draw
             try:
                 for k in range(first, end):
                     self.run_op(k, local, local_layouts)
             finally:
                 self.counters.recomputing = False
+                self.step, self.micro = running
             seen.update(local_layouts)
             return tuple(local[n] for n in outputs)
 
@@ -533,10 +543,27 @@ class PlanRunner:
                     self._shared[key] = (values[name], env[name])
         for name, value in program.constants.items():
             env[name] = to_tensor(np.asarray(value))
-        run_nodes(program.nodes, env, self._collective)
+        extra = ({"Dropout": {"_site": self._dropout_site(k, labels, placed.inputs[0])}}
+                 if node.op_type == "Dropout" and placed.inputs[0] is not None else None)
+        run_nodes(program.nodes, env, self._collective, extra)
         for name, layout in zip(node.outputs, placed.outputs, strict=True):
             if name and layout is not None:
                 values[name], layouts[name] = env[name], layout
+
+    def _dropout_site(self, k: int, labels: DimLabels, layout: Layout) -> DropoutSite:
+        """Where op k's mask is drawn: this rank's block of the input's global tensor, the
+        micro-batch's place along the batch included (`executor.dropout`)."""
+        node = self.graph.ops[k]
+        shape = self.graph.tensors[node.inputs[0]].shape
+        batch = self.analysis.batch_labels.get(node.name, frozenset())
+        dim_labels = labels.inputs[0] or ()
+        offsets = []
+        for dim, (size, axes) in enumerate(zip(shape, layout.dims, strict=True)):
+            offset = self.comm.index(axes) * (size // self.mesh.group_size(axes))
+            if dim < len(dim_labels) and dim_labels[dim] in batch:
+                offset += self.micro * size
+            offsets.append(offset)
+        return DropoutSite(self.seed, self.step, k, tuple(offsets))
 
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],
