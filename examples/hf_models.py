@@ -1,0 +1,77 @@
+"""transformers models built from configs (random weights, no hub), in the form
+`executor.parallelize` and `shardplan run --module` take: `FN()` returns
+`(module, make_batch, loss_fn)`.
+
+- `make_batch(step, batch_size)` gives the global batch of a step as keyword inputs of the
+  module's forward, the same on every rank (each rank keeps its own shard of it);
+- `loss_fn(output, batch)` is the scalar loss of the module's output on that batch.
+
+Sizes are tiny so the examples and tests train on CPU ranks in seconds; scale the configs
+up for real runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+Example = tuple[nn.Module, Callable[[int, int], Batch], Callable[[Any, Batch], torch.Tensor]]
+
+VOCAB = 256
+SEQUENCE = 16
+
+
+class LogitsOnly(nn.Module):
+    """A causal LM's forward with its logits as the only output (what a loss reads), under
+    the wrapped model's own parameter names plus the prefix `model.`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+def token_batch(step: int, batch_size: int) -> Batch:
+    """Random token ids of one step, the same on every rank (seeded by the step)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return {"input_ids": torch.randint(0, VOCAB, (batch_size, SEQUENCE), generator=generator)}
+
+
+def next_token_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits against the next token."""
+    ids = batch["input_ids"]
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(0, 1))
+
+
+def llama() -> Example:
+    """A 2-layer LLaMA with grouped-query attention (4 query heads, 2 key/value heads)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    return LogitsOnly(transformers.LlamaForCausalLM(config)), token_batch, next_token_loss
+
+
+def gpt2() -> Example:
+    """A 2-layer GPT-2 (transformers' Conv1D projections; dropout 0.1 as GPT-2 trains)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2,
+                                     n_head=4, use_cache=False)
+    return LogitsOnly(transformers.GPT2LMHeadModel(config)), token_batch, next_token_loss
+
+
+def bert() -> Example:
+    """A 2-layer BERT masked LM (dropout 0.1), trained here to predict its own tokens."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     max_position_embeddings=64)
+    return LogitsOnly(transformers.BertForMaskedLM(config)), token_batch, next_token_loss

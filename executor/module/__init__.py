@@ -1,0 +1,13 @@
+"""Apply a plan to the user's own `nn.Module` with torch's distributed tensors.
+
+`parallelize(module, plan, example)` traces the module the way the default ONNX exporter
+does (`trace`), reads the plan's layouts onto the traced graph's nodes (`layouts`), makes
+every parameter a DTensor on a DeviceMesh with the plan's axes, and replaces the module's
+forward by a run of the traced graph that moves each op's inputs to the layouts the plan
+gives them (`run`), so DTensor's own propagation cannot choose other collectives than the
+plan priced. `ParallelModule.reduce_gradients()` then issues the plan's gradient buckets.
+"""
+
+from executor.module.parallelize import ParallelModule, parallelize
+
+__all__ = ["ParallelModule", "parallelize"]

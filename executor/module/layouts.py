@@ -1,0 +1,134 @@
+"""The plan read onto a module's traced graph: the layout each node's inputs need and its
+output has, the parameters' layouts, the batch's, and the gradient buckets.
+
+A plan's ops are ONNX nodes. The exporter names the node that produces a traced node's
+output `node_<name>` and the helper nodes of the same translation `node_<OpType>_<n>`
+(`executor.module.trace`), so each plan op is *owned* by one traced node: its namesake,
+or for a helper the owner of the op it feeds. A traced node's input then needs the layout
+the plan binds it in at the ops the node owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from planner.errors import ShardplanError
+from planner.kinds import CollectiveKind, Phase
+from planner.plans.model import Plan
+from planner.sharding.layout import Layout
+
+NODE_PREFIX = "node_"
+
+
+@dataclass(frozen=True)
+class NodeLayouts:
+    """What the plan says of one traced node: its inputs' layouts (by the name of the
+    traced value each input is) and its output's layout (None: the plan has no entry)."""
+
+    inputs: Mapping[str, Layout]
+    output: Layout | None
+
+
+@dataclass(frozen=True)
+class GradientBucket:
+    """One gradient collective call of a step: the plan's bucket (or single tensor)."""
+
+    kind: CollectiveKind
+    axes: tuple[str, ...]
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModuleLayouts:
+    parameters: Mapping[str, Layout]
+    inputs: Mapping[str, Layout]
+    nodes: Mapping[str, NodeLayouts]
+    gradients: tuple[GradientBucket, ...]
+
+
+def _listed(names: Collection[str], limit: int = 8) -> str:
+    shown = sorted(names)[:limit]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
+
+
+def check_parameters(plan: Plan, module_parameters: Iterable[str]) -> None:
+    """Every module parameter has a plan tensor of the same name and vice versa; else one
+    error naming each side's strays (a plan of another model, or of an export whose
+    optimiser renamed the weights)."""
+    planned = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
+    have = set(module_parameters)
+    missing, extra = have - planned, planned - have
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"module parameters the plan does not name: {_listed(missing)}")
+        if extra:
+            parts.append(f"plan parameters the module does not have: {_listed(extra)}")
+        raise ShardplanError(
+            f"plan for {plan.model.path or 'another model'} does not match the module: "
+            f"{'; '.join(parts)}. Plan the module's own export (executor.module.trace, "
+            "with optimize=False, so parameters keep their names)")
+
+
+def _owners(plan: Plan, traced: Collection[str]) -> dict[str, str]:
+    """Plan op name -> the traced node that owns it (module docstring)."""
+    readers: dict[str, list[str]] = {}
+    for op in plan.ops:
+        for binding in op.inputs:
+            if binding is not None:
+                readers.setdefault(binding.tensor, []).append(op.name)
+    owner: dict[str, str] = {}
+    for op in reversed(plan.ops):
+        own = op.name[len(NODE_PREFIX):] if op.name.startswith(NODE_PREFIX) else ""
+        if own in traced:
+            owner[op.name] = own
+            continue
+        for binding in op.outputs:
+            if binding is None:
+                continue
+            found = next((owner[r] for r in readers.get(binding.tensor, ()) if r in owner),
+                         None)
+            if found is not None:
+                owner[op.name] = found
+                break
+    return owner
+
+
+def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -> ModuleLayouts:
+    """The plan on a traced graph whose call nodes are `traced` and whose values (node
+    outputs and graph inputs) are named `values`.
+
+    Raises when the plan names no op of the trace at all: it was made from another graph."""
+    owner = _owners(plan, traced)
+    if not owner:
+        raise ShardplanError(
+            f"plan for {plan.model.path or 'another model'} names none of the traced "
+            "module's ops: it was not planned from this module's export "
+            "(executor.module.trace)")
+    inputs: dict[str, dict[str, Layout]] = {}
+    for op in plan.ops:
+        node = owner.get(op.name)
+        if node is None:
+            continue
+        wanted = inputs.setdefault(node, {})
+        for binding in op.inputs:
+            if binding is not None and binding.tensor in values:
+                wanted.setdefault(binding.tensor, binding.layout)
+    nodes = {}
+    for node in traced:
+        entry = plan.tensors.get(node)
+        nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None)
+    buckets: dict[tuple[CollectiveKind, tuple[str, ...], object], list[str]] = {}
+    for c in plan.collectives:
+        if c.phase != Phase.GRADIENT:
+            continue
+        which: object = c.bucket if c.bucket is not None else c.tensor
+        buckets.setdefault((c.kind, c.axes, which), []).append(c.tensor)
+    gradients = tuple(GradientBucket(key[0], key[1], tuple(names))
+                      for key, names in buckets.items())
+    return ModuleLayouts(
+        parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
+        inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
+        nodes=nodes, gradients=gradients)

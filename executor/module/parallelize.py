@@ -1,0 +1,251 @@
+"""`parallelize(module, plan, example)`: the user's module, ready to train with the plan.
+
+Inside an initialised process group (torchrun, or `executor.train`'s launcher) every rank
+calls it with the same module (same initial weights, e.g. one seed) and one global batch
+as the example. It then
+
+- builds a DeviceMesh with the plan's axes (`init_device_mesh`, rank order as the plan's
+  mesh: row-major);
+- checks that the module's parameters and the plan's are the same names;
+- makes each parameter a DTensor placed as the plan's layout says (`Shard(d)` per mesh axis
+  that splits dim d, `Replicate()` elsewhere), each rank keeping only its shard;
+- replaces `module.forward` by a run of the module's traced graph (`executor.module.run`)
+  that takes the global batch, keeps each rank's shard of it in the plan's input layouts,
+  and moves every op's inputs to the plan's layouts;
+- issues the plan's gradient collectives, bucket by bucket, as soon as every gradient of a
+  bucket is accumulated (behind the rest of the backward pass, as DDP does).
+
+The module keeps its identity and its parameters' names: build the optimizer on
+`module.parameters()` after the call. What a plan needs that this path does not run yet
+(pipeline stages, ZeRO, micro-batches, recompute) is refused with one line naming it; the
+ONNX-graph runner (`shardplan run MODEL.onnx`) runs those plans.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils import _pytree as pytree
+
+from executor.module.layouts import GradientBucket, ModuleLayouts, check_parameters, read_layouts
+from executor.module.run import placements, run_planned
+from executor.module.trace import export_program
+from executor.runtime import Counters, MeshComm
+from planner.errors import ShardplanError
+from planner.kinds import CollectiveKind, Recompute
+from planner.plans.model import Plan
+
+
+@dataclass
+class ParallelModule:
+    """What `parallelize` attached to the module (`module.shardplan`): the plan, the mesh,
+    the layouts read off the plan, and what the run issued."""
+
+    plan: Plan
+    mesh: TorchMesh
+    layouts: ModuleLayouts
+    comm: MeshComm
+    #: DTensor results whose layout was not the plan's, and were moved to it: "node:
+    #: from -> to" -> times (empty when the run is exactly the plan).
+    unplanned: Counter = field(default_factory=Counter)
+
+    def loss(self, loss_fn: Callable[..., torch.Tensor], output: Any, *batch: Any
+             ) -> torch.Tensor:
+        """`loss_fn(output, *batch)` on the parallelized output: the batch's plain tensors
+        count as replicated (each rank reads its own rows of them), so the loss is the
+        global batch's, as one device computes it. Call `.backward()` on it; its value is
+        `float(loss.full_tensor())` (or `float(loss)` when it is a plain tensor)."""
+        replicated = [Replicate()] * self.mesh.ndim
+
+        def lift(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value.to(self.mesh.device_type), self.mesh,
+                                          replicated, run_check=False)
+            return value
+
+        return loss_fn(output, *pytree.tree_map(lift, list(batch)))
+
+    @property
+    def gradient_calls(self) -> Counter:
+        """Gradient collectives issued so far, by "kind|axes"."""
+        return Counter({f"{k}|{','.join(a)}": n
+                        for (k, a, phase), n in self.comm.counters.issued.items()
+                        if phase == "gradient" and n})
+
+
+def state_of(module: nn.Module) -> ParallelModule:
+    """What `parallelize` attached to `module`."""
+    state = getattr(module, "shardplan", None)
+    if not isinstance(state, ParallelModule):
+        raise ShardplanError(f"{type(module).__name__} was not made by "
+                             "executor.parallelize")
+    return state
+
+
+def refuse_unsupported(plan: Plan) -> None:
+    """One error naming every part of `plan` this path does not run yet."""
+    reasons = []
+    if plan.parallel.pp > 1 or plan.pipeline is not None:
+        reasons.append(f"pipeline stages (pp={plan.parallel.pp})")
+    if plan.parallel.zero:
+        reasons.append(f"ZeRO stage {plan.parallel.zero}")
+    if plan.micro_batches > 1:
+        reasons.append(f"{plan.micro_batches} micro-batches")
+    if plan.parallel.recompute != Recompute.NONE:
+        reasons.append(f"recompute={plan.parallel.recompute}")
+    if reasons:
+        raise ShardplanError(
+            f"executor.parallelize does not run {', '.join(reasons)} yet; plan with "
+            "--parallel pp=1,zero=0,micro_batches=1,recompute=none, or run the plan on the "
+            "ONNX graph (shardplan run MODEL.onnx --plan ...)")
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
+    owner, _, leaf = dotted.rpartition(".")
+    target = root.get_submodule(owner) if owner else root
+    target.register_parameter(leaf, value)
+
+
+def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan,
+                           mesh: TorchMesh) -> dict[str, nn.Parameter]:
+    """Each parameter as a DTensor in its plan layout; every rank keeps its own shard of
+    the values it already has (no broadcast: the ranks built the same module)."""
+    placed: dict[str, nn.Parameter] = {}
+    for name, param in list(module.named_parameters()):
+        where = placements(layouts.parameters[name], plan.mesh, f"parameter {name}")
+        with torch.no_grad():
+            value = distribute_tensor(param.detach().to(mesh.device_type), mesh, where,
+                                      src_data_rank=None)
+        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        _assign(module, name, new)
+        placed[name] = new
+    return placed
+
+
+class _GradientBuckets:
+    """The plan's gradient collectives, one call per bucket, issued when the bucket's last
+    gradient is accumulated (a post-accumulate-grad hook on each of its parameters)."""
+
+    def __init__(self, state: ParallelModule, params: Mapping[str, nn.Parameter]) -> None:
+        self.state, self.params = state, params
+        self.ready: dict[int, set[str]] = {}
+        for index, bucket in enumerate(state.layouts.gradients):
+            if bucket.kind != CollectiveKind.ALL_REDUCE:
+                raise ShardplanError(f"gradient {bucket.kind} of {bucket.tensors[0]}: "
+                                     "executor.parallelize runs all-reduce buckets only")
+            self.ready[index] = set()
+            for name in bucket.tensors:
+                if name not in params:
+                    raise ShardplanError(f"the plan reduces the gradient of {name}, which "
+                                         "is not a parameter of the module")
+                params[name].register_post_accumulate_grad_hook(
+                    self._hook(index, name))
+
+    def _hook(self, index: int, name: str) -> Callable[[torch.Tensor], None]:
+        def done(param: torch.Tensor) -> None:
+            ready = self.ready[index]
+            ready.add(name)
+            bucket = self.state.layouts.gradients[index]
+            if len(ready) == len(bucket.tensors):
+                ready.clear()
+                self._reduce(bucket)
+        return done
+
+    def _reduce(self, bucket: GradientBucket) -> None:
+        grads = []
+        for name in bucket.tensors:
+            grad = self.params[name].grad
+            assert isinstance(grad, DTensor)
+            partial = {axis for axis, p in zip(self.state.plan.mesh.axis_names,
+                                               grad.placements, strict=True)
+                       if isinstance(p, Partial)}
+            if not set(bucket.axes) <= partial:
+                raise ShardplanError(
+                    f"the gradient of {name} is {grad.placements}, not a pending sum over "
+                    f"{list(bucket.axes)} as the plan's gradient all-reduce expects")
+            grads.append(grad)
+        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+        summed = self.state.comm.all_reduce(flat, bucket.axes, "gradient")
+        offset = 0
+        for name, grad in zip(bucket.tensors, grads, strict=True):
+            param = self.params[name]
+            assert isinstance(param, DTensor)
+            local = grad.to_local()
+            piece = summed[offset:offset + local.numel()].view_as(local)
+            offset += local.numel()
+            done = [p if not (isinstance(p, Partial) and axis in bucket.axes) else q
+                    for axis, p, q in zip(self.state.plan.mesh.axis_names, grad.placements,
+                                          param.placements, strict=True)]
+            param.grad = DTensor.from_local(piece, self.state.mesh, done,
+                                            shape=param.shape, stride=param.stride())
+
+
+def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tensor]
+                ) -> nn.Module:
+    """`module`, trained from now on as `plan` says (module docstring). `example` is one
+    global batch as the keyword inputs of `module`'s forward."""
+    if not dist.is_initialized():
+        raise ShardplanError("executor.parallelize needs an initialised process group "
+                             "(torchrun, or torch.distributed.init_process_group)")
+    if dist.get_world_size() != plan.mesh.size:
+        raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
+                             f"group has {dist.get_world_size()}")
+    refuse_unsupported(plan)
+    check_parameters(plan, (n for n, _ in module.named_parameters()))
+    program = export_program(module, example).exported_program
+    assert program is not None  # export_program checked it
+    graph = program.module()
+    traced = {n.name for n in graph.graph.nodes if n.op == "call_function"}
+    values = {n.name for n in graph.graph.nodes}
+    layouts = read_layouts(plan, traced, values)
+    user_inputs = list(program.graph_signature.user_inputs)
+    missing = [n for n in user_inputs if n not in layouts.inputs]
+    if missing:
+        raise ShardplanError(f"the plan has no input named {', '.join(missing)}: it was "
+                             "made from another export of the module")
+    mesh = init_device_mesh(_device_type(), plan.mesh.shape,
+                            mesh_dim_names=plan.mesh.axis_names)
+    params = _distribute_parameters(module, layouts, plan, mesh)
+    for node in graph.graph.nodes:  # the traced graph reads the module's own parameters
+        if node.op == "get_attr" and node.target in params:
+            _assign(graph, str(node.target), params[str(node.target)])
+    state = ParallelModule(plan, mesh, layouts,
+                           MeshComm(plan.mesh, dist.get_rank(), Counters()))
+    _GradientBuckets(state, params)
+    out_spec = program.call_spec.out_spec
+
+    def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
+        if args:
+            raise ShardplanError("a parallelized module takes its inputs by keyword "
+                                 f"({', '.join(user_inputs)})")
+        absent = [n for n in user_inputs if n not in kwargs]
+        if absent:
+            raise ShardplanError(f"missing input {', '.join(absent)}")
+        flat = []
+        for name in user_inputs:
+            where = placements(layouts.inputs[name], plan.mesh, f"input {name}")
+            flat.append(distribute_tensor(kwargs[name].to(mesh.device_type), mesh, where,
+                                          src_data_rank=None))
+        with implicit_replication():
+            outputs = run_planned(graph, layouts, plan.mesh, mesh, flat, state.unplanned)
+        leaves = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return pytree.tree_unflatten(leaves, out_spec) if out_spec is not None else outputs
+
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+    module.shardplan = state  # type: ignore[assignment]
+    return module

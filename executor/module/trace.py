@@ -1,0 +1,69 @@
+"""The traced graph a plan of a module is made from, and the module's own export of it.
+
+The dynamo ONNX exporter captures the module with `torch.export`, decomposes it to the ops
+ONNX implements and names every ONNX node after the graph node it translates
+(`node_<name>`, its output value `<name>`; the helper nodes one translation needs are named
+`node_<OpType>_<n>`). One call therefore gives both what the planner reads (the ONNX
+model) and what the executor runs (the decomposed `ExportedProgram`), with names that
+match by construction; tracing the same module on the same example again gives the same
+names, which is how a rank finds the plan's ops in its own trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from planner.errors import ShardplanError
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints progress and warns about optional packages; keep the run's
+    output to what the user asked for."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
+                   ) -> torch.onnx.ONNXProgram:
+    """Export `module` called with keyword inputs `example` (one global batch), in the
+    mode it is in (`module.train()` for a training plan), with torch's default exporter.
+
+    `optimize=False` keeps every parameter's name and every op the module runs: the
+    exporter's optimiser renames weights (`val_NNN`) and merges equal ones, which would
+    leave plan tensors the module does not have."""
+    try:
+        with _quiet(), torch.random.fork_rng():
+            program = torch.onnx.export(module, (), kwargs=dict(example), dynamo=True,
+                                        optimize=False, external_data=False, verbose=False)
+    except Exception as exc:  # the exporter raises many types; name the cause in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ShardplanError(f"torch.onnx.export of {type(module).__name__} failed: "
+                             f"{first}") from exc
+    if program is None or program.exported_program is None:
+        raise ShardplanError(f"torch.onnx.export of {type(module).__name__} gave no "
+                             "exported program")
+    return program
+
+
+def save_model(program: torch.onnx.ONNXProgram, path: str | Path) -> Path:
+    """Write the ONNX model the planner reads (weights inside the file)."""
+    target = Path(path)
+    with _quiet():
+        program.save(str(target), external_data=False)
+    return target

@@ -1,0 +1,108 @@
+"""`executor.parallelize` trains the user's own module with a plan on gloo ranks, to the
+losses of the module trained as it is in one process (transformers LLaMA with GQA)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from executor.module.launch import (
+    load_builder,
+    plan_module,
+    train_module,
+    train_module_reference,
+)
+from executor.module.layouts import check_parameters
+from executor.module.parallelize import parallelize, refuse_unsupported
+from executor.module.trace import export_program, save_model
+from planner.api import load_graph, plan
+from planner.errors import ShardplanError
+
+LLAMA = "examples.hf_models:llama"
+BATCH = 4
+STEPS = 4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llama_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    module, make_batch, _ = load_builder(LLAMA)()
+    module.train()
+    path = tmp_path_factory.mktemp("module") / "llama.onnx"
+    return save_model(export_program(module, make_batch(0, BATCH)), path)
+
+
+def _megatron_strategies(path: Path) -> dict[str, list[list[int]]]:
+    """MindSpore-style pins: q, k, v, gate and up column-parallel, o and down row-parallel."""
+    graph = load_graph(path)
+    producer = {o: op for op in graph.ops for o in op.outputs}
+    strategies = {}
+    for op in graph.ops:
+        if op.op_type != "MatMul":
+            continue
+        source = producer.get(op.inputs[1])
+        weight = source.inputs[0] if source is not None and source.op_type == "Transpose" \
+            else op.inputs[1]
+        leaf = weight.split(".")[-2] if "." in weight else ""
+        rank = len(graph.tensors[op.inputs[0]].shape)
+        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            strategies[op.name] = [[1] * rank, [1, 2]]
+        elif leaf in ("o_proj", "down_proj"):
+            strategies[op.name] = [[1] * (rank - 1) + [2], [2, 1]]
+    assert len(strategies) == 14
+    return strategies
+
+
+def test_data_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
+    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert reference[-1] < reference[0]
+    # the plan's gradient all-reduces, one call per bucket per step
+    buckets = {c.bucket for c in chosen.collectives if c.phase == "gradient"}
+    assert run.gradient_calls == {"all_reduce|dp": len(buckets) * STEPS}
+
+
+def test_tensor_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
+    chosen = plan(llama_onnx, devices=2, profile="a100-80g", mode="semi",
+                  strategies=_megatron_strategies(llama_onnx), mesh=(2,))
+    split = [n for n, e in chosen.tensors.items() if e.kind == "parameter" and
+             any(e.layout.dims)]
+    assert len(split) == 14
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
+    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    module, _, _ = load_builder("examples.hf_models:gpt2")()
+    with pytest.raises(ShardplanError, match=r"does not match the module: module "
+                       r"parameters the plan does not name: model\.transformer\.h\.0"):
+        check_parameters(chosen, (n for n, _ in module.named_parameters()))
+
+
+def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> None:
+    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    refuse_unsupported(chosen)
+    sharded = replace(chosen, parallel=replace(chosen.parallel, zero=1))
+    with pytest.raises(ShardplanError, match=r"does not run ZeRO stage 1 yet; plan with "
+                       r"--parallel pp=1,zero=0"):
+        refuse_unsupported(sharded)
+    module, make_batch, _ = load_builder(LLAMA)()
+    assert not dist.is_initialized()
+    with pytest.raises(ShardplanError, match="initialised process group"):
+        parallelize(module, chosen, make_batch(0, BATCH))
+
+
+def test_plan_module_exports_and_plans_in_one_call() -> None:
+    chosen = plan_module(LLAMA, batch_size=BATCH, devices=2, profile="cpu", mode="data",
+                         parallel={"zero": 0})
+    names = {n for n, e in chosen.tensors.items() if e.kind == "parameter"}
+    module, _, _ = load_builder(LLAMA)()
+    assert names == {n for n, _ in module.named_parameters()}
