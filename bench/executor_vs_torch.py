@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from exported_models import build, export
 
-from executor.train import train, train_reference
+from executor.train import free_port, train, train_reference
 from planner.api import plan
 
 
@@ -68,12 +67,6 @@ def _ddp_worker(rank: int, port: int, batch: int, seq: int, steps: int, out: str
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -92,7 +85,7 @@ def main() -> None:
         targets = torch.randint(0, 1000, (args.batch, args.seq), generator=generator)
         eager = _eager_steps(example.module.train(), ids, targets, args.steps)
         out = Path(scratch) / "ddp.txt"
-        mp.spawn(_ddp_worker, args=(_free_port(), args.batch, args.seq, args.steps, str(out)),
+        mp.spawn(_ddp_worker, args=(free_port(), args.batch, args.seq, args.steps, str(out)),
                  nprocs=2, join=True)
         ddp = json.loads(out.read_text())
 

@@ -339,7 +339,7 @@ def _start_ranks(world: int, settings: RunSettings) -> None:
     this process, whose thread pools may be running)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["executor.train", "torch._dynamo"])
-    mp.start_processes(_worker, args=(world, _free_port(), settings), nprocs=world,
+    mp.start_processes(_worker, args=(world, free_port(), settings), nprocs=world,
                        join=True, start_method="forkserver")
 
 
@@ -364,7 +364,8 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
     check_zero(plan.parallel.zero)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost no one listens on now, for a local process group."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from executor.module.trace import export_program, save_model
+from executor.train import free_port
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
 
@@ -119,19 +119,13 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  batch_size: int) -> ModuleRunLog:
     """Train the builder's module with `plan` on one gloo process per device (SGD)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         try:
-            mp.start_processes(_rank, args=(plan.mesh.size, _free_port(), spec,
+            mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
                                             json.dumps(plan.to_json()), steps, lr,
                                             batch_size, out),
                                nprocs=plan.mesh.size, start_method="spawn")
