@@ -38,7 +38,7 @@ def llama_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _megatron_strategies(path: Path) -> dict[str, list[list[int]]]:
     """MindSpore-style pins: q, k, v, gate and up column-parallel, o and down row-parallel."""
-    graph = load_graph(path)
+    graph = load_graph(path, batch=BATCH)
     producer = {o: op for op in graph.ops for o in op.outputs}
     strategies = {}
     for op in graph.ops:
@@ -58,18 +58,21 @@ def _megatron_strategies(path: Path) -> dict[str, list[list[int]]]:
 
 
 def test_data_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
-    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
+                  parallel={"zero": 0})
     run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
-    # the plan's gradient all-reduces, one call per bucket per step
+    # exactly the plan's collectives: forward, backward, and the gradient all-reduce one
+    # call per bucket per step
+    assert run.differences == []
     buckets = {c.bucket for c in chosen.collectives if c.phase == "gradient"}
-    assert run.gradient_calls == {"all_reduce|dp": len(buckets) * STEPS}
+    assert run.collectives["issued"]["all_reduce|dp|gradient"] == len(buckets) * STEPS
 
 
 def test_tensor_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
-    chosen = plan(llama_onnx, devices=2, profile="a100-80g", mode="semi",
+    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="a100-80g", mode="semi",
                   strategies=_megatron_strategies(llama_onnx), mesh=(2,))
     split = [n for n, e in chosen.tensors.items() if e.kind == "parameter" and
              any(e.layout.dims)]
@@ -77,10 +80,15 @@ def test_tensor_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path)
     run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
     assert run.losses == pytest.approx(reference, rel=1e-4)
+    # column-parallel inputs reduced once for q, k and v in backward, row-parallel outputs
+    # all-reduced in forward: the plan's calls, no more, no fewer
+    assert run.differences == []
+    assert run.collectives["issued"]["all_reduce|a0|forward"] == 4 * STEPS
 
 
 def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
-    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
+                  parallel={"zero": 0})
     module, _, _ = load_builder("examples.hf_models:gpt2")()
     with pytest.raises(ShardplanError, match=r"does not match the module: module "
                        r"parameters the plan does not name: model\.transformer\.h\.0"):
@@ -88,7 +96,8 @@ def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
 
 
 def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> None:
-    chosen = plan(llama_onnx, devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
+                  parallel={"zero": 0})
     refuse_unsupported(chosen)
     sharded = replace(chosen, parallel=replace(chosen.parallel, zero=1))
     with pytest.raises(ShardplanError, match=r"does not run ZeRO stage 1 yet; plan with "
@@ -103,6 +112,7 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
 def test_plan_module_exports_and_plans_in_one_call() -> None:
     chosen = plan_module(LLAMA, batch_size=BATCH, devices=2, profile="cpu", mode="data",
                          parallel={"zero": 0})
+    assert chosen.model.batch == BATCH
     names = {n for n, e in chosen.tensors.items() if e.kind == "parameter"}
     module, _, _ = load_builder(LLAMA)()
     assert names == {n for n, _ in module.named_parameters()}

@@ -16,6 +16,8 @@ import importlib.util
 import json
 import os
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +63,12 @@ def load_builder(spec: str) -> Builder:
 
 def plan_module(spec: str, *, batch_size: int, path: str | os.PathLike | None = None,
                 **plan_options: Any) -> Plan:
-    """Export the builder's module (training mode, one global batch of `batch_size`) and
-    plan it with `planner.api.plan(**plan_options)`; the ONNX file goes to `path` (a
-    scratch file when None)."""
+    """Export the builder's module (training mode, one global batch of `batch_size`, the
+    batch dim symbolic) and plan it at that batch with `planner.api.plan(**plan_options)`;
+    the ONNX file goes to `path` (a scratch file when None)."""
     from planner.api import plan
 
+    plan_options.setdefault("batch", batch_size)
     module, make_batch, _ = load_builder(spec)()
     module.train()
     program = export_program(module, make_batch(0, batch_size))
@@ -77,11 +80,41 @@ def plan_module(spec: str, *, batch_size: int, path: str | os.PathLike | None = 
 
 @dataclass
 class ModuleRunLog:
+    """What a run of the module did, in the keys of `executor.train.RunLog`."""
+
     losses: list[float] = field(default_factory=list)
-    #: rank 0's gradient collective calls ("kind|axes" -> calls over the run)
-    gradient_calls: dict[str, int] = field(default_factory=dict)
+    step_time_s: list[float] = field(default_factory=list)
+    predicted_step_time_s: float = 0.0
+    #: "planned" and "issued" collective calls over the run, "kind|axes|phase"
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     #: results DTensor gave in another layout than the plan's, moved to the plan's
     unplanned: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @property
+    def differences(self) -> list[str]:
+        """Each "kind|axes|phase planned P issued I" where the run differs from the plan."""
+        planned, issued = self.collectives.get("planned", {}), self.collectives.get(
+            "issued", {})
+        return [f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
+                for k in sorted(set(planned) | set(issued))
+                if planned.get(k, 0) != issued.get(k, 0)]
+
+
+def planned_calls(plan: Plan, steps: int) -> dict[str, int]:
+    """The collective calls the plan says `steps` steps issue: its forward and backward
+    entries once per micro-batch, its gradient entries once per bucket per step."""
+    calls: Counter = Counter()
+    for c in plan.collectives:
+        if c.phase != "gradient":
+            calls[f"{c.kind}|{','.join(c.axes)}|{c.phase}"] += steps * plan.micro_batches
+    buckets = {(c.kind, c.axes, c.bucket if c.bucket is not None else c.tensor)
+               for c in plan.collectives if c.phase == "gradient"}
+    for kind, axes, _ in buckets:
+        calls[f"{kind}|{','.join(axes)}|gradient"] += steps
+    return dict(calls)
 
 
 def _scalar(loss: torch.Tensor) -> float:
@@ -90,11 +123,14 @@ def _scalar(loss: torch.Tensor) -> float:
 
 
 def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: int,
-          lr: float, batch_size: int, out: str) -> None:
+          lr: float, batch_size: int, backend: str, out: str) -> None:
+    from executor.module.counting import CollectiveCount, group_axes
     from executor.module.parallelize import parallelize, state_of
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=5))
     try:
         plan = Plan.from_json(json.loads(plan_json))
@@ -103,38 +139,55 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         module = parallelize(module, plan, make_batch(0, batch_size))
         state = state_of(module)
         optimizer = torch.optim.SGD(module.parameters(), lr=lr)
-        log = ModuleRunLog()
+        axes = group_axes(state.mesh)
+        issued: Counter = Counter()
+        log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
         for step in range(steps):
             batch = make_batch(step, batch_size)
-            loss = state.loss(loss_fn, module(**batch), batch)
-            loss.backward()
+            started = time.perf_counter()
+            with CollectiveCount(issued, axes, "forward"):
+                output = module(**batch)
+            with CollectiveCount(issued, axes, "loss"):
+                loss = state.loss(loss_fn, output, batch)
+            with CollectiveCount(issued, axes, "backward"):
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             log.losses.append(_scalar(loss))
+            log.step_time_s.append(time.perf_counter() - started)
         if rank == 0:
-            log.gradient_calls = dict(state.gradient_calls)
+            for key, calls in state.gradient_calls.items():
+                issued[f"{key}|gradient"] += calls
+            log.collectives = {"planned": planned_calls(plan, steps),
+                               "issued": {k: v for k, v in issued.items()
+                                          if not k.endswith("|loss")}}
             log.unplanned = dict(state.unplanned)
-            Path(out).write_text(json.dumps(log.__dict__))
+            Path(out).write_text(json.dumps(log.to_json()))
     finally:
         dist.destroy_process_group()
 
 
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
-                 batch_size: int) -> ModuleRunLog:
-    """Train the builder's module with `plan` on one gloo process per device (SGD)."""
+                 batch_size: int, backend: str = "gloo") -> ModuleRunLog:
+    """Train the builder's module with `plan` on one process per device (SGD): gloo on
+    CPU, or NCCL with one GPU per process."""
+    if backend not in ("gloo", "nccl"):
+        raise ShardplanError(f"--backend {backend!r}: choose gloo or nccl")
+    if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
+        raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
+                             f"machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         try:
             mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
                                             json.dumps(plan.to_json()), steps, lr,
-                                            batch_size, out),
+                                            batch_size, backend, out),
                                nprocs=plan.mesh.size, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]
             raise ShardplanError(f"a rank failed: {last}") from exc
         data: Mapping[str, Any] = json.loads(Path(out).read_text())
-    return ModuleRunLog(list(data["losses"]), dict(data["gradient_calls"]),
-                        dict(data["unplanned"]))
+    return ModuleRunLog(**data)
 
 
 def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,

@@ -236,6 +236,10 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         absent = [n for n in user_inputs if n not in kwargs]
         if absent:
             raise ShardplanError(f"missing input {', '.join(absent)}")
+        rows = {int(kwargs[n].shape[0]) for n in user_inputs if kwargs[n].dim() > 0}
+        if plan.model.batch is not None and rows != {plan.model.batch}:
+            raise ShardplanError(f"a batch of {sorted(rows)} rows: the plan is for a global "
+                                 f"batch of {plan.model.batch}")
         flat = []
         for name in user_inputs:
             where = placements(layouts.inputs[name], plan.mesh, f"input {name}")

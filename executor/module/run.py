@@ -56,6 +56,25 @@ def _normalised(value: DTensor, wanted: Sequence[Placement]) -> bool:
     return tuple(have) == tuple(wanted)
 
 
+class _GradientIn(torch.autograd.Function):
+    """Identity forward; in backward the gradient is put in the layout the value had
+    where it was read (a pending sum reduced there), as the plan's backward collectives
+    are: the reads of one value in one layout share this node, so autograd sums their
+    gradients first and one reduction serves them all."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, mesh: TorchMesh,
+                wanted: tuple[Placement, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.wanted = mesh, wanted
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        if isinstance(grad, DTensor) and not _normalised(grad, ctx.wanted):
+            grad = grad.redistribute(ctx.mesh, ctx.wanted)
+        return grad, None, None
+
+
 def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
@@ -69,6 +88,7 @@ class PlannedRun(Interpreter):
         self.layouts, self.plan_mesh, self.mesh = layouts, plan_mesh, mesh
         self.unplanned = unplanned
         self._placements: dict[tuple[str, Layout], tuple[Placement, ...]] = {}
+        self._moved: dict[tuple[str, Layout], DTensor] = {}
 
     def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         key = (name, layout)
@@ -94,9 +114,14 @@ class PlannedRun(Interpreter):
             layout = planned.inputs.get(arg.name)
             if layout is None:
                 return value
-            wanted = self._wanted(arg.name, layout)
-            return value if _normalised(value, wanted) else value.redistribute(
-                self.mesh, wanted)
+            key = (arg.name, layout)
+            if key not in self._moved:  # reads of one value in one layout share one move
+                wanted = self._wanted(arg.name, layout)
+                moved = value if _normalised(value, wanted) else value.redistribute(
+                    self.mesh, wanted)
+                self._moved[key] = _GradientIn.apply(moved, self.mesh, wanted) \
+                    if moved.requires_grad else moved
+            return self._moved[key]
 
         args = map_arg(n.args, load)
         kwargs = map_arg(n.kwargs, load)

@@ -46,11 +46,23 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
 
     `optimize=False` keeps every parameter's name and every op the module runs: the
     exporter's optimiser renames weights (`val_NNN`) and merges equal ones, which would
-    leave plan tensors the module does not have."""
+    leave plan tensors the module does not have. Dim 0 of every input is the symbolic
+    `batch`, so the planner can bind the global batch and try micro-batch sizes."""
+    batch = {"batch": torch.export.Dim("batch", min=1)}
+    shapes = {name: ({0: batch["batch"]} if value.dim() > 0 else {})
+              for name, value in example.items()}
+    sizes = {int(v.shape[0]) for v in example.values() if v.dim() > 0}
+    if len(sizes) > 1:
+        raise ShardplanError(f"the example's inputs disagree on their batch (dim 0): "
+                             f"{sorted(sizes)}")
+    if sizes and min(sizes) < 2:
+        raise ShardplanError("the example batch must hold at least 2 rows: torch.export "
+                             "makes a size-1 dim static")
     try:
         with _quiet(), torch.random.fork_rng():
             program = torch.onnx.export(module, (), kwargs=dict(example), dynamo=True,
-                                        optimize=False, external_data=False, verbose=False)
+                                        optimize=False, external_data=False, verbose=False,
+                                        dynamic_shapes=shapes)
     except Exception as exc:  # the exporter raises many types; name the cause in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ShardplanError(f"torch.onnx.export of {type(module).__name__} failed: "

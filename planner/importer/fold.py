@@ -156,6 +156,8 @@ def _try_fold(
         return None
     if node.op_type in ("Shape", "Size"):
         return _fold_shape_query(node, shapes)
+    if node.op_type == "CastLike":
+        return _fold_cast_like(node, known, shapes)
     if any(name and name not in known for name in node.input):
         return None
     if node.op_type == "Constant":  # its value is in the proto already, whatever its size
@@ -194,6 +196,25 @@ def _fold_shape_query(
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     start, end = attrs.get("start", 0), attrs.get("end", len(shape))
     return [np.array(shape[start:end], dtype=np.int64)]
+
+
+def _fold_cast_like(
+    node: onnx.NodeProto, known: dict[str, np.ndarray], shapes: Shapes
+) -> list[np.ndarray] | None:
+    """CastLike reads only its second input's type: a known value cast like any tensor of
+    a known dtype is a constant. (The dynamo exporter casts attention's scale like the
+    query; left unfolded, the query would look like an input of the scale: moved for it,
+    and given a gradient.)"""
+    if len(node.input) < 2 or node.input[0] not in known:
+        return None
+    code = shapes.get(node.input[1], (None, 0))[1]
+    if not code:
+        return None
+    try:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(code)
+    except (KeyError, ValueError):
+        return None
+    return [np.asarray(known[node.input[0]]).astype(dtype)]
 
 
 def _lower_sequences(

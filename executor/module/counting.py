@@ -1,0 +1,50 @@
+"""Count the collectives DTensor issues, by kind, mesh axes and phase, in the keys the
+plan's counts use ("all_gather|tp|forward"), so a run can be compared with its plan.
+
+DTensor issues its collectives as torch's functional collectives (`_c10d_functional`),
+each naming the process group it runs on; a dispatch mode sees every one (as torch's own
+`CommDebugMode` does) and maps the group back to the mesh axis it belongs to.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.kinds import CollectiveKind
+
+_FUNCTIONAL = torch.ops._c10d_functional
+_KINDS = {
+    _FUNCTIONAL.all_reduce: CollectiveKind.ALL_REDUCE,
+    _FUNCTIONAL.all_gather_into_tensor: CollectiveKind.ALL_GATHER,
+    _FUNCTIONAL.reduce_scatter_tensor: CollectiveKind.REDUCE_SCATTER,
+    _FUNCTIONAL.all_to_all_single: CollectiveKind.ALL_TO_ALL,
+}
+
+
+def group_axes(mesh: TorchMesh) -> dict[str, tuple[str, ...]]:
+    """Process group name -> the mesh axis it spans (DTensor uses one group per axis)."""
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {mesh.get_group(i).group_name: (names[i],) for i in range(mesh.ndim)}
+
+
+class CollectiveCount(TorchDispatchMode):
+    """Inside `with CollectiveCount(counts, axes, phase):` every functional collective adds
+    one to `counts["kind|axes|phase"]`."""
+
+    def __init__(self, counts: Counter, axes: dict[str, tuple[str, ...]], phase: str) -> None:
+        super().__init__()
+        self.counts, self.axes, self.phase = counts, axes, phase
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kind = _KINDS.get(func._overloadpacket)
+        if kind is not None:
+            group = args[-1] if args else (kwargs or {}).get("group_name")
+            axes = self.axes.get(str(group), (str(group),))
+            self.counts[f"{kind}|{','.join(axes)}|{self.phase}"] += 1
+        return func(*args, **(kwargs or {}))
