@@ -3,6 +3,7 @@ losses of the module trained as it is in one process (transformers LLaMA with GQ
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from executor.module.layouts import check_parameters
 from executor.module.parallelize import parallelize, refuse_unsupported
 from executor.module.trace import export_program, save_model
 from planner.api import load_graph, plan
+from planner.cli import main
 from planner.errors import ShardplanError
 
 LLAMA = "examples.hf_models:llama"
@@ -116,3 +118,42 @@ def test_plan_module_exports_and_plans_in_one_call() -> None:
     names = {n for n, e in chosen.tensors.items() if e.kind == "parameter"}
     module, _, _ = load_builder(LLAMA)()
     assert names == {n for n, _ in module.named_parameters()}
+
+
+def test_cli_plans_and_runs_a_module(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`plan --module` exports and plans the builder's module; `run --module` trains it on
+    2 ranks with the planned collectives, and `--nproc 1` as it is, to the same losses."""
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--module", LLAMA, "--batch", str(BATCH), "--devices", "2",
+                 "--profile", "cpu", "--mode", "data", "--parallel", "zero=0",
+                 "-o", str(plan_file)]) == 0
+    log = tmp_path / "log.json"
+    capsys.readouterr()
+    assert main(["run", "--module", LLAMA, "--plan", str(plan_file), "--nproc", "2",
+                 "--steps", "2", "--log-json", str(log)]) == 0
+    assert "collectives: as planned" in capsys.readouterr().out
+    written = json.loads(log.read_text())
+    assert set(written) >= {"losses", "step_time_s", "predicted_step_time_s", "collectives"}
+    assert set(written["collectives"]) == {"planned", "issued"}
+    assert main(["run", "--module", LLAMA, "--plan", str(plan_file), "--nproc", "1",
+                 "--steps", "2"]) == 0
+    alone = [float(line.split()[3]) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("step ")]
+    assert written["losses"] == pytest.approx(alone, rel=1e-4)
+
+
+def test_cli_module_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--module", LLAMA, "--devices", "2"]) == 2
+    assert "--module needs --batch N" in capsys.readouterr().err
+    assert main(["plan", "model.onnx", "--module", LLAMA, "--batch", "4"]) == 2
+    assert "not both" in capsys.readouterr().err
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--module", LLAMA, "--batch", str(BATCH), "--devices", "2",
+                 "--profile", "cpu", "--mode", "data", "--parallel", "zero=0",
+                 "-o", str(plan_file)]) == 0
+    assert main(["run", "--module", "missing.py:llama", "--plan", str(plan_file),
+                 "--nproc", "2"]) == 2
+    assert "missing.py is not a file" in capsys.readouterr().err
+    assert main(["run", "--module", LLAMA, "--plan", str(plan_file), "--nproc", "2",
+                 "--data", "x"]) == 2
+    assert "not with --module" in capsys.readouterr().err

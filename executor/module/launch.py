@@ -1,8 +1,9 @@
 """Plan a user's module and train it with the plan on local ranks, from a builder.
 
 A builder is a function `FN()` returning `(module, make_batch, loss_fn)`
-(`examples/hf_models.py`), named as "FILE.py:FN" or "package.module:FN" so that every rank
-can build the same module itself (same seed, same weights). `plan_module` exports the
+(`examples/hf_models.py`), named as "FILE.py:FN" or "package.module:FN" (imported as
+`python -m` would, the working folder first) so that every rank can build the same module
+itself (same seed, same weights). `plan_module` exports the
 module with torch's default exporter and plans it; `train_module` starts one gloo process
 per device, parallelizes the module on each and trains it; `train_module_reference`
 trains the module as it is in this process, on the whole batch: what the ranks must equal.
@@ -15,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -51,6 +53,8 @@ def load_builder(spec: str) -> Builder:
         module = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(module)
     else:
+        if os.getcwd() not in sys.path:  # as `python -m` does: the working folder's modules
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
@@ -61,6 +65,14 @@ def load_builder(spec: str) -> Builder:
     return builder
 
 
+def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
+    """The builder's module exported to `path` as the planner reads it (training mode, the
+    example batch `make_batch(0, batch_size)`, the batch dim symbolic)."""
+    module, make_batch, _ = load_builder(spec)()
+    module.train()
+    return save_model(export_program(module, make_batch(0, batch_size)), Path(path))
+
+
 def plan_module(spec: str, *, batch_size: int, path: str | os.PathLike | None = None,
                 **plan_options: Any) -> Plan:
     """Export the builder's module (training mode, one global batch of `batch_size`, the
@@ -69,13 +81,9 @@ def plan_module(spec: str, *, batch_size: int, path: str | os.PathLike | None = 
     from planner.api import plan
 
     plan_options.setdefault("batch", batch_size)
-    module, make_batch, _ = load_builder(spec)()
-    module.train()
-    program = export_program(module, make_batch(0, batch_size))
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path is not None else Path(scratch) / "module.onnx"
-        save_model(program, target)
-        return plan(target, **plan_options)
+        return plan(export_builder(spec, batch_size, target), **plan_options)
 
 
 @dataclass
@@ -122,8 +130,20 @@ def _scalar(loss: torch.Tensor) -> float:
     return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
 
 
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD or AdamW over the module's parameters (DTensors or not)."""
+    if name == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(module.parameters(), lr=lr)
+    raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+
 def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: int,
-          lr: float, batch_size: int, backend: str, out: str) -> None:
+          lr: float, batch_size: int, backend: str, optimizer_name: str, out: str) -> None:
     from executor.module.counting import CollectiveCount, group_axes
     from executor.module.parallelize import parallelize, state_of
 
@@ -138,7 +158,7 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         module.train()
         module = parallelize(module, plan, make_batch(0, batch_size))
         state = state_of(module)
-        optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+        optimizer = make_optimizer(optimizer_name, module, lr)
         axes = group_axes(state.mesh)
         issued: Counter = Counter()
         log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
@@ -168,9 +188,17 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
 
 
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
-                 batch_size: int, backend: str = "gloo") -> ModuleRunLog:
-    """Train the builder's module with `plan` on one process per device (SGD): gloo on
-    CPU, or NCCL with one GPU per process."""
+                 batch_size: int | None = None, backend: str = "gloo",
+                 optimizer: str = "sgd") -> ModuleRunLog:
+    """Train the builder's module with `plan` on one process per device: gloo on CPU, or
+    NCCL with one GPU per process. The global batch is the plan's unless given."""
+    batch_size = batch_size or plan.model.batch
+    if batch_size is None:
+        raise ShardplanError("the plan names no global batch: give batch_size")
+    if optimizer not in OPTIMIZERS:
+        raise ShardplanError(f"--optimizer {optimizer!r}: choose one of "
+                             f"{', '.join(OPTIMIZERS)}")
+    load_builder(spec)  # a wrong name is reported here, before any rank starts
     if backend not in ("gloo", "nccl"):
         raise ShardplanError(f"--backend {backend!r}: choose gloo or nccl")
     if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
@@ -181,7 +209,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         try:
             mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
                                             json.dumps(plan.to_json()), steps, lr,
-                                            batch_size, backend, out),
+                                            batch_size, backend, optimizer, out),
                                nprocs=plan.mesh.size, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]
@@ -191,17 +219,17 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
 
 
 def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,
-                           batch_size: int) -> list[float]:
+                           batch_size: int, optimizer: str = "sgd") -> list[float]:
     """The builder's module trained as it is, in this process, on the whole batch."""
     module, make_batch, loss_fn = load_builder(spec)()
     module.train()
-    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    update = make_optimizer(optimizer, module, lr)
     losses = []
     for step in range(steps):
         batch = make_batch(step, batch_size)
         loss = loss_fn(module(**batch), batch)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        update.step()
+        update.zero_grad()
         losses.append(float(loss.detach()))
     return losses

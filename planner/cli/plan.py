@@ -20,6 +20,10 @@ DEMO_BATCH = 32
 def add_parser(verbs: Verbs) -> None:
     plan = verbs.add_parser("plan", help="plan a training step of an ONNX model")
     plan.add_argument("model", nargs="?", help="the .onnx file (default: a bundled GPT-2 demo)")
+    plan.add_argument("--module", metavar="FILE.py:FN",
+                      help="plan a torch module instead: FN() returns (module, make_batch, "
+                           "loss_fn); it is exported with torch's default exporter at the "
+                           "global batch --batch (needs torch)")
     plan.add_argument("--profile", default="a100-80g",
                       help="hardware profile name or JSON file (see `shardplan profiles`)")
     plan.add_argument("--devices", type=positive_int, default=8, help="number of devices")
@@ -90,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
         model = args.model
         batch = args.batch
-        if model is None:
+        if args.module:
+            model = _export_module(args.module, args.model, batch, Path(scratch))
+        elif model is None:
             model = _write_demo_model(Path(scratch))
             dims = {**DEMO_DIMS, **dims}
             batch = batch or DEMO_BATCH
@@ -129,6 +135,23 @@ def bucket_mb(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text}: a bucket size in MiB, 0 or more "
                                          "(0: one collective per tensor)")
     return value
+
+
+def _export_module(spec: str, model: str | None, batch: int | None, folder: Path) -> Path:
+    """The builder's module exported for planning (`executor.module.launch`)."""
+    from planner.errors import ShardplanError
+
+    if model is not None:
+        raise ShardplanError(f"give a model file or --module, not both ({model}, {spec})")
+    if batch is None:
+        raise ShardplanError("--module needs --batch N: the global batch it is exported "
+                             "and planned at")
+    try:
+        from executor.module.launch import export_builder
+    except ImportError:
+        raise ShardplanError("--module needs torch: pip install 'shardplan[executor]'"
+                             ) from None
+    return export_builder(spec, batch, folder / "module.onnx")
 
 
 def _write_demo_model(folder: Path) -> Path:

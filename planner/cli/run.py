@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 def add_parser(verbs: Verbs) -> None:
     run = verbs.add_parser("run", help="train with a plan on local ranks (needs torch)")
-    run.add_argument("model", help="the .onnx file the plan was made for")
+    run.add_argument("model", nargs="?", help="the .onnx file the plan was made for")
+    run.add_argument("--module", metavar="FILE.py:FN",
+                     help="train a torch module instead (the one `shardplan plan --module` "
+                          "planned): FN() returns (module, make_batch, loss_fn)")
     run.add_argument("--plan", required=True, help="a strategy JSON from `shardplan plan -o`")
     run.add_argument("--nproc", type=positive_int, required=True,
                      help="ranks: the plan's device count, or 1 for the unsplit reference")
@@ -50,9 +53,15 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
                              ) from None
-    if args.backend == "nccl":
-        raise ShardplanError("--backend nccl: this executor runs gloo ranks on CPU only so far")
     loaded = Plan.load(args.plan)
+    if args.module:
+        return _run_module(args, loaded)
+    if args.model is None:
+        raise ShardplanError("give the .onnx file the plan was made for, or --module "
+                             "FILE.py:FN")
+    if args.backend == "nccl":
+        raise ShardplanError("--backend nccl: the ONNX-graph runner runs gloo ranks on CPU "
+                             "only; train a torch module with --module")
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
@@ -84,6 +93,50 @@ def run(args: argparse.Namespace) -> int:
               "collectives differ from the plan: " + ", ".join(
                   f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
                   for k in mismatched))
+    if args.log_json:
+        Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
+    return 0
+
+
+def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
+    """`run --module`: the user's module parallelized on local ranks (executor.module)."""
+    from executor.module.launch import train_module, train_module_reference
+
+    if args.model is not None:
+        raise ShardplanError(f"give a model file or --module, not both ({args.model}, "
+                             f"{args.module})")
+    unsupported = [flag for flag, value in (("--checkpoint", args.checkpoint),
+                                            ("--resume", args.resume), ("--data", args.data),
+                                            ("--checkpoint-every", args.checkpoint_every))
+                   if value]
+    if args.loss != "auto":
+        unsupported.append("--loss")
+    if unsupported:
+        raise ShardplanError(f"{', '.join(unsupported)}: not with --module (the builder's "
+                             "make_batch and loss_fn give the data and the loss)")
+    if args.nproc not in (1, loaded.mesh.size):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+                             "devices; use that many ranks, or 1 for the module as it is")
+    if args.nproc == 1:
+        batch = loaded.model.batch
+        if batch is None:
+            raise ShardplanError(f"{args.plan} names no global batch")
+        losses = train_module_reference(args.module, steps=args.steps, lr=args.lr,
+                                        batch_size=batch, optimizer=args.optimizer)
+        for step, loss in enumerate(losses):
+            print(f"step {step + 1}: loss {loss:.6f}")
+        if args.log_json:
+            Path(args.log_json).write_text(json.dumps({"losses": losses}, indent=1) + "\n")
+        return 0
+    log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
+                       backend=args.backend, optimizer=args.optimizer)
+    for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
+        print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
+    print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
+          f"{loaded.cluster.profile}")
+    differences = log.differences
+    print("collectives: as planned" if not differences else
+          "collectives differ from the plan: " + ", ".join(differences))
     if args.log_json:
         Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
     return 0
