@@ -35,13 +35,15 @@ VARIANTS = [
 
 
 def _compute_nodes(model: onnx.ModelProto) -> set[str]:
-    """Named compute nodes that read data or weights (not constants only, which fold)."""
+    """Named compute nodes that read data or weights (not constants only, which fold; a
+    Shape reads only its input's shape, a CastLike only its second input's type)."""
     weights = {t.name for t in model.graph.initializer
                if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 1}
     live = {i.name for i in model.graph.input} | weights
     found = set()
     for node in model.graph.node:
-        if any(name in live for name in node.input) and node.op_type != "Shape":
+        read = node.input[:1] if node.op_type == "CastLike" else node.input
+        if any(name in live for name in read) and node.op_type != "Shape":
             live.update(node.output)
             if node.op_type in COMPUTE_OPS:
                 found.add(node.name)

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from executor.module.launch import (
+    export_builder,
     load_builder,
-    plan_module,
     train_module,
     train_module_reference,
 )
@@ -111,10 +111,13 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
         parallelize(module, chosen, make_batch(0, BATCH))
 
 
-def test_plan_module_exports_and_plans_in_one_call() -> None:
-    chosen = plan_module(LLAMA, batch_size=BATCH, devices=2, profile="cpu", mode="data",
-                         parallel={"zero": 0})
-    assert chosen.model.batch == BATCH
+def test_an_export_plans_at_any_batch(tmp_path: Path) -> None:
+    """The builder's export keeps the batch dim symbolic, so the plan binds the global
+    batch it is asked for and keeps the module's parameter names."""
+    path = export_builder(LLAMA, BATCH, tmp_path / "llama.onnx")
+    chosen = plan(path, batch=2 * BATCH, devices=2, profile="cpu", mode="data",
+                  parallel={"zero": 0})
+    assert chosen.model.batch == 2 * BATCH
     names = {n for n, e in chosen.tensors.items() if e.kind == "parameter"}
     module, _, _ = load_builder(LLAMA)()
     assert names == {n for n, _ in module.named_parameters()}

@@ -1,12 +1,14 @@
-"""Plan a user's module and train it with the plan on local ranks, from a builder.
+"""Export a user's module for planning and train it with a plan on local ranks, from a
+builder.
 
 A builder is a function `FN()` returning `(module, make_batch, loss_fn)`
 (`examples/hf_models.py`), named as "FILE.py:FN" or "package.module:FN" (imported as
 `python -m` would, the working folder first) so that every rank can build the same module
-itself (same seed, same weights). `plan_module` exports the
-module with torch's default exporter and plans it; `train_module` starts one gloo process
-per device, parallelizes the module on each and trains it; `train_module_reference`
-trains the module as it is in this process, on the whole batch: what the ranks must equal.
+itself (same seed, same weights). `export_builder` exports the module with torch's default
+exporter for `planner.api.plan` (`shardplan plan --module` does both); `train_module`
+starts one process per device, parallelizes the module on each and trains it;
+`train_module_reference` trains the module as it is in this process, on the whole batch:
+what the ranks must equal.
 """
 
 from __future__ import annotations
@@ -71,19 +73,6 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
     module, make_batch, _ = load_builder(spec)()
     module.train()
     return save_model(export_program(module, make_batch(0, batch_size)), Path(path))
-
-
-def plan_module(spec: str, *, batch_size: int, path: str | os.PathLike | None = None,
-                **plan_options: Any) -> Plan:
-    """Export the builder's module (training mode, one global batch of `batch_size`, the
-    batch dim symbolic) and plan it at that batch with `planner.api.plan(**plan_options)`;
-    the ONNX file goes to `path` (a scratch file when None)."""
-    from planner.api import plan
-
-    plan_options.setdefault("batch", batch_size)
-    with tempfile.TemporaryDirectory() as scratch:
-        target = Path(path) if path is not None else Path(scratch) / "module.onnx"
-        return plan(export_builder(spec, batch_size, target), **plan_options)
 
 
 @dataclass
