@@ -17,7 +17,7 @@ from executor.module.launch import (
     train_module_reference,
 )
 from executor.module.layouts import check_parameters
-from executor.module.parallelize import parallelize, refuse_unsupported
+from executor.module.parallelize import parallelize, parameter_names, refuse_unsupported
 from executor.module.trace import export_program, save_model
 from planner.api import load_graph, plan
 from planner.cli import main
@@ -64,7 +64,9 @@ def test_data_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -
                   parallel={"zero": 0})
     run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    eager = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH, traced=False)
     assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert reference == pytest.approx(eager, rel=1e-5)  # the trace is the module
     assert reference[-1] < reference[0]
     # exactly the plan's collectives: forward, backward, and the gradient all-reduce one
     # call per bucket per step
@@ -88,13 +90,29 @@ def test_tensor_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path)
     assert run.collectives["issued"]["all_reduce|a0|forward"] == 4 * STEPS
 
 
+def test_gpt2_with_dropout_on_trains_as_one_device(tmp_path: Path) -> None:
+    """transformers' GPT-2 (Conv1D projections, dropout 0.1 on embeddings, attention
+    probabilities and residuals) under a data-parallel plan: each rank keeps the elements
+    one device keeps, so the losses are one device's; torch's own masks are not."""
+    gpt2 = "examples.hf_models:gpt2"
+    path = export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx")
+    chosen = plan(path, devices=2, batch=BATCH, profile="cpu", mode="data",
+                  parallel={"zero": 0})
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    eager = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH, traced=False)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.losses != pytest.approx(eager, rel=1e-4)
+    assert run.differences == []
+
+
 def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})
     module, _, _ = load_builder("examples.hf_models:gpt2")()
     with pytest.raises(ShardplanError, match=r"does not match the module: module "
                        r"parameters the plan does not name: model\.transformer\.h\.0"):
-        check_parameters(chosen, (n for n, _ in module.named_parameters()))
+        check_parameters(chosen, parameter_names(module))
 
 
 def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> None:

@@ -5,27 +5,53 @@ DTensor registers sharding rules for the fused attention kernels of CUDA (flash 
 memory-efficient) but not for the CPU one (`_scaled_dot_product_flash_attention_for_cpu`),
 so on CPU ranks `scaled_dot_product_attention` runs as its mathematical definition,
 softmax(q kᵀ · scale + mask) v, in the fused kernels' memory layout. Its matmuls, softmax
-and elementwise ops keep a batch or head split without any communication.
+and elementwise ops keep a batch or head split without any communication. Dropout (the
+graph's own and attention's) draws its masks by `executor.dropout`, so a split run keeps
+the elements one device keeps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from planner.errors import ShardplanError
+from executor.dropout import DropoutSite, keep_mask
+
+
+def dropout(x: torch.Tensor, p: float, site: DropoutSite) -> tuple[torch.Tensor, torch.Tensor]:
+    """`native_dropout`'s (output, keep mask), the mask a hash of each element's place in
+    the whole tensor (`executor.dropout`): a DTensor's local block draws what one device
+    draws there. `site.offsets` is filled in here from the DTensor's placements."""
+    if not isinstance(x, DTensor):
+        keep = keep_mask(DropoutSite(site.seed, site.step, site.op, (0,) * x.dim()),
+                         x.shape, p).to(x.device)
+        return x * keep / (1.0 - p), keep
+    _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    local = x.to_local()
+    keep = keep_mask(DropoutSite(site.seed, site.step, site.op, tuple(offsets)),
+                     local.shape, p).to(local.device)
+
+    def wrap(t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(t, x.device_mesh, x.placements, shape=x.shape,
+                                  stride=x.stride(), run_check=False)
+
+    return wrap(local * keep / (1.0 - p)), wrap(keep)
 
 
 def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                    is_causal: bool = False, *, scale: float | None = None,
-                   enable_gqa: bool = False) -> torch.Tensor:
-    """`torch.nn.functional.scaled_dot_product_attention`'s result, from its definition."""
-    if dropout_p:
-        raise ShardplanError("attention dropout inside scaled_dot_product_attention is not "
-                             "run by executor.parallelize on CPU yet; train with "
-                             "attention_dropout=0")
+                   enable_gqa: bool = False,
+                   drop: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """`torch.nn.functional.scaled_dot_product_attention`'s result, from its definition;
+    `drop` applies the attention dropout to the probabilities (needed when dropout_p>0)."""
+    if dropout_p and drop is None:
+        raise ValueError("attention dropout needs the run's dropout")
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)
@@ -41,7 +67,10 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)
+    probabilities = torch.softmax(scores, dim=-1)
+    if dropout_p and drop is not None:
+        probabilities = drop(probabilities)
+    out = torch.matmul(probabilities, value)
     # The fused kernels return heads innermost in memory ([b, s, h, d] strides), and the
     # traced graph views the transposed result without a copy: keep that layout.
     return out.transpose(-3, -2).contiguous().transpose(-3, -2)

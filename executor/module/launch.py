@@ -208,10 +208,17 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
 
 
 def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,
-                           batch_size: int, optimizer: str = "sgd") -> list[float]:
-    """The builder's module trained as it is, in this process, on the whole batch."""
+                           batch_size: int, optimizer: str = "sgd", traced: bool = True
+                           ) -> list[float]:
+    """The builder's module trained in this process on the whole batch: its trace with
+    the split runs' dropout masks (`executor.module.parallelize.unsplit`), or with
+    `traced=False` the module's own forward (torch's dropout masks)."""
+    from executor.module.parallelize import unsplit
+
     module, make_batch, loss_fn = load_builder(spec)()
     module.train()
+    if traced:
+        module = unsplit(module, make_batch(0, batch_size))
     update = make_optimizer(optimizer, module, lr)
     losses = []
     for step in range(steps):

@@ -11,7 +11,7 @@ the plan binds it in at the ops the node owns.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.errors import ShardplanError
 from planner.kinds import CollectiveKind, Phase
@@ -28,6 +28,10 @@ class NodeLayouts:
 
     inputs: Mapping[str, Layout]
     output: Layout | None
+    #: value -> the mesh axes over which the plan sums its gradient here, in backward (a
+    #: pending sum over other axes stays pending: the plan reduces it later, e.g. at the
+    #: weight it comes from, in the gradient phase)
+    reduced: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,15 @@ def _listed(names: Collection[str], limit: int = 8) -> str:
     return ", ".join(shown) + more
 
 
-def check_parameters(plan: Plan, module_parameters: Iterable[str]) -> None:
-    """Every module parameter has a plan tensor of the same name and vice versa; else one
+def check_parameters(plan: Plan, module_parameters: Iterable[tuple[str, ...]]) -> None:
+    """Every module parameter (given as the names it has: a tied weight has several) has a
+    plan tensor under one of its names, and every plan parameter is one of them; else one
     error naming each side's strays (a plan of another model, or of an export whose
     optimiser renamed the weights)."""
     planned = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
-    have = set(module_parameters)
-    missing, extra = have - planned, planned - have
+    groups = [tuple(g) for g in module_parameters]
+    missing = {g[0] for g in groups if not planned.intersection(g)}
+    extra = planned - {n for g in groups for n in g}
     if missing or extra:
         parts = []
         if missing:
@@ -116,10 +122,18 @@ def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -
         for binding in op.inputs:
             if binding is not None and binding.tensor in values:
                 wanted.setdefault(binding.tensor, binding.layout)
+    reduced: dict[str, dict[str, tuple[str, ...]]] = {}
+    for c in plan.collectives:
+        node = owner.get(c.op)
+        if c.phase == Phase.BACKWARD and node is not None and c.kind in (
+                CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
+            here = reduced.setdefault(node, {})
+            here[c.tensor] = tuple(dict.fromkeys((*here.get(c.tensor, ()), *c.axes)))
     nodes = {}
     for node in traced:
         entry = plan.tensors.get(node)
-        nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None)
+        nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
+                                  reduced.get(node, {}))
     buckets: dict[tuple[CollectiveKind, tuple[str, ...], object], list[str]] = {}
     for c in plan.collectives:
         if c.phase != Phase.GRADIENT:

@@ -36,10 +36,11 @@ from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from executor.module.layouts import GradientBucket, ModuleLayouts, check_parameters, read_layouts
-from executor.module.run import placements, run_planned
+from executor.module.run import placements, run_planned, run_unsplit
 from executor.module.trace import export_program
 from executor.runtime import Counters, MeshComm
 from planner.errors import ShardplanError
@@ -59,6 +60,8 @@ class ParallelModule:
     #: DTensor results whose layout was not the plan's, and were moved to it: "node:
     #: from -> to" -> times (empty when the run is exactly the plan).
     unplanned: Counter = field(default_factory=Counter)
+    seed: int = 0
+    forwards: int = 0  # the forward passes run: each draws its own dropout masks
 
     def loss(self, loss_fn: Callable[..., torch.Tensor], output: Any, *batch: Any
              ) -> torch.Tensor:
@@ -121,19 +124,32 @@ def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
     target.register_parameter(leaf, value)
 
 
+def parameter_names(module: nn.Module) -> list[tuple[str, ...]]:
+    """Every parameter's names, in module order: a tied weight (GPT-2's embedding and
+    head) is one parameter with several names, and an export names it by one of them."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(n) for n in names.values()]
+
+
 def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan,
                            mesh: TorchMesh) -> dict[str, nn.Parameter]:
-    """Each parameter as a DTensor in its plan layout; every rank keeps its own shard of
-    the values it already has (no broadcast: the ranks built the same module)."""
+    """Each parameter as a DTensor in its plan layout, under every name it has (tied
+    weights stay tied); every rank keeps its own shard of the values it already has (no
+    broadcast: the ranks built the same module)."""
     placed: dict[str, nn.Parameter] = {}
-    for name, param in list(module.named_parameters()):
-        where = placements(layouts.parameters[name], plan.mesh, f"parameter {name}")
+    for names in parameter_names(module):
+        planned = next(n for n in names if n in layouts.parameters)
+        param = module.get_parameter(planned)
+        where = placements(layouts.parameters[planned], plan.mesh, f"parameter {planned}")
         with torch.no_grad():
             value = distribute_tensor(param.detach().to(mesh.device_type), mesh, where,
                                       src_data_rank=None)
         new = nn.Parameter(value, requires_grad=param.requires_grad)
-        _assign(module, name, new)
-        placed[name] = new
+        for name in names:
+            _assign(module, name, new)
+            placed[name] = new
     return placed
 
 
@@ -195,10 +211,63 @@ class _GradientBuckets:
                                             shape=param.shape, stride=param.stride())
 
 
-def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tensor]
-                ) -> nn.Module:
+@dataclass
+class _Trace:
+    """The module's trace and how its forward is called: inputs by keyword, in order."""
+
+    graph: GraphModule
+    user_inputs: list[str]
+    out_spec: Any
+
+    @classmethod
+    def of(cls, module: nn.Module, example: Mapping[str, torch.Tensor]) -> _Trace:
+        program = export_program(module, example).exported_program
+        assert program is not None  # export_program checked it
+        return cls(program.module(), list(program.graph_signature.user_inputs),
+                   program.call_spec.out_spec)
+
+    def inputs(self, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        if args:
+            raise ShardplanError("a traced module takes its inputs by keyword "
+                                 f"({', '.join(self.user_inputs)})")
+        absent = [n for n in self.user_inputs if n not in kwargs]
+        if absent:
+            raise ShardplanError(f"missing input {', '.join(absent)}")
+        return [kwargs[n] for n in self.user_inputs]
+
+    def outputs(self, flat: Any) -> Any:
+        leaves = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        return pytree.tree_unflatten(leaves, self.out_spec) if self.out_spec else flat
+
+    def share_parameters(self, params: Mapping[str, nn.Parameter]) -> None:
+        """The trace reads the module's own parameters (not copies)."""
+        for node in self.graph.graph.nodes:
+            if node.op == "get_attr" and node.target in params:
+                _assign(self.graph, str(node.target), params[str(node.target)])
+
+
+def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0
+            ) -> nn.Module:
+    """`module` running its trace on one device, dropout drawn as a split run draws it:
+    the reference a parallelized run must equal (plain torch draws other masks)."""
+    trace = _Trace.of(module, example)
+    trace.share_parameters(dict(module.named_parameters(remove_duplicate=False)))
+    steps = [0]
+
+    def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
+        steps[0] += 1
+        return trace.outputs(run_unsplit(trace.graph, trace.inputs(args, kwargs), seed,
+                                         steps[0]))
+
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+    return module
+
+
+def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tensor],
+                seed: int = 0) -> nn.Module:
     """`module`, trained from now on as `plan` says (module docstring). `example` is one
-    global batch as the keyword inputs of `module`'s forward."""
+    global batch as the keyword inputs of `module`'s forward; `seed` the dropout draws'
+    (the same on every rank, and in `unsplit`)."""
     if not dist.is_initialized():
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
@@ -206,14 +275,12 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
     refuse_unsupported(plan)
-    check_parameters(plan, (n for n, _ in module.named_parameters()))
-    program = export_program(module, example).exported_program
-    assert program is not None  # export_program checked it
-    graph = program.module()
+    check_parameters(plan, parameter_names(module))
+    trace = _Trace.of(module, example)
+    graph, user_inputs = trace.graph, trace.user_inputs
     traced = {n.name for n in graph.graph.nodes if n.op == "call_function"}
     values = {n.name for n in graph.graph.nodes}
     layouts = read_layouts(plan, traced, values)
-    user_inputs = list(program.graph_signature.user_inputs)
     missing = [n for n in user_inputs if n not in layouts.inputs]
     if missing:
         raise ShardplanError(f"the plan has no input named {', '.join(missing)}: it was "
@@ -221,34 +288,27 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     mesh = init_device_mesh(_device_type(), plan.mesh.shape,
                             mesh_dim_names=plan.mesh.axis_names)
     params = _distribute_parameters(module, layouts, plan, mesh)
-    for node in graph.graph.nodes:  # the traced graph reads the module's own parameters
-        if node.op == "get_attr" and node.target in params:
-            _assign(graph, str(node.target), params[str(node.target)])
+    trace.share_parameters(params)
     state = ParallelModule(plan, mesh, layouts,
-                           MeshComm(plan.mesh, dist.get_rank(), Counters()))
+                           MeshComm(plan.mesh, dist.get_rank(), Counters()), seed=seed)
     _GradientBuckets(state, params)
-    out_spec = program.call_spec.out_spec
 
     def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
-        if args:
-            raise ShardplanError("a parallelized module takes its inputs by keyword "
-                                 f"({', '.join(user_inputs)})")
-        absent = [n for n in user_inputs if n not in kwargs]
-        if absent:
-            raise ShardplanError(f"missing input {', '.join(absent)}")
-        rows = {int(kwargs[n].shape[0]) for n in user_inputs if kwargs[n].dim() > 0}
+        given = trace.inputs(args, kwargs)
+        rows = {int(v.shape[0]) for v in given if v.dim() > 0}
         if plan.model.batch is not None and rows != {plan.model.batch}:
             raise ShardplanError(f"a batch of {sorted(rows)} rows: the plan is for a global "
                                  f"batch of {plan.model.batch}")
         flat = []
-        for name in user_inputs:
+        for name, value in zip(user_inputs, given, strict=True):
             where = placements(layouts.inputs[name], plan.mesh, f"input {name}")
-            flat.append(distribute_tensor(kwargs[name].to(mesh.device_type), mesh, where,
+            flat.append(distribute_tensor(value.to(mesh.device_type), mesh, where,
                                           src_data_rank=None))
+        state.forwards += 1
         with implicit_replication():
-            outputs = run_planned(graph, layouts, plan.mesh, mesh, flat, state.unplanned)
-        leaves = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        return pytree.tree_unflatten(leaves, out_spec) if out_spec is not None else outputs
+            outputs = run_planned(graph, layouts, plan.mesh, mesh, flat, state.unplanned,
+                                  state.seed, state.forwards)
+        return trace.outputs(outputs)
 
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     module.shardplan = state  # type: ignore[assignment]
