@@ -1,0 +1,155 @@
+"""Step time of `executor.parallelize` next to torch written by hand, on the same module.
+
+Run: python bench/module_vs_torch.py [--steps 6] [--batch 8]
+Model: `examples.hf_models:llama` (transformers LLaMA, 2 layers, hidden 64, GQA), SGD,
+next-token cross-entropy, CPU (gloo), one thread per rank. One table, three rows:
+  the module's trace, 1 process (`unsplit`)        vs  torch eager, 1 process
+  data-parallel plan, 2 ranks                       vs  torch DDP, 2 processes
+  tensor-parallel plan (Megatron's split), 2 ranks  vs  torch `parallelize_module`
+                                                         (Colwise q/k/v/gate/up, Rowwise
+                                                         o/down), 2 processes
+Each figure is the median step time (forward, loss, backward, SGD) after one warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from executor.module.launch import export_builder, load_builder, train_module  # noqa: E402
+from executor.module.parallelize import unsplit  # noqa: E402
+from executor.train import free_port  # noqa: E402
+from planner.api import load_graph, plan  # noqa: E402
+
+LLAMA = "examples.hf_models:llama"
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+def _steps(module: torch.nn.Module, make_batch, loss_fn, batch: int, steps: int
+           ) -> list[float]:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    times = []
+    for step in range(steps + 1):
+        data = make_batch(step, batch)
+        started = time.perf_counter()
+        loss = loss_fn(module(**data), data)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+def _torch_worker(rank: int, port: int, kind: str, batch: int, steps: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=300))
+    module, make_batch, loss_fn = load_builder(LLAMA)()
+    module.train()
+    if kind == "ddp":
+        module = torch.nn.parallel.DistributedDataParallel(module)
+
+        def shard(step: int, size: int) -> dict[str, torch.Tensor]:
+            return {k: v.chunk(2)[rank] for k, v in make_batch(step, size).items()}
+
+        times = _steps(module, shard, loss_fn, batch, steps)
+    else:
+        mesh = init_device_mesh("cpu", (2,))
+        plan_ = {name: (ColwiseParallel() if name.split(".")[-1] in COLUMN else
+                        RowwiseParallel())
+                 for name, _ in module.named_modules() if name.split(".")[-1] in COLUMN + ROW}
+        parallelize_module(module, mesh, plan_)
+        times = _steps(module, make_batch, loss_fn, batch, steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def _torch_ranks(kind: str, batch: int, steps: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "times.json"
+        mp.spawn(_torch_worker, args=(free_port(), kind, batch, steps, str(out)), nprocs=2)
+        return json.loads(out.read_text())
+
+
+def _megatron(path: Path, batch: int) -> dict[str, list[list[int]]]:
+    graph = load_graph(path, batch=batch)
+    producer = {o: op for op in graph.ops for o in op.outputs}
+    strategies = {}
+    for op in graph.ops:
+        if op.op_type != "MatMul":
+            continue
+        source = producer.get(op.inputs[1])
+        weight = source.inputs[0] if source is not None and source.op_type == "Transpose" \
+            else op.inputs[1]
+        leaf = weight.split(".")[-2] if "." in weight else ""
+        rank = len(graph.tensors[op.inputs[0]].shape)
+        if leaf in COLUMN:
+            strategies[op.name] = [[1] * rank, [1, 2]]
+        elif leaf in ROW:
+            strategies[op.name] = [[1] * (rank - 1) + [2], [2, 1]]
+    return strategies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    module, make_batch, loss_fn = load_builder(LLAMA)()
+    module.train()
+    eager = _steps(module, make_batch, loss_fn, args.batch, args.steps)
+    module, make_batch, loss_fn = load_builder(LLAMA)()
+    module.train()
+    traced = _steps(unsplit(module, make_batch(0, args.batch)), make_batch, loss_fn,
+                    args.batch, args.steps)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = export_builder(LLAMA, args.batch, Path(scratch) / "llama.onnx")
+        data = plan(path, batch=args.batch, devices=2, profile="cpu", mode="data",
+                    parallel={"zero": 0})
+        tensor = plan(path, batch=args.batch, devices=2, profile="a100-80g", mode="semi",
+                      strategies=_megatron(path, args.batch), mesh=(2,))
+    rows = [
+        ("the module's trace, 1 process", traced, "torch eager, 1 process", eager),
+        ("data-parallel plan, 2 ranks",
+         train_module(LLAMA, data, steps=args.steps + 1, batch_size=args.batch).step_time_s[1:],
+         "torch DDP, 2 processes", _torch_ranks("ddp", args.batch, args.steps)),
+        ("tensor-parallel plan, 2 ranks",
+         train_module(LLAMA, tensor, steps=args.steps + 1,
+                      batch_size=args.batch).step_time_s[1:],
+         "torch parallelize_module, 2 procs", _torch_ranks("tp", args.batch, args.steps)),
+    ]
+    print(f"LLaMA (2 layers, hidden 64, GQA), batch {args.batch} x seq 16, SGD, CPU/gloo; "
+          f"median of {args.steps} steps")
+    print(f"{'shardplan':34s} {'ms':>7s}   {'torch':34s} {'ms':>7s} {'ratio':>6s}")
+    for ours, our_times, theirs, their_times in rows:
+        a, b = statistics.median(our_times) * 1e3, statistics.median(their_times) * 1e3
+        print(f"{ours:34s} {a:7.1f}   {theirs:34s} {b:7.1f} {a / b:6.2f}")
+    print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
