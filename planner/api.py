@@ -113,13 +113,31 @@ def plan(
         bucket_mb=float(bucket_mb), overlap_grad_reduce=bool(overlap_grad_reduce),
     )
     if mode == "data":
-        return plan_data_parallel(graph, hardware, devices, training)
+        if mesh or strategies:
+            raise ShardplanError("--mode data plans the data-parallel baseline; --mesh and "
+                                 "--strategies apply to --mode semi or auto")
+        baseline = plan_data_parallel(graph, hardware, devices, training)
+        _check_baseline_pins(baseline, parallel or {})
+        return baseline
     options = SearchOptions(
         mode=mode, solver=solver, time_limit=time_limit, max_mesh_axes=max_mesh_axes,
         mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
     return plan_search(graph, hardware, devices, options, training, progress)
+
+
+def _check_baseline_pins(baseline: Plan, pins: Mapping[str, int | str]) -> None:
+    """`--mode data` with `--parallel` pins: each must be what the baseline is (a pin it
+    cannot honour is an error, never silently dropped)."""
+    config = baseline.parallel
+    for key, value in pins.items():
+        have = getattr(config, key, None) if key != "recompute" else config.recompute.value
+        if have is None or str(have) != str(value):
+            raise ShardplanError(
+                f"--parallel {key}={value}: --mode data plans the data-parallel baseline "
+                f"(dp={config.dp}, tp=1, pp=1, zero=0, micro_batches=1, recompute=none); "
+                "pin other values with --mode auto")
 
 
 def _choice(kind: type[Choice], value: str | Choice | None, flag: str) -> Choice | None:

@@ -196,3 +196,18 @@ def test_op_without_rule_is_kept_replicated_with_one_warning(tmp_path: Path) -> 
     assert [(c.tensor, c.phase) for c in gathers] == [("a", "forward")]
     lrn_warnings = [w for w in result.warnings if "LRN" in w]
     assert len(lrn_warnings) == 1 and lrn_warnings[0].startswith("2 op(s)")
+
+
+def test_data_mode_refuses_pins_it_cannot_honour(gpt_tiny: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """`--mode data` is the plain data-parallel baseline: a pin it already satisfies is
+    fine, any other is an error (it used to be dropped, planning zero=0 for zero=1)."""
+    chosen = plan(gpt_tiny, devices=2, batch=4, dims={"seq": 8}, mode="data",
+                  parallel={"dp": 2, "zero": 0, "recompute": "none"})
+    assert chosen.parallel.zero == 0
+    assert main(["plan", str(gpt_tiny), "--devices", "2", "--batch", "4", "--dim", "seq=8",
+                 "--mode", "data", "--parallel", "zero=1"]) == 2
+    assert "--parallel zero=1: --mode data plans the data-parallel baseline" in \
+        capsys.readouterr().err
+    assert main(["plan", str(gpt_tiny), "--devices", "2", "--batch", "4", "--dim", "seq=8",
+                 "--mode", "data", "--mesh", "2"]) == 2
