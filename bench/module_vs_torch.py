@@ -29,14 +29,13 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.hf_models import COLUMN_PARALLEL, ROW_PARALLEL, megatron_strategies  # noqa: E402
 from executor.module.launch import export_builder, load_builder, train_module  # noqa: E402
 from executor.module.parallelize import unsplit  # noqa: E402
 from executor.train import free_port  # noqa: E402
 from planner.api import load_graph, plan  # noqa: E402
 
 LLAMA = "examples.hf_models:llama"
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
 
 
 def _steps(module: torch.nn.Module, make_batch, loss_fn, batch: int, steps: int
@@ -76,9 +75,10 @@ def _torch_worker(rank: int, port: int, kind: str, batch: int, steps: int, out: 
         times = _steps(module, shard, loss_fn, batch, steps)
     else:
         mesh = init_device_mesh("cpu", (2,))
-        plan_ = {name: (ColwiseParallel() if name.split(".")[-1] in COLUMN else
+        split = COLUMN_PARALLEL + ROW_PARALLEL
+        plan_ = {name: (ColwiseParallel() if name.split(".")[-1] in COLUMN_PARALLEL else
                         RowwiseParallel())
-                 for name, _ in module.named_modules() if name.split(".")[-1] in COLUMN + ROW}
+                 for name, _ in module.named_modules() if name.split(".")[-1] in split}
         parallelize_module(module, mesh, plan_)
         times = _steps(module, make_batch, loss_fn, batch, steps)
     if rank == 0:
@@ -91,25 +91,6 @@ def _torch_ranks(kind: str, batch: int, steps: int) -> list[float]:
         out = Path(scratch) / "times.json"
         mp.spawn(_torch_worker, args=(free_port(), kind, batch, steps, str(out)), nprocs=2)
         return json.loads(out.read_text())
-
-
-def _megatron(path: Path, batch: int) -> dict[str, list[list[int]]]:
-    graph = load_graph(path, batch=batch)
-    producer = {o: op for op in graph.ops for o in op.outputs}
-    strategies = {}
-    for op in graph.ops:
-        if op.op_type != "MatMul":
-            continue
-        source = producer.get(op.inputs[1])
-        weight = source.inputs[0] if source is not None and source.op_type == "Transpose" \
-            else op.inputs[1]
-        leaf = weight.split(".")[-2] if "." in weight else ""
-        rank = len(graph.tensors[op.inputs[0]].shape)
-        if leaf in COLUMN:
-            strategies[op.name] = [[1] * rank, [1, 2]]
-        elif leaf in ROW:
-            strategies[op.name] = [[1] * (rank - 1) + [2], [2, 1]]
-    return strategies
 
 
 def main() -> None:
@@ -131,7 +112,7 @@ def main() -> None:
         data = plan(path, batch=args.batch, devices=2, profile="cpu", mode="data",
                     parallel={"zero": 0})
         tensor = plan(path, batch=args.batch, devices=2, profile="a100-80g", mode="semi",
-                      strategies=_megatron(path, args.batch), mesh=(2,))
+                      strategies=megatron_strategies(load_graph(path, batch=args.batch)), mesh=(2,))
     rows = [
         ("the module's trace, 1 process", traced, "torch eager, 1 process", eager),
         ("data-parallel plan, 2 ranks",

@@ -75,3 +75,30 @@ def bert() -> Example:
                                      num_attention_heads=4, intermediate_size=128,
                                      max_position_embeddings=64)
     return LogitsOnly(transformers.BertForMaskedLM(config)), token_batch, next_token_loss
+
+
+#: LLaMA's projections Megatron-LM splits by output (column) and by input (row).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def megatron_strategies(graph: Any, ways: int = 2) -> dict[str, list[list[int]]]:
+    """MindSpore-style pins (`shardplan plan --mode semi --strategies`) for an exported
+    LLaMA `PlanningGraph`: the MatMul of each column-parallel projection cuts its weight's
+    output dim `ways` times, that of each row-parallel one its contraction dim; the
+    search fills in the rest."""
+    producer = {o: op for op in graph.ops for o in op.outputs}
+    strategies = {}
+    for op in graph.ops:
+        if op.op_type != "MatMul":
+            continue
+        source = producer.get(op.inputs[1])
+        weight = source.inputs[0] if source is not None and source.op_type == "Transpose" \
+            else op.inputs[1]
+        leaf = weight.split(".")[-2] if "." in weight else ""
+        rank = len(graph.tensors[op.inputs[0]].shape)
+        if leaf in COLUMN_PARALLEL:
+            strategies[op.name] = [[1] * rank, [1, ways]]
+        elif leaf in ROW_PARALLEL:
+            strategies[op.name] = [[1] * (rank - 1) + [ways], [ways, 1]]
+    return strategies

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from examples.hf_models import megatron_strategies
 from executor.module.launch import (
+    ModuleRunLog,
     export_builder,
     load_builder,
     train_module,
@@ -22,6 +24,7 @@ from executor.module.trace import export_program, save_model
 from planner.api import load_graph, plan
 from planner.cli import main
 from planner.errors import ShardplanError
+from planner.plans.model import Plan
 
 LLAMA = "examples.hf_models:llama"
 BATCH = 4
@@ -39,32 +42,25 @@ def llama_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _megatron_strategies(path: Path) -> dict[str, list[list[int]]]:
-    """MindSpore-style pins: q, k, v, gate and up column-parallel, o and down row-parallel."""
-    graph = load_graph(path, batch=BATCH)
-    producer = {o: op for op in graph.ops for o in op.outputs}
-    strategies = {}
-    for op in graph.ops:
-        if op.op_type != "MatMul":
-            continue
-        source = producer.get(op.inputs[1])
-        weight = source.inputs[0] if source is not None and source.op_type == "Transpose" \
-            else op.inputs[1]
-        leaf = weight.split(".")[-2] if "." in weight else ""
-        rank = len(graph.tensors[op.inputs[0]].shape)
-        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            strategies[op.name] = [[1] * rank, [1, 2]]
-        elif leaf in ("o_proj", "down_proj"):
-            strategies[op.name] = [[1] * (rank - 1) + [2], [2, 1]]
-    assert len(strategies) == 14
+    strategies = megatron_strategies(load_graph(path, batch=BATCH))
+    assert len(strategies) == 14  # 7 projections in each of 2 layers
     return strategies
 
 
-def test_data_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
-    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
+def _data_parallel(spec: str, path: Path) -> tuple[Plan, ModuleRunLog, list[float],
+                                                   list[float]]:
+    """A data-parallel plan of `path`, its run on 2 ranks, and the one-process runs of the
+    module's trace and of the module's own forward."""
+    chosen = plan(path, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})
-    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
-    eager = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH, traced=False)
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    eager = train_module_reference(spec, steps=STEPS, batch_size=BATCH, traced=False)
+    return chosen, run, reference, eager
+
+
+def test_data_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path) -> None:
+    chosen, run, reference, eager = _data_parallel(LLAMA, llama_onnx)
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert reference == pytest.approx(eager, rel=1e-5)  # the trace is the module
     assert reference[-1] < reference[0]
@@ -95,12 +91,8 @@ def test_gpt2_with_dropout_on_trains_as_one_device(tmp_path: Path) -> None:
     probabilities and residuals) under a data-parallel plan: each rank keeps the elements
     one device keeps, so the losses are one device's; torch's own masks are not."""
     gpt2 = "examples.hf_models:gpt2"
-    path = export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx")
-    chosen = plan(path, devices=2, batch=BATCH, profile="cpu", mode="data",
-                  parallel={"zero": 0})
-    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
-    eager = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH, traced=False)
+    _, run, reference, eager = _data_parallel(
+        gpt2, export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"))
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert run.losses != pytest.approx(eager, rel=1e-4)
     assert run.differences == []
