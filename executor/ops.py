@@ -316,6 +316,24 @@ def _gather(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     return [flat.reshape((*x.shape[:axis], *index.shape, *x.shape[axis + 1:]))]
 
 
+@op("GatherND")
+def _gather_nd(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    """Each row of the last indices dim picks one slice of data: out[i..] =
+    data[b.., *indices[b.., i.., :]], the first `batch_dims` dims shared by both."""
+    x, index = inputs[0], inputs[1]
+    assert x is not None and index is not None
+    batch = int(attrs.get("batch_dims", 0))
+    depth = index.shape[-1]
+    lead = x.shape[:batch]
+    count = math.prod(lead)
+    data = x.reshape((count, *x.shape[batch:]))
+    picks = index.reshape((count, -1, depth))
+    rows = torch.arange(count, device=x.device).unsqueeze(1).expand(picks.shape[:2])
+    axes = [_wrap(picks[..., d], data.shape[1 + d]) for d in range(depth)]
+    out = data[(rows, *axes)]
+    return [out.reshape((*lead, *index.shape[batch:-1], *x.shape[batch + depth:]))]
+
+
 @op("GatherElements")
 def _gather_elements(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     x, index = inputs[0], inputs[1]

@@ -325,3 +325,12 @@ def test_a_dying_rank_stops_the_others_with_a_clear_message(
     with pytest.raises(ShardplanError, match="rank 1 died"):
         train(path, chosen, steps=5)
     assert time.monotonic() - started < 60  # no hang: rank 0 is stopped, not left waiting
+
+
+@pytest.mark.slow
+def test_dynamo_llama_export_trains_on_two_ranks(export_model) -> None:
+    """torch's default exporter writes the attention mask's lookup as GatherND; the
+    executor runs it, so the export a user hands over trains as planned."""
+    path = export_model("llama", "dynamo", training=True, batch=4)
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 16}, mode="data", profile="cpu")
+    _check(path, chosen)
