@@ -55,6 +55,16 @@ class RunLog:
                 "predicted_step_time_s": self.predicted_step_time_s,
                 "collectives": self.collectives, "ranks": self.ranks}
 
+    @property
+    def differences(self) -> list[str]:
+        """Each "kind|axes|phase planned P issued I" where the run's collectives
+        ("issued") differ from the plan's ("planned")."""
+        planned = self.collectives.get("planned", {})
+        issued = self.collectives.get("issued", {})
+        return [f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
+                for k in sorted(set(planned) | set(issued))
+                if planned.get(k, 0) != issued.get(k, 0)]
+
 
 LOSSES = ("auto", "graph", "ce", "mse")
 

@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from executor.module.layouts import gradient_buckets
 from executor.module.trace import export_program, save_model
-from executor.train import free_port
+from executor.train import RunLog, free_port, planned_counts
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
 
@@ -76,41 +77,25 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
 
 
 @dataclass
-class ModuleRunLog:
-    """What a run of the module did, in the keys of `executor.train.RunLog`."""
+class ModuleRunLog(RunLog):
+    """What a run of the module did: `executor.train.RunLog`'s record ("collectives" are
+    calls over the run, "kind|axes|phase"), and the results DTensor gave in another layout
+    than the plan's (moved to the plan's)."""
 
-    losses: list[float] = field(default_factory=list)
-    step_time_s: list[float] = field(default_factory=list)
-    predicted_step_time_s: float = 0.0
-    #: "planned" and "issued" collective calls over the run, "kind|axes|phase"
-    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: results DTensor gave in another layout than the plan's, moved to the plan's
     unplanned: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @property
-    def differences(self) -> list[str]:
-        """Each "kind|axes|phase planned P issued I" where the run differs from the plan."""
-        planned, issued = self.collectives.get("planned", {}), self.collectives.get(
-            "issued", {})
-        return [f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
-                for k in sorted(set(planned) | set(issued))
-                if planned.get(k, 0) != issued.get(k, 0)]
+        return {**super().to_json(), "unplanned": self.unplanned}
 
 
 def planned_calls(plan: Plan, steps: int) -> dict[str, int]:
     """The collective calls the plan says `steps` steps issue: its forward and backward
-    entries once per micro-batch, its gradient entries once per bucket per step."""
-    calls: Counter = Counter()
-    for c in plan.collectives:
-        if c.phase != "gradient":
-            calls[f"{c.kind}|{','.join(c.axes)}|{c.phase}"] += steps * plan.micro_batches
-    buckets = {(c.kind, c.axes, c.bucket if c.bucket is not None else c.tensor)
-               for c in plan.collectives if c.phase == "gradient"}
-    for kind, axes, _ in buckets:
-        calls[f"{kind}|{','.join(axes)}|gradient"] += steps
+    entries as `executor.train.planned_counts` counts them, its gradient entries once per
+    bucket per step (this path issues a bucket as one call)."""
+    calls = Counter({k: n for k, n in planned_counts(plan, steps).items()
+                     if not k.endswith("|gradient")})
+    for bucket in gradient_buckets(plan):
+        calls[f"{bucket.kind}|{','.join(bucket.axes)}|gradient"] += steps
     return dict(calls)
 
 

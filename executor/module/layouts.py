@@ -102,6 +102,19 @@ def _owners(plan: Plan, traced: Collection[str]) -> dict[str, str]:
     return owner
 
 
+def gradient_buckets(plan: Plan) -> tuple[GradientBucket, ...]:
+    """The plan's gradient collectives as calls: a bucket's tensors in one, a tensor
+    without a bucket alone."""
+    buckets: dict[tuple[CollectiveKind, tuple[str, ...], object], list[str]] = {}
+    for c in plan.collectives:
+        if c.phase != Phase.GRADIENT:
+            continue
+        which: object = c.bucket if c.bucket is not None else c.tensor
+        buckets.setdefault((c.kind, c.axes, which), []).append(c.tensor)
+    return tuple(GradientBucket(key[0], key[1], tuple(names))
+                 for key, names in buckets.items())
+
+
 def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -> ModuleLayouts:
     """The plan on a traced graph whose call nodes are `traced` and whose values (node
     outputs and graph inputs) are named `values`.
@@ -134,15 +147,7 @@ def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -
         entry = plan.tensors.get(node)
         nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
                                   reduced.get(node, {}))
-    buckets: dict[tuple[CollectiveKind, tuple[str, ...], object], list[str]] = {}
-    for c in plan.collectives:
-        if c.phase != Phase.GRADIENT:
-            continue
-        which: object = c.bucket if c.bucket is not None else c.tensor
-        buckets.setdefault((c.kind, c.axes, which), []).append(c.tensor)
-    gradients = tuple(GradientBucket(key[0], key[1], tuple(names))
-                      for key, names in buckets.items())
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
-        nodes=nodes, gradients=gradients)
+        nodes=nodes, gradients=gradient_buckets(plan))

@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from executor.module.layouts import GradientBucket, ModuleLayouts, check_parameters, read_layouts
-from executor.module.run import placements, run_planned, run_unsplit
+from executor.module.run import placements, replicated, run_planned, run_unsplit
 from executor.module.trace import export_program
 from executor.runtime import Counters, MeshComm
 from planner.errors import ShardplanError
@@ -69,15 +69,8 @@ class ParallelModule:
         count as replicated (each rank reads its own rows of them), so the loss is the
         global batch's, as one device computes it. Call `.backward()` on it; its value is
         `float(loss.full_tensor())` (or `float(loss)` when it is a plain tensor)."""
-        replicated = [Replicate()] * self.mesh.ndim
-
-        def lift(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                return DTensor.from_local(value.to(self.mesh.device_type), self.mesh,
-                                          replicated, run_check=False)
-            return value
-
-        return loss_fn(output, *pytree.tree_map(lift, list(batch)))
+        return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
+                                                list(batch)))
 
     @property
     def gradient_calls(self) -> Counter:
@@ -292,6 +285,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     state = ParallelModule(plan, mesh, layouts,
                            MeshComm(plan.mesh, dist.get_rank(), Counters()), seed=seed)
     _GradientBuckets(state, params)
+    where = {name: placements(layouts.inputs[name], plan.mesh, f"input {name}")
+             for name in user_inputs}
 
     def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
         given = trace.inputs(args, kwargs)
@@ -301,8 +296,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                                  f"batch of {plan.model.batch}")
         flat = []
         for name, value in zip(user_inputs, given, strict=True):
-            where = placements(layouts.inputs[name], plan.mesh, f"input {name}")
-            flat.append(distribute_tensor(value.to(mesh.device_type), mesh, where,
+            flat.append(distribute_tensor(value.to(mesh.device_type), mesh, where[name],
                                           src_data_rank=None))
         state.forwards += 1
         with implicit_replication():

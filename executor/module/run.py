@@ -88,6 +88,15 @@ def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
 
+def replicated(value: Any, mesh: TorchMesh) -> Any:
+    """A plain tensor (the same on every rank) as a replicated DTensor on `mesh`; any
+    other value as it is."""
+    if not _plain(value):
+        return value
+    return DTensor.from_local(value.to(mesh.device_type), mesh, [Replicate()] * mesh.ndim,
+                              run_check=False)
+
+
 class TracedRun(Interpreter):
     """One forward of the traced graph as torch runs it, but for dropout, whose masks are
     drawn by `executor.dropout` (draw `step` of `seed`, each dropout its own op number),
@@ -147,12 +156,6 @@ class PlannedRun(TracedRun):
             self._placements[key] = placements(layout, self.plan_mesh, f"tensor {name}")
         return self._placements[key]
 
-    def _replicated(self, value: Any) -> Any:
-        if not _plain(value):
-            return value
-        return DTensor.from_local(value.to(self.mesh.device_type), self.mesh,
-                                  [Replicate()] * self.mesh.ndim, run_check=False)
-
     def run_node(self, n: Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
@@ -184,7 +187,7 @@ class PlannedRun(TracedRun):
             # A tensor the graph made itself (a constant, positions, a mask) meets the
             # split ones: it is the same on every rank, so it is a replicated DTensor,
             # also to the backward pass that saves it.
-            args, kwargs = pytree.tree_map(self._replicated, (args, kwargs))
+            args, kwargs = pytree.tree_map(lambda v: replicated(v, self.mesh), (args, kwargs))
         result = self.call(n, args, kwargs)
         if planned is not None and planned.output is not None and isinstance(result, DTensor):
             wanted = self._wanted(n.name, planned.output)

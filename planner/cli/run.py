@@ -11,6 +11,7 @@ from planner.cli.args import Verbs, positive_int
 from planner.errors import ShardplanError
 
 if TYPE_CHECKING:
+    from executor.train import RunLog
     from planner.plans.model import Plan
 
 
@@ -82,20 +83,23 @@ def run(args: argparse.Namespace) -> int:
               if not k.endswith("|loss")}
     planned = planned_counts(loaded, args.steps) if args.nproc > 1 else {}
     log.collectives = {"planned": planned, "issued": issued}
+    _report(log, loaded, args.log_json, compared=args.nproc > 1)
+    return 0
+
+
+def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> None:
+    """Each step's loss and time, the predicted step, whether the collectives were the
+    plan's (`compared`: a split run), and the log file."""
     for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
         print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
     print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
           f"{loaded.cluster.profile}")
-    if args.nproc > 1:
-        diff = sorted(set(planned) | set(issued))
-        mismatched = [k for k in diff if planned.get(k, 0) != issued.get(k, 0)]
-        print("collectives: as planned" if not mismatched else
-              "collectives differ from the plan: " + ", ".join(
-                  f"{k} planned {planned.get(k, 0)} issued {issued.get(k, 0)}"
-                  for k in mismatched))
-    if args.log_json:
-        Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
-    return 0
+    if compared:
+        differences = log.differences
+        print("collectives: as planned" if not differences else
+              "collectives differ from the plan: " + ", ".join(differences))
+    if log_json:
+        Path(log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
 
 
 def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
@@ -130,15 +134,7 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
         return 0
     log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
                        backend=args.backend, optimizer=args.optimizer)
-    for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
-        print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
-    print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
-          f"{loaded.cluster.profile}")
-    differences = log.differences
-    print("collectives: as planned" if not differences else
-          "collectives differ from the plan: " + ", ".join(differences))
-    if args.log_json:
-        Path(args.log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
+    _report(log, loaded, args.log_json, compared=True)
     return 0
 
 
