@@ -433,9 +433,14 @@ def planned_counts(plan: Plan, steps: int) -> dict[str, int]:
     reduce-scatter is a backward entry), gradient entries once per step; a weight held by
     two pipeline stages is listed once per holder, with the sum between the holders.
     """
-    micro = plan.micro_batches
     counts: Counter = Counter()
     for c in plan.collectives:
         key = f"{c.kind}|{','.join(c.axes)}|{c.phase}"
-        counts[key] += steps * (micro if c.phase != "gradient" else 1)
+        counts[key] += issues_per_run(c.phase, plan.micro_batches, steps)
     return dict(counts)
+
+
+def issues_per_run(phase: str, micro_batches: int, steps: int) -> int:
+    """How often a run of `steps` steps issues a collective the plan lists in `phase`:
+    once per micro-batch (forward, backward) or once per step (gradient)."""
+    return steps * (1 if phase == "gradient" else micro_batches)

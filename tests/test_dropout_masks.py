@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from executor.dropout import DropoutSite, keep_mask, uniform
+from executor.module.kernels import Shift, dropout
 from executor.train import train, train_reference
 from planner import zoo
 from planner.api import plan
@@ -24,6 +25,22 @@ def test_a_block_draws_what_the_whole_tensor_draws_there() -> None:
         block = uniform(DropoutSite(7, 3, 11, offsets), shape)
         a, b, c = offsets
         assert torch.equal(block, whole[a:a + shape[0], b:b + shape[1], c:c + shape[2]])
+
+
+def test_a_micro_batch_draws_its_rows_of_the_whole_batch() -> None:
+    """The module path's dropout kernel: micro-batch k of a step (its rows, shifted along
+    the dim that scales with the batch) keeps what one pass over the whole batch keeps."""
+    x = torch.randn(8, 3, 5)
+    site = DropoutSite(5, 2, 9, ())
+    whole, whole_mask = dropout(x, 0.3, site)
+    for micro, rows in enumerate(x.chunk(4)):
+        out, mask = dropout(rows, 0.3, site, Shift(0, micro))
+        assert torch.equal(mask, whole_mask[2 * micro:2 * micro + 2])
+        assert torch.equal(out, whole[2 * micro:2 * micro + 2])
+    flat, flat_mask = dropout(x.reshape(24, 5), 0.3, site)  # batch folded into dim 0
+    _, mask = dropout(x[4:].reshape(12, 5), 0.3, site, Shift(0, 1))
+    assert torch.equal(mask, flat_mask[12:])
+    assert not torch.equal(mask, flat_mask[:12])
 
 
 def test_draws_are_uniform_and_differ_by_seed_step_and_op() -> None:

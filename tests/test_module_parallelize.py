@@ -1,10 +1,10 @@
 """`executor.parallelize` trains the user's own module with a plan on gloo ranks, to the
-losses of the module trained as it is in one process (transformers LLaMA with GQA)."""
+losses of the module trained as it is in one process (transformers LLaMA with GQA, GPT-2
+with dropout): data and tensor parallel, ZeRO 1-3, micro-batches and recompute."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,14 +111,85 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})
     refuse_unsupported(chosen)
-    sharded = replace(chosen, parallel=replace(chosen.parallel, zero=1))
-    with pytest.raises(ShardplanError, match=r"does not run ZeRO stage 1 yet; plan with "
-                       r"--parallel pp=1,zero=0"):
-        refuse_unsupported(sharded)
+    staged = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="auto",
+                  parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2})
+    with pytest.raises(ShardplanError, match=r"does not run pipeline stages \(pp=2\) yet; "
+                       r"plan with --parallel pp=1"):
+        refuse_unsupported(staged)
     module, make_batch, _ = load_builder(LLAMA)()
     assert not dist.is_initialized()
     with pytest.raises(ShardplanError, match="initialised process group"):
         parallelize(module, chosen, make_batch(0, BATCH))
+
+
+def _pinned(path: Path, **parallel: object) -> Plan:
+    """A plan of `path` on 2 devices, data-parallel with the given ZeRO stage,
+    micro-batches and recompute."""
+    return plan(path, devices=2, batch=BATCH, profile="cpu", mode="auto",
+                parallel={"dp": 2, "tp": 1, "pp": 1, **parallel})
+
+
+def _elements(spec: str) -> int:
+    module, _, _ = load_builder(spec)()
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_zero3_micro_batches_and_recompute_train_the_module_as_one_process(
+        llama_onnx: Path) -> None:
+    """ZeRO 3 with 2 micro-batches and full recompute: each rank updates half of every
+    weight and holds no whole weight between steps; every micro-batch gathers the
+    weights for its forward and again for its backward pass and reduce-scatters the
+    gradients, one call per bucket; the layers are recomputed in every backward pass;
+    and the losses are one process's."""
+    chosen = _pinned(llama_onnx, zero=3, micro_batches=2, recompute="full")
+    segments = sum(len(s.recompute_segments) for s in chosen.pipeline.stages)
+    assert segments >= 2
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+    issued = run.collectives["issued"]
+    assert {k for k in issued if "|dp|" in k} == {
+        "all_gather|dp|forward", "all_gather|dp|backward", "reduce_scatter|dp|backward"}
+    assert issued["all_gather|dp|forward"] % (2 * STEPS) == 0  # per micro-batch
+    assert run.recomputed == segments * 2 * STEPS
+    total = _elements(LLAMA)
+    assert total / 2 <= run.parameter_elements <= total / 2 + 64
+    assert run.resident_weight_elements == 0
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_shard_the_optimizer_and_train_as_one_process(
+        llama_onnx: Path, zero: int) -> None:
+    """ZeRO 1 reduce-scatters the gradients once per step, ZeRO 2 after every
+    micro-batch; both all-gather the updated chunks after `optimizer.step()` (AdamW, whose
+    state is then half the weights), and keep the whole weights for the forward."""
+    chosen = _pinned(llama_onnx, zero=zero, micro_batches=2)
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH, optimizer="adamw")
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH,
+                                       optimizer="adamw")
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+    phase = "gradient" if zero == 1 else "backward"
+    assert f"reduce_scatter|dp|{phase}" in run.collectives["issued"]
+    total = _elements(LLAMA)
+    assert total / 2 <= run.parameter_elements <= total / 2 + 64
+    assert run.resident_weight_elements == total
+
+
+def test_gpt2_zero3_micro_batches_with_dropout_train_as_one_device(tmp_path: Path) -> None:
+    """GPT-2 (dropout 0.1, the embedding tied to the head) under ZeRO 3 in 2
+    micro-batches: each micro-batch draws the masks of its rows of the whole batch, and
+    the tied weight is gathered once per pass though read at both ends of the model."""
+    gpt2 = "examples.hf_models:gpt2"
+    chosen = _pinned(export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"), zero=3,
+                     micro_batches=2)
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    eager = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH, traced=False)
+    assert run.losses != pytest.approx(eager, rel=1e-4)
+    assert run.differences == []
 
 
 def test_an_export_plans_at_any_batch(tmp_path: Path) -> None:

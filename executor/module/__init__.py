@@ -5,7 +5,8 @@ does (`trace`), reads the plan's layouts onto the traced graph's nodes (`layouts
 every parameter a DTensor on a DeviceMesh with the plan's axes, and replaces the module's
 forward by a run of the traced graph that moves each op's inputs to the layouts the plan
 gives them (`run`), so DTensor's own propagation cannot choose other collectives than the
-plan priced. `ParallelModule.reduce_gradients()` then issues the plan's gradient buckets.
+plan priced. The plan's weight collectives (gradient sums, ZeRO 1-3) are issued bucket by
+bucket (`weights`), and `ParallelModule.train_step` runs the plan's micro-batches.
 """
 
 from executor.module.parallelize import ParallelModule, parallelize

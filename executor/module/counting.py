@@ -9,6 +9,9 @@ each naming the process group it runs on; a dispatch mode sees every one (as tor
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -32,9 +35,23 @@ def group_axes(mesh: TorchMesh) -> dict[str, tuple[str, ...]]:
     return {mesh.get_group(i).group_name: (names[i],) for i in range(mesh.ndim)}
 
 
+_RECOMPUTING: ContextVar[bool] = ContextVar("recomputing", default=False)
+
+
+@contextmanager
+def recomputing(active: bool = True) -> Iterator[None]:
+    """While a checkpointed segment is recomputed in the backward pass, the forward
+    collectives it issues again count as phase "recompute" (the plan lists each once)."""
+    token = _RECOMPUTING.set(active)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
 class CollectiveCount(TorchDispatchMode):
     """Inside `with CollectiveCount(counts, axes, phase):` every functional collective adds
-    one to `counts["kind|axes|phase"]`."""
+    one to `counts["kind|axes|phase"]` ("recompute" as the phase inside `recomputing`)."""
 
     def __init__(self, counts: Counter, axes: dict[str, tuple[str, ...]], phase: str) -> None:
         super().__init__()
@@ -46,5 +63,6 @@ class CollectiveCount(TorchDispatchMode):
         if kind is not None:
             group = args[-1] if args else (kwargs or {}).get("group_name")
             axes = self.axes.get(str(group), (str(group),))
-            self.counts[f"{kind}|{','.join(axes)}|{self.phase}"] += 1
+            phase = "recompute" if _RECOMPUTING.get() else self.phase
+            self.counts[f"{kind}|{','.join(axes)}|{phase}"] += 1
         return func(*args, **(kwargs or {}))

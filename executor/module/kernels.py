@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,18 +23,33 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from executor.dropout import DropoutSite, keep_mask
 
 
-def dropout(x: torch.Tensor, p: float, site: DropoutSite) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Shift:
+    """Where a micro-batch sits in the step's tensor: `micro` blocks of its own size
+    along `dim` (the dim that scales with the batch)."""
+
+    dim: int
+    micro: int
+
+
+def dropout(x: torch.Tensor, p: float, site: DropoutSite, shift: Shift | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`native_dropout`'s (output, keep mask), the mask a hash of each element's place in
-    the whole tensor (`executor.dropout`): a DTensor's local block draws what one device
-    draws there. `site.offsets` is filled in here from the DTensor's placements."""
-    if not isinstance(x, DTensor):
-        keep = keep_mask(DropoutSite(site.seed, site.step, site.op, (0,) * x.dim()),
-                         x.shape, p).to(x.device)
-        return x * keep / (1.0 - p), keep
-    _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
-    local = x.to_local()
+    the step's whole tensor (`executor.dropout`): a DTensor's local block of micro-batch
+    `shift.micro` draws what one device training the whole batch draws there.
+    `site.offsets` is filled in here from the DTensor's placements and the shift."""
+    if isinstance(x, DTensor):
+        _, found = compute_local_shape_and_global_offset(x.shape, x.device_mesh,
+                                                         x.placements)
+        offsets, local = list(found), x.to_local()
+    else:
+        offsets, local = [0] * x.dim(), x
+    if shift is not None:
+        offsets[shift.dim] += shift.micro * int(x.shape[shift.dim])
     keep = keep_mask(DropoutSite(site.seed, site.step, site.op, tuple(offsets)),
                      local.shape, p).to(local.device)
+    if not isinstance(x, DTensor):
+        return x * keep / (1.0 - p), keep
 
     def wrap(t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, x.device_mesh, x.placements, shape=x.shape,

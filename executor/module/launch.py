@@ -32,11 +32,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from executor.module.layouts import gradient_buckets
+from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
-from executor.train import RunLog, free_port, planned_counts
+from executor.train import RunLog, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
+from planner.sharding.derive import OPTIMIZER_OP
 
 Builder = Callable[[], tuple[torch.nn.Module, Callable[[int, int], dict[str, torch.Tensor]],
                              Callable[..., torch.Tensor]]]
@@ -79,24 +80,40 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
 @dataclass
 class ModuleRunLog(RunLog):
     """What a run of the module did: `executor.train.RunLog`'s record ("collectives" are
-    calls over the run, "kind|axes|phase"), and the results DTensor gave in another layout
-    than the plan's (moved to the plan's)."""
+    calls over the run, "kind|axes|phase"), the results DTensor gave in another layout
+    than the plan's (moved to the plan's), the recompute segments rank 0 re-ran in its
+    backward passes, and what rank 0 held after the last step: elements of its
+    parameters (what the optimizer updates: chunks under ZeRO) and of whole weights."""
 
     unplanned: dict[str, int] = field(default_factory=dict)
+    recomputed: int = 0
+    parameter_elements: int = 0
+    resident_weight_elements: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "unplanned": self.unplanned}
+        return {**super().to_json(), "unplanned": self.unplanned,
+                "recomputed": self.recomputed,
+                "parameter_elements": self.parameter_elements,
+                "resident_weight_elements": self.resident_weight_elements}
 
 
 def planned_calls(plan: Plan, steps: int) -> dict[str, int]:
-    """The collective calls the plan says `steps` steps issue: its forward and backward
-    entries as `executor.train.planned_counts` counts them, its gradient entries once per
-    bucket per step (this path issues a bucket as one call)."""
-    calls = Counter({k: n for k, n in planned_counts(plan, steps).items()
-                     if not k.endswith("|gradient")})
-    for bucket in gradient_buckets(plan):
-        calls[f"{bucket.kind}|{','.join(bucket.axes)}|gradient"] += steps
+    """The collective calls the plan says `steps` steps issue: each activation collective
+    as `executor.train.issues_per_run` counts it, each bucket of weight collectives as one
+    call (this path issues a bucket as one call)."""
+    calls: Counter = Counter()
+    for c in plan.collectives:
+        if c.op != OPTIMIZER_OP:
+            calls[f"{c.kind}|{','.join(c.axes)}|{c.phase}"] += issues_per_run(
+                c.phase, plan.micro_batches, steps)
+    for bucket in weight_buckets(plan):
+        calls[f"{bucket.kind}|{','.join(bucket.axes)}|{bucket.phase}"] += issues_per_run(
+            bucket.phase, plan.micro_batches, steps)
     return dict(calls)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _scalar(loss: torch.Tensor) -> float:
@@ -139,23 +156,21 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         for step in range(steps):
             batch = make_batch(step, batch_size)
             started = time.perf_counter()
-            with CollectiveCount(issued, axes, "forward"):
-                output = module(**batch)
-            with CollectiveCount(issued, axes, "loss"):
-                loss = state.loss(loss_fn, output, batch)
-            with CollectiveCount(issued, axes, "backward"):
-                loss.backward()
+            loss = state.train_step(loss_fn, batch,
+                                    lambda phase: CollectiveCount(issued, axes, phase))
             optimizer.step()
             optimizer.zero_grad()
             log.losses.append(_scalar(loss))
             log.step_time_s.append(time.perf_counter() - started)
         if rank == 0:
-            for key, calls in state.gradient_calls.items():
-                issued[f"{key}|gradient"] += calls
+            issued.update(state.weight_calls)
             log.collectives = {"planned": planned_calls(plan, steps),
                                "issued": {k: v for k, v in issued.items()
-                                          if not k.endswith("|loss")}}
-            log.unplanned = dict(state.unplanned)
+                                          if not k.endswith(("|loss", "|recompute"))}}
+            log.recomputed = state.record.recomputed
+            log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
+            log.resident_weight_elements = state.weights.resident_elements()
+            log.unplanned = dict(state.record.unplanned)
             Path(out).write_text(json.dumps(log.to_json()))
     finally:
         dist.destroy_process_group()
@@ -166,7 +181,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  optimizer: str = "sgd") -> ModuleRunLog:
     """Train the builder's module with `plan` on one process per device: gloo on CPU, or
     NCCL with one GPU per process. The global batch is the plan's unless given."""
-    batch_size = batch_size or plan.model.batch
+    batch_size = batch_size or plan.global_batch
     if batch_size is None:
         raise ShardplanError("the plan names no global batch: give batch_size")
     if optimizer not in OPTIMIZERS:

@@ -1,5 +1,6 @@
 """The plan read onto a module's traced graph: the layout each node's inputs need and its
-output has, the parameters' layouts, the batch's, and the gradient buckets.
+output has, the parameters' layouts, the batch's, the weight collectives' buckets and the
+recompute segments.
 
 A plan's ops are ONNX nodes. The exporter names the node that produces a traced node's
 output `node_<name>` and the helper nodes of the same translation `node_<OpType>_<n>`
@@ -10,12 +11,13 @@ the plan binds it in at the ops the node owns.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.errors import ShardplanError
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
+from planner.sharding.derive import OPTIMIZER_OP
 from planner.sharding.layout import Layout
 
 NODE_PREFIX = "node_"
@@ -35,11 +37,13 @@ class NodeLayouts:
 
 
 @dataclass(frozen=True)
-class GradientBucket:
-    """One gradient collective call of a step: the plan's bucket (or single tensor)."""
+class WeightBucket:
+    """One weight collective call: the plan's bucket (or a single weight), issued once per
+    step (gradient phase) or once per micro-batch (forward, backward: ZeRO 2 and 3)."""
 
     kind: CollectiveKind
     axes: tuple[str, ...]
+    phase: Phase
     tensors: tuple[str, ...]
 
 
@@ -48,7 +52,10 @@ class ModuleLayouts:
     parameters: Mapping[str, Layout]
     inputs: Mapping[str, Layout]
     nodes: Mapping[str, NodeLayouts]
-    gradients: tuple[GradientBucket, ...]
+    weights: tuple[WeightBucket, ...]
+    #: the traced call nodes run under activation checkpointing, one tuple per segment of
+    #: the plan's recompute (consecutive in graph order)
+    recompute: tuple[tuple[str, ...], ...] = ()
 
 
 def _listed(names: Collection[str], limit: int = 8) -> str:
@@ -102,22 +109,44 @@ def _owners(plan: Plan, traced: Collection[str]) -> dict[str, str]:
     return owner
 
 
-def gradient_buckets(plan: Plan) -> tuple[GradientBucket, ...]:
-    """The plan's gradient collectives as calls: a bucket's tensors in one, a tensor
-    without a bucket alone."""
-    buckets: dict[tuple[CollectiveKind, tuple[str, ...], object], list[str]] = {}
+def weight_buckets(plan: Plan) -> tuple[WeightBucket, ...]:
+    """The plan's weight collectives (gradient sums and ZeRO's gathers and scatters) as
+    calls: a bucket's weights in one, a weight without a bucket alone, in plan order."""
+    buckets: dict[tuple[CollectiveKind, tuple[str, ...], Phase, object], list[str]] = {}
     for c in plan.collectives:
-        if c.phase != Phase.GRADIENT:
+        if c.op != OPTIMIZER_OP:
             continue
         which: object = c.bucket if c.bucket is not None else c.tensor
-        buckets.setdefault((c.kind, c.axes, which), []).append(c.tensor)
-    return tuple(GradientBucket(key[0], key[1], tuple(names))
+        buckets.setdefault((c.kind, c.axes, c.phase, which), []).append(c.tensor)
+    return tuple(WeightBucket(key[0], key[1], key[2], tuple(names))
                  for key, names in buckets.items())
 
 
-def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -> ModuleLayouts:
-    """The plan on a traced graph whose call nodes are `traced` and whose values (node
-    outputs and graph inputs) are named `values`.
+def recompute_spans(plan: Plan, owner: Mapping[str, str], order: Sequence[str]
+                    ) -> tuple[tuple[str, ...], ...]:
+    """The plan's recompute segments (op ranges of its stages) as runs of traced call
+    nodes: the nodes owning a segment's ops and every node between them in graph
+    `order`; a node owning ops of two segments belongs to the first."""
+    if plan.pipeline is None:
+        return ()
+    place = {name: k for k, name in enumerate(order)}
+    spans: list[tuple[str, ...]] = []
+    taken = -1
+    for stage in plan.pipeline.stages:
+        for first, end in stage.recompute_segments:
+            found = [place[owner[op.name]] for op in plan.ops[first:end]
+                     if owner.get(op.name) in place]
+            found = [k for k in found if k > taken]
+            if not found:
+                continue
+            taken = max(found)
+            spans.append(tuple(order[min(found):taken + 1]))
+    return tuple(spans)
+
+
+def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> ModuleLayouts:
+    """The plan on a traced graph whose call nodes are `traced` (in graph order) and whose
+    values (node outputs and graph inputs) are named `values`.
 
     Raises when the plan names no op of the trace at all: it was made from another graph."""
     owner = _owners(plan, traced)
@@ -150,4 +179,5 @@ def read_layouts(plan: Plan, traced: Collection[str], values: Collection[str]) -
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
-        nodes=nodes, gradients=gradient_buckets(plan))
+        nodes=nodes, weights=weight_buckets(plan),
+        recompute=recompute_spans(plan, owner, traced))

@@ -12,20 +12,27 @@ as the example. It then
 - replaces `module.forward` by a run of the module's traced graph (`executor.module.run`)
   that takes the global batch, keeps each rank's shard of it in the plan's input layouts,
   and moves every op's inputs to the plan's layouts;
-- issues the plan's gradient collectives, bucket by bucket, as soon as every gradient of a
-  bucket is accumulated (behind the rest of the backward pass, as DDP does).
+- issues the plan's weight collectives bucket by bucket (`executor.module.weights`): the
+  gradient all-reduce as soon as a bucket's gradients are accumulated (behind the rest of
+  the backward pass, as DDP does), or ZeRO 1-3's reduce-scatters and all-gathers, the
+  module's parameters then being each rank's chunks of the weights;
+- runs the plan's recompute segments under activation checkpointing.
 
 The module keeps its identity and its parameters' names: build the optimizer on
-`module.parameters()` after the call. What a plan needs that this path does not run yet
-(pipeline stages, ZeRO, micro-batches, recompute) is refused with one line naming it; the
-ONNX-graph runner (`shardplan run MODEL.onnx`) runs those plans.
+`module.parameters()` after the call. `module.shardplan.train_step(loss_fn, batch)` runs
+one step's forward and backward passes over the plan's micro-batches; with one
+micro-batch, `loss_fn(module(**batch), batch).backward()` (through `module.shardplan.loss`)
+is the same. Pipeline stages are refused with one line; the ONNX-graph runner
+(`shardplan run MODEL.onnx`) runs those plans.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,34 +41,53 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils import _pytree as pytree
 
-from executor.module.layouts import GradientBucket, ModuleLayouts, check_parameters, read_layouts
-from executor.module.run import placements, replicated, run_planned, run_unsplit
+from executor.module.layouts import ModuleLayouts, check_parameters, read_layouts
+from executor.module.run import (
+    ModulePlan,
+    RunRecord,
+    placements,
+    replicated,
+    run_planned,
+    run_unsplit,
+)
 from executor.module.trace import export_program
+from executor.module.weights import WeightSync
 from executor.runtime import Counters, MeshComm
 from planner.errors import ShardplanError
-from planner.kinds import CollectiveKind, Recompute
 from planner.plans.model import Plan
+
+Phases = Callable[[str], AbstractContextManager[Any]]
 
 
 @dataclass
 class ParallelModule:
     """What `parallelize` attached to the module (`module.shardplan`): the plan, the mesh,
-    the layouts read off the plan, and what the run issued."""
+    the plan as the trace reads it, and what the run issued."""
 
     plan: Plan
     mesh: TorchMesh
-    layouts: ModuleLayouts
+    run: ModulePlan
     comm: MeshComm
-    #: DTensor results whose layout was not the plan's, and were moved to it: "node:
-    #: from -> to" -> times (empty when the run is exactly the plan).
-    unplanned: Counter = field(default_factory=Counter)
+    trace: _Trace
+    inputs: Mapping[str, tuple[Any, ...]]  # input name -> its placements
+    record: RunRecord = field(default_factory=RunRecord)
     seed: int = 0
-    forwards: int = 0  # the forward passes run: each draws its own dropout masks
+    draws: int = 0  # forwards and training steps run: each draws its own dropout masks
+    hook: Any = None  # ZeRO 1/2: the optimizer-step hook that rebuilds the whole weights
+
+    @property
+    def layouts(self) -> ModuleLayouts:
+        return self.run.layouts
+
+    @property
+    def weights(self) -> WeightSync:
+        return self.run.weights
 
     def loss(self, loss_fn: Callable[..., torch.Tensor], output: Any, *batch: Any
              ) -> torch.Tensor:
@@ -72,12 +98,73 @@ class ParallelModule:
         return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
                                                 list(batch)))
 
+    def forward(self, given: Sequence[torch.Tensor], micro: int = 0,
+                step: int | None = None) -> Any:
+        """The traced graph on one batch (or micro-batch `micro` of training step
+        `step`), each input split as the plan's input layout says."""
+        rows = {int(v.shape[0]) for v in given if v.dim() > 0}
+        wanted = self.plan.model.batch if step is not None else self.plan.global_batch
+        if wanted is not None and rows != {wanted}:
+            whole = f"a global batch of {self.plan.global_batch}"
+            raise ShardplanError(
+                f"a batch of {sorted(rows)} rows: the plan is for {whole}"
+                + (f", {self.plan.micro_batches} micro-batches of {wanted}"
+                   if step is not None and self.plan.micro_batches > 1 else ""))
+        flat = [distribute_tensor(value.to(self.mesh.device_type), self.mesh,
+                                  self.inputs[name], src_data_rank=None)
+                for name, value in zip(self.trace.user_inputs, given, strict=True)]
+        if step is None:
+            self.draws += 1
+            step = self.draws
+        with implicit_replication():
+            outputs = run_planned(self.trace.graph, self.run, self.mesh, flat,
+                                  self.record, self.seed, step, micro)
+        return self.trace.outputs(outputs)
+
+    def train_step(self, loss_fn: Callable[..., torch.Tensor],
+                   batch: Mapping[str, torch.Tensor], phases: Phases | None = None
+                   ) -> torch.Tensor:
+        """One training step's forward and backward passes on the global `batch`: the
+        plan's micro-batches in turn (rows split evenly along dim 0), each loss divided by
+        their number so the gradients are the whole batch's (`loss_fn` averages over its
+        rows, as gradient accumulation assumes), the plan's weight collectives issued as
+        the plan says. Returns the step's loss (detached); call `optimizer.step()` next.
+        `phases(name)`, when given, is entered around each "forward", "loss" and
+        "backward" part (to count collectives by phase)."""
+        count = self.plan.micro_batches
+        given = self.trace.inputs((), batch)
+        for name, value in zip(self.trace.user_inputs, given, strict=True):
+            if value.dim() == 0 or value.shape[0] % count:
+                raise ShardplanError(f"input {name}: {tuple(value.shape)} does not split "
+                                     f"into {count} micro-batches along dim 0")
+        part = phases or (lambda _: contextlib.nullcontext())
+        self.draws += 1
+        total: torch.Tensor | None = None
+        for micro in range(count):
+            rows = [v.chunk(count)[micro] for v in given]
+            micro_batch = dict(zip(self.trace.user_inputs, rows, strict=True))
+            self.weights.micro_batch_last = micro == count - 1
+            try:
+                with part("forward"):
+                    output = self.forward(rows, micro, self.draws)
+                with part("loss"):
+                    loss = self.loss(loss_fn, output, micro_batch)
+                with part("backward"):
+                    (loss / count).backward()
+            finally:
+                self.weights.micro_batch_last = True
+            value = loss.detach()
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            total = value if total is None else total + value
+        assert total is not None
+        return total / count
+
     @property
-    def gradient_calls(self) -> Counter:
-        """Gradient collectives issued so far, by "kind|axes"."""
-        return Counter({f"{k}|{','.join(a)}": n
-                        for (k, a, phase), n in self.comm.counters.issued.items()
-                        if phase == "gradient" and n})
+    def weight_calls(self) -> Counter:
+        """Weight collectives issued so far (gradient sums, ZeRO's gathers and scatters),
+        by "kind|axes|phase"."""
+        return Counter({f"{k}|{','.join(a)}|{phase}": n
+                        for (k, a, phase), n in self.comm.counters.issued.items() if n})
 
 
 def state_of(module: nn.Module) -> ParallelModule:
@@ -90,21 +177,13 @@ def state_of(module: nn.Module) -> ParallelModule:
 
 
 def refuse_unsupported(plan: Plan) -> None:
-    """One error naming every part of `plan` this path does not run yet."""
-    reasons = []
-    if plan.parallel.pp > 1 or plan.pipeline is not None:
-        reasons.append(f"pipeline stages (pp={plan.parallel.pp})")
-    if plan.parallel.zero:
-        reasons.append(f"ZeRO stage {plan.parallel.zero}")
-    if plan.micro_batches > 1:
-        reasons.append(f"{plan.micro_batches} micro-batches")
-    if plan.parallel.recompute != Recompute.NONE:
-        reasons.append(f"recompute={plan.parallel.recompute}")
-    if reasons:
+    """One error naming what of `plan` this path does not run yet: pipeline stages."""
+    stages = len(plan.pipeline.stages) if plan.pipeline is not None else 1
+    if plan.parallel.pp > 1 or stages > 1:
         raise ShardplanError(
-            f"executor.parallelize does not run {', '.join(reasons)} yet; plan with "
-            "--parallel pp=1,zero=0,micro_batches=1,recompute=none, or run the plan on the "
-            "ONNX graph (shardplan run MODEL.onnx --plan ...)")
+            f"executor.parallelize does not run pipeline stages (pp={plan.parallel.pp}) "
+            "yet; plan with --parallel pp=1, or run the plan on the ONNX graph (shardplan "
+            "run MODEL.onnx --plan ...)")
 
 
 def _device_type() -> str:
@@ -127,11 +206,13 @@ def parameter_names(module: nn.Module) -> list[tuple[str, ...]]:
 
 
 def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan,
-                           mesh: TorchMesh) -> dict[str, nn.Parameter]:
-    """Each parameter as a DTensor in its plan layout, under every name it has (tied
-    weights stay tied); every rank keeps its own shard of the values it already has (no
-    broadcast: the ranks built the same module)."""
+                           mesh: TorchMesh) -> tuple[dict[str, nn.Parameter],
+                                                     dict[str, tuple[str, ...]]]:
+    """Each parameter as a DTensor in its plan layout, by its plan name, and every name it
+    has in the module (a tied weight has several); every rank keeps its own shard of the
+    values it already has (no broadcast: the ranks built the same module)."""
     placed: dict[str, nn.Parameter] = {}
+    aliases: dict[str, tuple[str, ...]] = {}
     for names in parameter_names(module):
         planned = next(n for n in names if n in layouts.parameters)
         param = module.get_parameter(planned)
@@ -139,69 +220,9 @@ def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan
         with torch.no_grad():
             value = distribute_tensor(param.detach().to(mesh.device_type), mesh, where,
                                       src_data_rank=None)
-        new = nn.Parameter(value, requires_grad=param.requires_grad)
-        for name in names:
-            _assign(module, name, new)
-            placed[name] = new
-    return placed
-
-
-class _GradientBuckets:
-    """The plan's gradient collectives, one call per bucket, issued when the bucket's last
-    gradient is accumulated (a post-accumulate-grad hook on each of its parameters)."""
-
-    def __init__(self, state: ParallelModule, params: Mapping[str, nn.Parameter]) -> None:
-        self.state, self.params = state, params
-        self.ready: dict[int, set[str]] = {}
-        for index, bucket in enumerate(state.layouts.gradients):
-            if bucket.kind != CollectiveKind.ALL_REDUCE:
-                raise ShardplanError(f"gradient {bucket.kind} of {bucket.tensors[0]}: "
-                                     "executor.parallelize runs all-reduce buckets only")
-            self.ready[index] = set()
-            for name in bucket.tensors:
-                if name not in params:
-                    raise ShardplanError(f"the plan reduces the gradient of {name}, which "
-                                         "is not a parameter of the module")
-                params[name].register_post_accumulate_grad_hook(
-                    self._hook(index, name))
-
-    def _hook(self, index: int, name: str) -> Callable[[torch.Tensor], None]:
-        def done(param: torch.Tensor) -> None:
-            ready = self.ready[index]
-            ready.add(name)
-            bucket = self.state.layouts.gradients[index]
-            if len(ready) == len(bucket.tensors):
-                ready.clear()
-                self._reduce(bucket)
-        return done
-
-    def _reduce(self, bucket: GradientBucket) -> None:
-        grads = []
-        for name in bucket.tensors:
-            grad = self.params[name].grad
-            assert isinstance(grad, DTensor)
-            partial = {axis for axis, p in zip(self.state.plan.mesh.axis_names,
-                                               grad.placements, strict=True)
-                       if isinstance(p, Partial)}
-            if not set(bucket.axes) <= partial:
-                raise ShardplanError(
-                    f"the gradient of {name} is {grad.placements}, not a pending sum over "
-                    f"{list(bucket.axes)} as the plan's gradient all-reduce expects")
-            grads.append(grad)
-        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
-        summed = self.state.comm.all_reduce(flat, bucket.axes, "gradient")
-        offset = 0
-        for name, grad in zip(bucket.tensors, grads, strict=True):
-            param = self.params[name]
-            assert isinstance(param, DTensor)
-            local = grad.to_local()
-            piece = summed[offset:offset + local.numel()].view_as(local)
-            offset += local.numel()
-            done = [p if not (isinstance(p, Partial) and axis in bucket.axes) else q
-                    for axis, p, q in zip(self.state.plan.mesh.axis_names, grad.placements,
-                                          param.placements, strict=True)]
-            param.grad = DTensor.from_local(piece, self.state.mesh, done,
-                                            shape=param.shape, stride=param.stride())
+        placed[planned] = nn.Parameter(value, requires_grad=param.requires_grad)
+        aliases[planned] = names
+    return placed, aliases
 
 
 @dataclass
@@ -232,11 +253,20 @@ class _Trace:
         leaves = list(flat) if isinstance(flat, (list, tuple)) else [flat]
         return pytree.tree_unflatten(leaves, self.out_spec) if self.out_spec else flat
 
-    def share_parameters(self, params: Mapping[str, nn.Parameter]) -> None:
-        """The trace reads the module's own parameters (not copies)."""
+    def share_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The trace holds the given tensors (the module's own parameters, or the whole
+        copies ZeRO keeps) in place of the copies the export made."""
         for node in self.graph.graph.nodes:
-            if node.op == "get_attr" and node.target in params:
-                _assign(self.graph, str(node.target), params[str(node.target)])
+            if node.op != "get_attr" or node.target not in params:
+                continue
+            value = params[str(node.target)]
+            if isinstance(value, nn.Parameter):
+                _assign(self.graph, str(node.target), value)
+                continue
+            owner, _, leaf = str(node.target).rpartition(".")
+            holder = self.graph.get_submodule(owner) if owner else self.graph
+            holder._parameters.pop(leaf, None)
+            setattr(holder, leaf, value)
 
 
 def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0
@@ -271,7 +301,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     check_parameters(plan, parameter_names(module))
     trace = _Trace.of(module, example)
     graph, user_inputs = trace.graph, trace.user_inputs
-    traced = {n.name for n in graph.graph.nodes if n.op == "call_function"}
+    traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]
     values = {n.name for n in graph.graph.nodes}
     layouts = read_layouts(plan, traced, values)
     missing = [n for n in user_inputs if n not in layouts.inputs]
@@ -280,29 +310,26 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                              "made from another export of the module")
     mesh = init_device_mesh(_device_type(), plan.mesh.shape,
                             mesh_dim_names=plan.mesh.axis_names)
-    params = _distribute_parameters(module, layouts, plan, mesh)
-    trace.share_parameters(params)
-    state = ParallelModule(plan, mesh, layouts,
-                           MeshComm(plan.mesh, dist.get_rank(), Counters()), seed=seed)
-    _GradientBuckets(state, params)
-    where = {name: placements(layouts.inputs[name], plan.mesh, f"input {name}")
-             for name in user_inputs}
+    placed, aliases = _distribute_parameters(module, layouts, plan, mesh)
+    comm = MeshComm(plan.mesh, dist.get_rank(), Counters())
+    weights = WeightSync(plan.parallel.zero, layouts.weights, comm, placed)
+    reads = {alias: name for name, names in aliases.items() for alias in names}
+    for name, param in weights.parameters().items():
+        for alias in aliases[name]:
+            _assign(module, alias, param)
+    # the trace holds the whole copies (ZeRO 3: without storage), not the module's own
+    trace.share_parameters({alias: weights.whole[name] for alias, name in reads.items()})
+    state = ParallelModule(
+        plan, mesh, ModulePlan.of(graph, layouts, plan.mesh, weights, reads), comm, trace,
+        {name: placements(layouts.inputs[name], plan.mesh, f"input {name}")
+         for name in user_inputs}, seed=seed)
+    if plan.parallel.zero in (1, 2):
+        state.hook = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: weights.after_optimizer_step()
+            if weights.updates(optimizer) else None)
 
     def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
-        given = trace.inputs(args, kwargs)
-        rows = {int(v.shape[0]) for v in given if v.dim() > 0}
-        if plan.model.batch is not None and rows != {plan.model.batch}:
-            raise ShardplanError(f"a batch of {sorted(rows)} rows: the plan is for a global "
-                                 f"batch of {plan.model.batch}")
-        flat = []
-        for name, value in zip(user_inputs, given, strict=True):
-            flat.append(distribute_tensor(value.to(mesh.device_type), mesh, where[name],
-                                          src_data_rank=None))
-        state.forwards += 1
-        with implicit_replication():
-            outputs = run_planned(graph, layouts, plan.mesh, mesh, flat, state.unplanned,
-                                  state.seed, state.forwards)
-        return trace.outputs(outputs)
+        return state.forward(trace.inputs(args, kwargs))
 
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     module.shardplan = state  # type: ignore[assignment]

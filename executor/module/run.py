@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,10 +21,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from executor.dropout import DropoutSite
-from executor.module.kernels import attention_math, dropout
+from executor.module.counting import recomputing
+from executor.module.kernels import Shift, attention_math, dropout
 from executor.module.layouts import ModuleLayouts
+from executor.module.weights import WeightSync, in_backward
 from planner.sharding.convert import to_placements
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -110,17 +114,20 @@ class TracedRun(Interpreter):
     def call(self, n: Node, args: Any, kwargs: Any) -> Any:
         assert callable(n.target)
         if n.target is _DROPOUT and len(args) > 2 and args[2] and args[1] > 0:
-            return dropout(args[0], float(args[1]), self._site(n))
+            return dropout(args[0], float(args[1]), self._site(n), self._shift(n))
         if n.target is _SDPA:
             p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             if p or self._fused_unavailable(args):
-                site = self._site(n)
+                site, shift = self._site(n), self._shift(n)
                 return attention_math(*args, **kwargs,
-                                      drop=lambda t: dropout(t, float(p), site)[0])
+                                      drop=lambda t: dropout(t, float(p), site, shift)[0])
         return n.target(*args, **kwargs)
 
     def _site(self, n: Node) -> DropoutSite:
         return DropoutSite(self.seed, self.step, self.index[n.name], ())
+
+    def _shift(self, n: Node) -> Shift | None:
+        return None  # one pass over the whole batch
 
     def _fused_unavailable(self, args: Any) -> bool:
         """DTensor has no rule for the CPU fused attention kernel."""
@@ -133,28 +140,172 @@ class TracedRun(Interpreter):
         return self.call(n, args, kwargs)
 
 
+def _batch_dim(node: Node) -> int:
+    """The first dim of a traced value whose size is symbolic (the batch's, or a product
+    with it: the export makes only the batch dim symbolic); 0 when none is."""
+    value = node.meta.get("val")
+    for dim, size in enumerate(getattr(value, "shape", ())):
+        if isinstance(size, torch.SymInt):
+            return dim
+    return 0
+
+
 def run_unsplit(graph: GraphModule, flat_inputs: Sequence[torch.Tensor], seed: int,
                 step: int) -> Any:
     """The traced graph's flat outputs, on one device (what a split run must equal)."""
     return TracedRun(graph, seed, step).run(*flat_inputs)
 
 
-class PlannedRun(TracedRun):
-    """One forward of the traced graph with the plan's layouts (module docstring)."""
+@dataclass
+class RunRecord:
+    """What planned runs did that the plan does not say: DTensor results in another
+    layout than the plan's, moved to it ("node: from -> to" -> times; empty when the run
+    is exactly the plan), and the recompute segments re-run in backward passes."""
 
-    def __init__(self, graph: GraphModule, layouts: ModuleLayouts, plan_mesh: DeviceMesh,
-                 mesh: TorchMesh, unplanned: Counter, seed: int, step: int) -> None:
-        super().__init__(graph, seed, step)
-        self.layouts, self.plan_mesh, self.mesh = layouts, plan_mesh, mesh
-        self.unplanned = unplanned
-        self._placements: dict[tuple[str, Layout], tuple[Placement, ...]] = {}
-        self._moved: dict[tuple[str, Layout], DTensor] = {}
+    unplanned: Counter = field(default_factory=Counter)
+    recomputed: int = 0
 
-    def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
+
+@dataclass
+class ModulePlan:
+    """What a planned run reads, derived once from the plan and the trace: the layouts,
+    the weights as the plan synchronises them, which `get_attr` reads which weight, the
+    recompute segments, and after which node the forward is done with which weights."""
+
+    layouts: ModuleLayouts
+    mesh: DeviceMesh
+    weights: WeightSync
+    reads: Mapping[str, str]  # get_attr target -> the plan's name of the weight
+    spans: Mapping[str, int]  # first node of a recompute segment -> its length in nodes
+    release: Mapping[str, tuple[str, ...]]  # node -> weights it is the last reader of
+    _placements: dict[tuple[str, Layout], tuple[Placement, ...]] = field(
+        default_factory=dict)
+
+    @classmethod
+    def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
+           weights: WeightSync, reads: Mapping[str, str]) -> ModulePlan:
+        nodes = list(graph.graph.nodes)
+        place = {n.name: k for k, n in enumerate(nodes)}
+        spans = {seg[0]: place[seg[-1]] - place[seg[0]] + 1 for seg in layouts.recompute}
+        last: dict[str, int] = {}  # a tied weight is read under each of its names
+        for node in nodes:
+            if node.op == "get_attr" and str(node.target) in reads:
+                name = reads[str(node.target)]
+                last[name] = max(last.get(name, 0),
+                                 *(place[u.name] for u in _storage_readers(node)))
+        release: dict[str, list[str]] = {}
+        for name, index in last.items():
+            release.setdefault(nodes[index].name, []).append(name)
+        return cls(layouts, mesh, weights, reads, spans,
+                   {k: tuple(v) for k, v in release.items()})
+
+    def placements(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         key = (name, layout)
         if key not in self._placements:
-            self._placements[key] = placements(layout, self.plan_mesh, f"tensor {name}")
+            self._placements[key] = placements(layout, self.mesh, f"tensor {name}")
         return self._placements[key]
+
+
+def _storage_readers(node: Node) -> set[Node]:
+    """The nodes that read `node`'s storage: its users, and the users of every view of
+    it (a view shares the storage), transitively; `node` itself when unused."""
+    readers, views, seen = {node}, [node], {node}
+    while views:
+        for user in views.pop().users:
+            readers.add(user)
+            if getattr(user.target, "is_view", False) and user not in seen:
+                seen.add(user)
+                views.append(user)
+    return readers
+
+
+class PlannedRun(TracedRun):
+    """One forward of the traced graph with the plan's layouts (module docstring): the
+    weights read through the plan's weight synchronisation (`executor.module.weights`),
+    the plan's recompute segments run under activation checkpointing."""
+
+    def __init__(self, graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
+                 record: RunRecord, seed: int, step: int, micro: int = 0) -> None:
+        super().__init__(graph, seed, step)
+        self.plan, self.mesh, self.record = plan, mesh, record
+        self.layouts, self.plan_mesh = plan.layouts, plan.mesh
+        self.micro = micro  # this micro-batch's place in the step
+        self._moved: dict[str, dict[Layout, DTensor]] = {}
+
+    def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
+        return self.plan.placements(name, layout)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        name = self.plan.reads.get(str(target))
+        return self.plan.weights.read(name) if name is not None else super().get_attr(
+            target, args, kwargs)
+
+    def _shift(self, n: Node) -> Shift | None:
+        """A micro-batch's rows start `micro` micro-batches into the step's batch, along
+        the dim of the dropped tensor that scales with the batch (dim 0 for attention)."""
+        if not self.micro:
+            return None
+        source = n.args[0] if n.target is _DROPOUT else None
+        return Shift(_batch_dim(source) if isinstance(source, Node) else 0, self.micro)
+
+    def run(self, *args: Any, initial_env: Any = None, enable_io_processing: bool = True
+            ) -> Any:
+        """`Interpreter.run`, but a recompute segment runs as one checkpointed call."""
+        self.env = {}
+        self.args_iter = iter(self.graph.process_inputs(*args))
+        nodes = list(self.graph.nodes)
+        k = 0
+        try:
+            while k < len(nodes):
+                node = nodes[k]
+                span = self.plan.spans.get(node.name)
+                if span is None:
+                    self.env[node] = self.run_node(node)
+                    done = [node]
+                    k += 1
+                else:
+                    done = nodes[k:k + span]
+                    self._checkpointed(done, nodes[k + span:])
+                    k += span
+                for finished in done:
+                    self.plan.weights.release(self.plan.release.get(finished.name, ()))
+                    for dead in self.user_to_last_uses.get(finished, []):
+                        self.env.pop(dead, None)
+                        self._moved.pop(dead.name, None)
+                if node.op == "output":
+                    return self.graph.process_outputs(self.env[node])
+        finally:
+            self.env, self._moved = {}, {}
+        raise AssertionError("a traced graph ends in its output node")
+
+    def _checkpointed(self, segment: Sequence[Node], after: Sequence[Node]) -> None:
+        """Run `segment` under `torch.utils.checkpoint` (non-reentrant): its activations
+        are dropped and recomputed in the backward pass, the same dropout masks drawn
+        again; collectives the recompute re-issues count as phase "recompute"."""
+        inside = set(segment)
+        needed = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
+                                    if a not in inside))
+        later = {a for n in after for a in n.all_input_nodes}
+        produced = [n for n in segment if n in later]
+        tensors = [a for a in needed if isinstance(self.env[a], torch.Tensor)]
+        others = {a: self.env[a] for a in needed if a not in tensors}
+
+        def body(*values: torch.Tensor) -> tuple[Any, ...]:
+            outer, moved = self.env, self._moved
+            self.env = {**others, **dict(zip(tensors, values, strict=True))}
+            self._moved = {}
+            again = in_backward()
+            self.record.recomputed += again
+            try:
+                with recomputing(again):
+                    for n in segment:
+                        self.env[n] = self.run_node(n)
+                return tuple(self.env[n] for n in produced)
+            finally:
+                self.env, self._moved = outer, moved
+
+        results = checkpoint(body, *(self.env[a] for a in tensors), use_reentrant=False)
+        self.env.update(zip(produced, results, strict=True))
 
     def run_node(self, n: Node) -> Any:
         if n.op != "call_function":
@@ -168,16 +319,16 @@ class PlannedRun(TracedRun):
             layout = planned.inputs.get(arg.name)
             if layout is None:
                 return value
-            key = (arg.name, layout)
-            if key not in self._moved:  # reads of one value in one layout share one move
+            held = self._moved.setdefault(arg.name, {})
+            if layout not in held:  # reads of one value in one layout share one move
                 wanted = self._wanted(arg.name, layout)
                 moved = value if _normalised(value, wanted) else value.redistribute(
                     self.mesh, wanted)
                 axes = planned.reduced.get(arg.name, ())
                 dims = tuple(self.plan_mesh.axis_names.index(a) for a in axes)
-                self._moved[key] = _GradientIn.apply(moved, self.mesh, wanted, dims) \
+                held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims) \
                     if moved.requires_grad else moved
-            return self._moved[key]
+            return held[layout]
 
         args = map_arg(n.args, load)
         kwargs = map_arg(n.kwargs, load)
@@ -192,14 +343,15 @@ class PlannedRun(TracedRun):
         if planned is not None and planned.output is not None and isinstance(result, DTensor):
             wanted = self._wanted(n.name, planned.output)
             if not _normalised(result, wanted):
-                self.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
+                self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = result.redistribute(self.mesh, wanted)
         return result
 
 
-def run_planned(graph: GraphModule, layouts: ModuleLayouts, plan_mesh: DeviceMesh,
-                mesh: TorchMesh, flat_inputs: Sequence[torch.Tensor],
-                unplanned: Counter, seed: int, step: int) -> Any:
-    """The traced graph's flat outputs for `flat_inputs` (DTensors in the plan's layouts)."""
-    return PlannedRun(graph, layouts, plan_mesh, mesh, unplanned, seed, step).run(
-        *flat_inputs)
+def run_planned(graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
+                flat_inputs: Sequence[torch.Tensor], record: RunRecord, seed: int,
+                step: int, micro: int = 0) -> Any:
+    """The traced graph's flat outputs for `flat_inputs` (DTensors in the plan's layouts),
+    micro-batch `micro` of training step `step`."""
+    with plan.weights.saved_weights():
+        return PlannedRun(graph, plan, mesh, record, seed, step, micro).run(*flat_inputs)

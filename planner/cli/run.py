@@ -122,7 +122,7 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the module as it is")
     if args.nproc == 1:
-        batch = loaded.model.batch
+        batch = loaded.global_batch
         if batch is None:
             raise ShardplanError(f"{args.plan} names no global batch")
         losses = train_module_reference(args.module, steps=args.steps, lr=args.lr,

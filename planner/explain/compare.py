@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from planner.explain.figures import degrees, global_batch
+from planner.explain.figures import degrees
 from planner.humanize import human_bytes, human_seconds
 from planner.plans.model import Plan
 from planner.records import MEMORY_CATEGORIES
@@ -26,7 +26,7 @@ def compare_rows(plans: Sequence[tuple[str, Plan]]) -> dict[str, Any]:
                       "parameters": plan.model.parameters},
             "cluster": asdict(plan.cluster),
             "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
-            "parallel": degrees(plan), "global_batch": global_batch(plan),
+            "parallel": degrees(plan), "global_batch": plan.global_batch,
             "step_time_s": plan.predicted.step_time_s,
             "ratio": plan.predicted.step_time_s / first,
             "compute_s": plan.predicted.compute_s,

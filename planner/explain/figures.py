@@ -83,10 +83,6 @@ def degrees(plan: Plan) -> dict[str, Any]:
             "virtual_stages": pipe.virtual_stages if pipe is not None else None}
 
 
-def global_batch(plan: Plan) -> int | None:
-    return plan.pipeline.global_batch if plan.pipeline is not None else plan.model.batch
-
-
 def _stages(plan: Plan) -> tuple[StageEntry, ...]:
     return plan.pipeline.stages if plan.pipeline is not None else ()
 

@@ -80,6 +80,11 @@ class Plan:
     def micro_batches(self) -> int:
         return self.pipeline.micro_batches if self.pipeline else 1
 
+    @property
+    def global_batch(self) -> int | None:
+        """The rows of one training step (`model.batch` is one micro-batch's)."""
+        return self.pipeline.global_batch if self.pipeline is not None else self.model.batch
+
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "schema": SCHEMA, "model": self.model.to_json(), "cluster": self.cluster.to_json(),

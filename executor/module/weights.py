@@ -1,0 +1,346 @@
+"""The module's weights as the plan synchronises them: gradient sums and ZeRO 1, 2 and 3.
+
+Every weight collective the plan lists (`planner.sharding.weights.sync_steps` of its ZeRO
+stage, bucketed by the plan builder) is issued here, one call per bucket, when the plan
+issues it:
+
+- ZeRO 0: the module's parameter is the weight itself, a DTensor in its plan layout; the
+  gradient all-reduce buckets run when their last gradient is accumulated, in the last
+  micro-batch of the step (behind the rest of the backward pass, as DDP does).
+- ZeRO 1 and 2 (Rajbhandari et al. 2020): the module's parameter, what the optimizer
+  updates, is this rank's flat chunk of the weight (its local block in the plan layout,
+  flattened, zero-padded and cut into one equal chunk per rank of the weight's gradient
+  group, as the ONNX runner's `executor.update` cuts it); the forward reads a whole copy
+  that persists. The gradient is reduce-scattered into the chunks: once at the end of the
+  step (stage 1, gradient phase) or after every micro-batch (stage 2, backward phase), and
+  after `optimizer.step()` an all-gather rebuilds the whole copies (gradient phase).
+- ZeRO 3: the same chunks, and no whole copy between uses: a bucket is gathered when the
+  forward first reads one of its weights and freed after the last op that reads it; in
+  the backward pass it is gathered again when autograd first needs a saved weight (a
+  saved-tensor hook), and freed once its gradients are reduce-scattered. The whole copy
+  keeps its storage object (resized to nothing and back, as FSDP does), so the tensors
+  autograd saved see the data again.
+
+Collectives go through `executor.runtime.MeshComm`, which counts them by kind, axes and
+phase for the comparison with the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from executor.module.layouts import WeightBucket
+from executor.runtime import MeshComm
+from planner.errors import ShardplanError
+from planner.kinds import CollectiveKind, Phase
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a recompute runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class Weight:
+    """One weight under ZeRO >= 1: its whole copy in the plan layout (a leaf DTensor the
+    forward reads) and this rank's flat chunk of it (the module's parameter)."""
+
+    name: str
+    whole: DTensor
+    chunk: nn.Parameter
+    axes: tuple[str, ...]
+    ranks: int  # in the gradient group
+    index: int  # this rank's place in it
+    present: bool = True  # the whole copy holds the data (ZeRO 3 frees it between uses)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.whole._local_tensor
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.local.element_size()
+
+    def padded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the local block) flat and zero-padded to ranks x chunk elements."""
+        flat = torch.zeros(self.chunk.numel() * self.ranks, dtype=tensor.dtype,
+                           device=tensor.device)
+        flat[:tensor.numel()] = tensor.detach().reshape(-1)
+        return flat
+
+    def fill(self, flat: torch.Tensor) -> None:
+        """Put the whole local block back from its flat (padded) elements, keeping the
+        storage the tensors autograd saved point to."""
+        local = self.local
+        if not self.present:
+            local.untyped_storage().resize_(self.nbytes)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(local):
+            local.copy_(flat[:self.numel].view_as(local))
+        self.present = True
+
+    def free(self) -> None:
+        self.local.untyped_storage().resize_(0)
+        self.present = False
+
+
+def _chunk_of(local: torch.Tensor, ranks: int, index: int) -> nn.Parameter:
+    size = math.ceil(local.numel() / ranks)
+    flat = torch.zeros(size * ranks, dtype=local.dtype, device=local.device)
+    flat[:local.numel()] = local.detach().reshape(-1)
+    return nn.Parameter(flat[index * size:(index + 1) * size].clone())
+
+
+@dataclass
+class _Bucket:
+    plan: WeightBucket
+    ready: set[str] = field(default_factory=set)
+
+
+class WeightSync:
+    """The plan's weight collectives on the module's weights (module docstring)."""
+
+    def __init__(self, zero: int, buckets: Sequence[WeightBucket], comm: MeshComm,
+                 placed: Mapping[str, nn.Parameter]) -> None:
+        self.zero, self.comm = zero, comm
+        self.micro_batch_last = True  # the backward running ends the step's micro-batches
+        self.weights: dict[str, Weight] = {}
+        self.buckets = [_Bucket(b) for b in buckets]
+        self._by_weight: dict[tuple[str, CollectiveKind, Phase], _Bucket] = {}
+        axes_of: dict[str, tuple[str, ...]] = {}
+        for bucket in self.buckets:
+            for name in bucket.plan.tensors:
+                if name not in placed:
+                    raise ShardplanError(f"the plan synchronises {name}, which is not a "
+                                         "parameter of the module")
+                self._by_weight[(name, bucket.plan.kind, bucket.plan.phase)] = bucket
+                axes_of[name] = bucket.plan.axes
+        self.whole: dict[str, torch.Tensor] = dict(placed)  # what the forward reads
+        if zero:
+            for name, param in placed.items():
+                self.weights[name] = self._shard(name, param, axes_of.get(name, ()))
+                self.whole[name] = self.weights[name].whole
+        for name, tensor in self.whole.items():
+            if tensor.requires_grad:
+                tensor.register_post_accumulate_grad_hook(self._accumulated(name))
+        if zero == 3:
+            for weight in self.weights.values():
+                if weight.ranks > 1:
+                    weight.free()
+
+    def _shard(self, name: str, param: nn.Parameter, axes: tuple[str, ...]) -> Weight:
+        value = param.data
+        assert isinstance(value, DTensor)
+        whole = value.detach().requires_grad_(param.requires_grad)
+        assert isinstance(whole, DTensor)
+        ranks = self.comm.mesh.group_size(axes) if axes else 1
+        index = self.comm.group_rank(axes) if axes else 0
+        if ranks == 1:  # nothing to shard over: the chunk is the block itself
+            chunk = nn.Parameter(whole._local_tensor.view(-1),
+                                 requires_grad=param.requires_grad)
+        else:
+            chunk = _chunk_of(whole._local_tensor, ranks, index)
+            chunk.requires_grad_(param.requires_grad)
+        return Weight(name, whole, chunk, axes, ranks, index)
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        """What the module registers under each weight's name: the weight (ZeRO 0) or
+        this rank's chunk of it."""
+        found: dict[str, nn.Parameter] = {}
+        for name, param in self.whole.items():
+            if name in self.weights:
+                found[name] = self.weights[name].chunk
+            else:
+                assert isinstance(param, nn.Parameter)
+                found[name] = param
+        return found
+
+    # -- the forward and backward passes -------------------------------------------------
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole weight for an op of the forward pass (or of a recompute in the
+        backward pass): gathered with its bucket first where ZeRO 3 freed it."""
+        weight = self.weights.get(name)
+        if weight is not None and not weight.present:
+            phase = Phase.BACKWARD if in_backward() else Phase.FORWARD
+            self._gather(self._bucket(name, CollectiveKind.ALL_GATHER, phase))
+        return self.whole[name]
+
+    def release(self, names: Sequence[str]) -> None:
+        """ZeRO 3: the forward pass is done with these weights (not in a recompute)."""
+        if self.zero == 3 and not in_backward():
+            for name in names:
+                weight = self.weights.get(name)
+                if weight is not None and weight.ranks > 1 and weight.present:
+                    weight.free()
+
+    @contextmanager
+    def saved_weights(self) -> Iterator[None]:
+        """ZeRO 3: a saved tensor that is (a view of) a freed weight is gathered back,
+        with its bucket, when autograd unpacks it."""
+        if self.zero != 3:
+            yield
+            return
+        storages = {w.local.untyped_storage()._cdata: w.name
+                    for w in self.weights.values() if w.ranks > 1}
+
+        def pack(tensor: torch.Tensor) -> Any:
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            name = storages.get(local.untyped_storage()._cdata) \
+                if local.layout == torch.strided else None
+            return (name, tensor)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            name, tensor = packed
+            if name is not None:
+                self.read(name)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _bucket(self, name: str, kind: CollectiveKind, phase: Phase) -> _Bucket:
+        bucket = self._by_weight.get((name, kind, phase))
+        if bucket is None:
+            raise ShardplanError(f"the plan lists no {phase} {kind} of {name}, which "
+                                 "this step needs")
+        return bucket
+
+    def _accumulated(self, name: str) -> Callable[[torch.Tensor], None]:
+        def done(_: torch.Tensor) -> None:
+            for kind, phase in self._reductions():
+                bucket = self._by_weight.get((name, kind, phase))
+                if bucket is None:
+                    if phase == Phase.BACKWARD or self.micro_batch_last:
+                        self._keep_local_gradient(name)
+                    continue
+                if phase == Phase.GRADIENT and not self.micro_batch_last:
+                    continue  # the sum waits for the step's last micro-batch
+                bucket.ready.add(name)
+                if len(bucket.ready) == len(bucket.plan.tensors):
+                    bucket.ready.clear()
+                    self._reduce(bucket)
+        return done
+
+    def _reductions(self) -> tuple[tuple[CollectiveKind, Phase], ...]:
+        if self.zero == 0:
+            return ((CollectiveKind.ALL_REDUCE, Phase.GRADIENT),)
+        phase = Phase.GRADIENT if self.zero == 1 else Phase.BACKWARD
+        return ((CollectiveKind.REDUCE_SCATTER, phase),)
+
+    def _keep_local_gradient(self, name: str) -> None:
+        """A weight no collective synchronises (its gradient group is one rank): under
+        ZeRO its chunk is its whole block, and takes the gradient as it is."""
+        weight = self.weights.get(name)
+        if weight is None or weight.whole.grad is None:
+            return
+        grad = weight.whole.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        part = local.reshape(-1)
+        weight.chunk.grad = part if weight.chunk.grad is None else weight.chunk.grad + part
+        weight.whole.grad = None
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        plan = bucket.plan
+        grads = [self._pending(name, plan) for name in plan.tensors]
+        if plan.kind == CollectiveKind.ALL_REDUCE:
+            self._all_reduce(plan, grads)
+        elif plan.kind == CollectiveKind.REDUCE_SCATTER:
+            self._reduce_scatter(plan, grads)
+        else:
+            raise ShardplanError(f"{plan.phase} {plan.kind} of {plan.tensors[0]}: not a "
+                                 "gradient reduction")
+
+    def _pending(self, name: str, plan: WeightBucket) -> DTensor:
+        grad = self.whole[name].grad
+        if not isinstance(grad, DTensor):
+            raise ShardplanError(f"the gradient of {name} is not a DTensor")
+        partial = {axis for axis, p in zip(self.comm.mesh.axis_names, grad.placements,
+                                           strict=True) if isinstance(p, Partial)}
+        if not set(plan.axes) <= partial:
+            raise ShardplanError(
+                f"the gradient of {name} is {grad.placements}, not a pending sum over "
+                f"{list(plan.axes)} as the plan's gradient {plan.kind} expects")
+        return grad
+
+    def _all_reduce(self, plan: WeightBucket, grads: Sequence[DTensor]) -> None:
+        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+        summed = self.comm.all_reduce(flat, plan.axes, str(plan.phase))
+        offset = 0
+        for name, grad in zip(plan.tensors, grads, strict=True):
+            param = self.whole[name]
+            assert isinstance(param, DTensor)
+            local = grad.to_local()
+            piece = summed[offset:offset + local.numel()].view_as(local)
+            offset += local.numel()
+            done = [q if isinstance(p, Partial) and axis in plan.axes else p
+                    for axis, p, q in zip(self.comm.mesh.axis_names, grad.placements,
+                                          param.placements, strict=True)]
+            param.grad = DTensor.from_local(piece, grad.device_mesh, done,
+                                            shape=param.shape, stride=param.stride())
+
+    def _reduce_scatter(self, plan: WeightBucket, grads: Sequence[DTensor]) -> None:
+        """One reduce-scatter for the bucket: the flat padded gradients laid out rank by
+        rank, so that each rank receives the summed chunk of every weight."""
+        weights = [self.weights[name] for name in plan.tensors]
+        rows = [w.padded(g.to_local()).view(w.ranks, -1)
+                for w, g in zip(weights, grads, strict=True)]
+        summed = self.comm.reduce_scatter_flat(torch.cat(rows, dim=1).reshape(-1),
+                                               plan.axes, str(plan.phase))
+        offset = 0
+        for weight in weights:
+            size = weight.chunk.numel()
+            part = summed[offset:offset + size]
+            offset += size
+            chunk = weight.chunk
+            chunk.grad = part.clone() if chunk.grad is None else chunk.grad + part
+            weight.whole.grad = None
+            if self.zero == 3:
+                weight.free()
+
+    def _gather(self, bucket: _Bucket) -> None:
+        """One all-gather for the bucket: every rank's chunks, rank by rank."""
+        plan = bucket.plan
+        weights = [self.weights[name] for name in plan.tensors]
+        flat = torch.cat([w.chunk.detach() for w in weights])
+        ranks = weights[0].ranks
+        gathered = self.comm.all_gather_flat(flat, plan.axes, str(plan.phase)).view(ranks, -1)
+        offset = 0
+        for weight in weights:
+            size = weight.chunk.numel()
+            weight.fill(gathered[:, offset:offset + size].reshape(-1))
+            offset += size
+
+    # -- the end of the step -------------------------------------------------------------
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO 1 and 2: the whole copies rebuilt from the updated chunks."""
+        if self.zero not in (1, 2):
+            return
+        for bucket in self.buckets:
+            if bucket.plan.kind == CollectiveKind.ALL_GATHER and \
+                    bucket.plan.phase == Phase.GRADIENT:
+                self._gather(bucket)
+
+    def resident_elements(self) -> int:
+        """Elements of whole weights this rank holds now (ZeRO 3: none between steps)."""
+        return sum(t._local_tensor.numel() if isinstance(t, DTensor) else t.numel()
+                   for name, t in self.whole.items()
+                   if name not in self.weights or self.weights[name].present)
+
+    def updates(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` updates this module's chunks."""
+        mine = {id(w.chunk) for w in self.weights.values()}
+        return any(id(p) in mine for group in optimizer.param_groups
+                   for p in group["params"])
