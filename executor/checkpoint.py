@@ -5,11 +5,14 @@ shard is not a replica, so no key may be shared). The files go to `<dir>.partial
 rank 0 renames that to `<dir>` after every rank has finished: a crash mid-save leaves the
 previous checkpoint, never a half-written one. Resuming needs the same plan and ranks.
 The optimizer's tensors are named by `targets` (under ZeRO they are chunks of weights).
+`write` and `read` are the atomic save and the load for any state (the module path's
+checkpoints, which reshard, use them with DTensors).
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -43,6 +46,13 @@ def save(directory: str | Path, params: dict[str, torch.Tensor],
          optimizer: torch.optim.Optimizer, step: int,
          targets: dict[str, torch.Tensor] | None = None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
+    write(directory, _state(params, optimizer, rank, step, targets or params))
+
+
+def write(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """`dcp.save` of `state` into `directory`, atomically (module docstring): every rank
+    calls it with its own tensors (DTensors are saved by their global coordinates)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
     if rank == 0 and partial.exists():
@@ -50,9 +60,7 @@ def save(directory: str | Path, params: dict[str, torch.Tensor],
     _barrier()
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
-    dcp.save(_state(params, optimizer, rank, step, targets or params),
-             checkpoint_id=str(partial),
-             no_dist=not dist.is_initialized())
+    dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     _barrier()
     if rank == 0:
         if final.exists():
@@ -61,29 +69,38 @@ def save(directory: str | Path, params: dict[str, torch.Tensor],
     _barrier()
 
 
-def load(directory: str | Path, params: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer,
-         targets: dict[str, torch.Tensor] | None = None) -> int:
-    """Fill weights and optimizer state in place; return the step the checkpoint was at."""
-    targets = targets if targets is not None else params
+def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """Fill `state`'s tensors in place from the checkpoint in `directory` (DTensors from
+    whatever split they were saved in)."""
+    path = _existing(directory)
+    import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
+
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as exc:  # DCP raises several types for a key or shape it lacks
+        text = str(exc).strip().splitlines()
+        raise ShardplanError(f"{path}: cannot resume from it ("
+                             f"{text[-1] if text else type(exc).__name__}); it was saved "
+                             "from another model or with another optimizer") from exc
+
+
+def _existing(directory: str | Path) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise ShardplanError(f"{path}: no checkpoint there (a .partial one was never finished)"
                              if path.with_name(path.name + ".partial").exists()
                              else f"{path}: no such checkpoint directory")
+    return path
+
+
+def load(directory: str | Path, params: dict[str, torch.Tensor],
+         optimizer: torch.optim.Optimizer,
+         targets: dict[str, torch.Tensor] | None = None) -> int:
+    """Fill weights and optimizer state in place; return the step the checkpoint was at."""
+    targets = targets if targets is not None else params
+    path = _existing(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    # Materialise optimizer state so its tensors exist to be loaded into.
-    for param in targets.values():
-        if param.requires_grad and param not in optimizer.state:
-            param.grad = torch.zeros_like(param)
-    if any(p.grad is not None for p in targets.values()):
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-        optimizer.step()
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
+    materialise_state(optimizer, targets.values())
     state = _state(params, optimizer, rank, 0, targets)
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
@@ -100,6 +117,26 @@ def load(directory: str | Path, params: dict[str, torch.Tensor],
             else:
                 values[key] = type(value)(loaded.item())
     return int(state[f"rank{rank}/step"].item())
+
+
+def materialise_state(optimizer: torch.optim.Optimizer,
+                      params: Iterable[torch.Tensor]) -> None:
+    """Give every parameter its optimizer state (a step at learning rate 0 on zero
+    gradients), so that the state's tensors exist to be loaded into."""
+    touched = False
+    for param in params:
+        if param.requires_grad and param not in optimizer.state:
+            param.grad = torch.zeros_like(param)
+            touched = True
+    if not touched:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _barrier() -> None:

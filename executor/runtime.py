@@ -42,15 +42,19 @@ from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
 @dataclass
 class Counters:
     """Collectives issued by this rank: (kind, axes, phase) -> count. Forward collectives
-    re-issued while a checkpointed segment is recomputed count as phase "recompute"."""
+    re-issued while a checkpointed segment is recomputed count as phase "recompute"; all
+    collectives while `outside_step` is set count under that phase (a checkpoint's)."""
 
     issued: Counter = field(default_factory=Counter)
     received: Counter = field(default_factory=Counter)  # point-to-point, by phase
     recompute_calls: int = 0  # checkpointed segments re-run in the backward pass
     recomputing: bool = False
+    outside_step: str | None = None
 
     def _key(self, kind: str, axes: Sequence[str], phase: str) -> tuple:
-        if self.recomputing and phase == "forward":
+        if self.outside_step:
+            phase = self.outside_step
+        elif self.recomputing and phase == "forward":
             phase = "recompute"
         return kind, tuple(axes), phase
 
@@ -135,7 +139,8 @@ class MeshComm:
         group = self.group(axes)
         if group is None:
             return flat
-        out = torch.empty(flat.numel() // self.mesh.group_size(axes), dtype=flat.dtype)
+        out = torch.empty(flat.numel() // self.mesh.group_size(axes), dtype=flat.dtype,
+                          device=flat.device)
         dist.reduce_scatter_single(out, flat.detach().contiguous(), group=group)
         self.counters.add(CollectiveKind.REDUCE_SCATTER, axes, phase)
         return out
@@ -145,7 +150,8 @@ class MeshComm:
         group = self.group(axes)
         if group is None:
             return chunk
-        out = torch.empty(chunk.numel() * self.mesh.group_size(axes), dtype=chunk.dtype)
+        out = torch.empty(chunk.numel() * self.mesh.group_size(axes), dtype=chunk.dtype,
+                          device=chunk.device)
         dist.all_gather_single(out, chunk.detach().contiguous(), group=group)
         self.counters.add(CollectiveKind.ALL_GATHER, axes, phase)
         return out

@@ -37,7 +37,7 @@ def test_a_micro_batch_draws_its_rows_of_the_whole_batch() -> None:
         out, mask = dropout(rows, 0.3, site, Shift(0, micro))
         assert torch.equal(mask, whole_mask[2 * micro:2 * micro + 2])
         assert torch.equal(out, whole[2 * micro:2 * micro + 2])
-    flat, flat_mask = dropout(x.reshape(24, 5), 0.3, site)  # batch folded into dim 0
+    _, flat_mask = dropout(x.reshape(24, 5), 0.3, site)  # batch folded into dim 0
     _, mask = dropout(x[4:].reshape(12, 5), 0.3, site, Shift(0, 1))
     assert torch.equal(mask, flat_mask[12:])
     assert not torch.equal(mask, flat_mask[:12])

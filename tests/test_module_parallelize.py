@@ -192,6 +192,33 @@ def test_gpt2_zero3_micro_batches_with_dropout_train_as_one_device(tmp_path: Pat
     assert run.differences == []
 
 
+def test_a_checkpoint_resumes_under_another_plan(llama_onnx: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Two AdamW steps under ZeRO 3 with 2 micro-batches, saved with `--checkpoint`, then
+    two more under the tensor-parallel plan (other layouts, no ZeRO) with `--resume`:
+    the four losses are those of one process training four steps."""
+    sharded = _pinned(llama_onnx, zero=3, micro_batches=2).save(tmp_path / "zero3.json")
+    split = plan(llama_onnx, devices=2, batch=BATCH, profile="a100-80g", mode="semi",
+                 strategies=_megatron_strategies(llama_onnx), mesh=(2,))
+    tensor = split.save(tmp_path / "tp.json")
+    saved, first, second = tmp_path / "ckpt", tmp_path / "first.json", tmp_path / "second.json"
+    common = ["--module", LLAMA, "--nproc", "2", "--steps", "2", "--optimizer", "adamw",
+              "--lr", "0.01"]
+    assert main(["run", "--plan", str(sharded), *common, "--checkpoint", str(saved),
+                 "--log-json", str(first)]) == 0
+    assert (saved / ".metadata").exists()
+    assert main(["run", "--plan", str(tensor), *common, "--resume", str(saved),
+                 "--log-json", str(second)]) == 0
+    assert capsys.readouterr().out.count("collectives: as planned") == 2
+    losses = json.loads(first.read_text())["losses"] + json.loads(second.read_text())["losses"]
+    reference = train_module_reference(LLAMA, steps=4, batch_size=BATCH, optimizer="adamw",
+                                       lr=0.01)
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert main(["run", "--plan", str(tensor), *common, "--resume",
+                 str(tmp_path / "absent")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+
+
 def test_an_export_plans_at_any_batch(tmp_path: Path) -> None:
     """The builder's export keeps the batch dim symbolic, so the plan binds the global
     batch it is asked for and keeps the module's parameter names."""

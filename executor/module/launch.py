@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from executor.checkpoint import check_target
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
 from executor.train import RunLog, free_port, issues_per_run
@@ -133,8 +134,19 @@ def make_optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim
     raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where a run starts from and saves to (empty: nowhere), and how often it saves."""
+
+    resume: str = ""
+    save: str = ""
+    every: int = 0  # also save every N steps (0: at the end only)
+
+
 def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: int,
-          lr: float, batch_size: int, backend: str, optimizer_name: str, out: str) -> None:
+          lr: float, batch_size: int, backend: str, optimizer_name: str, out: str,
+          saving: Checkpoints) -> None:
+    from executor.module import state as checkpoints
     from executor.module.counting import CollectiveCount, group_axes
     from executor.module.parallelize import parallelize, state_of
 
@@ -153,7 +165,9 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         axes = group_axes(state.mesh)
         issued: Counter = Counter()
         log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
-        for step in range(steps):
+        done = checkpoints.load(saving.resume, state, optimizer).steps \
+            if saving.resume else 0
+        for step in range(done, done + steps):
             batch = make_batch(step, batch_size)
             started = time.perf_counter()
             loss = state.train_step(loss_fn, batch,
@@ -162,11 +176,15 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
             optimizer.zero_grad()
             log.losses.append(_scalar(loss))
             log.step_time_s.append(time.perf_counter() - started)
+            if saving.save and saving.every and (step + 1) % saving.every == 0:
+                checkpoints.save(saving.save, state, optimizer, step + 1)
+        if saving.save and not (saving.every and (done + steps) % saving.every == 0):
+            checkpoints.save(saving.save, state, optimizer, done + steps)
         if rank == 0:
             issued.update(state.weight_calls)
             log.collectives = {"planned": planned_calls(plan, steps),
-                               "issued": {k: v for k, v in issued.items()
-                                          if not k.endswith(("|loss", "|recompute"))}}
+                               "issued": {k: v for k, v in issued.items() if not k.endswith(
+                                   ("|loss", "|recompute", f"|{checkpoints.PHASE}"))}}
             log.recomputed = state.record.recomputed
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
@@ -178,9 +196,15 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
 
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  batch_size: int | None = None, backend: str = "gloo",
-                 optimizer: str = "sgd") -> ModuleRunLog:
+                 optimizer: str = "sgd", checkpoints: Checkpoints | None = None
+                 ) -> ModuleRunLog:
     """Train the builder's module with `plan` on one process per device: gloo on CPU, or
-    NCCL with one GPU per process. The global batch is the plan's unless given."""
+    NCCL with one GPU per process. The global batch is the plan's unless given. With
+    `checkpoints`, the run starts from a checkpoint saved under any plan of the module
+    (`steps` more steps, the batches continuing from its step) and saves its own."""
+    saving = checkpoints or Checkpoints()
+    if saving.save:
+        check_target(saving.save)
     batch_size = batch_size or plan.global_batch
     if batch_size is None:
         raise ShardplanError("the plan names no global batch: give batch_size")
@@ -198,7 +222,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         try:
             mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
                                             json.dumps(plan.to_json()), steps, lr,
-                                            batch_size, backend, optimizer, out),
+                                            batch_size, backend, optimizer, out, saving),
                                nprocs=plan.mesh.size, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]

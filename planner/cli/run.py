@@ -36,7 +36,8 @@ def add_parser(verbs: Verbs) -> None:
                      help="also save the checkpoint every N steps (atomically): a run killed "
                           "midway resumes from the last one with --resume")
     run.add_argument("--resume", metavar="DIR", default="",
-                     help="start from a checkpoint saved by the same plan")
+                     help="start from a checkpoint saved by the same plan (with --module: "
+                          "by any plan of the module, on any device count)")
     run.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"],
                      help="auto: the model's own scalar loss output if it has one, else "
                           "cross-entropy on the first output")
@@ -55,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
                              ) from None
     loaded = Plan.load(args.plan)
+    if args.checkpoint_every and not args.checkpoint:
+        raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
+    if args.nproc == 1 and (args.checkpoint or args.resume):
+        raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if args.module:
         return _run_module(args, loaded)
     if args.model is None:
@@ -66,10 +71,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
-    if args.checkpoint_every and not args.checkpoint:
-        raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
-    if args.nproc == 1 and (args.checkpoint or args.resume):
-        raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if args.nproc > 1:
         log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
                     optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
@@ -104,15 +105,12 @@ def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> 
 
 def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
     """`run --module`: the user's module parallelized on local ranks (executor.module)."""
-    from executor.module.launch import train_module, train_module_reference
+    from executor.module.launch import Checkpoints, train_module, train_module_reference
 
     if args.model is not None:
         raise ShardplanError(f"give a model file or --module, not both ({args.model}, "
                              f"{args.module})")
-    unsupported = [flag for flag, value in (("--checkpoint", args.checkpoint),
-                                            ("--resume", args.resume), ("--data", args.data),
-                                            ("--checkpoint-every", args.checkpoint_every))
-                   if value]
+    unsupported = ["--data"] if args.data else []
     if args.loss != "auto":
         unsupported.append("--loss")
     if unsupported:
@@ -133,7 +131,9 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
             Path(args.log_json).write_text(json.dumps({"losses": losses}, indent=1) + "\n")
         return 0
     log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
-                       backend=args.backend, optimizer=args.optimizer)
+                       backend=args.backend, optimizer=args.optimizer,
+                       checkpoints=Checkpoints(args.resume, args.checkpoint,
+                                               args.checkpoint_every or 0))
     _report(log, loaded, args.log_json, compared=True)
     return 0
 
