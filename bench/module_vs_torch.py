@@ -2,9 +2,12 @@
 
 Run: python bench/module_vs_torch.py [--steps 6] [--batch 8]
 Model: `examples.hf_models:llama` (transformers LLaMA, 2 layers, hidden 64, GQA), SGD,
-next-token cross-entropy, CPU (gloo), one thread per rank. One table, three rows:
+next-token cross-entropy, CPU (gloo), one thread per rank. One table:
   the module's trace, 1 process (`unsplit`)        vs  torch eager, 1 process
   data-parallel plan, 2 ranks                       vs  torch DDP, 2 processes
+  the same, every op on DTensors (local=False)      vs  torch DDP, 2 processes
+  ZeRO 3 plan, 2 ranks                              vs  torch `fully_shard` (FSDP2) on
+                                                         each decoder layer and the root
   tensor-parallel plan (Megatron's split), 2 ranks  vs  torch `parallelize_module`
                                                          (Colwise q/k/v/gate/up, Rowwise
                                                          o/down), 2 processes
@@ -34,6 +37,7 @@ from executor.module.launch import export_builder, load_builder, train_module  #
 from executor.module.parallelize import unsplit  # noqa: E402
 from executor.train import free_port  # noqa: E402
 from planner.api import load_graph, plan  # noqa: E402
+from planner.plans.model import Plan  # noqa: E402
 
 LLAMA = "examples.hf_models:llama"
 
@@ -66,12 +70,19 @@ def _torch_worker(rank: int, port: int, kind: str, batch: int, steps: int, out: 
                             world_size=2, timeout=datetime.timedelta(seconds=300))
     module, make_batch, loss_fn = load_builder(LLAMA)()
     module.train()
+    def shard(step: int, size: int) -> dict[str, torch.Tensor]:
+        return {k: v.chunk(2)[rank] for k, v in make_batch(step, size).items()}
+
     if kind == "ddp":
         module = torch.nn.parallel.DistributedDataParallel(module)
+        times = _steps(module, shard, loss_fn, batch, steps)
+    elif kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
 
-        def shard(step: int, size: int) -> dict[str, torch.Tensor]:
-            return {k: v.chunk(2)[rank] for k, v in make_batch(step, size).items()}
-
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
         times = _steps(module, shard, loss_fn, batch, steps)
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -111,16 +122,23 @@ def main() -> None:
         path = export_builder(LLAMA, args.batch, Path(scratch) / "llama.onnx")
         data = plan(path, batch=args.batch, devices=2, profile="cpu", mode="data",
                     parallel={"zero": 0})
+        zero3 = plan(path, batch=args.batch, devices=2, profile="cpu", mode="auto",
+                     parallel={"dp": 2, "tp": 1, "pp": 1, "zero": 3})
         tensor = plan(path, batch=args.batch, devices=2, profile="a100-80g", mode="semi",
                       strategies=megatron_strategies(load_graph(path, batch=args.batch)), mesh=(2,))
+    def ours(chosen: Plan, local: bool = True) -> list[float]:
+        return train_module(LLAMA, chosen, steps=args.steps + 1, batch_size=args.batch,
+                            local=local).step_time_s[1:]
+
+    ddp = _torch_ranks("ddp", args.batch, args.steps)
     rows = [
         ("the module's trace, 1 process", traced, "torch eager, 1 process", eager),
-        ("data-parallel plan, 2 ranks",
-         train_module(LLAMA, data, steps=args.steps + 1, batch_size=args.batch).step_time_s[1:],
-         "torch DDP, 2 processes", _torch_ranks("ddp", args.batch, args.steps)),
-        ("tensor-parallel plan, 2 ranks",
-         train_module(LLAMA, tensor, steps=args.steps + 1,
-                      batch_size=args.batch).step_time_s[1:],
+        ("data-parallel plan, 2 ranks", ours(data), "torch DDP, 2 processes", ddp),
+        ("the same, every op on DTensors", ours(data, local=False),
+         "torch DDP, 2 processes", ddp),
+        ("ZeRO 3 plan, 2 ranks", ours(zero3), "torch fully_shard, 2 processes",
+         _torch_ranks("fsdp", args.batch, args.steps)),
+        ("tensor-parallel plan, 2 ranks", ours(tensor),
          "torch parallelize_module, 2 procs", _torch_ranks("tp", args.batch, args.steps)),
     ]
     print(f"LLaMA (2 layers, hidden 64, GQA), batch {args.batch} x seq 16, SGD, CPU/gloo; "

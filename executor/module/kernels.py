@@ -37,13 +37,15 @@ def dropout(x: torch.Tensor, p: float, site: DropoutSite, shift: Shift | None = 
     """`native_dropout`'s (output, keep mask), the mask a hash of each element's place in
     the step's whole tensor (`executor.dropout`): a DTensor's local block of micro-batch
     `shift.micro` draws what one device training the whole batch draws there.
-    `site.offsets` is filled in here from the DTensor's placements and the shift."""
+    A DTensor's `site.offsets` are filled in here from its placements and the shift; a
+    plain tensor is the whole tensor, or the block at `site.offsets` when given."""
     if isinstance(x, DTensor):
         _, found = compute_local_shape_and_global_offset(x.shape, x.device_mesh,
                                                          x.placements)
         offsets, local = list(found), x.to_local()
-    else:
-        offsets, local = [0] * x.dim(), x
+    else:  # a whole tensor, or a local block whose offsets the site gives
+        offsets = list(site.offsets) if len(site.offsets) == x.dim() else [0] * x.dim()
+        local = x
     if shift is not None:
         offsets[shift.dim] += shift.micro * int(x.shape[shift.dim])
     keep = keep_mask(DropoutSite(site.seed, site.step, site.op, tuple(offsets)),

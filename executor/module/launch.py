@@ -145,7 +145,7 @@ class Checkpoints:
 
 def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: int,
           lr: float, batch_size: int, backend: str, optimizer_name: str, out: str,
-          saving: Checkpoints) -> None:
+          saving: Checkpoints, local: bool) -> None:
     from executor.module import state as checkpoints
     from executor.module.counting import CollectiveCount, group_axes
     from executor.module.parallelize import parallelize, state_of
@@ -159,7 +159,7 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
         plan = Plan.from_json(json.loads(plan_json))
         module, make_batch, loss_fn = load_builder(spec)()
         module.train()
-        module = parallelize(module, plan, make_batch(0, batch_size))
+        module = parallelize(module, plan, make_batch(0, batch_size), local=local)
         state = state_of(module)
         optimizer = make_optimizer(optimizer_name, module, lr)
         axes = group_axes(state.mesh)
@@ -196,12 +196,13 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
 
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  batch_size: int | None = None, backend: str = "gloo",
-                 optimizer: str = "sgd", checkpoints: Checkpoints | None = None
-                 ) -> ModuleRunLog:
+                 optimizer: str = "sgd", checkpoints: Checkpoints | None = None,
+                 local: bool = True) -> ModuleRunLog:
     """Train the builder's module with `plan` on one process per device: gloo on CPU, or
     NCCL with one GPU per process. The global batch is the plan's unless given. With
     `checkpoints`, the run starts from a checkpoint saved under any plan of the module
-    (`steps` more steps, the batches continuing from its step) and saves its own."""
+    (`steps` more steps, the batches continuing from its step) and saves its own.
+    `local=False` runs every op on DTensors (`executor.parallelize`'s `local`)."""
     saving = checkpoints or Checkpoints()
     if saving.save:
         check_target(saving.save)
@@ -222,7 +223,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         try:
             mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
                                             json.dumps(plan.to_json()), steps, lr,
-                                            batch_size, backend, optimizer, out, saving),
+                                            batch_size, backend, optimizer, out, saving,
+                                            local),
                                nprocs=plan.mesh.size, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]

@@ -287,10 +287,11 @@ def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 
 
 
 def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tensor],
-                seed: int = 0) -> nn.Module:
+                seed: int = 0, local: bool = True) -> nn.Module:
     """`module`, trained from now on as `plan` says (module docstring). `example` is one
     global batch as the keyword inputs of `module`'s forward; `seed` the dropout draws'
-    (the same on every rank, and in `unsplit`)."""
+    (the same on every rank, and in `unsplit`). `local=False` runs every op on DTensors,
+    also those the plan leaves as data parallelism would (`executor.module.local`)."""
     if not dist.is_initialized():
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
@@ -320,7 +321,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     # the trace holds the whole copies (ZeRO 3: without storage), not the module's own
     trace.share_parameters({alias: weights.whole[name] for alias, name in reads.items()})
     state = ParallelModule(
-        plan, mesh, ModulePlan.of(graph, layouts, plan.mesh, weights, reads), comm, trace,
+        plan, mesh, ModulePlan.of(graph, layouts, plan.mesh, weights, reads, dist.get_rank(),
+                      local), comm, trace,
         {name: placements(layouts.inputs[name], plan.mesh, f"input {name}")
          for name in user_inputs}, seed=seed)
     if plan.parallel.zero in (1, 2):

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -27,7 +28,9 @@ from executor.dropout import DropoutSite
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout
 from executor.module.layouts import ModuleLayouts
+from executor.module.local import LocalPlan, is_size, symbolic_dim
 from executor.module.weights import WeightSync, in_backward
+from planner.errors import ShardplanError
 from planner.sharding.convert import to_placements
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -140,14 +143,15 @@ class TracedRun(Interpreter):
         return self.call(n, args, kwargs)
 
 
-def _batch_dim(node: Node) -> int:
+def _batch_dim(node: Node) -> int | None:
     """The first dim of a traced value whose size is symbolic (the batch's, or a product
-    with it: the export makes only the batch dim symbolic); 0 when none is."""
+    with it: the export makes only the batch dim symbolic); None when none is (such a
+    tensor is the same in every micro-batch)."""
     value = node.meta.get("val")
     for dim, size in enumerate(getattr(value, "shape", ())):
         if isinstance(size, torch.SymInt):
             return dim
-    return 0
+    return None
 
 
 def run_unsplit(graph: GraphModule, flat_inputs: Sequence[torch.Tensor], seed: int,
@@ -178,12 +182,17 @@ class ModulePlan:
     reads: Mapping[str, str]  # get_attr target -> the plan's name of the weight
     spans: Mapping[str, int]  # first node of a recompute segment -> its length in nodes
     release: Mapping[str, tuple[str, ...]]  # node -> weights it is the last reader of
+    local: LocalPlan  # the ops that run on local tensors (`executor.module.local`)
+    batch_index: int  # this rank's block of the batch
     _placements: dict[tuple[str, Layout], tuple[Placement, ...]] = field(
         default_factory=dict)
 
     @classmethod
     def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
-           weights: WeightSync, reads: Mapping[str, str]) -> ModulePlan:
+           weights: WeightSync, reads: Mapping[str, str], rank: int,
+           local: bool = True) -> ModulePlan:
+        """`local=False` runs every op on DTensors (the path the local ops are checked
+        against)."""
         nodes = list(graph.graph.nodes)
         place = {n.name: k for k, n in enumerate(nodes)}
         spans = {seg[0]: place[seg[-1]] - place[seg[0]] + 1 for seg in layouts.recompute}
@@ -196,8 +205,14 @@ class ModulePlan:
         release: dict[str, list[str]] = {}
         for name, index in last.items():
             release.setdefault(nodes[index].name, []).append(name)
+        found = LocalPlan.of(graph, layouts, mesh, reads) if local else LocalPlan((), 1,
+                                                                                  frozenset())
+        coord = dict(zip(mesh.axis_names, np.unravel_index(rank, mesh.shape), strict=True))
+        index = 0
+        for axis in found.batch_axes:
+            index = index * mesh.axis_size(axis) + int(coord[axis])
         return cls(layouts, mesh, weights, reads, spans,
-                   {k: tuple(v) for k, v in release.items()})
+                   {k: tuple(v) for k, v in release.items()}, found, index)
 
     def placements(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         key = (name, layout)
@@ -230,7 +245,7 @@ class PlannedRun(TracedRun):
         self.plan, self.mesh, self.record = plan, mesh, record
         self.layouts, self.plan_mesh = plan.layouts, plan.mesh
         self.micro = micro  # this micro-batch's place in the step
-        self._moved: dict[str, dict[Layout, DTensor]] = {}
+        self.frame = _Frame()
 
     def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         return self.plan.placements(name, layout)
@@ -245,8 +260,11 @@ class PlannedRun(TracedRun):
         the dim of the dropped tensor that scales with the batch (dim 0 for attention)."""
         if not self.micro:
             return None
-        source = n.args[0] if n.target is _DROPOUT else None
-        return Shift(_batch_dim(source) if isinstance(source, Node) else 0, self.micro)
+        if n.target is not _DROPOUT:
+            return Shift(0, self.micro)  # attention: [batch, heads, rows, columns]
+        source = n.args[0]
+        dim = _batch_dim(source) if isinstance(source, Node) else None
+        return Shift(dim, self.micro) if dim is not None else None
 
     def run(self, *args: Any, initial_env: Any = None, enable_io_processing: bool = True
             ) -> Any:
@@ -271,11 +289,11 @@ class PlannedRun(TracedRun):
                     self.plan.weights.release(self.plan.release.get(finished.name, ()))
                     for dead in self.user_to_last_uses.get(finished, []):
                         self.env.pop(dead, None)
-                        self._moved.pop(dead.name, None)
+                        self.frame.forget(dead)
                 if node.op == "output":
                     return self.graph.process_outputs(self.env[node])
         finally:
-            self.env, self._moved = {}, {}
+            self.env, self.frame = {}, _Frame()
         raise AssertionError("a traced graph ends in its output node")
 
     def _checkpointed(self, segment: Sequence[Node], after: Sequence[Node]) -> None:
@@ -289,37 +307,48 @@ class PlannedRun(TracedRun):
         produced = [n for n in segment if n in later]
         tensors = [a for a in needed if isinstance(self.env[a], torch.Tensor)]
         others = {a: self.env[a] for a in needed if a not in tensors}
+        entry = self.frame.part(needed)
+        leaving: list[_Frame] = []
 
         def body(*values: torch.Tensor) -> tuple[Any, ...]:
-            outer, moved = self.env, self._moved
+            outer, frame = self.env, self.frame
             self.env = {**others, **dict(zip(tensors, values, strict=True))}
-            self._moved = {}
+            self.frame = entry.part(needed)
             again = in_backward()
             self.record.recomputed += again
             try:
                 with recomputing(again):
                     for n in segment:
                         self.env[n] = self.run_node(n)
+                if not again:
+                    leaving.append(self.frame.part(produced))
                 return tuple(self.env[n] for n in produced)
             finally:
-                self.env, self._moved = outer, moved
+                self.env, self.frame = outer, frame
 
         results = checkpoint(body, *(self.env[a] for a in tensors), use_reentrant=False)
         self.env.update(zip(produced, results, strict=True))
+        self.frame.absorb(leaving[0])
 
     def run_node(self, n: Node) -> Any:
+        if n.op == "output":
+            return map_arg(n.args[0], self._as_dtensor)  # the loss sees global values
         if n.op != "call_function":
             return super().run_node(n)
+        if is_size(n):
+            return self._size(n)
+        if n.name in self.plan.local.nodes:
+            return self._run_local(n)
         planned = self.layouts.nodes.get(n.name)
 
         def load(arg: Node) -> Any:
-            value = self.env[arg]
+            value = self._as_dtensor(arg)
             if planned is None or not isinstance(value, DTensor):
                 return value
             layout = planned.inputs.get(arg.name)
             if layout is None:
                 return value
-            held = self._moved.setdefault(arg.name, {})
+            held = self.frame.moved.setdefault(arg, {})
             if layout not in held:  # reads of one value in one layout share one move
                 wanted = self._wanted(arg.name, layout)
                 moved = value if _normalised(value, wanted) else value.redistribute(
@@ -346,6 +375,145 @@ class PlannedRun(TracedRun):
                 self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = result.redistribute(self.mesh, wanted)
         return result
+
+    # -- ops on local tensors (executor.module.local) -------------------------------------
+
+    def _natural(self, node: Node) -> tuple[Placement, ...]:
+        value = node.meta["val"]
+        layout = self.plan.local.natural(value)
+        assert layout is not None
+        return self._wanted(node.name, layout)
+
+    def _as_dtensor(self, node: Node) -> Any:
+        """A local value as the DTensor it is a block of (its natural layout), once."""
+        frame = self.frame
+        if node not in frame.held_local:
+            return self.env[node]
+        if node not in frame.dtensors:
+            local = self.env[node]
+            if not isinstance(local, torch.Tensor):
+                raise ShardplanError(f"{node.name}: a local {type(local).__name__} read by "
+                                     "a DTensor op")
+            frame.dtensors[node] = DTensor.from_local(local, self.mesh, self._natural(node),
+                                                      run_check=False)
+        return frame.dtensors[node]
+
+    def _as_local(self, node: Node) -> Any:
+        """What a local op reads for `node`: its local block (a DTensor's, once), its local
+        size, or a value the same on every rank."""
+        frame = self.frame
+        value = self.env[node]
+        if node in frame.held_local:
+            return value
+        if node in frame.sizes:
+            return frame.sizes[node]
+        if isinstance(value, DTensor):
+            if node not in frame.locals:
+                frame.locals[node] = self._block(node, value)
+            return frame.locals[node]
+        if isinstance(value, torch.Tensor):  # a whole tensor the graph made: take the block
+            natural = self.plan.local.natural(node.meta["val"])
+            assert natural is not None
+            for dim, axes in enumerate(natural.dims):
+                if axes:
+                    return value.chunk(self.plan.local.degree, dim)[self.plan.batch_index]
+        return value
+
+    def _block(self, node: Node, value: DTensor) -> torch.Tensor:
+        wanted = self._natural(node)
+        if not _normalised(value, wanted):
+            self.record.unplanned[f"{node.name}: {value.placements} -> {wanted}"] += 1
+            value = value.redistribute(self.mesh, wanted)
+        if not value.requires_grad:
+            return value.to_local()
+        if all(isinstance(p, Replicate) for p in wanted) and self.plan.local.batch_axes:
+            # read by an op on this rank's rows: its gradient is this rank's share
+            names = self.plan_mesh.axis_names
+            grads = tuple(Partial() if names[d] in self.plan.local.batch_axes else p
+                          for d, p in enumerate(wanted))
+            return value.to_local(grad_placements=grads)
+        return value.to_local()
+
+    def _size(self, n: Node) -> Any:
+        """A size: the global one (what DTensor ops read) and, where it differs, the local
+        one (what local ops read)."""
+        args: Any
+        kwargs: Any
+        args, kwargs = map_arg((n.args, n.kwargs), self._as_dtensor)
+        assert callable(n.target)
+        value = n.target(*args, **kwargs)
+        local_args: Any
+        local_kwargs: Any
+        local_args, local_kwargs = map_arg((n.args, n.kwargs), self._size_input)
+        local = n.target(*local_args, **local_kwargs)
+        if local != value:
+            self.frame.sizes[n] = local
+        return value
+
+    def _size_input(self, node: Node) -> Any:
+        value = self.env[node]
+        if node in self.frame.sizes:
+            return self.frame.sizes[node]
+        if isinstance(value, DTensor):
+            return value._local_tensor
+        return value
+
+    def _run_local(self, n: Node) -> Any:
+        args: Any
+        kwargs: Any
+        args, kwargs = map_arg((n.args, n.kwargs), self._as_local)
+        assert callable(n.target)
+        if n.target is _DROPOUT and len(args) > 2 and args[2] and args[1] > 0:
+            result: Any = dropout(args[0], float(args[1]), self._local_site(n, args[0]))
+        elif n.target is _SDPA and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
+            p = float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+            result = attention_math(*args, **kwargs, drop=lambda t: dropout(
+                t, p, self._local_site(n, t, dim=0))[0])
+        else:
+            result = n.target(*args, **kwargs)
+        self.frame.held_local.add(n)
+        return result
+
+    def _local_site(self, n: Node, block: torch.Tensor, dim: int | None = None
+                    ) -> DropoutSite:
+        """The dropout draw of this rank's block: its rows' place in the step's batch."""
+        offsets = [0] * block.dim()
+        source = n.args[0] if dim is None else None
+        if dim is None and isinstance(source, Node):
+            found = symbolic_dim(source.meta["val"])
+            dim = found if found is not None and found >= 0 else None
+        if (dim is not None and self.plan.local.batch_axes) or self.micro:
+            d = dim if dim is not None else 0
+            rows = int(block.shape[d])
+            offsets[d] = (self.plan.batch_index + self.micro * self.plan.local.degree) * rows
+        return DropoutSite(self.seed, self.step, self.index[n.name], tuple(offsets))
+
+
+@dataclass
+class _Frame:
+    """A run's per-value state: which values are local blocks (`executor.module.local`),
+    their DTensor forms, the local blocks of DTensors, local sizes, and the moves made."""
+
+    held_local: set[Node] = field(default_factory=set)
+    dtensors: dict[Node, DTensor] = field(default_factory=dict)
+    locals: dict[Node, torch.Tensor] = field(default_factory=dict)
+    sizes: dict[Node, Any] = field(default_factory=dict)
+    moved: dict[Node, dict[Layout, DTensor]] = field(default_factory=dict)
+
+    def forget(self, node: Node) -> None:
+        self.held_local.discard(node)
+        for table in (self.dtensors, self.locals, self.sizes, self.moved):
+            table.pop(node, None)  # type: ignore[attr-defined]
+
+    def part(self, nodes: Sequence[Node]) -> _Frame:
+        """What this frame knows of `nodes` (a segment's inputs or outputs)."""
+        keep = set(nodes)
+        return _Frame({n for n in self.held_local if n in keep},
+                      sizes={n: v for n, v in self.sizes.items() if n in keep})
+
+    def absorb(self, other: _Frame) -> None:
+        self.held_local |= other.held_local
+        self.sizes.update(other.sizes)
 
 
 def run_planned(graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
