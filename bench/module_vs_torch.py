@@ -80,7 +80,8 @@ def _torch_worker(rank: int, port: int, kind: str, batch: int, steps: int, out: 
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (2,))
-        for layer in module.model.layers:
+        for layer in [m for m in module.modules()
+                      if type(m).__name__.endswith("DecoderLayer")]:
             fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
         times = _steps(module, shard, loss_fn, batch, steps)

@@ -98,7 +98,7 @@ class LocalPlan:
                     held[node] = Layout.replicated(value.dim()) if isinstance(
                         value, torch.Tensor) else None
             elif node.op == "call_function" and not is_size(node):
-                if plan._runs_locally(node, layouts, held, local):
+                if plan._runs_locally(node, layouts, held, local, made):
                     local.add(node.name)
                     held[node] = plan.natural(value) if isinstance(
                         value, torch.Tensor) else None
@@ -112,7 +112,8 @@ class LocalPlan:
         return cls(batch_axes, plan.degree, frozenset(local))
 
     def _runs_locally(self, node: Node, layouts: ModuleLayouts,
-                      held: Mapping[Node, Layout | None], local: set[str]) -> bool:
+                      held: Mapping[Node, Layout | None], local: set[str],
+                      made: set[Node]) -> bool:
         entry = layouts.nodes.get(node.name)
         if entry is not None and entry.reduced:
             return False  # the plan reduces a gradient here: a DTensor op issues it
@@ -149,7 +150,8 @@ class LocalPlan:
                 return False
             natural = self.natural(val)
             read = entry.inputs.get(arg.name) if entry is not None else None
-            if natural is None or held.get(arg) != natural or (
-                    read is not None and read != natural):
+            if natural is None or (read is not None and read != natural):
                 return False
+            if arg not in made and held.get(arg) != natural:
+                return False  # (a whole tensor the graph made is cut to this rank's rows)
         return True

@@ -91,6 +91,53 @@ class _GradientIn(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _Split(torch.autograd.Function):
+    """A replicated value cut to this rank's block along one dim (no communication), its
+    gradient a pending sum (this rank's block, zeros elsewhere) as the plan prices it:
+    DTensor's own move would all-gather the gradient back in the backward pass, a
+    collective the plan does not list (the sum is made later, at the weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, mesh: TorchMesh, wanted: tuple[Placement, ...],
+                axis: int) -> DTensor:
+        ctx.mesh, ctx.axis, ctx.placements = mesh, axis, value.placements
+        ctx.local_shape, ctx.shape, ctx.stride = value._local_tensor.shape, value.shape, \
+            value.stride()
+        return value.redistribute(mesh, wanted)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
+        split = grad.placements[ctx.axis]
+        assert isinstance(split, Shard)
+        dim = split.dim if split.dim >= 0 else split.dim + grad.ndim
+        local = grad.to_local()
+        whole = local.new_zeros(ctx.local_shape)
+        block = local.shape[dim]
+        start = ctx.mesh.get_local_rank(ctx.axis) * block
+        whole.narrow(dim, start, block).copy_(local)
+        done = list(grad.placements)
+        done[ctx.axis] = Partial()
+        return DTensor.from_local(whole, ctx.mesh, done, shape=ctx.shape, stride=ctx.stride,
+                                  run_check=False), None, None, None
+
+
+def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
+    """The one mesh dim along which `wanted` only cuts a replicated `value` (no other
+    mesh dim changing or cutting that tensor dim), else None."""
+    changed = [i for i, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
+               if have != want]
+    if len(changed) != 1:
+        return None
+    axis = changed[0]
+    want = wanted[axis]
+    if not (isinstance(value.placements[axis], Replicate) and isinstance(want, Shard)):
+        return None
+    dim = want.dim if want.dim >= 0 else want.dim + value.ndim
+    others = [p for i, p in enumerate(wanted) if i != axis and isinstance(p, Shard) and
+              (p.dim if p.dim >= 0 else p.dim + value.ndim) == dim]
+    return None if others else axis
+
+
 def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
@@ -351,8 +398,7 @@ class PlannedRun(TracedRun):
             held = self.frame.moved.setdefault(arg, {})
             if layout not in held:  # reads of one value in one layout share one move
                 wanted = self._wanted(arg.name, layout)
-                moved = value if _normalised(value, wanted) else value.redistribute(
-                    self.mesh, wanted)
+                moved = value if _normalised(value, wanted) else self._move(value, wanted)
                 axes = planned.reduced.get(arg.name, ())
                 dims = tuple(self.plan_mesh.axis_names.index(a) for a in axes)
                 held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims) \
@@ -375,6 +421,13 @@ class PlannedRun(TracedRun):
                 self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = result.redistribute(self.mesh, wanted)
         return result
+
+    def _move(self, value: DTensor, wanted: tuple[Placement, ...]) -> DTensor:
+        axis = _split_axis(value, wanted) if value.requires_grad else None
+        if axis is None:
+            return value.redistribute(self.mesh, wanted)
+        moved: DTensor = _Split.apply(value, self.mesh, wanted, axis)
+        return moved
 
     # -- ops on local tensors (executor.module.local) -------------------------------------
 
