@@ -11,6 +11,12 @@
    correlation of the two orders and the median relative error.
 
     python bench/fidelity.py [--steps 6] [--profile local.json] [--layers 2 --hidden 256]
+    python bench/fidelity.py --module [--steps 6] [--profile local.json]
+
+`--module` measures the user-module path instead (`executor.parallelize` on a transformers
+LLaMA of hidden 256, `examples.hf_models:llama_medium`, through `train_module`), under the
+nine plans of it that path runs (no pipeline stages): data and tensor parallel, the
+automatic plan at pp=1, ZeRO 1, 2 and 3, full and selective recompute, 4 micro-batches.
 
 The executor interprets the graph op by op in torch, so measured times include its
 per-op overhead, which the cost model does not price (it predicts the device's time):
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,9 +59,55 @@ STRATEGIES: list[tuple[str, dict]] = [
 ]
 
 
+MODULE = "examples.hf_models:llama_medium"
+MODULE_STRATEGIES: list[tuple[str, dict]] = [
+    ("data parallel", {"mode": "data", "parallel": {"zero": 0}}),
+    ("tensor parallel (Megatron pins)", {"mode": "semi", "mesh": (2,)}),
+    ("automatic, pp=1", {"parallel": {"pp": 1}}),
+    ("data parallel, ZeRO-1", {"parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 1}}),
+    ("data parallel, ZeRO-2", {"parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 2}}),
+    ("data parallel, ZeRO-3", {"parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 3}}),
+    ("data parallel, full recompute", {"parallel": {"dp": 2, "tp": 1, "pp": 1,
+                                                    "recompute": "full"}}),
+    ("data parallel, selective recompute", {"parallel": {"dp": 2, "tp": 1, "pp": 1,
+                                                         "recompute": "selective"}}),
+    ("data parallel, 4 micro-batches", {"parallel": {"dp": 2, "tp": 1, "pp": 1,
+                                                     "micro_batches": 4}}),
+]
+
+
 def measure(model: Path, chosen, steps: int) -> float:
     log = train(model, chosen, steps=steps, optimizer="adamw", lr=0.001)
     return statistics.median(log.step_time_s[1:])
+
+
+def measure_module(chosen, steps: int, batch: int) -> float:
+    from executor.module.launch import train_module
+
+    log = train_module(MODULE, chosen, steps=steps, optimizer="adamw", lr=0.001,
+                       batch_size=batch)
+    return statistics.median(log.step_time_s[1:])
+
+
+def module_rows(profile: Path, steps: int, batch: int, scratch: Path
+                ) -> list[tuple[str, dict]]:
+    """The module path's plans of `MODULE` (exported at `batch` into `scratch`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
+    from examples.hf_models import megatron_strategies
+    from executor.module.launch import export_builder
+    from planner.api import load_graph
+
+    model = export_builder(MODULE, batch, scratch / "llama.onnx")
+    pins = megatron_strategies(load_graph(model, batch=batch))
+    print(f"model: {MODULE} (transformers LLaMA, 2 layers, hidden 256, vocab 2048); batch "
+          f"{batch} × 64 tokens; 2 gloo ranks; median of {steps - 1} steps after one "
+          "warm-up")
+    plans = []
+    for name, settings in MODULE_STRATEGIES:
+        extra = {"strategies": pins} if settings.get("mode") == "semi" else {}
+        plans.append((name, plan(model, profile=str(profile), devices=2, batch=batch,
+                                 **settings, **extra)))
+    return plans
 
 
 def main() -> None:
@@ -65,6 +118,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--module", action="store_true",
+                        help="measure executor.parallelize on a transformers LLaMA")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
@@ -73,17 +128,23 @@ def main() -> None:
         if not args.profile:
             calibrate(nproc=2, output=profile)
             print(f"calibrated this machine in {time.perf_counter() - started:.0f} s")
-        model = scratch / "gpt.onnx"
-        onnx.save(zoo.build("gpt", layers=args.layers, hidden=args.hidden, heads=8,
-                            vocab=2048, max_positions=args.seq, with_weights=True), model)
-        print(f"model: zoo GPT, {args.layers} layers, hidden {args.hidden}, vocab 2048; "
-              f"batch {args.batch} × {args.seq} tokens; 2 gloo ranks; median of "
-              f"{args.steps - 1} steps after one warm-up")
+        if args.module:
+            plans = module_rows(profile, args.steps, args.batch, scratch)
+        else:
+            model = scratch / "gpt.onnx"
+            onnx.save(zoo.build("gpt", layers=args.layers, hidden=args.hidden, heads=8,
+                                vocab=2048, max_positions=args.seq, with_weights=True),
+                      model)
+            print(f"model: zoo GPT, {args.layers} layers, hidden {args.hidden}, vocab "
+                  f"2048; batch {args.batch} × {args.seq} tokens; 2 gloo ranks; median of "
+                  f"{args.steps - 1} steps after one warm-up")
+            plans = [(name, plan(model, profile=str(profile), devices=2, batch=args.batch,
+                                 dims={"seq": args.seq}, **settings))
+                     for name, settings in STRATEGIES]
         rows = []
-        for name, settings in STRATEGIES:
-            chosen = plan(model, profile=str(profile), devices=2, batch=args.batch,
-                          dims={"seq": args.seq}, **settings)
-            measured = measure(model, chosen, args.steps)
+        for name, chosen in plans:
+            measured = measure_module(chosen, args.steps, args.batch) if args.module \
+                else measure(model, chosen, args.steps)
             par = chosen.parallel
             config = (f"dp={par.dp} tp={par.tp} pp={par.pp} mb={par.micro_batches} "
                       f"zero={par.zero} rc={par.recompute}")

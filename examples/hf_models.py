@@ -60,6 +60,23 @@ def llama() -> Example:
     return LogitsOnly(transformers.LlamaForCausalLM(config)), token_batch, next_token_loss
 
 
+def llama_medium() -> Example:
+    """A 2-layer LLaMA of hidden 256 (8 query heads, 4 key/value heads) on 64-token rows:
+    large enough that a step's kernels, not per-op overheads, are most of its time on one
+    CPU core (`bench/fidelity.py --module`)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+        use_cache=False)
+
+    def batch(step: int, batch_size: int) -> Batch:
+        generator = torch.Generator().manual_seed(1000 + step)
+        return {"input_ids": torch.randint(0, 2048, (batch_size, 64), generator=generator)}
+
+    return LogitsOnly(transformers.LlamaForCausalLM(config)), batch, next_token_loss
+
+
 def gpt2() -> Example:
     """A 2-layer GPT-2 (transformers' Conv1D projections; dropout 0.1 as GPT-2 trains)."""
     torch.manual_seed(0)

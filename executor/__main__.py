@@ -1,8 +1,11 @@
 """`torchrun --nproc-per-node N -m executor MODEL --plan plan.json [--steps K] ...`
+and `torchrun --nproc-per-node N -m executor --module FILE.py:FN --plan plan.json ...`
 
-The same run as `shardplan run`, with the ranks started by torchrun (single- or
-multi-node): rendezvous through torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT). Rank 0 prints the losses and writes `--log-json`.
+The same runs as `shardplan run` (the ONNX graph, or your module through
+`executor.parallelize`), with the ranks started by torchrun (single- or multi-node):
+rendezvous through torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+Rank 0 prints the losses (and for a module whether the collectives were the plan's) and
+writes `--log-json`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from planner.errors import ShardplanError
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__.splitlines()[0])
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--module", default="", help="FILE.py:FN or MODULE:FN, the builder")
     parser.add_argument("--plan", required=True)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
@@ -33,9 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m executor: start it with torchrun (RANK and WORLD_SIZE are not set), "
               "or use `shardplan run`", file=sys.stderr)
         return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if bool(args.module) == bool(args.model):
+        print("python -m executor: give MODEL.onnx or --module FILE.py:FN (one of them)",
+              file=sys.stderr)
+        return 2
+    if args.module:
+        return _module(rank, world, args)
     from executor.train import RunSettings, run_rank
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     settings = RunSettings(args.model, args.plan, args.steps, args.lr, args.seed,
                            args.optimizer, args.log_json, resume=args.resume,
                            checkpoint=args.checkpoint, loss=args.loss, data=args.data,
@@ -48,6 +59,34 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         for step, loss in enumerate(log.losses):
             print(f"step {step + 1}: loss {loss:.6f}")
+    return 0
+
+
+def _module(rank: int, world: int, args: argparse.Namespace) -> int:
+    """The module path's run on this rank (`executor.module.launch.run_module_rank`)."""
+    import json
+
+    from executor.module.launch import Checkpoints, ModuleRun, run_module_rank
+    from planner.plans.model import Plan
+
+    try:
+        plan = Plan.load(args.plan)
+        if plan.global_batch is None:
+            raise ShardplanError(f"{args.plan} names no global batch")
+        run = ModuleRun(args.module, json.dumps(plan.to_json()), args.steps, args.lr,
+                        plan.global_batch, args.backend, args.optimizer,
+                        Checkpoints(args.resume, args.checkpoint, args.checkpoint_every))
+        log = run_module_rank(rank, world, "env://", run)
+    except ShardplanError as exc:
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if rank == 0:
+        for step, loss in enumerate(log.losses):
+            print(f"step {step + 1}: loss {loss:.6f}")
+        print(log.verdict)
+        if args.log_json:
+            with open(args.log_json, "w") as out:
+                json.dump(log.to_json(), out, indent=1)
     return 0
 
 

@@ -72,7 +72,7 @@ def write(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
 def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
     """Fill `state`'s tensors in place from the checkpoint in `directory` (DTensors from
     whatever split they were saved in)."""
-    path = _existing(directory)
+    path = existing(directory)
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
     try:
@@ -84,7 +84,8 @@ def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
                              "from another model or with another optimizer") from exc
 
 
-def _existing(directory: str | Path) -> Path:
+def existing(directory: str | Path) -> Path:
+    """The checkpoint folder `directory`, or one error saying why it is not one."""
     path = Path(directory)
     if not path.is_dir():
         raise ShardplanError(f"{path}: no checkpoint there (a .partial one was never finished)"
@@ -98,7 +99,7 @@ def load(directory: str | Path, params: dict[str, torch.Tensor],
          targets: dict[str, torch.Tensor] | None = None) -> int:
     """Fill weights and optimizer state in place; return the step the checkpoint was at."""
     targets = targets if targets is not None else params
-    path = _existing(directory)
+    path = existing(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     materialise_state(optimizer, targets.values())
     state = _state(params, optimizer, rank, 0, targets)

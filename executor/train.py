@@ -56,6 +56,13 @@ class RunLog:
                 "collectives": self.collectives, "ranks": self.ranks}
 
     @property
+    def verdict(self) -> str:
+        """One line: "collectives: as planned", or each difference from the plan."""
+        differences = self.differences
+        return "collectives: as planned" if not differences else \
+            "collectives differ from the plan: " + ", ".join(differences)
+
+    @property
     def differences(self) -> list[str]:
         """Each "kind|axes|phase planned P issued I" where the run's collectives
         ("issued") differ from the plan's ("planned")."""

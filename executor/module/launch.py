@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from executor.checkpoint import check_target
+from executor.checkpoint import check_target, existing
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
 from executor.train import RunLog, free_port, issues_per_run
@@ -143,32 +143,50 @@ class Checkpoints:
     every: int = 0  # also save every N steps (0: at the end only)
 
 
-def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: int,
-          lr: float, batch_size: int, backend: str, optimizer_name: str, out: str,
-          saving: Checkpoints, local: bool) -> None:
+@dataclass(frozen=True)
+class ModuleRun:
+    """One training run of a builder's module with a plan, as every rank starts it."""
+
+    spec: str
+    plan_json: str
+    steps: int
+    lr: float
+    batch_size: int
+    backend: str = "gloo"
+    optimizer: str = "sgd"
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    local: bool = True
+
+
+def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
+                    ) -> ModuleRunLog:
+    """Join the process group (`init_method`: a TCP address, or "env://" under torchrun),
+    parallelize the module, train it; rank 0's log also holds the collectives."""
     from executor.module import state as checkpoints
     from executor.module.counting import CollectiveCount, group_axes
     from executor.module.parallelize import parallelize, state_of
 
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if run.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(run.backend, init_method=init_method, rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=5))
+    saving = run.checkpoints
     try:
-        plan = Plan.from_json(json.loads(plan_json))
-        module, make_batch, loss_fn = load_builder(spec)()
+        plan = Plan.from_json(json.loads(run.plan_json))
+        module, make_batch, loss_fn = load_builder(run.spec)()
         module.train()
-        module = parallelize(module, plan, make_batch(0, batch_size), local=local)
+        module = parallelize(module, plan, make_batch(0, run.batch_size), local=run.local)
         state = state_of(module)
-        optimizer = make_optimizer(optimizer_name, module, lr)
+        optimizer = make_optimizer(run.optimizer, module, run.lr)
         axes = group_axes(state.mesh)
         issued: Counter = Counter()
         log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
         done = checkpoints.load(saving.resume, state, optimizer).steps \
             if saving.resume else 0
-        for step in range(done, done + steps):
-            batch = make_batch(step, batch_size)
+        for step in range(done, done + run.steps):
+            batch = make_batch(step, run.batch_size)
             started = time.perf_counter()
             loss = state.train_step(loss_fn, batch,
                                     lambda phase: CollectiveCount(issued, axes, phase))
@@ -178,20 +196,26 @@ def _rank(rank: int, world: int, port: int, spec: str, plan_json: str, steps: in
             log.step_time_s.append(time.perf_counter() - started)
             if saving.save and saving.every and (step + 1) % saving.every == 0:
                 checkpoints.save(saving.save, state, optimizer, step + 1)
-        if saving.save and not (saving.every and (done + steps) % saving.every == 0):
-            checkpoints.save(saving.save, state, optimizer, done + steps)
+        if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
+            checkpoints.save(saving.save, state, optimizer, done + run.steps)
         if rank == 0:
             issued.update(state.weight_calls)
-            log.collectives = {"planned": planned_calls(plan, steps),
+            log.collectives = {"planned": planned_calls(plan, run.steps),
                                "issued": {k: v for k, v in issued.items() if not k.endswith(
                                    ("|loss", "|recompute", f"|{checkpoints.PHASE}"))}}
             log.recomputed = state.record.recomputed
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
             log.unplanned = dict(state.record.unplanned)
-            Path(out).write_text(json.dumps(log.to_json()))
+        return log
     finally:
         dist.destroy_process_group()
+
+
+def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
+    log = run_module_rank(rank, world, f"tcp://127.0.0.1:{port}", run)
+    if rank == 0:
+        Path(out).write_text(json.dumps(log.to_json()))
 
 
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
@@ -206,6 +230,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     saving = checkpoints or Checkpoints()
     if saving.save:
         check_target(saving.save)
+    if saving.resume:
+        existing(saving.resume)  # before any rank starts
     batch_size = batch_size or plan.global_batch
     if batch_size is None:
         raise ShardplanError("the plan names no global batch: give batch_size")
@@ -221,10 +247,9 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         try:
-            mp.start_processes(_rank, args=(plan.mesh.size, free_port(), spec,
-                                            json.dumps(plan.to_json()), steps, lr,
-                                            batch_size, backend, optimizer, out, saving,
-                                            local),
+            run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
+                            backend, optimizer, saving, local)
+            mp.start_processes(_rank, args=(plan.mesh.size, free_port(), run, out),
                                nprocs=plan.mesh.size, start_method="spawn")
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]

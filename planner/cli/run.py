@@ -96,9 +96,7 @@ def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> 
     print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
           f"{loaded.cluster.profile}")
     if compared:
-        differences = log.differences
-        print("collectives: as planned" if not differences else
-              "collectives differ from the plan: " + ", ".join(differences))
+        print(log.verdict)
     if log_json:
         Path(log_json).write_text(json.dumps(log.to_json(), indent=1) + "\n")
 
