@@ -11,10 +11,15 @@ writes `--log-json`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from planner.errors import ShardplanError
+
+if TYPE_CHECKING:
+    from executor.train import RunLog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,51 +48,45 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m executor: give MODEL.onnx or --module FILE.py:FN (one of them)",
               file=sys.stderr)
         return 2
-    if args.module:
-        return _module(rank, world, args)
+    try:
+        log = _module(rank, world, args) if args.module else _graph(rank, world, args)
+    except ShardplanError as exc:
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if rank == 0:
+        for step, loss in enumerate(log.losses):
+            print(f"step {step + 1}: loss {loss:.6f}")
+        if args.module:  # (the graph runner writes its own --log-json)
+            print(log.verdict)
+            if args.log_json:
+                with open(args.log_json, "w") as out:
+                    json.dump(log.to_json(), out, indent=1)
+    return 0
+
+
+def _graph(rank: int, world: int, args: argparse.Namespace) -> RunLog:
+    """The ONNX-graph runner's run on this rank (`executor.train.run_rank`)."""
     from executor.train import RunSettings, run_rank
 
     settings = RunSettings(args.model, args.plan, args.steps, args.lr, args.seed,
                            args.optimizer, args.log_json, resume=args.resume,
                            checkpoint=args.checkpoint, loss=args.loss, data=args.data,
                            checkpoint_every=args.checkpoint_every)
-    try:
-        log = run_rank(rank, world, "env://", settings)
-    except ShardplanError as exc:
-        print(f"rank {rank}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if rank == 0:
-        for step, loss in enumerate(log.losses):
-            print(f"step {step + 1}: loss {loss:.6f}")
-    return 0
+    return run_rank(rank, world, "env://", settings)
 
 
-def _module(rank: int, world: int, args: argparse.Namespace) -> int:
+def _module(rank: int, world: int, args: argparse.Namespace) -> RunLog:
     """The module path's run on this rank (`executor.module.launch.run_module_rank`)."""
-    import json
-
     from executor.module.launch import Checkpoints, ModuleRun, run_module_rank
     from planner.plans.model import Plan
 
-    try:
-        plan = Plan.load(args.plan)
-        if plan.global_batch is None:
-            raise ShardplanError(f"{args.plan} names no global batch")
-        run = ModuleRun(args.module, json.dumps(plan.to_json()), args.steps, args.lr,
-                        plan.global_batch, args.backend, args.optimizer,
-                        Checkpoints(args.resume, args.checkpoint, args.checkpoint_every))
-        log = run_module_rank(rank, world, "env://", run)
-    except ShardplanError as exc:
-        print(f"rank {rank}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if rank == 0:
-        for step, loss in enumerate(log.losses):
-            print(f"step {step + 1}: loss {loss:.6f}")
-        print(log.verdict)
-        if args.log_json:
-            with open(args.log_json, "w") as out:
-                json.dump(log.to_json(), out, indent=1)
-    return 0
+    plan = Plan.load(args.plan)
+    if plan.global_batch is None:
+        raise ShardplanError(f"{args.plan} names no global batch")
+    run = ModuleRun(args.module, json.dumps(plan.to_json()), args.steps, args.lr,
+                    plan.global_batch, args.backend, args.optimizer,
+                    Checkpoints(args.resume, args.checkpoint, args.checkpoint_every))
+    return run_module_rank(rank, world, "env://", run)
 
 
 if __name__ == "__main__":
