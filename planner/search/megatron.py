@@ -27,7 +27,8 @@ from planner.graph import OpNode, PlanningGraph
 from planner.ops import DimLabels, is_matrix_op
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
+from planner.sharding.outputs import resolved_output_slots
+from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid, output_layouts
 
 
 def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
@@ -40,6 +41,7 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
     split: dict[str, int] = {}  # tensor -> dim split over tp
     sequence: set[str] = set()  # tensors split along the sequence (sequence parallelism)
     result: dict[str, OpStrategy] = {}
+    resolved = resolved_output_slots(graph)
     for node in graph.ops:
         op_labels = labels.get(node.name)
         batch = dict(data[node.name].assignment) if node.name in data else {}
@@ -49,7 +51,9 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
         chosen = None
         for label in _tp_choices(node, op_labels, graph, split, set(batch), sequence):
             candidate = OpStrategy.of({**batch, label: (tp_axis,)})
-            if is_valid(node, op_labels, candidate, graph.tensors, mesh):
+            if is_valid(node, op_labels, candidate, graph.tensors, mesh) and not \
+                    _leaves_output_partial(node, op_labels, candidate, graph,
+                                           resolved.get(node.name, ())):
                 chosen = candidate
                 break
         along_sequence = False
@@ -75,6 +79,19 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                     and graph.tensors[name].kind == "parameter":
                 split.setdefault(name, names.index(tp_label))  # as its first reader lays it
     return result
+
+
+def _leaves_output_partial(node: OpNode, labels: DimLabels, strategy: OpStrategy,
+                           graph: PlanningGraph, slots: tuple[int, ...]) -> bool:
+    """Whether `strategy` writes one of the graph output `slots` as a pending sum: the
+    last row-parallel GEMM of a model whose output it is reads its input gathered instead
+    (`planner.sharding.outputs`), the gather priced on the edge."""
+    if not slots:
+        return False
+    ranks = [len(graph.tensors[t].shape) if t else -1 for t in node.outputs]
+    layouts = output_layouts(labels, strategy, ranks)
+    return any((found := layouts[slot]) is not None and bool(found.partial)
+               for slot in slots)
 
 
 def _sequence_label(node: OpNode, labels: DimLabels, graph: PlanningGraph,

@@ -44,6 +44,7 @@ from planner.sharding.candidates import Candidate, candidate_strategies, describ
 from planner.sharding.derive import fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.outputs import resolved_output_slots
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
 
@@ -165,24 +166,16 @@ def build_problem(
 def _resolve_outputs(graph: PlanningGraph, groups_ops: Sequence[Sequence[str]],
                      candidates: dict[str, list[Candidate]],
                      fixed: Mapping[str, OpStrategy]) -> None:
-    """A graph output leaves the graph resolved: nothing after the graph sums a pending
-    partial sum, so the op writing a (non-scalar) output keeps only candidates that write
-    it whole over every axis it is summed on; the reduction then happens inside the graph,
-    where an edge prices it (e.g. the hidden split gathered before a language-model head,
-    not gigabytes of partial logits). A scalar output (the model's own loss) may stay a
-    pending sum: its gradient is right as it is and its value is summed for the report
-    only. Ops pinned by the user keep their strategy."""
+    """The op writing a non-scalar graph output keeps only candidates that write it
+    resolved (`planner.sharding.outputs`). Ops pinned by the user keep their strategy."""
     class_of = {op: members for members in groups_ops for op in members}
-    for name in graph.outputs:
-        info = graph.tensors.get(name)
-        if info is None or info.producer is None or info.numel <= 1 or info.producer in fixed:
+    for producer, slots in resolved_output_slots(graph).items():
+        if producer in fixed:
             continue
-        producer = graph.op(info.producer)
-        slot = list(producer.outputs).index(name)
-        found = candidates[producer.name]
-        kept = [c for c in found if not _partial(c.outputs[slot])]
+        found = candidates[producer]
+        kept = [c for c in found if not any(_partial(c.outputs[slot]) for slot in slots)]
         if kept and len(kept) < len(found):
-            for member in class_of.get(producer.name, [producer.name]):
+            for member in class_of.get(producer, [producer]):
                 candidates[member] = kept
 
 
