@@ -36,9 +36,12 @@ def load_strategies(path: str) -> dict[str, list[list[int]]]:
     if not isinstance(data, dict) or not data:
         raise ShardplanError(f"{file}: expected an object mapping op names to strategy tuples")
     for name, tuples in data.items():
-        if not (isinstance(tuples, list) and all(isinstance(t, list) and t and all(
+        # one list per data input, one factor per dim: a scalar input's list is empty
+        # (plan files write `[[2, 1, 1, 1], []]` for an op with a scalar input)
+        if not (isinstance(tuples, list) and tuples and all(isinstance(t, list) and all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in t)
                 for t in tuples)):
             raise ShardplanError(f"{file}: strategy of {name!r} must be a list of lists of "
-                                 f"positive integers, like [[1, 1], [1, 2]]; got {tuples!r}")
+                                 f"positive integers (an empty list for a scalar input), "
+                                 f"like [[1, 1], [1, 2]]; got {tuples!r}")
     return data

@@ -198,10 +198,29 @@ def _data_inputs(node: OpNode, labels: DimLabels | None) -> list[tuple[int, str]
     return result
 
 
+def _per_data_input(node: OpNode, data: list[tuple[int, str]],
+                    tuples: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+    """The data inputs' tuples of `tuples`, which may also be in the plan file's form: one
+    tuple per input of the op (a non-data input's tuple all ones, an absent one's empty),
+    so a plan's own strategies feed back as they are written."""
+    if len(tuples) == len(data) or len(tuples) != len(node.inputs):
+        return tuples
+    kept = {index for index, _ in data}
+    for index, factors in enumerate(tuples):
+        if index not in kept and isinstance(factors, Sequence) and any(
+                f != 1 for f in factors):
+            raise StrategyError(
+                f"{_where(node)}: input {index} ({node.inputs[index] or 'absent'}) is not "
+                f"data (a shape, bound or omitted input) and cannot be split, but its "
+                f"strategy tuple is {tuple(factors)}")
+    return [factors for index, factors in enumerate(tuples) if index in kept]
+
+
 def _check_tuple_shapes(node: OpNode, data: list[tuple[int, str]],
                         tensors: Mapping[str, TensorInfo],
                         tuples: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     where = _where(node)
+    tuples = _per_data_input(node, data, tuples)
     if len(tuples) != len(data):
         described = ", ".join(f"input {i} ({name})" for i, name in data) or "none"
         raise StrategyError(
