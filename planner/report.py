@@ -47,7 +47,7 @@ def summary(plan: Plan) -> str:
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         *_kernels(plan),
-        f"solver     {plan.solver.name}: {plan.solver.status} in "
+        f"solver     {plan.solver.name}: {plan.solver.status}{_tied(plan)} in "
         f"{human_seconds(plan.solver.time_s)}",
         "",
         f"{'step time':<28}{human_seconds(p.step_time_s):>12}",
@@ -148,3 +148,11 @@ def _comparison(plan: Plan) -> str:
                      f"{human_bytes(row.peak_memory_bytes):>14}  "
                      f"{'yes' if row.fits else 'no'}")
     return "\n".join(lines)
+
+
+def _tied(plan: Plan) -> str:
+    """What the solver's status is relative to: with repeated layers tied, the optimum
+    among plans that split every layer alike, not among all plans."""
+    if plan.solver.detail.tied_layers and plan.solver.status == "optimal":
+        return " (among plans splitting every repeated layer alike; --no-tie-layers: each)"
+    return ""

@@ -8,21 +8,42 @@ every op and edge is still priced on its own. The repeats are found in the graph
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from planner.graph import PlanningGraph
 from planner.layers import Repeats
+from planner.sharding.strategy import OpStrategy
 
 
-def tie_classes(graph: PlanningGraph, repeats: Repeats | None) -> list[list[str]]:
-    """Groups of op names sharing a choice: one per layer position, singletons elsewhere."""
+def tie_classes(graph: PlanningGraph, repeats: Repeats | None,
+                fixed: Mapping[str, OpStrategy] | None = None) -> list[list[str]]:
+    """Groups of op names sharing a choice: one per layer position, singletons elsewhere.
+
+    With `fixed` (the user's pinned strategies) only layers pinned alike share choices:
+    a layer whose pins differ from another's (its MLP column/row-parallel where the next
+    layer's is batch-split) is searched on its own, so the fill-in around each layer's
+    pins is the best for those pins, not one compromise for all."""
     names = [n.name for n in graph.ops]
     if repeats is None:
         return [[name] for name in names]
+    pins = fixed or {}
+    kinds: dict[tuple, list[int]] = {}  # layers pinned alike
+    for layer in range(repeats.count):
+        first = repeats.start + layer * repeats.period
+        kind = tuple((position, pins[names[first + position]])
+                     for position in range(repeats.period) if names[first + position] in pins)
+        kinds.setdefault(kind, []).append(layer)
     classes: list[list[str]] = []
     end = repeats.start + repeats.covered
     for index, name in enumerate(names):
         if index < repeats.start or index >= end:
             classes.append([name])
         elif index < repeats.start + repeats.period:
-            classes.append([names[index + layer * repeats.period]
-                            for layer in range(repeats.count)])
+            classes += [[names[index + layer * repeats.period] for layer in layers]
+                        for layers in kinds.values()]
     return classes
+
+
+def ties_layers(repeats: Repeats | None) -> bool:
+    """Whether tying makes a difference: the graph repeats a layer at least twice."""
+    return repeats is not None and repeats.count > 1
