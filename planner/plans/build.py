@@ -97,11 +97,14 @@ def derive(context: BuildContext, decision: Decision) -> Derived:
 
 
 def build(derived: Derived, solver: SolverRecord, alternatives: Sequence[Alternative] = (),
-          baselines: Mapping[str, Brief] | None = None) -> Plan:
+          baselines: Mapping[str, Brief] | None = None,
+          search_warnings: Sequence[str] = ()) -> Plan:
     """The plan: the derived sections and the search's record of how it was found (a new
-    frozen Plan; the derived one is never handed out)."""
+    frozen Plan; the derived one is never handed out), with what the search could not
+    consider among the warnings."""
+    warnings = tuple(dict.fromkeys((*derived.sections.warnings, *search_warnings)))
     return replace(derived.sections, solver=solver, alternatives=tuple(alternatives),
-                   baselines=dict(baselines or {}))
+                   baselines=dict(baselines or {}), warnings=warnings)
 
 
 # ---------------------------------------------------------------- op-level plans

@@ -26,8 +26,15 @@ from planner.records import SolverDetail, SolverRecord
 from planner.search.baselines import baselines, data_parallel
 from planner.search.failure import no_plan, op_level_memory_floor
 from planner.search.joint import joint_decisions
-from planner.search.oplevel import MeshResult, candidate_meshes, matched_ops, search_meshes
-from planner.search.options import SearchOptions, check_pins
+from planner.search.layers import ties_layers
+from planner.search.oplevel import (
+    MeshResult,
+    candidate_meshes,
+    matched_ops,
+    replica_meshes,
+    search_meshes,
+)
+from planner.search.options import Pins, SearchOptions, check_pins
 from planner.search.solve import SOLVERS
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
@@ -101,9 +108,14 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if skip_op_level and progress is not None:
         progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
                  "per device (weights, gradients, states and activations spread evenly)")
-    if not joint_only and not skip_op_level:
-        meshes = candidate_meshes(devices, hardware, options, pins)
-        results = search_meshes(analysis, hardware, meshes, options, training, pins, progress)
+    if pins.admits_op_level and not skip_op_level:
+        candidates = candidate_meshes(devices, hardware, options, pins)
+        results = search_meshes(analysis, hardware, candidates, options, training, pins,
+                                progress)
+        replicated = replica_meshes(analysis, devices, hardware, options, pins, results)
+        results += search_meshes(analysis, hardware, replicated, options, training, pins,
+                                 progress)
+        meshes = [c.mesh for c in (*candidates, *replicated)]
         reasons = _reasons(results)
         found, rows = _op_level(context, results, options, started)
         finalists += found
@@ -129,9 +141,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     for name, baseline_decision in baselines(analysis, hardware, devices).items():
         baseline = derive(context, baseline_decision)
         briefs[name] = baseline.brief()
-        searched_freely = not options.strategies and not pins.given() and \
-            options.mesh is None
-        if searched_freely and baseline.predicted.fits and \
+        if _eligible(name, baseline, options, pins) and baseline.predicted.fits and \
                 baseline.predicted.step_time_s < winner.predicted.step_time_s:
             winner = baseline
             record = replace(record, detail=replace(
@@ -139,7 +149,17 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     alternatives.sort(key=lambda row: row[0].objective)
     listed = tuple(replace(alt, chosen=derived is winner)
                    for alt, derived in alternatives[: max(1, options.top_k)])
-    return build(winner, record, listed, briefs)
+    return build(winner, record, listed, briefs, joint.warnings() if joint else ())
+
+
+def _eligible(name: str, baseline: Derived, options: SearchOptions, pins: Pins) -> bool:
+    """Whether a baseline answers the problem the user asked: no strategies of their own,
+    their mesh if they named one, and every pin it satisfies (the Megatron baseline is the
+    `layout=megatron` pin's op-level plan)."""
+    parallel = baseline.sections.parallel
+    mesh = tuple(baseline.sections.mesh.shape)
+    return (not options.strategies and options.mesh in (None, mesh)
+            and pins.admit(parallel.dp, parallel.tp, "megatron" if name == "megatron" else None))
 
 
 def _op_level(context: BuildContext, results: list[MeshResult], options: SearchOptions,
@@ -158,7 +178,7 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
         solver = result.decision.solver
         record = replace(solver, time_s=time.perf_counter() - started, detail=replace(
             solver.detail, mode=options.mode, meshes_tried=len(results),
-            tied_layers=bool(options.tie_layers)))
+            tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.repeats)))
         derived = derive(context, result.decision)
         finalists.append(Finalist(derived, record))
         rows.append((_alternative(derived, record), derived))

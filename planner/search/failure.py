@@ -67,7 +67,8 @@ def no_plan(analysis: GraphAnalysis, profile: HardwareProfile, devices: int,
                 smallest, where = memory, "mesh " + "x".join(map(str, mesh.shape))
     limit = training.memory_limit_bytes or int(profile.memory_bytes.value)
     if smallest == float("inf"):
-        why = "; ".join(joint.unformed) if joint is not None and joint.unformed else reasons
+        why = "; ".join(part for part in (reasons, *(joint.unformed if joint else ()))
+                        if part)
         return ShardplanError(f"no configuration of {devices} devices admits a plan: "
                               f"{why or 'no mesh or configuration could be formed'}")
     factor = smallest / limit

@@ -32,7 +32,7 @@ from planner.cost.oplevel import priced_choice
 from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
-from planner.errors import ShardplanError
+from planner.errors import ModelError, ShardplanError
 from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
 from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
@@ -95,6 +95,18 @@ class JointResult:
     considered: int = 0  # configurations the pins allow
     unformed: dict[str, int] = field(default_factory=dict)  # why configurations had no price
     smallest_memory_by_category: dict[str, int] = field(default_factory=dict)
+    #: micro-batch sizes (rows per device) the graph cannot be bound at -> why: their
+    #: configurations were skipped (a token-major batch reshaped into whole sequences)
+    skipped_sizes: dict[int, str] = field(default_factory=dict)
+
+    def warnings(self) -> tuple[str, ...]:
+        """What the plan says of the micro-batch sizes this search could not consider."""
+        if not self.skipped_sizes:
+            return ()
+        sizes = sorted(self.skipped_sizes)
+        shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+        return (f"micro-batches of {shown} rows were not considered: the graph does not "
+                f"bind its batch dim at those sizes ({self.skipped_sizes[sizes[0]]})",)
 
 
 def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1) -> DeviceMesh:
@@ -179,21 +191,27 @@ def _pinned_layout(problem: StrategyProblem, wanted: Mapping[str, OpStrategy],
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending (in O(sqrt n): batches can be large)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
-def _micro_sizes(per_rank: int) -> list[int]:
-    """Local micro-batch sizes worth trying: powers of two and the whole per-rank batch."""
-    sizes = {b for b in (1 << k for k in range(5)) if per_rank % b == 0}
-    if per_rank <= MAX_LOCAL_MICRO_BATCH:
+def _micro_sizes(per_rank: int, granule: int = 1) -> list[int]:
+    """Local micro-batch sizes worth trying: powers of two and the whole per-rank batch, in
+    units of `granule` rows (the least the graph binds at: a token-major batch reshaped
+    into sequences of 128 binds in multiples of 128 rows)."""
+    most = MAX_LOCAL_MICRO_BATCH * granule
+    sizes = {b for b in (granule << k for k in range(5)) if per_rank % b == 0}
+    if per_rank <= most:
         sizes.add(per_rank)
-    return sorted(s for s in sizes if s <= MAX_LOCAL_MICRO_BATCH) or [1]
+    return sorted(s for s in sizes if s <= most) or [granule]
 
 
 def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
-                      pins: Pins) -> list[Choice]:
+                      pins: Pins, granule: int = 1) -> list[Choice]:
     """Every configuration the pins allow: tp a power of two inside a node, dp dividing the
-    batch, pp up to the number of layers, at least pp micro-batches when pipelined."""
+    batch, pp up to the number of layers, at least pp micro-batches when pipelined; local
+    micro-batches of `granule` rows or multiples of it."""
     choices = []
     tps = [t for t in (1 << k for k in range(12)) if t <= per_node and devices % t == 0]
     if pins.tp is not None:
@@ -208,7 +226,9 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
             if (pins.dp is not None and dp != pins.dp) or batch % dp:
                 continue
             per_rank = batch // dp
-            for local in _micro_sizes(per_rank):
+            if per_rank % granule:
+                continue
+            for local in _micro_sizes(per_rank, granule):
                 m = per_rank // local
                 if pins.micro_batches is not None:
                     m = pins.micro_batches
@@ -268,11 +288,28 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     units = root.units
     layers = len(units.layer_units) or units.count
-    choices = enumerate_choices(devices, graph.batch, layers, per_node, pins)
+    skipped: dict[int, str] = {}
+    bindable: dict[int, bool] = {}
+
+    def binds(size: int) -> bool:
+        """Whether the graph binds at `size` rows (a Reshape(-1, 128, ...) of a token-major
+        batch does not at every size); the reason is kept for the plan's warnings."""
+        if size not in bindable:
+            try:
+                graphs.at(size)
+                bindable[size] = True
+            except ModelError as exc:
+                bindable[size] = False
+                skipped[size] = str(exc).split(": ", 1)[-1].split(". ")[0]
+        return bindable[size]
+
+    granule = next(d for d in _divisors(graph.batch) if binds(d))
+    choices = enumerate_choices(devices, graph.batch, layers, per_node, pins, granule)
     modes = recompute_modes(pins)
-    if not choices:
-        raise ShardplanError(f"--parallel {pins.given()}: no configuration of {devices} devices "
-                             f"and batch {graph.batch} matches these pins")
+    if not choices:  # the op-level plans may still stand; the message if none does
+        return JointResult([], 0, math.inf, "", 0, {
+            f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
+            f"{graph.batch} matches these pins": 0})
     batch = root.batch_labels
     Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, MemoryBudget | None], Layout] = {}
@@ -304,6 +341,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
         return Partitioner(Pricer(profile, pipeline_config(choice, training), hardware, mesh))
 
+    choices = [c for c in choices
+               if binds(graph.batch // (c.dp * c.micro_batches))
+               and binds(graph.batch // c.micro_batches)]
+    if not choices:  # the op-level plans may still stand
+        return JointResult([], 0, math.inf, "", 0, skipped_sizes=skipped)
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync.
     bounds = []
@@ -361,7 +403,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
-    return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories)
+    return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories,
+                       skipped)
 
 
 def _memory_aware(choice: Choice, limit: float, modes: list[Recompute],

@@ -41,6 +41,35 @@ PARALLEL_PROCESS_THRESHOLD = 4000  # candidates: below this, one process is fast
 
 
 @dataclass(frozen=True)
+class MeshCandidate:
+    """A mesh to plan on. With `replicas` > 1 its outermost axis only repeats the work (no
+    op splits over it, no collective runs along it): the plan is the best plan of the
+    inner mesh, solved on that smaller problem, repeated over the replicas. The replica
+    axis is outermost because it never communicates: the inner axes keep the fastest
+    links, so a 64-device plan is never worse than an 8-device one replicated 8 times."""
+
+    mesh: DeviceMesh
+    replicas: int = 1
+
+    @property
+    def searched(self) -> DeviceMesh:
+        """The mesh the strategies are searched on: without the replica axis."""
+        if self.replicas == 1:
+            return self.mesh
+        return DeviceMesh(self.mesh.shape[1:], self.mesh.axis_names[1:],
+                          self.mesh.devices_per_node)
+
+    @classmethod
+    def replicated(cls, replicas: int, shape: Sequence[int], names: Sequence[str],
+                   per_node: int) -> MeshCandidate:
+        return cls(DeviceMesh((replicas, *shape), (REPLICA_AXIS, *names), per_node), replicas)
+
+
+#: the replica axis of a pinned (dp, tp) mesh; a searched mesh's is its a0
+REPLICA_AXIS = "rep"
+
+
+@dataclass(frozen=True)
 class MeshResult:
     """One mesh shape's outcome: its decision, or why it has none."""
 
@@ -51,27 +80,92 @@ class MeshResult:
 
 
 def candidate_meshes(devices: int, profile: HardwareProfile, options: SearchOptions,
-                     pins: Pins) -> list[DeviceMesh]:
-    """Mesh shapes to try, with axis names ("dp", "tp" when pinned, else a0, a1, ...)."""
+                     pins: Pins) -> list[MeshCandidate]:
+    """Mesh shapes to try, with axis names ("dp", "tp" when pinned, else a0, a1, ...). Pinned
+    degrees that use fewer devices than there are, or leave the other degree free, also get
+    meshes whose outer replica axis holds the rest (`MeshCandidate`)."""
     per_node = int(profile.devices_per_node.value)
     if pins.mesh_axes:
-        dp = pins.dp or devices // max(1, pins.tp or 1)
-        tp = pins.tp or devices // max(1, dp)
-        if dp * tp != devices:
-            raise ShardplanError(
-                f"--parallel dp={dp} tp={tp} uses {dp * tp} devices, but --devices is "
-                f"{devices}; make dp × tp equal the device count"
-            )
-        return [DeviceMesh.build({AxisRole.DATA: dp, AxisRole.TENSOR: tp}, per_node)]
+        return _pinned_meshes(devices, per_node, pins)
     if options.mesh is not None:
         shape = options.mesh
         if _product(shape) != devices:
             raise ShardplanError(
                 f"--mesh {'x'.join(map(str, shape))} has {_product(shape)} devices, but "
                 f"--devices is {devices}")
-        return [DeviceMesh(tuple(shape), GENERIC_AXES[: len(shape)], per_node)]
+        return [MeshCandidate(DeviceMesh(tuple(shape), GENERIC_AXES[: len(shape)], per_node))]
     shapes = factorizations(devices, options.max_mesh_axes)
-    return [DeviceMesh(shape, GENERIC_AXES[: len(shape)], per_node) for shape in shapes]
+    return [MeshCandidate(DeviceMesh(shape, GENERIC_AXES[: len(shape)], per_node))
+            for shape in shapes]
+
+
+def _pinned_meshes(devices: int, per_node: int, pins: Pins) -> list[MeshCandidate]:
+    """(dp, tp) meshes of the pinned degrees: the free one (if any) takes the devices
+    left, or any divisor of them with the rest on a replica axis."""
+    pinned = (pins.dp or 1) * (pins.tp or 1)
+    if devices % pinned:
+        raise ShardplanError(
+            f"--parallel dp={pins.dp or 'any'} tp={pins.tp or 'any'} uses a multiple of "
+            f"{pinned} devices, but --devices is {devices}; make dp × tp divide the device "
+            "count")
+    rest = devices // pinned
+    free = [1] if pins.dp is not None and pins.tp is not None else \
+        [d for d in range(1, rest + 1) if rest % d == 0]
+    result = []
+    for extra in free:
+        dp = pins.dp if pins.dp is not None else extra
+        tp = pins.tp if pins.tp is not None else extra
+        inner = DeviceMesh.build({AxisRole.DATA: dp, AxisRole.TENSOR: tp}, per_node)
+        replicas = devices // (dp * tp)
+        result.append(MeshCandidate(inner) if replicas == 1 else MeshCandidate.replicated(
+            replicas, inner.shape, inner.axis_names, per_node))
+    return result
+
+
+def replicates(result: MeshResult) -> bool:
+    """Whether a mesh's plan leaves an axis (of more than one device) unused: its devices
+    along that axis repeat each other's work."""
+    if result.decision is None:
+        return False
+    used = {axis for strategy in result.decision.strategies.values()
+            for _, axes in strategy.assignment for axis in axes}
+    return any(size > 1 and axis not in used
+               for axis, size in zip(result.mesh.axis_names, result.mesh.shape, strict=True))
+
+
+def replica_meshes(analysis: GraphAnalysis, devices: int, profile: HardwareProfile,
+                   options: SearchOptions, pins: Pins, results: Sequence[MeshResult]
+                   ) -> list[MeshCandidate]:
+    """Two-axis plans inside a node repeated over an outer replica axis (the third axis
+    the default `--max-mesh-axes 2` does not search), for unpinned searches. A replica
+    never communicates, so it pays where a model is too small for the links between
+    nodes: each divisor d of a node's devices (and of the device count) whose compute
+    floor (the step's FLOPs at the profile's highest peak over d devices) is below the
+    fastest plan of `results`. Plans of d devices across nodes are not repeated: the
+    native two-axis meshes already hold those with one axis left unused. They are tried
+    only when that fastest plan itself leaves an axis unused (the model cannot put every
+    device to work), so a model that uses them all pays no search time for them."""
+    planned = [r for r in results if r.decision is not None and r.solution is not None]
+    if options.mesh is not None or pins.mesh_axes or options.max_mesh_axes != 2 \
+            or not planned:
+        return []
+    fastest = min(planned, key=lambda r: r.solution.objective)  # type: ignore[union-attr]
+    if not replicates(fastest):
+        return []
+    assert fastest.solution is not None
+    best = fastest.solution.objective
+    per_node = int(profile.devices_per_node.value)
+    flops = 3.0 * sum(node.flops for node in analysis.graph.ops)  # forward + backward
+    peak = max(float(cited.value) for cited in profile.peak_flops.values())
+    result = []
+    for inner in range(4, min(per_node, devices - 1) + 1):
+        if per_node % inner or devices % inner or flops / (inner * peak) >= best:
+            continue
+        for shape in factorizations(inner, 2):
+            if len(shape) == 2:
+                result.append(MeshCandidate.replicated(devices // inner, shape,
+                                                       GENERIC_AXES[1:3], per_node))
+    return result
 
 
 def _product(values: Sequence[int]) -> int:
@@ -126,31 +220,35 @@ def _restrict_pinned(problem: StrategyProblem, analysis: GraphAnalysis,
         restrict_candidates(problem, index, keep or list(range(len(group.candidates))))
 
 
-def solve_mesh(analysis: GraphAnalysis, mesh: DeviceMesh, profile: HardwareProfile,
+def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: HardwareProfile,
                options: SearchOptions, training: TrainingOptions, pins: Pins) -> MeshResult:
-    """The mesh's optimum under the options (pins, strategies, tied layers)."""
+    """The mesh's optimum under the options (pins, strategies, tied layers), searched on
+    the mesh without its replica axis."""
+    mesh = candidate.searched
     try:
         fixed = fixed_strategies(analysis, mesh, options.strategies)
     except StrategyError as exc:
         if options.mesh is not None or pins.given():
             raise
-        return MeshResult(mesh, None, f"user strategies do not fit: {exc}")
-    classes = tie_classes(analysis.graph, analysis.repeats if options.tie_layers else None)
-    if fixed:  # a pinned op must not share a choice with ops pinned otherwise
-        classes = _split_classes(classes, fixed)
+        return MeshResult(candidate.mesh, None, f"user strategies do not fit: {exc}")
+    classes = tie_classes(analysis.graph, analysis.repeats if options.tie_layers else None,
+                          fixed)
     problem = build_problem(analysis, mesh, profile, training, fixed, classes)
     if pins.mesh_axes:
-        _restrict_pinned(problem, analysis, mesh)
+        try:
+            _restrict_pinned(problem, analysis, mesh)
+        except StrategyError as exc:  # this dp degree does not split the batch
+            return MeshResult(candidate.mesh, None, str(exc))
     prune_dominated(problem)
     solution = solve(problem, Engine(options.solver, options.time_limit))
     if not solution.choice:
-        return MeshResult(mesh, solution)
+        return MeshResult(candidate.mesh, solution)
     degrees = None
     if pins.mesh_axes:  # the user's pins name the mesh axes: report them as given
         degrees = (mesh.axis_size(AxisRole.DATA), mesh.axis_size(AxisRole.TENSOR))
-    decision = OpLevelDecision(mesh, problem.strategies(solution.choice), record_of(solution),
-                               degrees)
-    return MeshResult(mesh, solution, decision=decision)
+    decision = OpLevelDecision(candidate.mesh, problem.strategies(solution.choice),
+                               record_of(solution), degrees)
+    return MeshResult(candidate.mesh, solution, decision=decision)
 
 
 def record_of(solution: Solution) -> SolverRecord:
@@ -164,27 +262,18 @@ def record_of(solution: Solution) -> SolverRecord:
                         SolverDetail(note=note, counts=counts, solve_time_s=solution.time_s))
 
 
-def _split_classes(classes: list[list[str]], fixed: Mapping[str, OpStrategy]) -> list[list[str]]:
-    result = []
-    for members in classes:
-        keys: dict[object, list[str]] = {}
-        for member in members:
-            keys.setdefault(fixed.get(member), []).append(member)
-        result += list(keys.values())
-    return result
-
-
 def _solve_in_process(args: tuple) -> MeshResult:
     return solve_mesh(*args)
 
 
-def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile, meshes: list[DeviceMesh],
-                  options: SearchOptions, training: TrainingOptions, pins: Pins,
+def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile,
+                  meshes: list[MeshCandidate], options: SearchOptions,
+                  training: TrainingOptions, pins: Pins,
                   progress: Callable[[str], None] | None = None) -> list[MeshResult]:
     """Every mesh's outcome, in the order of `meshes`."""
     results: list[MeshResult] = []
     args = [(analysis, mesh, profile, options, training, pins) for mesh in meshes]
-    if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1]):
+    if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1].searched):
         with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1)) as pool:
             for result in pool.map(_solve_in_process, args):
                 results.append(result)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
@@ -57,6 +57,23 @@ class Pins:
         """The pinned choices only the joint search makes (pipeline, micro-batches, ZeRO,
         recompute, schedule)."""
         return tuple(key for key in JOINT_KEYS if getattr(self, key) is not None)
+
+    @property
+    def admits_op_level(self) -> bool:
+        """Whether an op-level plan (one stage, one micro-batch, no ZeRO, no recompute, the
+        searched layout) can satisfy the pins: then the op-level search runs under them
+        too, so a pin the optimum already has never costs the optimum."""
+        return (self.pp in (None, 1) and self.micro_batches in (None, 1)
+                and self.zero in (None, 0) and self.recompute in (None, Recompute.NONE)
+                and self.schedule in (None, Schedule.ONE_F_ONE_B) and self.vpp is None
+                and self.layout is None and self.sp in (None, 0))
+
+    def admit(self, dp: int, tp: int, layout: str | None = None) -> bool:
+        """Whether an op-level plan of these degrees (with Megatron's layout when `layout`
+        is "megatron") satisfies every pin."""
+        return (replace(self, layout=None).admits_op_level
+                and self.layout in (None, layout) and self.dp in (None, dp)
+                and self.tp in (None, tp))
 
     @property
     def mesh_axes(self) -> bool:
