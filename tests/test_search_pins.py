@@ -188,3 +188,19 @@ def test_plan_file_strategy_form_is_accepted_and_checked(tmp_path: Path) -> None
     bad.write_text(json.dumps({"reshape": [[2, 1], [2]]}))
     assert main(["plan", str(path), "--devices", "2", "--mode", "semi", "--strategies",
                  str(bad)]) == 2
+
+
+def test_static_batch_plans_and_says_why_it_cannot_pipeline(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 128])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 64])
+    weights = [numpy_helper.from_array(np.zeros(shape, np.float32), name)
+               for name, shape in (("w", (128, 128)), ("w2", (128, 64)))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Relu", ["h"], ["a"], name="relu"),
+             helper.make_node("MatMul", ["a", "w2"], ["y"], name="mm2")]
+    path = tmp_path / "static.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "s", [x], [y], weights),
+                                opset_imports=[helper.make_opsetid("", 17)]), path)
+    found = plan(path, devices=8)
+    assert found.model.batch == 32 and any("static batch of 32" in w for w in found.warnings)
+    assert main(["plan", str(path), "--devices", "8", "--parallel", "pp=2"]) == 2

@@ -307,9 +307,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     choices = enumerate_choices(devices, graph.batch, layers, per_node, pins, granule)
     modes = recompute_modes(pins)
     if not choices:  # the op-level plans may still stand; the message if none does
+        binding = f" at {granule} rows or multiples of them (the least it binds at)" \
+            if granule > 1 else ""
         return JointResult([], 0, math.inf, "", 0, {
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
-            f"{graph.batch} matches these pins": 0})
+            f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
     Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, MemoryBudget | None], Layout] = {}
