@@ -174,6 +174,9 @@ class HardwareProfile:
     def check_device_count(self, devices: int) -> int:
         """Number of nodes that `devices` devices occupy; refuses counts the system can't form."""
         per_node = int(self.devices_per_node.value)
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices > MAX_DEVICES:
+            raise ProfileError(f"{devices} devices: more than any cluster shardplan plans "
+                               f"for (at most {MAX_DEVICES})")
         if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
             if devices <= per_node and devices in self._within_node_counts():
                 return 1

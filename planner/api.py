@@ -38,6 +38,10 @@ def load_graph(
     return import_model(model, batch=batch, dims=dims)
 
 
+#: the device memories `--memory-limit` accepts, in GiB: outside, a figure is a typo
+MEMORY_LIMIT_GIB = (2.0 ** -20, 2.0 ** 20)
+
+
 def plan(
     model: str | os.PathLike | PlanningGraph,
     *,
@@ -90,14 +94,17 @@ def plan(
         raise ShardplanError("strategies are only used with --mode semi")
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     hardware.check_device_count(devices)
-    if memory_limit_gib is not None and memory_limit_gib <= 0:
-        raise ShardplanError(f"--memory-limit {memory_limit_gib}: must be a positive GiB figure")
+    if memory_limit_gib is not None and not (
+            MEMORY_LIMIT_GIB[0] <= memory_limit_gib <= MEMORY_LIMIT_GIB[1]):
+        raise ShardplanError(f"--memory-limit {memory_limit_gib}: a device memory in GiB, "
+                             f"between 1 KiB ({MEMORY_LIMIT_GIB[0]:.2g}) and 1 PiB "
+                             f"({MEMORY_LIMIT_GIB[1]:.0f})")
     if not 0.0 <= overlap <= 1.0:
         raise ShardplanError(f"--overlap {overlap}: a share between 0 and 1")
     if not math.isfinite(bucket_mb) or bucket_mb < 0:
         raise ShardplanError(f"--bucket-mb {bucket_mb}: a bucket size in MiB, 0 or more "
                              "(0: one collective per tensor)")
-    if time_limit <= 0:
+    if not math.isfinite(time_limit) or time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims)
     chosen = _choice(Precision, precision, "--precision") or default_precision(

@@ -7,7 +7,12 @@ one line and exit code 2 like every other bad input.
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TypeAlias
+
+from planner.errors import ShardplanError
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,6 +49,9 @@ def parallel(text: str) -> dict[str, int | str]:
             raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected KEY=VALUE,..., "
                                              "e.g. dp=4,tp=8")
         key = key.strip()
+        if key in pins:
+            raise argparse.ArgumentTypeError(f"--parallel {text!r}: {key} is given twice; "
+                                             "give each choice once")
         if key in ("recompute", "schedule", "layout"):
             pins[key] = value.strip()
             continue
@@ -77,3 +85,49 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def positive_number(flag: str, most: float = math.inf):  # type: ignore[no-untyped-def]
+    """A finite number above 0 (and at most `most`): NaN, inf and 0 are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
+        if not math.isfinite(value) or value <= 0 or value > most:
+            bound = f" and at most {most:g}" if math.isfinite(most) else ""
+            raise argparse.ArgumentTypeError(f"{flag} {text}: a finite number above 0{bound}")
+        return value
+
+    return parse
+
+
+def unique_dims(pairs: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """`--dim` bindings, each dim once: a second value for one dim is refused, never
+    silently the last one."""
+    dims: dict[str, int] = {}
+    for name, value in pairs:
+        if name in dims and dims[name] != value:
+            raise ShardplanError(f"--dim {name} is given twice ({dims[name]} and {value}); "
+                                 "bind each dim once")
+        dims[name] = value
+    return dims
+
+
+def check_output(path: str | Path | None, flag: str,
+                 inputs: Sequence[str | Path | None] = ()) -> None:
+    """Before any work: an output file goes into an existing folder, is not a folder, and
+    is none of the command's inputs (`plan -o model.onnx` would overwrite the model)."""
+    if path is None or str(path) == "":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ShardplanError(f"{flag} {target}: is a folder; give a file path")
+    if not target.parent.is_dir():
+        raise ShardplanError(f"{flag} {target}: the folder {target.parent} does not exist; "
+                             "create it first")
+    for given in inputs:
+        if given and Path(given).exists() and target.resolve() == Path(given).resolve():
+            raise ShardplanError(f"{flag} {target}: is an input of this command; write the "
+                                 "output elsewhere")

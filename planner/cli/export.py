@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from planner.cli.args import Verbs
+from planner.cli.args import Verbs, check_output
 
 
 def add_parser(verbs: Verbs) -> None:
@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.exports.mindspore import to_mindspore_checkpoint
     from planner.plans.model import Plan
 
+    check_output(args.output, "-o", [args.plan])
     loaded = Plan.load(args.plan)
     data = (to_mindspore_checkpoint(loaded) if args.format == "mindspore"
             else to_dtensor_placements(loaded))

@@ -8,7 +8,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planner.cli.args import Verbs, dim, mesh, parallel, positive_int
+from planner.cli.args import (
+    Verbs,
+    check_output,
+    dim,
+    mesh,
+    parallel,
+    positive_int,
+    positive_number,
+    unique_dims,
+)
 from planner.errors import NoPlanFits
 from planner.kinds import AttentionKernel, Fusion, Precision
 
@@ -40,7 +49,8 @@ def add_parser(verbs: Verbs) -> None:
                       choices=["auto", "cpsat", "highs", "dp", "propagation"],
                       help="auto: elimination DP when exact, else CP-SAT; cpsat/highs: exact ILP; "
                            "dp: graph elimination; propagation: heuristic")
-    plan.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+    plan.add_argument("--time-limit", type=positive_number("--time-limit"), default=60.0,
+                      metavar="SECONDS",
                       help="per mesh shape; the best plan found so far is returned with its gap")
     plan.add_argument("--parallel", type=parallel, default={}, metavar="dp=4,tp=8",
                       help="pin global choices and search the rest: dp, tp, pp, "
@@ -53,7 +63,7 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--no-tie-layers", action="store_true",
                       help="let every repeated layer choose on its own (slower, rarely better)")
     plan.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "momentum", "sgd"])
-    plan.add_argument("--memory-limit", type=float, metavar="GIB",
+    plan.add_argument("--memory-limit", type=positive_number("--memory-limit"), metavar="GIB",
                       help="device memory limit in GiB (default: the profile's capacity)")
     plan.add_argument("--inference", action="store_true",
                       help="plan a forward pass only (no gradients, optimizer, saved activations)")
@@ -88,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.cli.strategies import load_strategies
     from planner.report import memory_shortfall, summary
 
-    dims = dict(args.dim)
+    dims = unique_dims(args.dim)
+    check_output(args.output, "-o", [args.model, args.strategies])
     # Not given: the API's default (planner.cost.buckets.DEFAULT_BUCKET_MB).
     buckets = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.cli.args import Verbs, positive_int
+from planner.cli.args import Verbs, check_output, positive_int, positive_number
 from planner.errors import ShardplanError
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def add_parser(verbs: Verbs) -> None:
     run.add_argument("--steps", type=positive_int, default=5)
     run.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--lr", type=positive_number("--lr", most=1e3), default=0.1)
     run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")
     run.add_argument("--checkpoint", metavar="DIR", default="",
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
                              ) from None
+    check_output(args.log_json, "--log-json", [args.model, args.plan, args.module and
+                                               args.module.rpartition(":")[0]])
     loaded = Plan.load(args.plan)
     if args.checkpoint_every and not args.checkpoint:
         raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")

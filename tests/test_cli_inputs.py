@@ -1,0 +1,60 @@
+"""Issue 18, item 4 and 5: repeated, non-finite or absurd flag values and outputs that
+would overwrite an input are refused with one line and exit 2, before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner import zoo
+from planner.cli import main
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, config = zoo.preset("seed-mlp")
+    return zoo.save(zoo.build(family, config), tmp_path_factory.mktemp("m") / "seed.onnx")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--dim", "seq=8", "--dim", "seq=16"], "--dim seq is given twice (8 and 16)"),
+    (["--parallel", "dp=8,dp=2"], "dp is given twice"),
+    (["--time-limit", "nan"], "--time-limit nan: a finite number above 0"),
+    (["--time-limit", "inf"], "--time-limit inf: a finite number above 0"),
+    (["--memory-limit", "nan"], "--memory-limit nan: a finite number above 0"),
+    (["--memory-limit", "inf"], "--memory-limit inf: a finite number above 0"),
+    (["--memory-limit", "1e300"], "between 1 KiB"),
+    (["--memory-limit", "1e-300"], "between 1 KiB"),
+    (["--devices", str(10 ** 9)], "more than any cluster shardplan plans for"),
+    (["--devices", str(10 ** 30)], "more than any cluster shardplan plans for"),
+])
+def test_absurd_plan_flags_are_refused(seed: Path, flags: list[str], message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(seed), "--batch", "32", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_outputs_never_overwrite_inputs_or_land_nowhere(seed: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    before = seed.read_bytes()
+    assert main(["plan", str(seed), "--batch", "32", "-o", str(seed)]) == 2
+    assert "is an input of this command" in capsys.readouterr().err
+    assert seed.read_bytes() == before
+    assert main(["plan", str(seed), "--batch", "32", "-o", str(tmp_path / "no" / "p.json")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert main(["plan", str(seed), "--batch", "32", "-o", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    planned = tmp_path / "plan.json"
+    assert main(["plan", str(seed), "--batch", "32", "--devices", "2", "-o", str(planned)]) == 0
+    text = planned.read_text()
+    assert main(["export", str(planned), "--format", "dtensor", "-o", str(planned)]) == 2
+    assert planned.read_text() == text
+    capsys.readouterr()
+    for flags, message in ((["--lr", "nan"], "--lr nan"), (["--lr", "inf"], "--lr inf"),
+                           (["--log-json", str(tmp_path / "no" / "log.json")],
+                            "does not exist")):
+        assert main(["run", str(seed), "--plan", str(planned), "--nproc", "2", *flags]) == 2
+        assert message in capsys.readouterr().err
