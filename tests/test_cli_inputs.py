@@ -3,8 +3,10 @@ would overwrite an input are refused with one line and exit 2, before any work."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import onnx
 import pytest
 
 from planner import zoo
@@ -58,3 +60,25 @@ def test_outputs_never_overwrite_inputs_or_land_nowhere(seed: Path, tmp_path: Pa
                             "does not exist")):
         assert main(["run", str(seed), "--plan", str(planned), "--nproc", "2", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_messages_stay_one_line(seed: Path, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A newline in an op name cannot forge a second error line; YAML errors are one."""
+    model = onnx.load(seed, load_external_data=False)
+    model.graph.node[0].name = "mat\nshardplan: error: forged"
+    forged = tmp_path / "forged.onnx"
+    onnx.save(model, forged)
+    pins = tmp_path / "pins.json"
+    pins.write_text(json.dumps({"mat\nshardplan: error: forged": [[1, 1], [1, 9]]}))
+    assert main(["plan", str(forged), "--batch", "32", "--devices", "2", "--mode", "semi",
+                 "--strategies", str(pins)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "mat\\nshardplan" in err
+    pytest.importorskip("yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\nb: c\n")
+    assert main(["plan", str(seed), "--batch", "32", "--mode", "semi", "--strategies",
+                 str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "line 2, column 2" in err

@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return zoo.run(args, extra)
         return _RUNS[args.verb](args)
     except ShardplanError as exc:
-        print(f"shardplan: error: {exc}", file=sys.stderr)
+        print(f"shardplan: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
@@ -73,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `shardplan ... | head`: the reader left; not an error
         _silence_stdout()
         return 0
+
+
+def one_line(message: str) -> str:
+    """A message as one line: control characters (a newline in an op name, a YAML
+    parser's multi-line report) escaped, so no input can forge a second error line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def _silence_stdout() -> None:

@@ -24,7 +24,10 @@ def load_strategies(path: str) -> dict[str, list[list[int]]]:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ShardplanError(f"{file}: not valid YAML ({exc})") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ShardplanError(f"{file}: not valid YAML ({where}{problem})") from None
     else:
         try:
             data = json.loads(text)

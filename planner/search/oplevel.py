@@ -65,7 +65,7 @@ class MeshCandidate:
         return cls(DeviceMesh((replicas, *shape), (REPLICA_AXIS, *names), per_node), replicas)
 
 
-#: the replica axis of a pinned (dp, tp) mesh; a searched mesh's is its a0
+#: the name of a `MeshCandidate`'s outer replica axis (pinned and searched meshes alike)
 REPLICA_AXIS = "rep"
 
 
