@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from executor import checkpoint as checkpoints
+from executor.data import check_data
 from executor.pipeline import PipelineEngine
 from executor.runtime import Placement, PlanRunner, onnx_weights
 from executor.schedule import build_stages, check_pipeline_section, check_schedule
@@ -360,9 +361,11 @@ def _start_ranks(world: int, settings: RunSettings) -> None:
                        join=True, start_method="forkserver")
 
 
-def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
+def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: str = ""
+              ) -> None:
     """Refuse, before any rank starts, a plan for another model or one this executor
-    cannot run (its stages, schedule or ZeRO stage), with the one-line reason."""
+    cannot run (its stages, schedule or ZeRO stage), or `--data` that does not hold the
+    step's arrays, with the one-line reason."""
     from planner.validate import validate
 
     graph = graph_for(model, plan)
@@ -374,7 +377,8 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto") -> None:
             if len(report.problems) > 1 else ""
         raise PlanFileError(f"the plan does not validate against {model}: "
                             f"{report.problems[0]}{more}")
-    _, output = loss_kind(graph, loss)
+    kind, output = loss_kind(graph, loss)
+    check_data(graph, data, kind, output, plan.micro_batches)
     check_pipeline_section(plan)
     check_schedule(build_stages(graph, plan.pipeline, plan.mesh, output,
                                 GraphAnalysis.of(graph).needs_grad))
@@ -393,7 +397,7 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
           checkpoint: str = "", loss: str = "auto", data: str = "",
           checkpoint_every: int = 0) -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
-    preflight(model, plan, loss)
+    preflight(model, plan, loss, data)
     if checkpoint:
         checkpoints.check_target(checkpoint)
     with tempfile.TemporaryDirectory() as scratch:
@@ -425,6 +429,7 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
     `predicted_step_time_s` is what the caller priced for one device, for the log."""
     micro = graph_for(model, plan)
     check_plan_matches(plan, micro)
+    check_data(micro, data, *loss_kind(micro, loss), plan.micro_batches)
     graph = whole_batch_graph(plan, micro)
     engine = _engine(GraphAnalysis.of(graph), None, 0, seed, str(model), optimizer, lr, loss)
     log = RunLog(predicted_step_time_s=predicted_step_time_s)

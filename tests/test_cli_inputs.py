@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -82,3 +83,31 @@ def test_messages_stay_one_line(seed: Path, tmp_path: Path,
                  str(bad)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "line 2, column 2" in err
+
+
+def test_data_that_is_not_the_steps_arrays_is_refused(seed: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """`--data` is read or refused before any rank starts: never silently synthetic."""
+    pytest.importorskip("torch")
+    planned = tmp_path / "plan.json"
+    assert main(["plan", str(seed), "--batch", "32", "--devices", "2", "--mode", "data",
+                 "--profile", "cpu", "-o", str(planned)]) == 0
+    folder = tmp_path / "data"
+    run = ["run", str(seed), "--plan", str(planned), "--nproc", "2", "--data", str(folder)]
+    capsys.readouterr()
+    assert main(run) == 2
+    assert "not a folder" in capsys.readouterr().err
+    folder.mkdir()
+    assert main(run) == 2
+    assert "x.npy: missing" in capsys.readouterr().err
+    np.save(folder / "x.npy", np.zeros((16, 128), np.float32))
+    assert main(run) == 2
+    assert "shape [16, 128], but input x is [32, 128]" in capsys.readouterr().err
+    np.save(folder / "x.npy", np.zeros((32, 128), np.float32))
+    np.save(folder / "targets.npy", np.full(32, 64))
+    assert main(run) == 2
+    assert "class targets must be integers in 0..63" in capsys.readouterr().err
+    (folder / "targets.npy").write_bytes(b"not numpy")
+    assert main(run) == 2
+    assert "not a numpy array file" in capsys.readouterr().err

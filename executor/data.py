@@ -1,0 +1,73 @@
+"""`--data DIR` checked before any rank starts: the arrays a run reads instead of
+synthetic data must all be there, with the step's shapes, a dtype of the input's kind,
+and token ids inside the vocabulary they index. A folder that does not hold them is
+refused naming the file: never silently replaced by synthetic data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from planner.errors import ShardplanError
+from planner.graph import PlanningGraph
+
+
+def _load(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise ShardplanError(f"{path}: missing; --data needs one <input>.npy per model input "
+                             "(and targets.npy for the ce and mse losses)")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ShardplanError(f"{path}: not a numpy array file ({exc}); write it with "
+                             "numpy.save") from None
+
+
+def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
+               micro_batches: int = 1) -> None:
+    """`graph` at the plan's micro-batch: the data hold `micro_batches` of them."""
+    if not data:
+        return
+    folder = Path(data)
+    if not folder.is_dir():
+        raise ShardplanError(f"--data {folder}: not a folder; give the folder holding "
+                             "<input>.npy (and targets.npy)")
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        path = folder / f"{name}.npy"
+        array = _load(path)
+        shape = list(info.shape)
+        batch_dim = graph.batch_inputs.get(name)
+        if batch_dim is not None:
+            shape[batch_dim] *= micro_batches
+        if list(array.shape) != shape:
+            raise ShardplanError(f"{path}: shape {list(array.shape)}, but input {name} is "
+                                 f"{shape} in the plan's step")
+        integer = info.dtype.startswith(("int", "uint"))
+        if integer != np.issubdtype(array.dtype, np.integer) or array.dtype.kind not in "iuf":
+            raise ShardplanError(f"{path}: dtype {array.dtype}, but input {name} is "
+                                 f"{info.dtype}")
+        for consumer in info.consumers:
+            op = graph.op(consumer)
+            if op.op_type == "Gather" and len(op.inputs) > 1 and op.inputs[1] == name \
+                    and array.size:
+                rows = graph.tensors[op.inputs[0]].shape[0]
+                low, high = int(array.min()), int(array.max())
+                if low < -rows or high >= rows:
+                    raise ShardplanError(f"{path}: ids from {low} to {high}, but {op.name} "
+                                         f"looks them up in a table of {rows} rows")
+    if kind in ("ce", "mse"):
+        targets = _load(folder / "targets.npy")
+        wanted = list(graph.tensors[output].shape)
+        wanted[0] *= micro_batches
+        expected = wanted[:-1] if kind == "ce" else wanted
+        if list(targets.shape) != expected:
+            raise ShardplanError(f"{folder / 'targets.npy'}: shape {list(targets.shape)}, but "
+                                 f"the {kind} loss of {output} wants {expected}")
+        if kind == "ce" and targets.size:
+            classes = wanted[-1]
+            if not np.issubdtype(targets.dtype, np.integer) or int(targets.min()) < 0 \
+                    or int(targets.max()) >= classes:
+                raise ShardplanError(f"{folder / 'targets.npy'}: class targets must be "
+                                     f"integers in 0..{classes - 1}")
