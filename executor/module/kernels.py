@@ -26,10 +26,17 @@ from executor.dropout import DropoutSite, keep_mask
 @dataclass(frozen=True)
 class Shift:
     """Where a micro-batch sits in the step's tensor: `micro` blocks of its own size
-    along `dim` (the dim that scales with the batch)."""
+    along `dim` (the dim that scales with the batch). `size` is the micro-batch's extent
+    along `dim` when the tensor is a local block of it (None: the tensor's own, as a
+    DTensor's global shape is)."""
 
     dim: int
     micro: int
+    size: int | None = None
+
+    def offset(self, x: torch.Tensor) -> int:
+        """How far along `dim` the micro-batch starts in the step's tensor."""
+        return self.micro * (self.size if self.size is not None else int(x.shape[self.dim]))
 
 
 def dropout(x: torch.Tensor, p: float, site: DropoutSite, shift: Shift | None = None
@@ -47,7 +54,7 @@ def dropout(x: torch.Tensor, p: float, site: DropoutSite, shift: Shift | None = 
         offsets = list(site.offsets) if len(site.offsets) == x.dim() else [0] * x.dim()
         local = x
     if shift is not None:
-        offsets[shift.dim] += shift.micro * int(x.shape[shift.dim])
+        offsets[shift.dim] += shift.offset(x)
     keep = keep_mask(DropoutSite(site.seed, site.step, site.op, tuple(offsets)),
                      local.shape, p).to(local.device)
     if not isinstance(x, DTensor):

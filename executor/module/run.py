@@ -517,29 +517,35 @@ class PlannedRun(TracedRun):
         args, kwargs = map_arg((n.args, n.kwargs), self._as_local)
         assert callable(n.target)
         if n.target is _DROPOUT and len(args) > 2 and args[2] and args[1] > 0:
-            result: Any = dropout(args[0], float(args[1]), self._local_site(n, args[0]))
+            result: Any = dropout(args[0], float(args[1]), *self._local_site(n, args[0]))
         elif n.target is _SDPA and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
             p = float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
             result = attention_math(*args, **kwargs, drop=lambda t: dropout(
-                t, p, self._local_site(n, t, dim=0))[0])
+                t, p, *self._local_site(n, t, dim=0))[0])
         else:
             result = n.target(*args, **kwargs)
         self.frame.held_local.add(n)
         return result
 
     def _local_site(self, n: Node, block: torch.Tensor, dim: int | None = None
-                    ) -> DropoutSite:
-        """The dropout draw of this rank's block: its rows' place in the step's batch."""
+                    ) -> tuple[DropoutSite, Shift | None]:
+        """The dropout draw of this rank's block: its rows' place in the micro-batch (the
+        site's offsets) and the micro-batch's in the step (the shift, as DTensor blocks
+        get it in `_shift`)."""
         offsets = [0] * block.dim()
         source = n.args[0] if dim is None else None
         if dim is None and isinstance(source, Node):
             found = symbolic_dim(source.meta["val"])
             dim = found if found is not None and found >= 0 else None
+        shift = None
         if (dim is not None and self.plan.local.batch_axes) or self.micro:
             d = dim if dim is not None else 0
             rows = int(block.shape[d])
-            offsets[d] = (self.plan.batch_index + self.micro * self.plan.local.degree) * rows
-        return DropoutSite(self.seed, self.step, self.index[n.name], tuple(offsets))
+            offsets[d] = self.plan.batch_index * rows
+            if self.micro:
+                shift = Shift(d, self.micro, rows * self.plan.local.degree)
+        site = DropoutSite(self.seed, self.step, self.index[n.name], tuple(offsets))
+        return site, shift
 
 
 @dataclass

@@ -115,6 +115,10 @@ class WeightSync:
                  placed: Mapping[str, nn.Parameter]) -> None:
         self.zero, self.comm = zero, comm
         self.micro_batch_last = True  # the backward running ends the step's micro-batches
+        # the one reduction each gradient gets: DDP's all-reduce once per step, ZeRO 1's
+        # reduce-scatter once per step, ZeRO 2 and 3's after every micro-batch
+        self.reduction = (CollectiveKind.ALL_REDUCE, Phase.GRADIENT) if zero == 0 else (
+            CollectiveKind.REDUCE_SCATTER, Phase.GRADIENT if zero == 1 else Phase.BACKWARD)
         self.weights: dict[str, Weight] = {}
         self.buckets = [_Bucket(b) for b in buckets]
         self._by_weight: dict[tuple[str, CollectiveKind, Phase], _Bucket] = {}
@@ -134,6 +138,7 @@ class WeightSync:
         for name, tensor in self.whole.items():
             if tensor.requires_grad:
                 tensor.register_post_accumulate_grad_hook(self._accumulated(name))
+        self._chunks = frozenset(id(w.chunk) for w in self.weights.values())
         if zero == 3:
             for weight in self.weights.values():
                 if weight.ranks > 1:
@@ -218,26 +223,21 @@ class WeightSync:
         return bucket
 
     def _accumulated(self, name: str) -> Callable[[torch.Tensor], None]:
-        def done(_: torch.Tensor) -> None:
-            for kind, phase in self._reductions():
-                bucket = self._by_weight.get((name, kind, phase))
-                if bucket is None:
-                    if phase == Phase.BACKWARD or self.micro_batch_last:
-                        self._keep_local_gradient(name)
-                    continue
-                if phase == Phase.GRADIENT and not self.micro_batch_last:
-                    continue  # the sum waits for the step's last micro-batch
-                bucket.ready.add(name)
-                if len(bucket.ready) == len(bucket.plan.tensors):
-                    bucket.ready.clear()
-                    self._reduce(bucket)
-        return done
+        kind, phase = self.reduction
 
-    def _reductions(self) -> tuple[tuple[CollectiveKind, Phase], ...]:
-        if self.zero == 0:
-            return ((CollectiveKind.ALL_REDUCE, Phase.GRADIENT),)
-        phase = Phase.GRADIENT if self.zero == 1 else Phase.BACKWARD
-        return ((CollectiveKind.REDUCE_SCATTER, phase),)
+        def done(_: torch.Tensor) -> None:
+            bucket = self._by_weight.get((name, kind, phase))
+            if bucket is None:
+                if phase == Phase.BACKWARD or self.micro_batch_last:
+                    self._keep_local_gradient(name)
+                return
+            if phase == Phase.GRADIENT and not self.micro_batch_last:
+                return  # the sum waits for the step's last micro-batch
+            bucket.ready.add(name)
+            if len(bucket.ready) == len(bucket.plan.tensors):
+                bucket.ready.clear()
+                self._reduce(bucket)
+        return done
 
     def _keep_local_gradient(self, name: str) -> None:
         """A weight no collective synchronises (its gradient group is one rank): under
@@ -340,7 +340,6 @@ class WeightSync:
                    if name not in self.weights or self.weights[name].present)
 
     def updates(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether `optimizer` updates this module's chunks."""
-        mine = {id(w.chunk) for w in self.weights.values()}
-        return any(id(p) in mine for group in optimizer.param_groups
+        """Whether `optimizer` updates this module's chunks (asked after every step)."""
+        return any(id(p) in self._chunks for group in optimizer.param_groups
                    for p in group["params"])
