@@ -12,19 +12,61 @@ last stage, is summed over the pipeline axis so that every rank reports it.
 
 A mean loss over the global batch is the mean of the micro-batches' mean losses, so each
 micro-batch's loss is scaled by 1/micro_batches; gradients accumulate in `.grad`.
+
+The schedule, the transfers and the backward passes are `ScheduleEngine`'s, the same for
+both executors; what a chunk's forward pass runs is a `ChunkRunner`'s: the ONNX graph's
+ops (`GraphChunks`, here) or a module's traced nodes (`executor.module.pipeline`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from executor.runtime import PlanRunner
-from executor.schedule import Action, Stages, Transfer, check_schedule
+from executor.runtime import MeshComm, PlanRunner
+from executor.schedule import Action, Chunk, Stages, Transfer, check_schedule
 from executor.update import WeightUpdate
 from planner.errors import ShardplanError
+
+
+@dataclass
+class ChunkResult:
+    """A chunk's forward pass: the local tensors it sends on (by tensor name), and on the
+    chunk computing the loss, the loss to back-propagate (this rank's part) and its value
+    for the report."""
+
+    sent: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+    reported: float = 0.0
+
+
+class ChunkRunner(Protocol):
+    """What runs one chunk's forward pass on this rank, for `ScheduleEngine`."""
+
+    comm: MeshComm
+
+    def begin_step(self) -> None: ...
+
+    def forward(self, chunk: Chunk, micro: int, feeds: Any, targets: Any,
+                received: Mapping[str, torch.Tensor]) -> ChunkResult: ...
+
+    def wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The local shape and dtype of transferred tensor `name`, as a receiver
+        allocates it."""
+        ...
+
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        """Entered around each "backward" pass (to count collectives by phase)."""
+        ...
+
+    def after_micro_batch(self) -> None: ...
+
+    def end_step(self) -> None: ...
 
 
 @dataclass
@@ -36,70 +78,60 @@ class _Pass:
     loss: torch.Tensor | None = None
 
 
-class PipelineEngine:
-    """This rank's part of every training step of `stages`."""
+class ScheduleEngine:
+    """This rank's part of every training step of `stages`, its chunks run by `chunks`."""
 
-    def __init__(self, runner: PlanRunner, stages: Stages, update: WeightUpdate,
-                 output: str, kind: str) -> None:
-        self.runner, self.stages, self.update = runner, stages, update
-        self.output, self.kind = output, kind
-        mesh = runner.mesh
-        self.device = runner.comm.coord[mesh.axis_names.index("pp")] if (
-            "pp" in mesh.axis_names) else 0
+    def __init__(self, chunks: ChunkRunner, stages: Stages) -> None:
+        self.chunks, self.stages = chunks, stages
+        comm = chunks.comm
+        self.device = comm.coord[comm.mesh.axis_names.index("pp")] if (
+            "pp" in comm.mesh.axis_names) else 0
         self.actions: list[Action] = check_schedule(stages)[self.device]
         self.last_chunk = min(c.index for c in stages.of_device(self.device))
-        ops = runner.graph.ops
-        self.reads = {c.index: {n for node in ops[c.first:c.end] for n in node.inputs if n}
-                      for c in stages.chunks}
         self._passes: dict[tuple[int, int], _Pass] = {}
         self._mail: dict[tuple[int, int, str], torch.Tensor] = {}
         self._loss = 0.0
 
-    def step(self, feeds: Sequence[Mapping[str, torch.Tensor]],
-             targets: Sequence[torch.Tensor | None]) -> float:
-        """Every micro-batch through the schedule, then the weight update; the loss."""
+    def step(self, feeds: Sequence[Any], targets: Sequence[Any]) -> float:
+        """Every micro-batch through the schedule, then the end of the step; the loss."""
         if len(feeds) != self.stages.micro_batches:
             raise ShardplanError(f"{len(feeds)} micro-batches fed, the plan has "
                                  f"{self.stages.micro_batches}")
         self._loss = 0.0
-        self.runner.step += 1
+        self.chunks.begin_step()
         for action in self.actions:
             if action.kind == "F":
                 self._forward(action.micro, action.chunk, feeds[action.micro],
                               targets[action.micro])
             else:
-                self._backward(action.micro, action.chunk)
+                with self.chunks.phase("backward"):
+                    self._backward(action.micro, action.chunk)
                 if action.chunk == self.last_chunk:  # this device is done with it
-                    self.update.after_micro_batch()
-        self.runner.comm.wait_sends()
-        self.update.step()
+                    self.chunks.after_micro_batch()
+        self.chunks.comm.wait_sends()
+        self.chunks.end_step()
         return self._report()
 
-    def _forward(self, micro: int, chunk: int, feeds: Mapping[str, torch.Tensor],
-                 targets: torch.Tensor | None) -> None:
-        runner, stages = self.runner, self.stages
-        runner.micro = micro
-        span = stages.chunks[chunk]
-        values, layouts = runner.inputs({n: v for n, v in feeds.items()
-                                         if n in self.reads[chunk]})
+    def _forward(self, micro: int, chunk: int, feeds: Any, targets: Any) -> None:
+        stages = self.stages
         record = _Pass()
+        received: dict[str, torch.Tensor] = {}
         for transfer in stages.inbound(chunk):
             value = self._take(transfer, micro, "forward")
             if transfer.grad:
                 value = value.detach().requires_grad_(True)
                 record.leaves[transfer.index] = value
-            values[transfer.tensor] = value
-            layouts[transfer.tensor] = runner.placement.stored[transfer.tensor]
-        runner.run_range(span.first, span.end, values, layouts, stages.recompute)
+            received[transfer.tensor] = value
+        result = self.chunks.forward(stages.chunks[chunk], micro, feeds, targets, received)
         for transfer in stages.outbound(chunk):
-            self._check_sent(transfer.tensor, values[transfer.tensor], layouts)
-            self._post(transfer, micro, "forward", values[transfer.tensor])
+            value = result.sent[transfer.tensor]
+            self._post(transfer, micro, "forward", value)
             if transfer.grad:
-                record.outputs[transfer.tensor] = values[transfer.tensor]
+                record.outputs[transfer.tensor] = value
         if chunk == stages.loss_chunk:
-            local, reported = runner.loss(values, layouts, self.output, targets, self.kind)
-            record.loss = local / stages.micro_batches
-            self._loss += reported / stages.micro_batches
+            assert result.loss is not None
+            record.loss = result.loss / stages.micro_batches
+            self._loss += result.reported / stages.micro_batches
         self._passes[(micro, chunk)] = record
 
     def _backward(self, micro: int, chunk: int) -> None:
@@ -135,7 +167,7 @@ class PipelineEngine:
                 else value
             return
         to = transfer.dst if phase == "forward" else transfer.src
-        comm = self.runner.comm
+        comm = self.chunks.comm
         if transfer.scatter_axes:  # Megatron's scatter/gather: this rank's slice only
             value = comm.local_slice(value, transfer.scatter_axes, transfer.scatter_dim)
         comm.send(value.contiguous(), comm.peer(self.stages.chunks[to].device),
@@ -144,10 +176,9 @@ class PipelineEngine:
     def _take(self, transfer: Transfer, micro: int, phase: str) -> torch.Tensor:
         if not transfer.p2p:
             return self._mail.pop((transfer.index, micro, phase))
-        runner = self.runner
         origin = transfer.src if phase == "forward" else transfer.dst
-        shape, dtype = self._wire(transfer.tensor)
-        comm = runner.comm
+        shape, dtype = self.chunks.wire(transfer.tensor)
+        comm = self.chunks.comm
         if transfer.scatter_axes:
             piece = list(shape)
             piece[transfer.scatter_dim] //= comm.mesh.group_size(transfer.scatter_axes)
@@ -159,8 +190,53 @@ class PipelineEngine:
                                        phase)
         return received
 
-    def _wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """Local shape and dtype of a transferred tensor, as the receiver allocates it."""
+    def _report(self) -> float:
+        """The step's loss, from the stage that computed it to every rank."""
+        comm = self.chunks.comm
+        if "pp" not in comm.mesh.axis_names:
+            return self._loss
+        total = comm.all_reduce(torch.tensor([self._loss], dtype=torch.float64), ("pp",),
+                                "loss")
+        return float(total.item())
+
+
+class GraphChunks:
+    """The ONNX graph's chunks: op ranges of `PlanRunner`, the weights updated by
+    `WeightUpdate`."""
+
+    def __init__(self, runner: PlanRunner, update: WeightUpdate, output: str, kind: str,
+                 stages: Stages) -> None:
+        self.runner, self.update, self.output, self.kind = runner, update, output, kind
+        self.stages = stages
+        self.comm = runner.comm
+        ops = runner.graph.ops
+        self.reads = {c.index: {n for node in ops[c.first:c.end] for n in node.inputs if n}
+                      for c in stages.chunks}
+
+    def begin_step(self) -> None:
+        self.runner.step += 1
+
+    def forward(self, chunk: Chunk, micro: int, feeds: Mapping[str, torch.Tensor],
+                targets: torch.Tensor | None, received: Mapping[str, torch.Tensor]
+                ) -> ChunkResult:
+        runner = self.runner
+        runner.micro = micro
+        values, layouts = runner.inputs({n: v for n, v in feeds.items()
+                                         if n in self.reads[chunk.index]})
+        for name, value in received.items():
+            values[name] = value
+            layouts[name] = runner.placement.stored[name]
+        runner.run_range(chunk.first, chunk.end, values, layouts, self.stages.recompute)
+        sent = {}
+        for transfer in self.stages.outbound(chunk.index):
+            self._check_sent(transfer.tensor, values[transfer.tensor], layouts)
+            sent[transfer.tensor] = values[transfer.tensor]
+        if chunk.index != self.stages.loss_chunk:
+            return ChunkResult(sent)
+        local, reported = runner.loss(values, layouts, self.output, targets, self.kind)
+        return ChunkResult(sent, local, reported)
+
+    def wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         info = self.runner.graph.tensors[name]
         layout = self.runner.placement.stored[name]
         return layout.local_shape(info.shape, self.runner.mesh), getattr(torch, info.dtype)
@@ -168,17 +244,26 @@ class PipelineEngine:
     def _check_sent(self, name: str, value: torch.Tensor, layouts: Mapping) -> None:
         """The receiver allocates the plan's layout, shape and dtype: the sender must match."""
         layout = self.runner.placement.stored[name]
-        shape, dtype = self._wire(name)
+        shape, dtype = self.wire(name)
         if layouts[name] != layout or tuple(value.shape) != shape or value.dtype != dtype:
             raise ShardplanError(f"{name} leaves its stage as {tuple(value.shape)} {value.dtype} "
                                  f"in layout {layouts[name]}, but the plan stores it as {shape} "
                                  f"{dtype} in {layout}")
 
-    def _report(self) -> float:
-        """The step's loss, from the stage that computed it to every rank."""
-        comm = self.runner.comm
-        if "pp" not in comm.mesh.axis_names:
-            return self._loss
-        total = comm.all_reduce(torch.tensor([self._loss], dtype=torch.float64), ("pp",),
-                                "loss")
-        return float(total.item())
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def after_micro_batch(self) -> None:
+        self.update.after_micro_batch()
+
+    def end_step(self) -> None:
+        self.update.step()
+
+
+class PipelineEngine(ScheduleEngine):
+    """The ONNX graph's training step on this rank (`GraphChunks` in `ScheduleEngine`)."""
+
+    def __init__(self, runner: PlanRunner, stages: Stages, update: WeightUpdate,
+                 output: str, kind: str) -> None:
+        super().__init__(GraphChunks(runner, update, output, kind, stages), stages)
+        self.runner, self.update = runner, update
