@@ -50,14 +50,20 @@ def next_token_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(0, 1))
 
 
-def llama() -> Example:
+def llama(layers: int = 2) -> Example:
     """A 2-layer LLaMA with grouped-query attention (4 query heads, 2 key/value heads)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         use_cache=False)
     return LogitsOnly(transformers.LlamaForCausalLM(config)), token_batch, next_token_loss
+
+
+def llama_deep() -> Example:
+    """The same LLaMA with 4 layers: enough for an interleaved pipeline of 2 stages × 2
+    model chunks, a layer each."""
+    return llama(layers=4)
 
 
 def llama_medium() -> Example:

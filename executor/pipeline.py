@@ -60,8 +60,9 @@ class ChunkRunner(Protocol):
         allocates it."""
         ...
 
-    def phase(self, name: str) -> AbstractContextManager[Any]:
-        """Entered around each "backward" pass (to count collectives by phase)."""
+    def backward(self, micro: int) -> AbstractContextManager[Any]:
+        """Entered around each backward pass, of micro-batch `micro` (to count its
+        collectives, and know which one ends the step)."""
         ...
 
     def after_micro_batch(self) -> None: ...
@@ -104,7 +105,7 @@ class ScheduleEngine:
                 self._forward(action.micro, action.chunk, feeds[action.micro],
                               targets[action.micro])
             else:
-                with self.chunks.phase("backward"):
+                with self.chunks.backward(action.micro):
                     self._backward(action.micro, action.chunk)
                 if action.chunk == self.last_chunk:  # this device is done with it
                     self.chunks.after_micro_batch()
@@ -250,7 +251,7 @@ class GraphChunks:
                                  f"in layout {layouts[name]}, but the plan stores it as {shape} "
                                  f"{dtype} in {layout}")
 
-    def phase(self, name: str) -> AbstractContextManager[Any]:
+    def backward(self, micro: int) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def after_micro_batch(self) -> None:

@@ -1,6 +1,7 @@
 """`executor.parallelize` trains the user's own module with a plan on gloo ranks, to the
 losses of the module trained as it is in one process (transformers LLaMA with GQA, GPT-2
-with dropout): data and tensor parallel, ZeRO 1-3, micro-batches and recompute."""
+with dropout): data and tensor parallel, ZeRO 1-3, micro-batches, recompute and pipeline
+stages (1F1B with a tied embedding, interleaved with recompute)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from examples.hf_models import megatron_strategies
 from executor.module.launch import (
+    Checkpoints,
     export_builder,
     load_builder,
     train_module,
@@ -75,10 +77,15 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
                   parallel={"zero": 0})
     refuse_unsupported(chosen)
     staged = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="auto",
-                  parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2})
-    with pytest.raises(ShardplanError, match=r"does not run pipeline stages \(pp=2\) yet; "
-                       r"plan with --parallel pp=1"):
-        refuse_unsupported(staged)
+                  parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 0})
+    refuse_unsupported(staged)  # pipeline stages run
+    sharded = plan(llama_onnx, devices=4, batch=BATCH, profile="cpu", mode="auto",
+                   parallel={"dp": 2, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 1})
+    with pytest.raises(ShardplanError, match=r"does not run ZeRO 1 under pipeline stages "
+                       r"\(pp=2\) yet; plan with --parallel zero=0"):
+        refuse_unsupported(sharded)
+    with pytest.raises(ShardplanError, match="checkpoints of a pipeline plan"):
+        train_module(LLAMA, staged, steps=1, checkpoints=Checkpoints(save="unused"))
     module, make_batch, _ = load_builder(LLAMA)()
     assert not dist.is_initialized()
     with pytest.raises(ShardplanError, match="initialised process group"):
@@ -268,3 +275,40 @@ def test_cli_module_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["run", "--module", LLAMA, "--plan", str(plan_file), "--nproc", "2",
                  "--data", "x"]) == 2
     assert "not with --module" in capsys.readouterr().err
+
+
+def test_gpt2_pipeline_1f1b_with_dropout_and_a_tied_head_trains_as_one_device(
+        tmp_path: Path) -> None:
+    """GPT-2 in 2 stages (1F1B, 2 micro-batches, dropout 0.1): the embedding, tied to the
+    head, lives on both stages and its gradient is summed between them after the step;
+    the activations cross as the plan's sends, and nothing else."""
+    gpt2 = "examples.hf_models:gpt2"
+    chosen = plan(export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"), devices=2,
+                  batch=BATCH, profile="cpu",
+                  parallel={"pp": 2, "micro_batches": 2, "zero": 0, "schedule": "1f1b"})
+    assert chosen.pipeline is not None and len(chosen.pipeline.sends) >= 1
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+    issued = run.collectives["issued"]
+    assert issued["send_recv|pp|forward"] == issued["send_recv|pp|backward"] == \
+        2 * STEPS * len(chosen.pipeline.sends)
+    assert issued["all_reduce|pp|gradient"] == 2 * STEPS  # the tied weight, on each stage
+
+
+def test_interleaved_pipeline_with_recompute_trains_as_one_device(tmp_path: Path) -> None:
+    """A 4-layer LLaMA in 2 stages × 2 model chunks (interleaved 1F1B) with full
+    recompute: a stage hands the rotary tables it received on to its second chunk."""
+    deep = "examples.hf_models:llama_deep"
+    chosen = plan(export_builder(deep, BATCH, tmp_path / "deep.onnx"), devices=2,
+                  batch=BATCH, profile="cpu",
+                  parallel={"pp": 2, "vpp": 2, "micro_batches": 2, "zero": 0,
+                            "recompute": "full"})
+    assert chosen.pipeline is not None and chosen.pipeline.schedule == "interleaved"
+    run = train_module(deep, chosen, steps=STEPS, batch_size=BATCH, optimizer="adamw",
+                       lr=0.01)
+    reference = train_module_reference(deep, steps=STEPS, batch_size=BATCH,
+                                       optimizer="adamw", lr=0.01)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == [] and run.recomputed > 0

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from executor.checkpoint import check_target, existing
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
+from executor.runtime import MeshComm
 from executor.train import RunLog, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
@@ -198,8 +199,9 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
                 checkpoints.save(saving.save, state, optimizer, step + 1)
         if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
             checkpoints.save(saving.save, state, optimizer, done + run.steps)
+        issued.update(state.weight_calls)
+        issued = _stage_sums(issued, state.comm)
         if rank == 0:
-            issued.update(state.weight_calls)
             log.collectives = {"planned": planned_calls(plan, run.steps),
                                "issued": {k: v for k, v in issued.items() if not k.endswith(
                                    ("|loss", "|recompute", f"|{checkpoints.PHASE}"))}}
@@ -210,6 +212,21 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
         return log
     finally:
         dist.destroy_process_group()
+
+
+def _stage_sums(issued: Counter, comm: MeshComm) -> Counter:
+    """The calls of one rank per pipeline stage (every rank of a stage issues the same
+    ones), summed: what the plan lists once per stage. Every rank takes part."""
+    mesh = comm.mesh
+    representative = all(c == 0 for a, c in zip(mesh.axis_names, comm.coord, strict=True)
+                         if a != "pp")
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, (representative, dict(issued)))
+    total: Counter = Counter()
+    for chosen, calls in records:
+        if chosen:
+            total.update(calls)
+    return total
 
 
 def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
@@ -228,6 +245,10 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     (`steps` more steps, the batches continuing from its step) and saves its own.
     `local=False` runs every op on DTensors (`executor.parallelize`'s `local`)."""
     saving = checkpoints or Checkpoints()
+    if saving.save or saving.resume:
+        from executor.module.state import refuse_pipelined
+
+        refuse_pipelined(plan)  # before any rank starts
     if saving.save:
         check_target(saving.save)
     if saving.resume:

@@ -56,6 +56,8 @@ class ModuleLayouts:
     #: the traced call nodes run under activation checkpointing, one tuple per segment of
     #: the plan's recompute (consecutive in graph order)
     recompute: tuple[tuple[str, ...], ...] = ()
+    #: plan op name -> the traced node that owns it (module docstring)
+    owner: Mapping[str, str] = field(default_factory=dict)
 
 
 def _listed(names: Collection[str], limit: int = 8) -> str:
@@ -113,10 +115,12 @@ def weight_buckets(plan: Plan) -> tuple[WeightBucket, ...]:
     """The plan's weight collectives (gradient sums and ZeRO's gathers and scatters) as
     calls: a bucket's weights in one, a weight without a bucket alone, in plan order."""
     buckets: dict[tuple[CollectiveKind, tuple[str, ...], Phase, object], list[str]] = {}
-    for c in plan.collectives:
+    for index, c in enumerate(plan.collectives):
         if c.op != OPTIMIZER_OP:
             continue
-        which: object = c.bucket if c.bucket is not None else c.tensor
+        # a collective without a bucket is a call of its own (a tied weight's sum between
+        # pipeline stages is listed once per holder)
+        which: object = ("bucket", c.bucket) if c.bucket is not None else ("alone", index)
         buckets.setdefault((c.kind, c.axes, c.phase, which), []).append(c.tensor)
     return tuple(WeightBucket(key[0], key[1], key[2], tuple(names))
                  for key, names in buckets.items())
@@ -180,4 +184,4 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
         nodes=nodes, weights=weight_buckets(plan),
-        recompute=recompute_spans(plan, owner, traced))
+        recompute=recompute_spans(plan, owner, traced), owner=owner)

@@ -29,13 +29,16 @@ is the same. Pipeline stages are refused with one line; the ONNX-graph runner
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,7 +50,13 @@ from torch.fx import GraphModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils import _pytree as pytree
 
-from executor.module.layouts import ModuleLayouts, check_parameters, read_layouts
+from executor.module.layouts import (
+    ModuleLayouts,
+    WeightBucket,
+    check_parameters,
+    read_layouts,
+)
+from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.run import (
     ModulePlan,
     RunRecord,
@@ -56,11 +65,18 @@ from executor.module.run import (
     run_planned,
     run_unsplit,
 )
-from executor.module.trace import export_program
+from executor.module.trace import export_program, save_model
 from executor.module.weights import WeightSync
+from executor.pipeline import ScheduleEngine
 from executor.runtime import Counters, MeshComm
+from executor.schedule import build_stages
+from executor.update import tied_groups
 from planner.errors import ShardplanError
+from planner.importer import import_model
+from planner.kinds import AxisRole
 from planner.plans.model import Plan
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
 
 Phases = Callable[[str], AbstractContextManager[Any]]
 
@@ -80,6 +96,8 @@ class ParallelModule:
     seed: int = 0
     draws: int = 0  # forwards and training steps run: each draws its own dropout masks
     hook: Any = None  # ZeRO 1/2: the optimizer-step hook that rebuilds the whole weights
+    pipeline: ScheduleEngine | None = None  # a plan's stages: this rank's schedule
+    chunks: ModuleChunks | None = None  # ... and what its chunks run
 
     @property
     def layouts(self) -> ModuleLayouts:
@@ -102,6 +120,10 @@ class ParallelModule:
                 step: int | None = None) -> Any:
         """The traced graph on one batch (or micro-batch `micro` of training step
         `step`), each input split as the plan's input layout says."""
+        if self.pipeline is not None:
+            raise ShardplanError("a pipeline plan runs whole training steps, each stage its "
+                                 "own layers: call module.shardplan.train_step(loss_fn, "
+                                 "batch)")
         rows = {int(v.shape[0]) for v in given if v.dim() > 0}
         wanted = self.plan.model.batch if step is not None else self.plan.global_batch
         if wanted is not None and rows != {wanted}:
@@ -139,6 +161,8 @@ class ParallelModule:
                                      f"into {count} micro-batches along dim 0")
         part = phases or (lambda _: contextlib.nullcontext())
         self.draws += 1
+        if self.pipeline is not None:
+            return self._pipelined(loss_fn, given, part)
         total: torch.Tensor | None = None
         for micro in range(count):
             rows = [v.chunk(count)[micro] for v in given]
@@ -159,6 +183,19 @@ class ParallelModule:
         assert total is not None
         return total / count
 
+    def _pipelined(self, loss_fn: Callable[..., torch.Tensor], given: Sequence[torch.Tensor],
+                   phases: Phases) -> torch.Tensor:
+        """One step through this rank's pipeline schedule (`executor.pipeline`)."""
+        assert self.pipeline is not None and self.chunks is not None
+        count = self.plan.micro_batches
+        feeds = [[v.chunk(count)[micro] for v in given] for micro in range(count)]
+        targets = [dict(zip(self.trace.user_inputs, rows, strict=True)) for rows in feeds]
+        self.chunks.step_number = self.draws
+        self.chunks.phases = phases
+        self.chunks.loss_of = lambda flat, rows: self.loss(loss_fn, self.trace.outputs(flat),
+                                                           rows)
+        return torch.tensor(self.pipeline.step(feeds, targets))
+
     @property
     def weight_calls(self) -> Counter:
         """Weight collectives issued so far (gradient sums, ZeRO's gathers and scatters),
@@ -177,17 +214,120 @@ def state_of(module: nn.Module) -> ParallelModule:
 
 
 def refuse_unsupported(plan: Plan) -> None:
-    """One error naming what of `plan` this path does not run yet: pipeline stages."""
-    stages = len(plan.pipeline.stages) if plan.pipeline is not None else 1
-    if plan.parallel.pp > 1 or stages > 1:
+    """One error naming what of `plan` this path does not run yet: ZeRO under pipeline
+    stages."""
+    if plan.parallel.pp > 1 and plan.parallel.zero:
         raise ShardplanError(
-            f"executor.parallelize does not run pipeline stages (pp={plan.parallel.pp}) "
-            "yet; plan with --parallel pp=1, or run the plan on the ONNX graph (shardplan "
-            "run MODEL.onnx --plan ...)")
+            f"executor.parallelize does not run ZeRO {plan.parallel.zero} under pipeline "
+            f"stages (pp={plan.parallel.pp}) yet; plan with --parallel zero=0, or run the "
+            "plan on the ONNX graph (shardplan run MODEL.onnx --plan ...)")
 
 
 def _device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _drop(root: nn.Module, dotted: str) -> None:
+    """Another pipeline stage's weight: this rank keeps no copy of it."""
+    owner, _, leaf = dotted.rpartition(".")
+    target = root.get_submodule(owner) if owner else root
+    param = target._parameters.get(leaf)
+    if param is not None:
+        target.register_parameter(leaf, nn.Parameter(param.detach().new_empty(0),
+                                                     requires_grad=False))
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """This rank's pipeline stage: its device stage, the weights it holds (None: all,
+    without stages) and the mesh its DTensors live on (the plan's mesh without pp)."""
+
+    plan_mesh: DeviceMesh  # the whole plan's
+    mesh: DeviceMesh  # the stage's
+    device: int
+    local_rank: int  # this rank's place in the stage's mesh
+    holds: frozenset[str] | None
+    holders: Mapping[str, tuple[int, ...]]  # weights several stages hold -> those stages
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int) -> _Stage:
+        mesh = plan.mesh
+        if plan.pipeline is None or PP not in mesh.axis_names:
+            return cls(mesh, mesh, 0, rank, None, {})
+        coord = dict(zip(mesh.axis_names, np.unravel_index(rank, mesh.shape), strict=True))
+        inner = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape, strict=True) if a != PP]
+        stage_mesh = DeviceMesh(tuple(n for _, n in inner) or (1,),
+                                tuple(a for a, _ in inner) or (STAGE_AXIS,),
+                                mesh.devices_per_node)
+        local = int(np.ravel_multi_index(tuple(int(coord[a]) for a, _ in inner),
+                                         tuple(n for _, n in inner))) if inner else 0
+        device = int(coord[PP])
+        holders: dict[str, list[int]] = {}
+        for entry in plan.pipeline.stages:
+            for name in entry.holds:
+                holders.setdefault(name, []).append(entry.device_stage)
+        holds = frozenset(name for entry in plan.pipeline.stages
+                          if entry.device_stage == device for name in entry.holds)
+        return cls(mesh, stage_mesh, device, local, holds,
+                   {n: tuple(h) for n, h in holders.items() if len(h) > 1})
+
+    def torch_mesh(self, device_type: str) -> TorchMesh:
+        """The DeviceMesh the stage's DTensors live on (every rank builds every group)."""
+        if self.holds is None:
+            return init_device_mesh(device_type, self.plan_mesh.shape,
+                                    mesh_dim_names=self.plan_mesh.axis_names)
+        names = self.plan_mesh.axis_names
+        shape = self.plan_mesh.shape
+        if self.mesh.axis_names == (STAGE_AXIS,):  # one device per stage
+            names, shape = (*names, STAGE_AXIS), (*shape, 1)
+        whole = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return whole[self.mesh.axis_names]
+
+    def buckets(self, plan: Plan, buckets: Sequence[WeightBucket]) -> list[WeightBucket]:
+        """The weight collectives this stage issues: the buckets of its own weights (a
+        bucket of tied weights only, which several stages hold, is each holder's in turn,
+        as the builder numbers them); the sums between stages are `WeightSync.tied`."""
+        if self.holds is None:
+            return list(buckets)
+        assert plan.pipeline is not None
+        holds = {e.device_stage: set(e.holds) for e in plan.pipeline.stages}
+        seen: Counter = Counter()
+        mine = []
+        for bucket in buckets:
+            if PP in bucket.axes:
+                continue
+            owners = sorted(d for d, names in holds.items() if set(bucket.tensors) <= names)
+            key = (bucket.kind, bucket.axes, bucket.phase, bucket.tensors)
+            turn = seen[key]
+            seen[key] += 1
+            if owners and owners[min(turn, len(owners) - 1)] == self.device:
+                mine.append(bucket)
+        return mine
+
+
+def _schedule(state: ParallelModule, stage: _Stage) -> tuple[ScheduleEngine, ModuleChunks]:
+    """The plan's stages on the trace: the chunks' nodes and this rank's schedule."""
+    plan, trace = state.plan, state.trace
+    assert plan.pipeline is not None and trace.onnx is not None
+    with tempfile.TemporaryDirectory() as folder:
+        graph = import_model(save_model(trace.onnx, Path(folder) / "module.onnx"),
+                             batch=plan.model.batch, dims=plan.model.bound_dims)
+    stages = build_stages(graph, plan.pipeline, plan.mesh, graph.outputs[0],
+                          GraphAnalysis.of(graph).needs_grad)
+    chunks = chunk_nodes(trace.graph, plan, state.layouts, stages)
+    stored = {name: entry.layout for name, entry in plan.tensors.items()}
+    wires = {t.tensor: (stored[t.tensor].local_shape(graph.tensors[t.tensor].shape, plan.mesh),
+                        getattr(torch, graph.tensors[t.tensor].dtype))
+             for t in stages.transfers}
+    runner = ModuleChunks(trace.graph, state.run, state.mesh, state.comm, stage.mesh, chunks,
+                          stages, stored, state.inputs, trace.user_inputs, state.record,
+                          state.seed, wires)
+    return ScheduleEngine(runner, stages), runner
+
+
+PP = str(AxisRole.PIPELINE)
+#: the one-device mesh axis of a stage whose plan mesh has no axis but pp
+STAGE_AXIS = "stage"
 
 
 def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
@@ -206,17 +346,21 @@ def parameter_names(module: nn.Module) -> list[tuple[str, ...]]:
 
 
 def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan,
-                           mesh: TorchMesh) -> tuple[dict[str, nn.Parameter],
-                                                     dict[str, tuple[str, ...]]]:
-    """Each parameter as a DTensor in its plan layout, by its plan name, and every name it
-    has in the module (a tied weight has several); every rank keeps its own shard of the
-    values it already has (no broadcast: the ranks built the same module)."""
+                           mesh: TorchMesh, plan_mesh: DeviceMesh,
+                           held: frozenset[str] | None = None,
+                           ) -> tuple[dict[str, nn.Parameter], dict[str, tuple[str, ...]]]:
+    """Each parameter (of this pipeline stage: in `held`) as a DTensor in its plan layout
+    on `mesh`, by its plan name, and every name it has in the module (a tied weight has
+    several); every rank keeps its own shard of the values it already has (no broadcast:
+    the ranks built the same module)."""
     placed: dict[str, nn.Parameter] = {}
     aliases: dict[str, tuple[str, ...]] = {}
     for names in parameter_names(module):
         planned = next(n for n in names if n in layouts.parameters)
+        if held is not None and planned not in held:
+            continue
         param = module.get_parameter(planned)
-        where = placements(layouts.parameters[planned], plan.mesh, f"parameter {planned}")
+        where = placements(layouts.parameters[planned], plan_mesh, f"parameter {planned}")
         with torch.no_grad():
             value = distribute_tensor(param.detach().to(mesh.device_type), mesh, where,
                                       src_data_rank=None)
@@ -232,13 +376,15 @@ class _Trace:
     graph: GraphModule
     user_inputs: list[str]
     out_spec: Any
+    onnx: torch.onnx.ONNXProgram | None = None  # what the planner read (a pipeline's graph)
 
     @classmethod
     def of(cls, module: nn.Module, example: Mapping[str, torch.Tensor]) -> _Trace:
-        program = export_program(module, example).exported_program
+        exported = export_program(module, example)
+        program = exported.exported_program
         assert program is not None  # export_program checked it
         return cls(program.module(), list(program.graph_signature.user_inputs),
-                   program.call_spec.out_spec)
+                   program.call_spec.out_spec, exported)
 
     def inputs(self, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         if args:
@@ -309,22 +455,35 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if missing:
         raise ShardplanError(f"the plan has no input named {', '.join(missing)}: it was "
                              "made from another export of the module")
-    mesh = init_device_mesh(_device_type(), plan.mesh.shape,
-                            mesh_dim_names=plan.mesh.axis_names)
-    placed, aliases = _distribute_parameters(module, layouts, plan, mesh)
+    stage = _Stage.of(plan, dist.get_rank())
+    mesh = stage.torch_mesh(_device_type())
+    held = stage.holds
+    placed, aliases = _distribute_parameters(module, layouts, plan, mesh, stage.mesh, held)
     comm = MeshComm(plan.mesh, dist.get_rank(), Counters())
-    weights = WeightSync(plan.parallel.zero, layouts.weights, comm, placed)
+    tied = tied_groups(comm, stage.holders) if plan.pipeline is not None else {}
+    weights = WeightSync(plan.parallel.zero, stage.buckets(plan, layouts.weights), comm,
+                         placed, {name: tied[name] for name in placed if name in tied})
     reads = {alias: name for name, names in aliases.items() for alias in names}
     for name, param in weights.parameters().items():
         for alias in aliases[name]:
             _assign(module, alias, param)
-    # the trace holds the whole copies (ZeRO 3: without storage), not the module's own
-    trace.share_parameters({alias: weights.whole[name] for alias, name in reads.items()})
+    # the trace holds the whole copies (ZeRO 3: without storage), not the module's own;
+    # a pipeline stage none of the other stages' weights
+    shared: dict[str, torch.Tensor] = {alias: weights.whole[name] for alias, name in
+                                       reads.items()}
+    for names in parameter_names(module):
+        if not any(n in shared for n in names):
+            for alias in names:
+                _drop(module, alias)
+                shared[alias] = torch.empty(0)
+    trace.share_parameters(shared)
     state = ParallelModule(
-        plan, mesh, ModulePlan.of(graph, layouts, plan.mesh, weights, reads, dist.get_rank(),
-                      local), comm, trace,
-        {name: placements(layouts.inputs[name], plan.mesh, f"input {name}")
+        plan, mesh, ModulePlan.of(graph, layouts, stage.mesh, weights, reads,
+                                  stage.local_rank, local), comm, trace,
+        {name: placements(layouts.inputs[name], stage.mesh, f"input {name}")
          for name in user_inputs}, seed=seed)
+    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        state.pipeline, state.chunks = _schedule(state, stage)
     if plan.parallel.zero in (1, 2):
         state.hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: weights.after_optimizer_step()

@@ -293,6 +293,7 @@ class PlannedRun(TracedRun):
         self.layouts, self.plan_mesh = plan.layouts, plan.mesh
         self.micro = micro  # this micro-batch's place in the step
         self.frame = _Frame()
+        self._keep: frozenset[Node] = frozenset()
 
     def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         return self.plan.placements(name, layout)
@@ -316,32 +317,52 @@ class PlannedRun(TracedRun):
     def run(self, *args: Any, initial_env: Any = None, enable_io_processing: bool = True
             ) -> Any:
         """`Interpreter.run`, but a recompute segment runs as one checkpointed call."""
-        self.env = {}
         self.args_iter = iter(self.graph.process_inputs(*args))
-        nodes = list(self.graph.nodes)
-        k = 0
         try:
-            while k < len(nodes):
-                node = nodes[k]
-                span = self.plan.spans.get(node.name)
-                if span is None:
-                    self.env[node] = self.run_node(node)
-                    done = [node]
-                    k += 1
-                else:
-                    done = nodes[k:k + span]
-                    self._checkpointed(done, nodes[k + span:])
-                    k += span
-                for finished in done:
-                    self.plan.weights.release(self.plan.release.get(finished.name, ()))
-                    for dead in self.user_to_last_uses.get(finished, []):
-                        self.env.pop(dead, None)
-                        self.frame.forget(dead)
-                if node.op == "output":
-                    return self.graph.process_outputs(self.env[node])
+            env = self.run_nodes(list(self.graph.nodes), {}, frozenset(), self.plan.spans)
+            return self.graph.process_outputs(env[self.output_node])
         finally:
             self.env, self.frame = {}, _Frame()
-        raise AssertionError("a traced graph ends in its output node")
+
+    @property
+    def output_node(self) -> Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def run_nodes(self, nodes: Sequence[Node], env: dict[Node, Any],
+                  keep: frozenset[Node], spans: Mapping[str, int]) -> dict[Node, Any]:
+        """Run `nodes` from the values in `env` (a pipeline chunk's inputs): the recompute
+        segment starting at node `s` (its `spans[s]` nodes of the list) as one
+        checkpointed call, each value dropped after its last use in the list unless in
+        `keep` (what the chunk sends on). Returns the values left, the output node's
+        among them when it ran."""
+        self.env = env
+        self._keep = keep
+        last: dict[Node, Node] = {}
+        for node in nodes:
+            for value in node.all_input_nodes:
+                last[value] = node
+        dies: dict[Node, list[Node]] = {}
+        for value, user in last.items():
+            if value not in keep:
+                dies.setdefault(user, []).append(value)
+        k = 0
+        while k < len(nodes):
+            node = nodes[k]
+            span = spans.get(node.name)
+            if span is None:
+                self.env[node] = self.run_node(node)
+                done = [node]
+                k += 1
+            else:
+                done = list(nodes[k:k + span])
+                self._checkpointed(done, nodes[k + span:])
+                k += span
+            for finished in done:
+                self.plan.weights.release(self.plan.release.get(finished.name, ()))
+                for dead in dies.get(finished, ()):
+                    self.env.pop(dead, None)
+                    self.frame.forget(dead)
+        return self.env
 
     def _checkpointed(self, segment: Sequence[Node], after: Sequence[Node]) -> None:
         """Run `segment` under `torch.utils.checkpoint` (non-reentrant): its activations
@@ -350,7 +371,7 @@ class PlannedRun(TracedRun):
         inside = set(segment)
         needed = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
                                     if a not in inside))
-        later = {a for n in after for a in n.all_input_nodes}
+        later = {a for n in after for a in n.all_input_nodes} | self._keep
         produced = [n for n in segment if n in later]
         tensors = [a for a in needed if isinstance(self.env[a], torch.Tensor)]
         others = {a: self.env[a] for a in needed if a not in tensors}

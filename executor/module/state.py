@@ -26,6 +26,7 @@ from executor.checkpoint import materialise_state, read, write
 from executor.module.parallelize import ParallelModule
 from executor.module.weights import Weight
 from planner.errors import ShardplanError
+from planner.plans.model import Plan
 
 PHASE = "checkpoint"
 
@@ -85,9 +86,19 @@ def _entries(state: ParallelModule, optimizer: torch.optim.Optimizer
                     weight, _block(state, weight, value)), weight
 
 
+def refuse_pipelined(plan: Plan) -> None:
+    """Checkpoints of pipeline plans are the ONNX runner's only, for now: each stage holds
+    only its weights, which this writer does not merge yet."""
+    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        raise ShardplanError("checkpoints of a pipeline plan (pp="
+                             f"{plan.parallel.pp}) are not written on the module path yet; "
+                             "train it without --checkpoint/--resume, or plan with pp=1")
+
+
 def save(directory: str | Path, state: ParallelModule, optimizer: torch.optim.Optimizer,
          steps: int) -> None:
     """Write the module's weights, `optimizer`'s state and the run's position."""
+    refuse_pipelined(state.plan)
     with _outside_step(state):
         found = {key: saved for key, _, saved, _ in _entries(state, optimizer)}
     found["run/steps"] = torch.tensor(steps)
@@ -99,6 +110,7 @@ def load(directory: str | Path, state: ParallelModule, optimizer: torch.optim.Op
          ) -> Position:
     """Fill the module's weights and `optimizer`'s state from a checkpoint written under
     any plan of the same module (and the same optimizer); return where the run was."""
+    refuse_pipelined(state.plan)
     with _outside_step(state):
         materialise_state(optimizer, state.weights.parameters().values())
         entries = list(_entries(state, optimizer))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
@@ -112,8 +113,13 @@ class WeightSync:
     """The plan's weight collectives on the module's weights (module docstring)."""
 
     def __init__(self, zero: int, buckets: Sequence[WeightBucket], comm: MeshComm,
-                 placed: Mapping[str, nn.Parameter]) -> None:
+                 placed: Mapping[str, nn.Parameter],
+                 tied: Mapping[str, dist.ProcessGroup | None] | None = None) -> None:
+        """`tied`: the weights two pipeline stages hold (a tied embedding and head), each
+        with the group of its holders; their gradients are summed at the end of the step
+        (`finish_step`), once every stage is done with its backward passes."""
         self.zero, self.comm = zero, comm
+        self.tied = dict(tied or {})
         self.micro_batch_last = True  # the backward running ends the step's micro-batches
         # the one reduction each gradient gets: DDP's all-reduce once per step, ZeRO 1's
         # reduce-scatter once per step, ZeRO 2 and 3's after every micro-batch
@@ -266,13 +272,21 @@ class WeightSync:
         grad = self.whole[name].grad
         if not isinstance(grad, DTensor):
             raise ShardplanError(f"the gradient of {name} is not a DTensor")
-        partial = {axis for axis, p in zip(self.comm.mesh.axis_names, grad.placements,
-                                           strict=True) if isinstance(p, Partial)}
+        partial = {axis for axis, p in zip(self._axes(grad), grad.placements, strict=True)
+                   if isinstance(p, Partial)}
         if not set(plan.axes) <= partial:
             raise ShardplanError(
                 f"the gradient of {name} is {grad.placements}, not a pending sum over "
                 f"{list(plan.axes)} as the plan's gradient {plan.kind} expects")
         return grad
+
+    @staticmethod
+    def _axes(value: DTensor) -> tuple[str, ...]:
+        """The plan's axis names of a DTensor's mesh dims (a pipeline stage's DTensors
+        live on the plan's mesh without pp)."""
+        names = value.device_mesh.mesh_dim_names
+        assert names is not None  # the executor names every mesh dim
+        return tuple(names)
 
     def _all_reduce(self, plan: WeightBucket, grads: Sequence[DTensor]) -> None:
         flat = torch.cat([g.to_local().reshape(-1) for g in grads])
@@ -285,7 +299,7 @@ class WeightSync:
             piece = summed[offset:offset + local.numel()].view_as(local)
             offset += local.numel()
             done = [q if isinstance(p, Partial) and axis in plan.axes else p
-                    for axis, p, q in zip(self.comm.mesh.axis_names, grad.placements,
+                    for axis, p, q in zip(self._axes(grad), grad.placements,
                                           param.placements, strict=True)]
             param.grad = DTensor.from_local(piece, grad.device_mesh, done,
                                             shape=param.shape, stride=param.stride())
@@ -323,6 +337,16 @@ class WeightSync:
             offset += size
 
     # -- the end of the step -------------------------------------------------------------
+
+    def finish_step(self) -> None:
+        """After a pipeline step's last backward pass: each tied weight's gradient summed
+        between the stages holding it (ZeRO 0: the weight is the parameter)."""
+        for name, group in self.tied.items():
+            grad = self.whole[name].grad
+            if grad is None:
+                continue
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            local.copy_(self.comm.all_reduce_on(local, group, ("pp",), Phase.GRADIENT))
 
     def after_optimizer_step(self) -> None:
         """ZeRO 1 and 2: the whole copies rebuilt from the updated chunks."""
