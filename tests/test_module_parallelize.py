@@ -80,9 +80,9 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
                   parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 0})
     refuse_unsupported(staged)  # pipeline stages run
     sharded = plan(llama_onnx, devices=4, batch=BATCH, profile="cpu", mode="auto",
-                   parallel={"dp": 2, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 1})
-    with pytest.raises(ShardplanError, match=r"does not run ZeRO 1 under pipeline stages "
-                       r"\(pp=2\) yet; plan with --parallel zero=0"):
+                   parallel={"dp": 2, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 3})
+    with pytest.raises(ShardplanError, match=r"does not run ZeRO 3 under pipeline stages "
+                       r"\(pp=2\) yet; plan with --parallel zero=2"):
         refuse_unsupported(sharded)
     with pytest.raises(ShardplanError, match="checkpoints of a pipeline plan"):
         train_module(LLAMA, staged, steps=1, checkpoints=Checkpoints(save="unused"))
@@ -277,15 +277,17 @@ def test_cli_module_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "not with --module" in capsys.readouterr().err
 
 
-def test_gpt2_pipeline_1f1b_with_dropout_and_a_tied_head_trains_as_one_device(
+def test_gpt2_pipeline_1f1b_zero2_with_a_tied_head_trains_as_one_device(
         tmp_path: Path) -> None:
-    """GPT-2 in 2 stages (1F1B, 2 micro-batches, dropout 0.1): the embedding, tied to the
-    head, lives on both stages and its gradient is summed between them after the step;
-    the activations cross as the plan's sends, and nothing else."""
+    """GPT-2 in 2 stages × 2 data-parallel ranks (1F1B, 2 micro-batches, ZeRO 2, dropout
+    0.1): the embedding, tied to the head, lives on both stages, its reduce-scattered
+    chunks summed between them after the step; the activations cross as the plan's sends,
+    and nothing else."""
     gpt2 = "examples.hf_models:gpt2"
-    chosen = plan(export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"), devices=2,
+    chosen = plan(export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"), devices=4,
                   batch=BATCH, profile="cpu",
-                  parallel={"pp": 2, "micro_batches": 2, "zero": 0, "schedule": "1f1b"})
+                  parallel={"pp": 2, "dp": 2, "micro_batches": 2, "zero": 2,
+                            "schedule": "1f1b"})
     assert chosen.pipeline is not None and len(chosen.pipeline.sends) >= 1
     run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
@@ -295,6 +297,7 @@ def test_gpt2_pipeline_1f1b_with_dropout_and_a_tied_head_trains_as_one_device(
     assert issued["send_recv|pp|forward"] == issued["send_recv|pp|backward"] == \
         2 * STEPS * len(chosen.pipeline.sends)
     assert issued["all_reduce|pp|gradient"] == 2 * STEPS  # the tied weight, on each stage
+    assert issued["reduce_scatter|dp|backward"] > 0
 
 
 def test_interleaved_pipeline_with_recompute_trains_as_one_device(tmp_path: Path) -> None:

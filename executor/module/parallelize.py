@@ -214,13 +214,12 @@ def state_of(module: nn.Module) -> ParallelModule:
 
 
 def refuse_unsupported(plan: Plan) -> None:
-    """One error naming what of `plan` this path does not run yet: ZeRO under pipeline
+    """One error naming what of `plan` this path does not run yet: ZeRO 3 under pipeline
     stages."""
-    if plan.parallel.pp > 1 and plan.parallel.zero:
+    if plan.parallel.pp > 1 and plan.parallel.zero == 3:
         raise ShardplanError(
-            f"executor.parallelize does not run ZeRO {plan.parallel.zero} under pipeline "
-            f"stages (pp={plan.parallel.pp}) yet; plan with --parallel zero=0, or run the "
-            "plan on the ONNX graph (shardplan run MODEL.onnx --plan ...)")
+            f"executor.parallelize does not run ZeRO 3 under pipeline stages "
+            f"(pp={plan.parallel.pp}) yet; plan with --parallel zero=2 (or less)")
 
 
 def _device_type() -> str:

@@ -340,9 +340,11 @@ class WeightSync:
 
     def finish_step(self) -> None:
         """After a pipeline step's last backward pass: each tied weight's gradient summed
-        between the stages holding it (ZeRO 0: the weight is the parameter)."""
+        between the stages holding it: the weight's (ZeRO 0), or under ZeRO this rank's
+        chunk's, reduce-scattered alike on every holder (its stages share one mesh)."""
         for name, group in self.tied.items():
-            grad = self.whole[name].grad
+            weight = self.weights.get(name)
+            grad = weight.chunk.grad if weight is not None else self.whole[name].grad
             if grad is None:
                 continue
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
