@@ -51,13 +51,13 @@ SEQ = ["--dim", "seq=32"]
     ("resnet-tiny", []), ("moe-tiny", SEQ)])
 def test_zoo_plan_strategies_round_trip(name: str, dims: list[str], tmp_path: Path) -> None:
     model = _zoo(name, tmp_path / f"{name}.onnx")
-    _round_trip(model, tmp_path, ["--devices", "4", "--batch", "8", *dims])
+    _round_trip(model, tmp_path, ["--devices", "2", "--batch", "8", *dims])
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert"])
 def test_export_plan_strategies_round_trip(export_model, model: str, tmp_path: Path) -> None:
     path = export_model(model, "dynamo", training=True, opset=18)
-    _round_trip(path, tmp_path, ["--devices", "4", "--dim", "batch=4", "--dim", "seq=16"])
+    _round_trip(path, tmp_path, ["--devices", "2", "--dim", "batch=4", "--dim", "seq=16"])
 
 
 def _pinned_alike(model: Path, devices: int, batch: int, dims: dict[str, int]) -> None:
