@@ -22,8 +22,9 @@ The module keeps its identity and its parameters' names: build the optimizer on
 `module.parameters()` after the call. `module.shardplan.train_step(loss_fn, batch)` runs
 one step's forward and backward passes over the plan's micro-batches; with one
 micro-batch, `loss_fn(module(**batch), batch).backward()` (through `module.shardplan.loss`)
-is the same. Pipeline stages are refused with one line; the ONNX-graph runner
-(`shardplan run MODEL.onnx`) runs those plans.
+is the same. With pipeline stages (`executor.module.pipeline`) each rank holds its
+stage's weights only and runs its chunks in the plan's schedule: `train_step` is then
+the way to run the module (a stage cannot run a whole forward).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from executor.runtime import Counters, MeshComm
 from executor.schedule import build_stages
 from executor.update import tied_groups
 from planner.errors import ShardplanError
+from planner.graph import PlanningGraph
 from planner.importer import import_model
 from planner.kinds import AxisRole
 from planner.plans.model import Plan
@@ -213,15 +215,6 @@ def state_of(module: nn.Module) -> ParallelModule:
     return state
 
 
-def refuse_unsupported(plan: Plan) -> None:
-    """One error naming what of `plan` this path does not run yet: ZeRO 3 under pipeline
-    stages."""
-    if plan.parallel.pp > 1 and plan.parallel.zero == 3:
-        raise ShardplanError(
-            f"executor.parallelize does not run ZeRO 3 under pipeline stages "
-            f"(pp={plan.parallel.pp}) yet; plan with --parallel zero=2 (or less)")
-
-
 def _device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
@@ -304,13 +297,24 @@ class _Stage:
         return mine
 
 
-def _schedule(state: ParallelModule, stage: _Stage) -> tuple[ScheduleEngine, ModuleChunks]:
-    """The plan's stages on the trace: the chunks' nodes and this rank's schedule."""
-    plan, trace = state.plan, state.trace
-    assert plan.pipeline is not None and trace.onnx is not None
+def _planning_graph(trace: _Trace, plan: Plan) -> PlanningGraph:
+    """The graph the plan was made from, imported from the trace's own ONNX model at the
+    plan's dims: what the pipeline's chunks and transfers are read against. Read before
+    the weights are distributed: the model's initializers are the module's own tensors,
+    whose storage ZeRO 3 frees."""
+    assert trace.onnx is not None
     with tempfile.TemporaryDirectory() as folder:
         graph = import_model(save_model(trace.onnx, Path(folder) / "module.onnx"),
                              batch=plan.model.batch, dims=plan.model.bound_dims)
+    trace.onnx = None  # not needed again
+    return graph
+
+
+def _schedule(state: ParallelModule, stage: _Stage, graph: PlanningGraph
+              ) -> tuple[ScheduleEngine, ModuleChunks]:
+    """The plan's stages on the trace: the chunks' nodes and this rank's schedule."""
+    plan, trace = state.plan, state.trace
+    assert plan.pipeline is not None
     stages = build_stages(graph, plan.pipeline, plan.mesh, graph.outputs[0],
                           GraphAnalysis.of(graph).needs_grad)
     chunks = chunk_nodes(trace.graph, plan, state.layouts, stages)
@@ -443,7 +447,6 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
-    refuse_unsupported(plan)
     check_parameters(plan, parameter_names(module))
     trace = _Trace.of(module, example)
     graph, user_inputs = trace.graph, trace.user_inputs
@@ -454,6 +457,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if missing:
         raise ShardplanError(f"the plan has no input named {', '.join(missing)}: it was "
                              "made from another export of the module")
+    staged = _planning_graph(trace, plan) if plan.pipeline is not None and len(
+        plan.pipeline.stages) > 1 else None
     stage = _Stage.of(plan, dist.get_rank())
     mesh = stage.torch_mesh(_device_type())
     held = stage.holds
@@ -481,8 +486,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                                   stage.local_rank, local), comm, trace,
         {name: placements(layouts.inputs[name], stage.mesh, f"input {name}")
          for name in user_inputs}, seed=seed)
-    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        state.pipeline, state.chunks = _schedule(state, stage)
+    if staged is not None:
+        state.pipeline, state.chunks = _schedule(state, stage, staged)
     if plan.parallel.zero in (1, 2):
         state.hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: weights.after_optimizer_step()
