@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -87,7 +87,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_number(flag: str, most: float = math.inf):  # type: ignore[no-untyped-def]
+def positive_number(flag: str, most: float = math.inf) -> Callable[[str], float]:
     """A finite number above 0 (and at most `most`): NaN, inf and 0 are refused."""
 
     def parse(text: str) -> float:

@@ -304,7 +304,10 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         return bindable[size]
 
     granule = next(d for d in _divisors(graph.batch) if binds(d))
-    choices = enumerate_choices(devices, graph.batch, layers, per_node, pins, granule)
+    choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
+                                            granule)
+               if binds(graph.batch // (c.dp * c.micro_batches))
+               and binds(graph.batch // c.micro_batches)]
     modes = recompute_modes(pins)
     if not choices:  # the op-level plans may still stand; the message if none does
         binding = f" at {granule} rows or multiples of them (the least it binds at)" \
@@ -343,11 +346,6 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
         return Partitioner(Pricer(profile, pipeline_config(choice, training), hardware, mesh))
 
-    choices = [c for c in choices
-               if binds(graph.batch // (c.dp * c.micro_batches))
-               and binds(graph.batch // c.micro_batches)]
-    if not choices:  # the op-level plans may still stand
-        return JointResult([], 0, math.inf, "", 0, skipped_sizes=skipped)
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync.
     bounds = []
