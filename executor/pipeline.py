@@ -32,6 +32,16 @@ from executor.runtime import MeshComm, PlanRunner
 from executor.schedule import Action, Chunk, Stages, Transfer, check_schedule
 from executor.update import WeightUpdate
 from planner.errors import ShardplanError
+from planner.graph import TensorInfo
+from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
+
+
+def wire_of(info: TensorInfo, layout: Layout, mesh: DeviceMesh
+            ) -> tuple[tuple[int, ...], torch.dtype]:
+    """The local shape and dtype a transferred tensor has on the wire: its block in the
+    layout the plan stores it in."""
+    return layout.local_shape(info.shape, mesh), getattr(torch, info.dtype)
 
 
 @dataclass
@@ -238,9 +248,8 @@ class GraphChunks:
         return ChunkResult(sent, local, reported)
 
     def wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        info = self.runner.graph.tensors[name]
-        layout = self.runner.placement.stored[name]
-        return layout.local_shape(info.shape, self.runner.mesh), getattr(torch, info.dtype)
+        return wire_of(self.runner.graph.tensors[name], self.runner.placement.stored[name],
+                       self.runner.mesh)
 
     def _check_sent(self, name: str, value: torch.Tensor, layouts: Mapping) -> None:
         """The receiver allocates the plan's layout, shape and dtype: the sender must match."""

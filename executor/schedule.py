@@ -83,6 +83,18 @@ class Stages:
         return [t for t in self.transfers if t.src == chunk]
 
 
+def weight_holders(plan: Plan) -> dict[str, tuple[int, ...]] | None:
+    """Per weight, the pipeline device stages holding it (the plan's `holds`); None for a
+    plan without stages, whose ranks hold every weight."""
+    if plan.pipeline is None:
+        return None
+    result: dict[str, list[int]] = {}
+    for stage in plan.pipeline.stages:
+        for name in stage.holds:
+            result.setdefault(name, []).append(stage.device_stage)
+    return {name: tuple(stages) for name, stages in result.items()}
+
+
 def check_pipeline_section(plan: Plan) -> None:
     """A plan that pipelines, micro-batches or recomputes must say how in its section."""
     if plan.pipeline is not None:

@@ -31,7 +31,12 @@ from executor import checkpoint as checkpoints
 from executor.data import check_data
 from executor.pipeline import PipelineEngine
 from executor.runtime import Placement, PlanRunner, onnx_weights
-from executor.schedule import build_stages, check_pipeline_section, check_schedule
+from executor.schedule import (
+    build_stages,
+    check_pipeline_section,
+    check_schedule,
+    weight_holders,
+)
 from executor.support import check_supported
 from executor.update import WeightUpdate, check_zero, tied_groups
 from planner.errors import PlanFileError, ShardplanError
@@ -169,18 +174,6 @@ def _fault_drill(rank: int, spec: str = "") -> int | None:
     return int(step) if spec and victim == str(rank) and step.isdigit() else None
 
 
-def _holders(plan: Plan) -> dict[str, tuple[int, ...]] | None:
-    """Per weight, the pipeline device stages holding it (the plan's `holds`); None for a
-    plan without stages, whose ranks hold every weight."""
-    if plan.pipeline is None:
-        return None
-    result: dict[str, list[int]] = {}
-    for stage in plan.pipeline.stages:
-        for name in stage.holds:
-            result.setdefault(name, []).append(stage.device_stage)
-    return {name: tuple(stages) for name, stages in result.items()}
-
-
 def _engine(analysis: GraphAnalysis, plan: Plan | None, rank: int, seed: int, model: str,
             optimizer: str, lr: float, loss: str) -> PipelineEngine:
     """This rank's runner (its stage's weights only), weight update and schedule; without
@@ -188,7 +181,7 @@ def _engine(analysis: GraphAnalysis, plan: Plan | None, rank: int, seed: int, mo
     graph = analysis.graph
     kind, output = loss_kind(graph, loss)
     placement = Placement.of_plan(plan) if plan is not None else Placement.unsplit(graph)
-    holders = _holders(plan) if plan is not None else None
+    holders = weight_holders(plan) if plan is not None else None
     mesh = placement.mesh
     device = 0
     if AxisRole.PIPELINE in mesh.axis_names:

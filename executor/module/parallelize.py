@@ -61,6 +61,7 @@ from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.run import (
     ModulePlan,
     RunRecord,
+    place_inputs,
     placements,
     replicated,
     run_planned,
@@ -68,9 +69,9 @@ from executor.module.run import (
 )
 from executor.module.trace import export_program, save_model
 from executor.module.weights import WeightSync
-from executor.pipeline import ScheduleEngine
+from executor.pipeline import ScheduleEngine, wire_of
 from executor.runtime import Counters, MeshComm
-from executor.schedule import build_stages
+from executor.schedule import build_stages, weight_holders
 from executor.update import tied_groups
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -134,9 +135,7 @@ class ParallelModule:
                 f"a batch of {sorted(rows)} rows: the plan is for {whole}"
                 + (f", {self.plan.micro_batches} micro-batches of {wanted}"
                    if step is not None and self.plan.micro_batches > 1 else ""))
-        flat = [distribute_tensor(value.to(self.mesh.device_type), self.mesh,
-                                  self.inputs[name], src_data_rank=None)
-                for name, value in zip(self.trace.user_inputs, given, strict=True)]
+        flat = place_inputs(given, self.trace.user_inputs, self.mesh, self.inputs)
         if step is None:
             self.draws += 1
             step = self.draws
@@ -221,8 +220,7 @@ def _device_type() -> str:
 
 def _drop(root: nn.Module, dotted: str) -> None:
     """Another pipeline stage's weight: this rank keeps no copy of it."""
-    owner, _, leaf = dotted.rpartition(".")
-    target = root.get_submodule(owner) if owner else root
+    target, leaf = _slot(root, dotted)
     param = target._parameters.get(leaf)
     if param is not None:
         target.register_parameter(leaf, nn.Parameter(param.detach().new_empty(0),
@@ -238,14 +236,25 @@ class _Stage:
     mesh: DeviceMesh  # the stage's
     device: int
     local_rank: int  # this rank's place in the stage's mesh
-    holds: frozenset[str] | None
-    holders: Mapping[str, tuple[int, ...]]  # weights several stages hold -> those stages
+    holders: Mapping[str, tuple[int, ...]] | None  # weight -> the stages holding it
+
+    @property
+    def holds(self) -> frozenset[str] | None:
+        """The weights this stage holds (None: every weight, without stages)."""
+        if self.holders is None:
+            return None
+        return frozenset(n for n, stages in self.holders.items() if self.device in stages)
+
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """The weights several stages hold (a tied embedding and head), by their stages."""
+        return {n: h for n, h in (self.holders or {}).items() if len(h) > 1}
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> _Stage:
         mesh = plan.mesh
         if plan.pipeline is None or PP not in mesh.axis_names:
-            return cls(mesh, mesh, 0, rank, None, {})
+            return cls(mesh, mesh, 0, rank, None)
         coord = dict(zip(mesh.axis_names, np.unravel_index(rank, mesh.shape), strict=True))
         inner = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape, strict=True) if a != PP]
         stage_mesh = DeviceMesh(tuple(n for _, n in inner) or (1,),
@@ -253,19 +262,11 @@ class _Stage:
                                 mesh.devices_per_node)
         local = int(np.ravel_multi_index(tuple(int(coord[a]) for a, _ in inner),
                                          tuple(n for _, n in inner))) if inner else 0
-        device = int(coord[PP])
-        holders: dict[str, list[int]] = {}
-        for entry in plan.pipeline.stages:
-            for name in entry.holds:
-                holders.setdefault(name, []).append(entry.device_stage)
-        holds = frozenset(name for entry in plan.pipeline.stages
-                          if entry.device_stage == device for name in entry.holds)
-        return cls(mesh, stage_mesh, device, local, holds,
-                   {n: tuple(h) for n, h in holders.items() if len(h) > 1})
+        return cls(mesh, stage_mesh, int(coord[PP]), local, weight_holders(plan))
 
     def torch_mesh(self, device_type: str) -> TorchMesh:
         """The DeviceMesh the stage's DTensors live on (every rank builds every group)."""
-        if self.holds is None:
+        if self.holders is None:
             return init_device_mesh(device_type, self.plan_mesh.shape,
                                     mesh_dim_names=self.plan_mesh.axis_names)
         names = self.plan_mesh.axis_names
@@ -275,20 +276,19 @@ class _Stage:
         whole = init_device_mesh(device_type, shape, mesh_dim_names=names)
         return whole[self.mesh.axis_names]
 
-    def buckets(self, plan: Plan, buckets: Sequence[WeightBucket]) -> list[WeightBucket]:
+    def buckets(self, buckets: Sequence[WeightBucket]) -> list[WeightBucket]:
         """The weight collectives this stage issues: the buckets of its own weights (a
         bucket of tied weights only, which several stages hold, is each holder's in turn,
         as the builder numbers them); the sums between stages are `WeightSync.tied`."""
-        if self.holds is None:
+        if self.holders is None:
             return list(buckets)
-        assert plan.pipeline is not None
-        holds = {e.device_stage: set(e.holds) for e in plan.pipeline.stages}
         seen: Counter = Counter()
         mine = []
         for bucket in buckets:
             if PP in bucket.axes:
                 continue
-            owners = sorted(d for d, names in holds.items() if set(bucket.tensors) <= names)
+            owners = sorted(set.intersection(*(set(self.holders.get(n, ()))
+                                               for n in bucket.tensors)))
             key = (bucket.kind, bucket.axes, bucket.phase, bucket.tensors)
             turn = seen[key]
             seen[key] += 1
@@ -310,7 +310,7 @@ def _planning_graph(trace: _Trace, plan: Plan) -> PlanningGraph:
     return graph
 
 
-def _schedule(state: ParallelModule, stage: _Stage, graph: PlanningGraph
+def _schedule(state: ParallelModule, graph: PlanningGraph
               ) -> tuple[ScheduleEngine, ModuleChunks]:
     """The plan's stages on the trace: the chunks' nodes and this rank's schedule."""
     plan, trace = state.plan, state.trace
@@ -319,12 +319,10 @@ def _schedule(state: ParallelModule, stage: _Stage, graph: PlanningGraph
                           GraphAnalysis.of(graph).needs_grad)
     chunks = chunk_nodes(trace.graph, plan, state.layouts, stages)
     stored = {name: entry.layout for name, entry in plan.tensors.items()}
-    wires = {t.tensor: (stored[t.tensor].local_shape(graph.tensors[t.tensor].shape, plan.mesh),
-                        getattr(torch, graph.tensors[t.tensor].dtype))
+    wires = {t.tensor: wire_of(graph.tensors[t.tensor], stored[t.tensor], plan.mesh)
              for t in stages.transfers}
-    runner = ModuleChunks(trace.graph, state.run, state.mesh, state.comm, stage.mesh, chunks,
-                          stages, stored, state.inputs, trace.user_inputs, state.record,
-                          state.seed, wires)
+    runner = ModuleChunks(trace.graph, state.run, state.mesh, state.comm, chunks, stages,
+                          stored, state.inputs, state.record, state.seed, wires)
     return ScheduleEngine(runner, stages), runner
 
 
@@ -333,9 +331,15 @@ PP = str(AxisRole.PIPELINE)
 STAGE_AXIS = "stage"
 
 
-def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
+def _slot(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    """The submodule holding `dotted` ("transformer.h.0.attn.c_attn.weight"), and the
+    name there."""
     owner, _, leaf = dotted.rpartition(".")
-    target = root.get_submodule(owner) if owner else root
+    return (root.get_submodule(owner) if owner else root), leaf
+
+
+def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
+    target, leaf = _slot(root, dotted)
     target.register_parameter(leaf, value)
 
 
@@ -412,8 +416,7 @@ class _Trace:
             if isinstance(value, nn.Parameter):
                 _assign(self.graph, str(node.target), value)
                 continue
-            owner, _, leaf = str(node.target).rpartition(".")
-            holder = self.graph.get_submodule(owner) if owner else self.graph
+            holder, leaf = _slot(self.graph, str(node.target))
             holder._parameters.pop(leaf, None)
             setattr(holder, leaf, value)
 
@@ -464,8 +467,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     held = stage.holds
     placed, aliases = _distribute_parameters(module, layouts, plan, mesh, stage.mesh, held)
     comm = MeshComm(plan.mesh, dist.get_rank(), Counters())
-    tied = tied_groups(comm, stage.holders) if plan.pipeline is not None else {}
-    weights = WeightSync(plan.parallel.zero, stage.buckets(plan, layouts.weights), comm,
+    tied = tied_groups(comm, stage.shared) if plan.pipeline is not None else {}
+    weights = WeightSync(plan.parallel.zero, stage.buckets(layouts.weights), comm,
                          placed, {name: tied[name] for name in placed if name in tied})
     reads = {alias: name for name, names in aliases.items() for alias in names}
     for name, param in weights.parameters().items():
@@ -487,7 +490,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         {name: placements(layouts.inputs[name], stage.mesh, f"input {name}")
          for name in user_inputs}, seed=seed)
     if staged is not None:
-        state.pipeline, state.chunks = _schedule(state, stage, staged)
+        state.pipeline, state.chunks = _schedule(state, staged)
     if plan.parallel.zero in (1, 2):
         state.hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: weights.after_optimizer_step()

@@ -21,30 +21,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule, Node
 
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import is_size
-from executor.module.run import ModulePlan, PlannedRun, RunRecord, placements
+from executor.module.run import ModulePlan, PlannedRun, RunRecord, last_uses, place_inputs
 from executor.pipeline import ChunkResult
 from executor.runtime import MeshComm
 from executor.schedule import Chunk, Stages
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
-from planner.sharding.mesh import DeviceMesh
+from planner.sharding.layout import Layout
 
 
 @dataclass(frozen=True)
 class ChunkNodes:
-    """What one chunk runs: its nodes in graph order (the free values it recomputes
-    first), the nodes whose values arrive from other chunks, and those it sends on."""
+    """What one chunk runs, derived once: its nodes in graph order (the free values it
+    recomputes first; not the inputs or what it receives, which arrive as values), the
+    nodes whose values arrive from other chunks, those it sends on, its recompute
+    segments and when each value is dropped."""
 
     nodes: tuple[Node, ...]
     received: Mapping[str, Node]
     sent: Mapping[str, Node]
     spans: Mapping[str, int]  # the recompute segments among `nodes`: first -> length
+    keep: frozenset[Node]  # the sent values: kept to the end of the chunk
+    dies: Mapping[Node, tuple[Node, ...]]  # node -> the values dropped after it
 
 
 def _free_nodes(nodes: Sequence[Node], owned: set[str]) -> set[Node]:
@@ -112,9 +116,11 @@ def chunk_nodes(graph: GraphModule, plan: Plan, layouts: ModuleLayouts, stages: 
             raise ShardplanError(f"the plan sends {', '.join(sorted(missing))} from chunk "
                                  f"{chunk.index}, which the traced module does not compute "
                                  "there; plan this module's own export")
-        prelude = tuple(n for n in nodes if n in needed)
-        result[chunk.index] = ChunkNodes(prelude + tuple(own), received, sent,
-                                         _spans(own, layouts.recompute))
+        prelude = tuple(n for n in nodes if n in needed and n.op != "placeholder")
+        runs = prelude + tuple(own)
+        keep = frozenset(sent.values())
+        result[chunk.index] = ChunkNodes(runs, received, sent, _spans(own, layouts.recompute),
+                                         keep, last_uses(runs, keep))
     return result
 
 
@@ -139,22 +145,23 @@ class ModuleChunks:
     run by `PlannedRun` on DTensors of the stage's mesh."""
 
     def __init__(self, graph: GraphModule, run: ModulePlan, mesh: Any, comm: MeshComm,
-                 stage_mesh: DeviceMesh, chunks: Mapping[int, ChunkNodes], stages: Stages,
-                 stored: Mapping[str, Any], inputs: Mapping[str, tuple[Any, ...]],
-                 user_inputs: Sequence[str], record: RunRecord, seed: int,
+                 chunks: Mapping[int, ChunkNodes], stages: Stages,
+                 stored: Mapping[str, Layout], inputs: Mapping[str, tuple[Any, ...]],
+                 record: RunRecord, seed: int,
                  wires: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        """`wires`: each transferred tensor's local shape and dtype on the wire."""
+        """`stored`: each tensor's layout as the plan stores (and sends) it; `wires`:
+        each transferred tensor's local shape and dtype on the wire."""
         self.graph, self.run, self.mesh, self.comm = graph, run, mesh, comm
         self.wires = wires
-        self.stage_mesh, self.nodes, self.stages = stage_mesh, chunks, stages
-        self.stored, self.inputs, self.user_inputs = stored, inputs, list(user_inputs)
+        self.nodes, self.stages = chunks, stages
+        self.stored, self.inputs = stored, inputs
         self.record, self.seed = record, seed
         self.step_number = 0  # set by the caller to the step's dropout draw
         self.loss_of: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor] | None = None
         self.phases: Callable[[str], AbstractContextManager[Any]] = \
             lambda _: contextlib.nullcontext()
-        self.micro_batches = stages.micro_batches
         self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        self.names = [n.name for n in self.placeholders]
 
     def begin_step(self) -> None:
         pass
@@ -163,18 +170,15 @@ class ModuleChunks:
                 targets: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor]
                 ) -> ChunkResult:
         plan = self.nodes[chunk.index]
-        env: dict[Node, Any] = {}
-        for node, value in zip(self.placeholders, feeds, strict=True):
-            env[node] = distribute_tensor(value.to(self.mesh.device_type), self.mesh,
-                                          self.inputs[node.name], src_data_rank=None)
+        env: dict[Node, Any] = dict(zip(self.placeholders, place_inputs(
+            feeds, self.names, self.mesh, self.inputs), strict=True))
         for name, node in plan.received.items():
             env[node] = self._arrived(node, received[name])
         running = PlannedRun(self.graph, self.run, self.mesh, self.record, self.seed,
                              self.step_number, micro)
         with self.phases("forward"), implicit_replication(), \
                 self.run.weights.saved_weights():
-            values = running.run_nodes([n for n in plan.nodes if n not in env], env,
-                                       frozenset(plan.sent.values()), plan.spans)
+            values = running.run_nodes(plan.nodes, env, plan.keep, plan.spans, plan.dies)
             sent = {name: self._leaving(running, node, values[node])
                     for name, node in plan.sent.items()}
             output = values.get(running.output_node) if chunk.index == \
@@ -211,14 +215,14 @@ class ModuleChunks:
         return value.to_local()
 
     def _placements(self, name: str) -> tuple[Any, ...]:
-        return placements(self.stored[name], self.stage_mesh, f"tensor {name}")
+        return self.run.placements(name, self.stored[name])
 
     def wire(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         return self.wires[name]
 
     def backward(self, micro: int) -> AbstractContextManager[Any]:
         # the weights' gradient sums wait for the step's last micro-batch
-        self.run.weights.micro_batch_last = micro == self.micro_batches - 1
+        self.run.weights.micro_batch_last = micro == self.stages.micro_batches - 1
         return self.phases("backward")
 
     def after_micro_batch(self) -> None:

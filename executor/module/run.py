@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
@@ -268,6 +275,30 @@ class ModulePlan:
         return self._placements[key]
 
 
+def last_uses(nodes: Sequence[Node], keep: frozenset[Node]) -> dict[Node, tuple[Node, ...]]:
+    """Node -> the values (but those in `keep`) whose last reader in `nodes` it is: what a
+    run of `nodes` drops after it (`Interpreter.user_to_last_uses` for a part of a
+    graph)."""
+    last: dict[Node, Node] = {}
+    for node in nodes:
+        for value in node.all_input_nodes:
+            last[value] = node
+    dies: dict[Node, list[Node]] = {}
+    for value, user in last.items():
+        if value not in keep:
+            dies.setdefault(user, []).append(value)
+    return {user: tuple(values) for user, values in dies.items()}
+
+
+def place_inputs(values: Sequence[torch.Tensor], names: Sequence[str], mesh: TorchMesh,
+                 wanted: Mapping[str, tuple[Placement, ...]]) -> list[DTensor]:
+    """The batch's tensors (the same on every rank) as DTensors in the plan's input
+    placements: each rank keeps its block, nothing is sent."""
+    return [distribute_tensor(value.to(mesh.device_type), mesh, wanted[name],
+                              src_data_rank=None)
+            for name, value in zip(names, values, strict=True)]
+
+
 def _storage_readers(node: Node) -> set[Node]:
     """The nodes that read `node`'s storage: its users, and the users of every view of
     it (a view shares the storage), transitively; `node` itself when unused."""
@@ -319,7 +350,8 @@ class PlannedRun(TracedRun):
         """`Interpreter.run`, but a recompute segment runs as one checkpointed call."""
         self.args_iter = iter(self.graph.process_inputs(*args))
         try:
-            env = self.run_nodes(list(self.graph.nodes), {}, frozenset(), self.plan.spans)
+            env = self.run_nodes(list(self.graph.nodes), {}, frozenset(), self.plan.spans,
+                                 self.user_to_last_uses)
             return self.graph.process_outputs(env[self.output_node])
         finally:
             self.env, self.frame = {}, _Frame()
@@ -328,23 +360,16 @@ class PlannedRun(TracedRun):
     def output_node(self) -> Node:
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
 
-    def run_nodes(self, nodes: Sequence[Node], env: dict[Node, Any],
-                  keep: frozenset[Node], spans: Mapping[str, int]) -> dict[Node, Any]:
+    def run_nodes(self, nodes: Sequence[Node], env: dict[Node, Any], keep: frozenset[Node],
+                  spans: Mapping[str, int], dies: Mapping[Node, Sequence[Node]]
+                  ) -> dict[Node, Any]:
         """Run `nodes` from the values in `env` (a pipeline chunk's inputs): the recompute
         segment starting at node `s` (its `spans[s]` nodes of the list) as one
-        checkpointed call, each value dropped after its last use in the list unless in
-        `keep` (what the chunk sends on). Returns the values left, the output node's
-        among them when it ran."""
+        checkpointed call, the values `dies[n]` dropped once node n ran (`last_uses`),
+        those in `keep` (what a chunk sends on) kept out of a segment's recompute. Returns
+        the values left, the output node's among them when it ran."""
         self.env = env
         self._keep = keep
-        last: dict[Node, Node] = {}
-        for node in nodes:
-            for value in node.all_input_nodes:
-                last[value] = node
-        dies: dict[Node, list[Node]] = {}
-        for value, user in last.items():
-            if value not in keep:
-                dies.setdefault(user, []).append(value)
         k = 0
         while k < len(nodes):
             node = nodes[k]
