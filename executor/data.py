@@ -24,6 +24,15 @@ def _load(path: Path) -> np.ndarray:
                              "numpy.save") from None
 
 
+def global_shape(graph: PlanningGraph, name: str, micro_batches: int,
+                 batch_dim: int | None) -> tuple[int, ...]:
+    """The shape of `name` over the whole step: its batch dim × micro_batches."""
+    shape = list(graph.tensors[name].shape)
+    if batch_dim is not None and micro_batches > 1:
+        shape[batch_dim] *= micro_batches
+    return tuple(shape)
+
+
 def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
                micro_batches: int = 1) -> None:
     """`graph` at the plan's micro-batch: the data hold `micro_batches` of them."""
@@ -37,10 +46,7 @@ def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
         info = graph.tensors[name]
         path = folder / f"{name}.npy"
         array = _load(path)
-        shape = list(info.shape)
-        batch_dim = graph.batch_inputs.get(name)
-        if batch_dim is not None:
-            shape[batch_dim] *= micro_batches
+        shape = list(global_shape(graph, name, micro_batches, graph.batch_inputs.get(name)))
         if list(array.shape) != shape:
             raise ShardplanError(f"{path}: shape {list(array.shape)}, but input {name} is "
                                  f"{shape} in the plan's step")
@@ -59,8 +65,7 @@ def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
                                          f"looks them up in a table of {rows} rows")
     if kind in ("ce", "mse"):
         targets = _load(folder / "targets.npy")
-        wanted = list(graph.tensors[output].shape)
-        wanted[0] *= micro_batches
+        wanted = list(global_shape(graph, output, micro_batches, 0))
         expected = wanted[:-1] if kind == "ce" else wanted
         if list(targets.shape) != expected:
             raise ShardplanError(f"{folder / 'targets.npy'}: shape {list(targets.shape)}, but "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from executor import checkpoint as checkpoints
-from executor.data import check_data
+from executor.data import check_data, global_shape
 from executor.pipeline import PipelineEngine
 from executor.runtime import Placement, PlanRunner, onnx_weights
 from executor.schedule import (
@@ -96,15 +96,6 @@ def loss_kind(graph: PlanningGraph, wanted: str = "auto") -> tuple[str, str]:
     return ("ce" if wanted == "auto" else wanted), graph.outputs[0]
 
 
-def _global_shape(graph: PlanningGraph, name: str, micro_batches: int,
-                  batch_dim: int | None) -> tuple[int, ...]:
-    """The shape of `name` over the whole step: its batch dim × micro_batches."""
-    shape = list(graph.tensors[name].shape)
-    if batch_dim is not None and micro_batches > 1:
-        shape[batch_dim] *= micro_batches
-    return tuple(shape)
-
-
 def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
                data: str = "", micro_batches: int = 1,
                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -116,7 +107,7 @@ def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
     feeds: dict[str, torch.Tensor] = {}
     for name in graph.inputs:
         info = graph.tensors[name]
-        shape = _global_shape(graph, name, micro_batches, graph.batch_inputs.get(name))
+        shape = global_shape(graph, name, micro_batches, graph.batch_inputs.get(name))
         stored = Path(data) / f"{name}.npy" if data else None
         if stored is not None and stored.exists():
             array = np.load(stored, allow_pickle=False)
@@ -134,7 +125,7 @@ def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
             feeds[name] = torch.randn(shape, generator=generator)
     if kind == "graph":
         return feeds, None
-    shape = _global_shape(graph, output, micro_batches, 0)
+    shape = global_shape(graph, output, micro_batches, 0)
     stored = Path(data) / "targets.npy" if data else None
     if stored is not None and stored.exists():
         return feeds, torch.from_numpy(np.load(stored, allow_pickle=False))
