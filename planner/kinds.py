@@ -80,6 +80,9 @@ class AxisRole(StrEnum):
     DATA = "dp"
     TENSOR = "tp"
     PIPELINE = "pp"
+    #: repeats the work of the axes inside it: no op splits over it, nothing is reduced
+    #: along it (a model too small to put every device to work)
+    REPLICA = "rep"
 
 
 GENERIC_AXES = ("a0", "a1", "a2")

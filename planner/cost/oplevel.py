@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from costmodels.memory import optimizer_state_bytes, training_memory
 from costmodels.profile import HardwareProfile
+from costmodels.rates import peak_flops
 from planner.cost.buckets import (
     Issue,
     assign_buckets,
@@ -23,7 +24,7 @@ from planner.cost.buckets import (
     schedule_overlap,
 )
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
-from planner.cost.pricing import op_times, optimizer_seconds, price, saved_bytes
+from planner.cost.pricing import op_dtype, op_times, optimizer_seconds, price, saved_bytes
 from planner.cost.step import (
     PipelineConfig,
     StagePrice,
@@ -33,6 +34,7 @@ from planner.cost.step import (
 )
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import Phase, Recompute
+from planner.ops import is_matrix_op
 from planner.records import Collective, MemoryBreakdown, OpCost
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import ShardedGraph, derive, fraction_of_layout
@@ -80,6 +82,28 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
 
 
 MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
+
+
+def gemm_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,
+                 options: TrainingOptions) -> float:
+    """A floor under any layout's forward and backward compute of the graph on one device
+    before a split: each matrix kernel's FLOPs at its dtype's peak, and where a gradient
+    flows its backward at the kernel's multiple of that. Every op is priced at its
+    roofline, no faster than its FLOPs at peak (`costmodels.compute.op_time`), so on d
+    devices no layout's compute adds up to less than this over d."""
+    kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
+    graph = analysis.graph
+    needs_grad = analysis.needs_grad
+    total = 0.0
+    for node in graph.ops:
+        kernel = kernels.ops[node.name]
+        if not kernel.matrix or kernel.flops <= 0 or not is_matrix_op(node.op_type):
+            continue
+        dtype = op_dtype(node, kernel, graph.tensors, options.precision)
+        grad = any(needs_grad.get(o, False) for o in node.outputs if o)
+        total += kernel.flops / peak_flops(profile, dtype) * (
+            1.0 + (kernel.backward_ratio if grad else 0.0))
+    return total
 
 
 def price_graph(sharded: ShardedGraph, profile: HardwareProfile,

@@ -46,7 +46,7 @@ from planner.plans.sections import (
 )
 from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
-from planner.search.joint import pipeline_config, stage_mesh
+from planner.search.joint import choice_mesh, pipeline_config
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
 from planner.sharding.mesh import DeviceMesh
@@ -123,7 +123,8 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
         mesh=decision.mesh, parallel=ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer),
         ops=_op_entries(priced), tensors=_tensor_entries(sharded),
         collectives=priced.collectives, predicted=predicted(price, context.limit),
-        solver=UNREPORTED, warnings=_warnings(analysis.graph, sharded), step=_step(training),
+        solver=UNREPORTED,
+        warnings=_warnings(analysis.graph, sharded, context.hardware), step=_step(training),
         pipeline=None, units=_layer_units(analysis.units)), price)
 
 
@@ -163,24 +164,20 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     graph = analysis.graph
     training = context.training
     per_node = int(context.hardware.devices_per_node.value)
-    mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+    mesh = choice_mesh(choice, per_node)
     priced = priced_choice(analysis, mesh, decision.strategies, context.hardware, training)
     sharded = priced.sharded
     profile = unit_profile(priced, analysis.units)
     config = pipeline_config(choice, training)
     pricer = Pricer(profile, config, context.hardware, mesh)
     price = pricer.price(decision.devices, decision.recompute)
-    warnings = list(_warnings(graph, sharded))
+    warnings = list(_warnings(graph, sharded, context.hardware))
     tp = choice.tp
     if choice.tp > 1 and not any(AxisRole.TENSOR in op.strategy.used_axes
                                  for op in sharded.ops):
         # Nothing splits over tp: its ranks repeat the same work (replication), which is
         # what `parallel.tp` = 1 says unless the user pinned tp; the mesh keeps the axis.
         tp = choice.tp if decision.tp_pinned else 1
-        warnings.append(
-            f"mesh axis tp={choice.tp}: no op of this model is worth splitting over it on "
-            f"{context.hardware.name} (its tensors are too small), so those {choice.tp} ranks "
-            "repeat the same work")
     modes = set(decision.recompute)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
@@ -377,8 +374,17 @@ def _tensor_entries(sharded: ShardedGraph) -> dict[str, TensorEntry]:
             for name, info in sharded.analysis.graph.tensors.items()}
 
 
-def _warnings(graph: PlanningGraph, sharded: ShardedGraph) -> tuple[str, ...]:
+def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
+              hardware: HardwareProfile) -> tuple[str, ...]:
     warnings = list(graph.warnings)
+    used = {axis for op in sharded.ops for axis in op.strategy.used_axes}
+    mesh = sharded.mesh
+    for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
+        if size > 1 and axis != AxisRole.PIPELINE and axis not in used:
+            warnings.append(
+                f"mesh axis {axis}={size}: no op of this model is worth splitting over it "
+                f"on {hardware.name} (splitting further would cost more in communication than "
+                f"it saves), so its {size} ranks repeat the same work")
     no_rule = sharded.no_rule
     if no_rule:
         kinds = sorted(set(no_rule))

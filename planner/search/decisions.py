@@ -41,11 +41,15 @@ class Choice:
     zero: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
+    #: copies of the (pp, dp, tp) configuration on the rest of the devices (a replica
+    #: axis): a model that gains nothing from more dp ranks leaves them repeating its work
+    replicas: int = 1
 
     def describe(self) -> str:
         sched = self.schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        rep = f" rep={self.replicas}" if self.replicas > 1 else ""
         return (f"pp={self.pp} dp={self.dp} tp={self.tp} mb={self.micro_batches} "
-                f"zero={self.zero} {sched}")
+                f"zero={self.zero} {sched}{rep}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ mesh at the real micro-batch, priced on the (pp, dp, tp) mesh, and partitioned a
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ from functools import partial
 
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
-from planner.cost.oplevel import priced_choice
+from planner.cost.oplevel import gemm_floor_s, priced_choice
 from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
@@ -50,7 +51,7 @@ from planner.search.solve import Engine, solve
 from planner.search.stages import Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
-from planner.sharding.mesh import DeviceMesh
+from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
 UNLIMITED = 1 << 62
@@ -109,11 +110,19 @@ class JointResult:
                 f"bind its batch dim at those sizes ({self.skipped_sizes[sizes[0]]})",)
 
 
-def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1) -> DeviceMesh:
-    """(pp, dp, tp) with axes of size 1 dropped (at least one axis kept)."""
-    axes = {str(name): size for name, size in ((AxisRole.PIPELINE, pp), (AxisRole.DATA, dp),
-                                               (AxisRole.TENSOR, tp)) if size > 1}
+def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1, replicas: int = 1) -> DeviceMesh:
+    """(pp, rep, dp, tp) with axes of size 1 dropped (at least one axis kept). pp stays
+    outermost, so a stage's ranks are one block of the mesh (the plan's pipeline section
+    says so); the replica axis comes next, so dp and tp keep the fastest links."""
+    axes = {str(name): size for name, size in (
+        (AxisRole.PIPELINE, pp), (AxisRole.REPLICA, replicas), (AxisRole.DATA, dp),
+        (AxisRole.TENSOR, tp)) if size > 1}
     return DeviceMesh.build(axes or {str(AxisRole.DATA): 1}, per_node)
+
+
+def choice_mesh(choice: Choice, per_node: int) -> DeviceMesh:
+    """The whole mesh a configuration runs on, its replicas included."""
+    return stage_mesh(choice.dp, choice.tp, per_node, choice.pp, choice.replicas)
 
 
 def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -211,7 +220,12 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
                       pins: Pins, granule: int = 1) -> list[Choice]:
     """Every configuration the pins allow: tp a power of two inside a node, dp dividing the
     batch, pp up to the number of layers, at least pp micro-batches when pipelined; local
-    micro-batches of `granule` rows or multiples of it."""
+    micro-batches of `granule` rows or multiples of it. dp may leave devices over, which
+    repeat the configuration (`Choice.replicas`): more data-parallel ranks cost gradient
+    traffic, and a small model can be faster on fewer of them. Such configurations cost
+    little to consider: their lower bound (their compute over fewer devices) is higher,
+    so the search prices them only when they could win. A replica axis takes one of the
+    mesh's MAX_MESH_AXES, so pp, dp and tp cannot all be above 1 beside it."""
     choices = []
     tps = [t for t in (1 << k for k in range(12)) if t <= per_node and devices % t == 0]
     if pins.tp is not None:
@@ -222,33 +236,44 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
         for tp in tps:
             if devices % (pp * tp):
                 continue
-            dp = devices // (pp * tp)
-            if (pins.dp is not None and dp != pins.dp) or batch % dp:
-                continue
-            per_rank = batch // dp
-            if per_rank % granule:
-                continue
-            for local in _micro_sizes(per_rank, granule):
-                m = per_rank // local
-                if pins.micro_batches is not None:
-                    m = pins.micro_batches
-                    if per_rank % m:
-                        continue
-                elif pp > 1 and m < pp:
+            rest = devices // (pp * tp)
+            for dp in [pins.dp] if pins.dp is not None else _divisors(rest):
+                replicas = rest // dp if rest % dp == 0 else 0
+                axes = sum(size > 1 for size in (pp, replicas, dp, tp))
+                if not replicas or batch % dp or (batch // dp) % granule \
+                        or axes > MAX_MESH_AXES:
                     continue
-                zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if dp > 1
-                                                                   else [0])
-                schedules = [pins.schedule] if pins.schedule is not None else (
-                    [Schedule.INTERLEAVED] if pins.vpp is not None else
-                    list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
-                for zero in zeros:
-                    for schedule in schedules:
-                        if schedule == Schedule.INTERLEAVED and (pp == 1 or m % pp):
-                            continue
-                        for chunks in chunk_counts(schedule, pp, layers, pins):
-                            choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks))
+                choices += _configurations(pp, dp, tp, replicas, batch // dp, layers,
+                                           pins, granule)
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
-                                               c.schedule))
+                                               c.schedule, c.replicas))
+
+
+def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, layers: int,
+                    pins: Pins, granule: int) -> list[Choice]:
+    """The micro-batch counts, ZeRO stages, schedules and chunk counts of one (pp, dp, tp)."""
+    choices = []
+    for local in _micro_sizes(per_rank, granule):
+        m = per_rank // local
+        if pins.micro_batches is not None:
+            m = pins.micro_batches
+            if per_rank % m:
+                continue
+        elif pp > 1 and m < pp:
+            continue
+        zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if dp > 1
+                                                           else [0])
+        schedules = [pins.schedule] if pins.schedule is not None else (
+            [Schedule.INTERLEAVED] if pins.vpp is not None else
+            list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
+        for zero in zeros:
+            for schedule in schedules:
+                if schedule == Schedule.INTERLEAVED and (pp == 1 or m % pp):
+                    continue
+                for chunks in chunk_counts(schedule, pp, layers, pins):
+                    choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks,
+                                          replicas))
+    return choices
 
 
 def chunk_counts(schedule: Schedule, pp: int, layers: int, pins: Pins) -> list[int]:
@@ -343,20 +368,38 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
 
     def partitioner_of(choice: Choice, profile: UnitProfile) -> Partitioner:
         profile = profile.with_gradient_axes((str(AxisRole.DATA),) if choice.dp > 1 else ())
-        mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+        mesh = choice_mesh(choice, per_node)
         return Partitioner(Pricer(profile, pipeline_config(choice, training), hardware, mesh))
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
-    # at least the mean) through the schedule, with no recompute and no gradient sync.
-    bounds = []
-    for choice in choices:
-        local = graph.batch // (choice.dp * choice.micro_batches)
-        profile, _, _ = profile_of(choice.tp, local)
-        mean = float((profile.forward + profile.backward).sum()) / choice.pp
-        bound = pipeline_time([mean] * choice.pp, choice.micro_batches, choice.schedule,
-                              choice.virtual_stages)
-        bounds.append((bound, choice))
-    bounds.sort(key=lambda item: item[0])
+    # at least the mean) through the schedule, with no recompute and no gradient sync. The
+    # mean is the layout's compute where (tp, local micro-batch) has been solved, else the
+    # GEMMs' FLOPs at their peak (`planner.cost.oplevel.gemm_floor_s`); such a bound is made
+    # exact when it comes first, so a layout is solved only for configurations that could
+    # still win.
+    floors: dict[int, float] = {}
+    rows = graph.batch
+
+    def bound_of(choice: Choice, solve: bool) -> tuple[float, bool]:
+        """The configuration's bound, and whether it is the layout's (exact) or the floor."""
+        local = rows // (choice.dp * choice.micro_batches)
+        exact = solve or (choice.tp, local, None) in profiles
+        if exact:
+            profile, _, _ = profile_of(choice.tp, local)
+            work = float((profile.forward + profile.backward).sum())
+        else:
+            if local not in floors:
+                floors[local] = gemm_floor_s(graphs.at(local), hardware, training)
+            work = floors[local] / choice.tp
+        bound = pipeline_time([work / choice.pp] * choice.pp, choice.micro_batches,
+                              choice.schedule, choice.virtual_stages)
+        return bound, exact
+
+    queue = []
+    for index, choice in enumerate(choices):
+        bound, exact = bound_of(choice, solve=False)
+        queue.append((bound, index, exact))
+    heapq.heapify(queue)  # ties in the order of `choices`, as a stable sort would keep
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
@@ -364,9 +407,14 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
-    for bound, choice in bounds:
+    while queue:
+        bound, index, exact = heapq.heappop(queue)
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
             break
+        choice = choices[index]
+        if not exact:  # solve its layout; it comes back in the order of its exact bound
+            heapq.heappush(queue, (*bound_of(choice, solve=True)[:1], index, True))
+            continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         profile, small_units, layout_memory = profile_of(choice.tp, local)
         key = (choice.tp, local, choice.dp > 1)
@@ -374,7 +422,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             with_dp[key] = profile.with_gradient_axes(
                 (str(AxisRole.DATA),) if choice.dp > 1 else ())
         profile = with_dp[key]
-        mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+        mesh = choice_mesh(choice, per_node)
         partitioner = Partitioner(Pricer(profile, pipeline_config(choice, training), hardware,
                                          mesh))
         tried += 1
@@ -486,7 +534,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     micro_size = graph.batch // choice.micro_batches
     micro = graphs.at(micro_size)
     inner = stage_mesh(choice.dp, choice.tp, per_node)
-    mesh = stage_mesh(choice.dp, choice.tp, per_node, choice.pp)
+    mesh = choice_mesh(choice, per_node)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     best: tuple[dict[str, OpStrategy], Partition] | None = None
     seen: list[dict[str, OpStrategy]] = []

@@ -66,7 +66,7 @@ class MeshCandidate:
 
 
 #: the name of a `MeshCandidate`'s outer replica axis (pinned and searched meshes alike)
-REPLICA_AXIS = "rep"
+REPLICA_AXIS = str(AxisRole.REPLICA)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ import numpy as np
 
 from planner.errors import StrategyError
 
+#: axes a mesh has at most (the plan format's `mesh.shape` holds up to three)
+MAX_MESH_AXES = 3
+
 
 @dataclass(frozen=True)
 class DeviceMesh:
@@ -34,8 +37,8 @@ class DeviceMesh:
             raise StrategyError(
                 f"mesh shape {self.shape} and axis names {self.axis_names} differ in length"
             )
-        if not 1 <= len(self.shape) <= 3:
-            raise StrategyError(f"a mesh has 1 to 3 axes, got {len(self.shape)}")
+        if not 1 <= len(self.shape) <= MAX_MESH_AXES:
+            raise StrategyError(f"a mesh has 1 to {MAX_MESH_AXES} axes, got {len(self.shape)}")
         if any(size < 1 for size in self.shape):
             raise StrategyError(f"mesh axis sizes must be positive, got {self.shape}")
         if len(set(self.axis_names)) != len(self.axis_names):
