@@ -97,7 +97,7 @@ def gemm_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,
     total = 0.0
     for node in graph.ops:
         kernel = kernels.ops[node.name]
-        if not kernel.matrix or kernel.flops <= 0 or not is_matrix_op(node.op_type):
+        if kernel.flops <= 0 or not is_matrix_op(node.op_type):
             continue
         dtype = op_dtype(node, kernel, graph.tensors, options.precision)
         grad = any(needs_grad.get(o, False) for o in node.outputs if o)

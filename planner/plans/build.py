@@ -145,7 +145,7 @@ def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
             for axis in op.strategy.axes_of(label):
                 flops_on[axis] += op.node.flops
     data_axes = {axis for axis, flops in flops_on.items() if flops > total / 2}
-    used = {axis for op in sharded.ops for axis in op.strategy.used_axes}
+    used = sharded.used_axes
     dp = tp = 1
     for axis in mesh.axis_names:
         if axis in data_axes:
@@ -173,8 +173,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     price = pricer.price(decision.devices, decision.recompute)
     warnings = list(_warnings(graph, sharded, context.hardware))
     tp = choice.tp
-    if choice.tp > 1 and not any(AxisRole.TENSOR in op.strategy.used_axes
-                                 for op in sharded.ops):
+    if choice.tp > 1 and AxisRole.TENSOR not in sharded.used_axes:
         # Nothing splits over tp: its ranks repeat the same work (replication), which is
         # what `parallel.tp` = 1 says unless the user pinned tp; the mesh keeps the axis.
         tp = choice.tp if decision.tp_pinned else 1
@@ -377,7 +376,7 @@ def _tensor_entries(sharded: ShardedGraph) -> dict[str, TensorEntry]:
 def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
               hardware: HardwareProfile) -> tuple[str, ...]:
     warnings = list(graph.warnings)
-    used = {axis for op in sharded.ops for axis in op.strategy.used_axes}
+    used = sharded.used_axes
     mesh = sharded.mesh
     for axis, size in zip(mesh.axis_names, mesh.shape, strict=True):
         if size > 1 and axis != AxisRole.PIPELINE and axis not in used:

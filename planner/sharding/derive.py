@@ -90,6 +90,11 @@ class ShardedGraph:
     def no_rule(self) -> tuple[str, ...]:
         return tuple(op.node.qualified_type for op in self.ops if not op.has_rule)
 
+    @property
+    def used_axes(self) -> frozenset[str]:
+        """The mesh axes some op splits over; along the others every rank repeats the work."""
+        return frozenset(axis for op in self.ops for axis in op.strategy.used_axes)
+
     def layout(self, tensor: str) -> Layout:
         """The stored layout of a tensor; replicated for one no op reads or writes."""
         found = self.layouts.get(tensor)
