@@ -1,8 +1,8 @@
 """The joint search over data, tensor and pipeline parallelism, micro-batches, ZeRO and
 recompute: it returns the best configurations as pipeline decisions.
 
-The space is (pp, dp, tp, micro-batches, ZeRO stage, schedule) with a recompute mode per
-stage. Three observations make it fast enough for thousands of devices:
+The space is (pp, dp, tp, micro-batches, ZeRO stage, schedule, replicas) with a recompute
+mode per stage. Three observations make it fast enough for thousands of devices:
 
 1. The op-level plan of one stage depends only on the tensor-parallel degree and the
    per-device micro-batch: dp splits the batch alone (the pinned meaning of dp), so each
@@ -13,7 +13,8 @@ stage. Three observations make it fast enough for thousands of devices:
    and the partition DP (`planner.search.stages`) runs on prefix sums in numpy.
 3. Configurations are tried in order of a lower bound on their step time (the busiest
    device's share of the work), and the search stops when the bound passes the best plan
-   found.
+   found. A bound starts from a floor that needs no op-level solve; the solve comes
+   only when its configuration is first in line.
 
 The finalists are then decided exactly: the op-level choice is solved on the real stage
 mesh at the real micro-batch, priced on the (pp, dp, tp) mesh, and partitioned again.
