@@ -42,9 +42,9 @@ def export_model(export_cache: pathlib.Path) -> ExportModel:
 
     def factory(model: str, exporter: str = "torchscript", *, training: bool = False,
                 opset: int = 17, dynamic: bool = True, batch: int = 2,
-                seq: int = 16) -> pathlib.Path:
+                seq: int = 16, layers: int = 2) -> pathlib.Path:
         return export(model, exporter, training=training, opset=opset, out_dir=export_cache,
-                      dynamic=dynamic, batch=batch, seq=seq)
+                      dynamic=dynamic, batch=batch, seq=seq, layers=layers)
 
     return factory
 

@@ -25,6 +25,12 @@ import torch
 from torch import nn
 
 MODELS = ("gpt2", "bert", "llama", "resnet")
+#: More families users export (issue 16): GQA decoders, parallel-residual, encoder-decoder,
+#: a vision transformer and a top-2 MoE. Kept apart from MODELS, whose every variant the
+#: export study and its tests sweep.
+FAMILIES = ("mistral", "qwen2", "gpt_neox", "opt", "t5", "vit", "mixtral")
+ALL_MODELS = MODELS + FAMILIES
+IMAGE_MODELS = ("resnet", "vit")
 EXPORTERS = ("torchscript", "dynamo")
 
 #: Highest opset each exporter accepts in torch 2.13 (the TorchScript exporter stops at 20).
@@ -117,21 +123,25 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _build_module(model: str) -> nn.Module:
+def _build_module(model: str, layers: int = LAYERS) -> nn.Module:
     """Build the tiny model with default (not yet randomised) weights."""
     if model == "resnet":
         return ResNet()
     import transformers  # slow import: only for the token models
 
+    family = _build_family(transformers, model, layers)
+    if family is not None:
+        return family
+
     if model == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
+            vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=layers,
             n_head=HEADS, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
         return transformers.GPT2LMHeadModel(cfg)
     if model == "bert":
         cfg = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
             num_attention_heads=HEADS, intermediate_size=4 * HIDDEN,
             max_position_embeddings=MAX_POSITIONS,
         )
@@ -139,11 +149,47 @@ def _build_module(model: str) -> nn.Module:
     if model == "llama":
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=172,
-            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
             max_position_embeddings=MAX_POSITIONS, use_cache=False,
         )
         return transformers.LlamaForCausalLM(cfg)
-    raise ValueError(f"unknown model {model!r}; choose one of {MODELS}")
+    raise ValueError(f"unknown model {model!r}; choose one of {ALL_MODELS}")
+
+
+def _build_family(transformers: types.ModuleType, model: str, layers: int) -> nn.Module | None:
+    """The FAMILIES models, at the same tiny width as MODELS (None for any other name)."""
+    decoder = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+                   num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
+                   use_cache=False)
+    if model == "mistral":  # grouped-query attention, 2 KV heads
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            **decoder, intermediate_size=172, num_key_value_heads=2, sliding_window=None))
+    if model == "qwen2":  # GQA with biased q/k/v projections
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **decoder, intermediate_size=172, num_key_value_heads=2))
+    if model == "gpt_neox":  # fused QKV, partial rotary, parallel residual
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            **decoder, intermediate_size=4 * HIDDEN, rotary_pct=0.25))
+    if model == "opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+            num_attention_heads=HEADS, ffn_dim=4 * HIDDEN, word_embed_proj_dim=HIDDEN,
+            max_position_embeddings=MAX_POSITIONS, use_cache=False))
+    if model == "t5":  # encoder and decoder stacks, relative position bias
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=4 * HIDDEN,
+            num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, use_cache=False,
+            decoder_start_token_id=0))
+    if model == "vit":
+        return transformers.ViTForImageClassification(transformers.ViTConfig(
+            hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+            intermediate_size=4 * HIDDEN, image_size=IMAGE, patch_size=4,
+            num_labels=NUM_CLASSES))
+    if model == "mixtral":  # top-2 of 4 experts
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **decoder, intermediate_size=172, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=None))
+    return None
 
 
 def _randomise(module: nn.Module, generator: torch.Generator) -> None:
@@ -170,7 +216,7 @@ def _randomise(module: nn.Module, generator: torch.Generator) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=generator))
 
 
-def _logits_only(module: nn.Module) -> None:
+def _logits_only(module: nn.Module, model: str = "") -> None:
     """Make `module` take (input_ids, attention_mask) and return the logits tensor.
 
     Bound on the instance, not via a wrapper module, so parameter names keep the
@@ -178,6 +224,20 @@ def _logits_only(module: nn.Module) -> None:
     in every later forward default and turns `logits_to_keep` into a graph input.
     """
     cls_forward = type(module).forward
+    if model == "vit":
+        def image_forward(self: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+            return cls_forward(self, pixel_values=pixel_values).logits
+
+        module.forward = types.MethodType(image_forward, module)  # type: ignore[method-assign]
+        return
+    if model == "t5":  # the decoder reads the same ids (teacher forcing, shifted or not)
+        def seq2seq_forward(self: nn.Module, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor) -> torch.Tensor:
+            return cls_forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                               decoder_input_ids=input_ids).logits
+
+        module.forward = types.MethodType(seq2seq_forward, module)  # type: ignore[method-assign]
+        return
 
     def forward(self: nn.Module, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> torch.Tensor:
@@ -186,18 +246,21 @@ def _logits_only(module: nn.Module) -> None:
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
 
 
-def build(model: str, *, training: bool = False, batch: int = 2, seq: int = 16) -> Example:
+def build(model: str, *, training: bool = False, batch: int = 2, seq: int = 16,
+          layers: int = LAYERS) -> Example:
     """Build a seeded, randomised tiny `model` in eval or train mode with example inputs."""
     torch.manual_seed(SEED)
     generator = torch.Generator().manual_seed(SEED)
-    module = _build_module(model)
+    module = _build_module(model, layers)
     _randomise(module, generator)
     module.train(training)
-    if model == "resnet":
+    if model in IMAGE_MODELS:
+        if model != "resnet":
+            _logits_only(module, model)
         image = torch.randn(batch, 3, IMAGE, IMAGE, generator=generator)
         return Example(module, {"pixel_values": image}, ["logits"],
                        {"pixel_values": {0: "batch"}})
-    _logits_only(module)
+    _logits_only(module, model)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
     # GPT-2's TorchScript export needs an explicit mask (else aten::diff); pass one to all.
     mask = torch.ones(batch, seq, dtype=torch.int64)
@@ -213,7 +276,7 @@ def random_inputs(model: str, batch: int, seq: int = 16, seed: int = 1) -> dict[
     torch also proves the exported graph really applies the attention mask.
     """
     generator = torch.Generator().manual_seed(seed)
-    if model == "resnet":
+    if model in IMAGE_MODELS:
         return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=generator)}
     mask = torch.ones(batch, seq, dtype=torch.int64)
     mask[-1, seq - seq // 4:] = 0
@@ -231,16 +294,17 @@ class ExportModel(Protocol):
 
     def __call__(self, model: str, exporter: str = "torchscript", *, training: bool = False,
                  opset: int = 17, dynamic: bool = True, batch: int = 2,
-                 seq: int = 16) -> pathlib.Path: ...
+                 seq: int = 16, layers: int = LAYERS) -> pathlib.Path: ...
 
 
 def file_name(model: str, exporter: str, *, training: bool, opset: int, dynamic: bool,
-              batch: int, seq: int) -> str:
+              batch: int, seq: int, layers: int = LAYERS) -> str:
     """The cache key: every option that changes the exported graph is in the name."""
     mode = "train" if training else "eval"
     shape = "dyn" if dynamic else "static"
-    dims = f"b{batch}" if model == "resnet" else f"b{batch}s{seq}"
-    return f"{model}-{exporter}-{mode}-op{opset}-{shape}-{dims}.onnx"
+    dims = f"b{batch}" if model in IMAGE_MODELS else f"b{batch}s{seq}"
+    depth = "" if layers == LAYERS else f"-l{layers}"
+    return f"{model}-{exporter}-{mode}-op{opset}-{shape}-{dims}{depth}.onnx"
 
 
 @contextlib.contextmanager
@@ -305,7 +369,7 @@ def _export_dynamo(ex: Example, path: pathlib.Path, *, training: bool, opset: in
 
 def export(model: str, exporter: str = "torchscript", *, training: bool = False,
            opset: int = 17, out_dir: pathlib.Path, dynamic: bool = True, batch: int = 2,
-           seq: int = 16) -> pathlib.Path:
+           seq: int = 16, layers: int = LAYERS) -> pathlib.Path:
     """Export `model` with `exporter` into `out_dir` and return the .onnx path.
 
     Returns the cached file if a previous call already wrote it. The file appears
@@ -317,22 +381,22 @@ def export(model: str, exporter: str = "torchscript", *, training: bool = False,
     opset 17 writes 18 for LLaMA/ResNet and an invalid opset-17 file for GPT-2; dynamo
     train mode exports BatchNorm with inference semantics.
     """
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {MODELS}")
+    if model not in ALL_MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {ALL_MODELS}")
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown exporter {exporter!r}; choose one of {EXPORTERS}")
     if opset > MAX_OPSET[exporter]:
         raise ValueError(f"{exporter} exporter supports opset <= {MAX_OPSET[exporter]}")
-    if exporter == "dynamo" and dynamic and min(batch, 2 if model == "resnet" else seq) < 2:
+    if exporter == "dynamo" and dynamic and min(batch, 2 if model in IMAGE_MODELS else seq) < 2:
         # torch.export specialises sizes 0 and 1, so a size-1 example cannot stay symbolic.
         raise ValueError("dynamic dynamo export needs example batch and seq >= 2")
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / file_name(model, exporter, training=training, opset=opset,
-                                 dynamic=dynamic, batch=batch, seq=seq)
+                                 dynamic=dynamic, batch=batch, seq=seq, layers=layers)
     if target.exists():
         return target
-    ex = build(model, training=training, batch=batch, seq=seq)
+    ex = build(model, training=training, batch=batch, seq=seq, layers=layers)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
     try:
         tmp = scratch / target.name

@@ -18,6 +18,7 @@ from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
 from planner.importer.bind import Bound, data_inputs
 from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Shapes
+from planner.importer.order import canonical_order
 from planner.importer.source import ModelSource
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
 from planner.ops import cost_op
@@ -91,6 +92,7 @@ def build_graph(
         raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
                          "): they are inputs or constants, so there is nothing to plan")
     _check_sizes(tensors, name)
+    ops = canonical_order(ops, tensors, name)
     for node in ops:
         for tensor in node.inputs:
             if tensor:
@@ -102,7 +104,6 @@ def build_graph(
         inputs=[v.name for v in data_inputs(model)], outputs=graph_outputs,
         batch_symbol=bound.batch_symbol, source=source,
     )
-    _check_topological(planning)
     return planning
 
 
@@ -218,15 +219,3 @@ def attribute_value(attribute: onnx.AttributeProto):
     if isinstance(value, onnx.GraphProto | onnx.TypeProto | onnx.SparseTensorProto):
         return None
     return value
-
-
-def _check_topological(graph: PlanningGraph) -> None:
-    defined = set(graph.inputs) | {t.name for t in graph.tensors.values() if t.producer is None}
-    for node in graph.ops:
-        for tensor in node.inputs:
-            if tensor and tensor not in defined:
-                raise ModelError(
-                    f"{graph.path}: node {node.name} reads {tensor} before it is produced "
-                    "(the graph has a cycle or is not topologically sorted)"
-                )
-        defined.update(o for o in node.outputs if o)

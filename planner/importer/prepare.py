@@ -7,6 +7,7 @@ from __future__ import annotations
 import onnx
 
 from planner.errors import ModelError
+from planner.importer.order import sort_nodes
 
 #: Op semantics changed up to opset 13 (Softmax axis, Split/Unsqueeze/Reduce axes as inputs).
 MIN_OPSET = 13
@@ -20,6 +21,7 @@ def prepare(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
     model = _inline_functions(model, name)
     _reject_control_flow(model, name)
     _name_nodes(model)
+    sort_nodes(model, name)
     return model, opset
 
 

@@ -1,0 +1,83 @@
+"""One op order for a graph, whatever order its exporter wrote the nodes in.
+
+Layers are found as a repeating run of op signatures in graph order
+(`planner.layers.find_repeats`), so the order must not depend on where an exporter
+happened to emit an op. Exporters differ in one way that matters: ops that read no
+trained parameter — the attention mask, position ids, rotary cos/sin tables, their
+unsqueezes — are shared by every layer, and torch's dynamo exporter emits them where the
+first layer first uses them, inside layer 0, so that layer no longer matches the others
+(a 4-layer LLaMA showed 3 layers). `canonical_order` puts every such *context* op
+first, before any op that depends on a parameter; the rest keep the file's order.
+`sort_nodes` puts a file's nodes in topological order (ONNX requires it, not every
+writer obeys) and refuses a cycle, before shape inference reads them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+
+import onnx
+
+from planner.errors import ModelError
+from planner.graph import OpNode, TensorInfo
+
+
+def sort_nodes(model: onnx.ModelProto, model_name: str) -> None:
+    """Reorder `model`'s nodes in place so producers come first (file order otherwise)."""
+    nodes = list(model.graph.node)
+    order = _kahn(nodes, [list(n.input) for n in nodes], [list(n.output) for n in nodes],
+                  lambda index: (index,), model_name)
+    if order != list(range(len(nodes))):
+        del model.graph.node[:]
+        model.graph.node.extend(nodes[i] for i in order)
+
+
+def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
+                    model_name: str) -> list[OpNode]:
+    """`ops` topologically sorted: context ops (no parameter among their ancestors) first,
+    then the others, each group in file order."""
+    producer = {out: index for index, node in enumerate(ops) for out in node.outputs if out}
+    weighted = [any(t and tensors[t].kind == "parameter" for t in node.inputs) for node in ops]
+
+    def rank(index: int) -> tuple[int, int]:  # called once every producer of `index` is placed
+        weighted[index] = weighted[index] or any(
+            weighted[producer[t]] for t in ops[index].inputs if t in producer)
+        return int(weighted[index]), index
+
+    order = _kahn(ops, [list(n.inputs) for n in ops], [list(n.outputs) for n in ops], rank,
+                  model_name)
+    return [ops[i] for i in order]
+
+
+def _kahn(items: Sequence[OpNode | onnx.NodeProto], inputs: list[list[str]],
+          outputs: list[list[str]], rank: Callable[[int], tuple[int, ...]],
+          model_name: str) -> list[int]:
+    """Kahn's algorithm: of the items whose producers are all placed, the lowest `rank`
+    next. Raises ModelError naming a node on a cycle."""
+    producer = {out: index for index, outs in enumerate(outputs) for out in outs if out}
+    waiting = [0] * len(items)
+    readers: list[list[int]] = [[] for _ in items]
+    for index, names in enumerate(inputs):
+        sources = {producer[t] for t in names if t in producer}
+        waiting[index] = len(sources)
+        for source in sources:
+            readers[source].append(index)
+    ready = [(rank(i), i) for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, index = heapq.heappop(ready)
+        order.append(index)
+        for reader in readers[index]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, (rank(reader), reader))
+    if len(order) < len(items):
+        placed = set(order)
+        stuck = next(i for i in range(len(items)) if i not in placed)
+        unmade = next(t for t in inputs[stuck] if t in producer and producer[t] not in placed)
+        raise ModelError(
+            f"{model_name}: node {items[stuck].name} reads {unmade}, which cannot be computed "
+            "before it (the graph has a cycle); export the model again")
+    return order
