@@ -158,6 +158,70 @@ def _leaky_relu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     return [F.leaky_relu(inputs[0], attrs.get("alpha", 0.01))]
 
 
+@op("HardSigmoid")
+def _hard_sigmoid(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [torch.clamp(attrs.get("alpha", 0.2) * inputs[0] + attrs.get("beta", 0.5), 0, 1)]
+
+
+@op("HardSwish")
+def _hard_swish(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [F.hardswish(inputs[0])]
+
+
+@op("Elu")
+def _elu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [F.elu(inputs[0], attrs.get("alpha", 1.0))]
+
+
+@op("Celu")
+def _celu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [F.celu(inputs[0], attrs.get("alpha", 1.0))]
+
+
+@op("Selu")
+def _selu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    """ONNX's attributes may differ from torch's fixed constants, so written out."""
+    assert inputs[0] is not None
+    alpha = attrs.get("alpha", 1.67326319217681884765625)
+    return [attrs.get("gamma", 1.05070102214813232421875) * F.elu(inputs[0], alpha)]
+
+
+@op("Mish")
+def _mish(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [F.mish(inputs[0])]
+
+
+@op("PRelu")
+def _prelu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    x, slope = inputs[0], inputs[1]
+    assert x is not None and slope is not None
+    return [torch.where(x >= 0, x, slope * x)]
+
+
+@op("Round")
+def _round(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    assert inputs[0] is not None
+    return [torch.round(inputs[0])]  # halves to even, as ONNX
+
+
+@op("IsInf")
+def _is_inf(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    x = inputs[0]
+    assert x is not None
+    positive, negative = attrs.get("detect_positive", 1), attrs.get("detect_negative", 1)
+    found = torch.zeros_like(x, dtype=torch.bool)
+    if positive:
+        found = found | torch.isposinf(x)
+    if negative:
+        found = found | torch.isneginf(x)
+    return [found]
+
+
 @op("Clip")
 def _clip(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     x, lo, hi = inputs[0], _opt(inputs, 1), _opt(inputs, 2)
@@ -553,6 +617,19 @@ def _layer_norm(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     if bias is not None:
         y = y + bias
     return [y, mean, inv_std]
+
+
+@op("RMSNormalization")
+def _rms_norm(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    """Opset 23's RMSNorm (dynamo's LLaMA): x / sqrt(mean(x^2) + eps) * scale."""
+    x, scale = inputs[0], inputs[1]
+    assert x is not None and scale is not None
+    axis = _axis(attrs.get("axis", -1), x.dim())
+    dims = tuple(range(axis, x.dim()))
+    stash = torch_dtype(attrs.get("stash_type", 1))
+    xs = x.to(stash) if x.is_floating_point() and stash != x.dtype else x
+    inv_rms = torch.rsqrt((xs * xs).mean(dims, keepdim=True) + attrs.get("epsilon", 1e-5))
+    return [(xs * inv_rms).to(x.dtype) * scale]
 
 
 @op("BatchNormalization")

@@ -145,7 +145,10 @@ def build_problem(
     candidates: dict[str, list[Candidate]] = {}
     for members in groups_ops:  # tied ops have equal signatures: one enumeration serves all
         first = ops[members[0]]
-        found = _candidates(first, labels.get(first.name), tensors, mesh, fixed.get(first.name))
+        pinned = fixed.get(first.name)
+        if pinned is None and first.name in analysis.constant_ops:
+            pinned = REPLICATED
+        found = _candidates(first, labels.get(first.name), tensors, mesh, pinned)
         for member in members:
             candidates[member] = found
     _resolve_outputs(graph, groups_ops, candidates, fixed)

@@ -38,6 +38,7 @@ class GraphAnalysis:
     repeats: Repeats | None
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
+    constant_ops: frozenset[str]  # ops computed from constants and buffers alone
     # Derivations of choices on this graph, kept by `planner.cost.oplevel.priced_choice` so
     # that the search and the plan builder derive and price each choice once.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -81,7 +82,23 @@ class GraphAnalysis:
             weight_roots=weight_roots_map(graph), first_consumers=first_consumers(graph),
             repeats=repeats, units=find_units(graph, repeats),
             batch_labels=_batch_labels(graph, labels),
+            constant_ops=constant_ops_of(graph),
         )
+
+
+def constant_ops_of(graph: PlanningGraph) -> frozenset[str]:
+    """Ops that read no input and no parameter, even upstream: rotary cos/sin tables
+    computed from `inv_freq`, position ranges. Every rank can compute them whole, and a
+    replicated table is sliced to any layout a reader wants at no cost, so the search
+    runs them replicated: a choice for them would only couple their readers (the q and
+    k rotations of every tied layer), which keeps the elimination DP from reducing."""
+    constant = {t.name for t in graph.tensors.values() if t.kind in ("constant", "buffer")}
+    found: set[str] = set()
+    for node in graph.ops:
+        if all(not name or name in constant for name in node.inputs):
+            found.add(node.name)
+            constant.update(o for o in node.outputs if o)
+    return frozenset(found)
 
 
 def needs_grad_map(graph: PlanningGraph) -> dict[str, bool]:
