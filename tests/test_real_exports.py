@@ -35,3 +35,31 @@ def test_both_exporters_plan_one_model_alike(export_model, model: str) -> None:
         assert len(result.units) >= 4, exporter
         steps[exporter] = result.predicted.step_time_s
     assert steps["dynamo"] == pytest.approx(steps["torchscript"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_rotary_tables_run_replicated_and_the_dp_reduces_a_dynamo_llama(export_model) -> None:
+    """dynamo computes LLaMA's cos/sin from `inv_freq` in the graph; those ops read no
+    input and no parameter, so they run replicated (one candidate), and the tied-layer
+    problem reduces exactly by elimination rather than falling to the ILP."""
+    from costmodels.profile import load_profile
+    from planner.cost.step import TrainingOptions
+    from planner.layers import find_repeats
+    from planner.search.elimination import solve_elimination
+    from planner.search.layers import tie_classes
+    from planner.search.problem import build_problem
+    from planner.sharding.analysis import GraphAnalysis
+    from planner.sharding.mesh import DeviceMesh
+
+    graph = import_model(export_model("llama", "dynamo", opset=18, layers=4),
+                         batch=64, dims={"seq": 128})
+    analysis = GraphAnalysis.of(graph)
+    kinds = {node.op_type for node in graph.ops if node.name in analysis.constant_ops}
+    assert {"Cos", "Sin"} <= kinds
+    problem = build_problem(analysis, DeviceMesh((2, 4), ("a0", "a1"), 8),
+                            load_profile("a100-80g"), TrainingOptions(),
+                            classes=tie_classes(graph, find_repeats(graph)))
+    for group in problem.groups:
+        if group.ops[0] in analysis.constant_ops:
+            assert len(group.candidates) == 1, group.ops
+    assert solve_elimination(problem) is not None
