@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +46,27 @@ MAX_POSITIONS = 128
 IMAGE = 32
 NUM_CLASSES = 10
 SEED = 0
+
+
+@dataclass(frozen=True)
+class Size:
+    """Widths of a token model; the default is the tiny size tests export with real weights
+    (bench/real_exports.py plans wider ones exported without weight memory)."""
+
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    ffn: int = 172  # LLaMA-style SwiGLU width; 4 * hidden for GELU MLPs
+    vocab: int = VOCAB
+    positions: int = MAX_POSITIONS
+
+    @classmethod
+    def of_hidden(cls, hidden: int, vocab: int = 32000, positions: int = 4096) -> Size:
+        """A realistic shape: 64-wide heads, LLaMA's 8/3 * hidden FFN rounded to 256."""
+        return cls(hidden, max(1, hidden // 64), -(-hidden * 8 // 3 // 256) * 256, vocab,
+                   positions)
+
+
+TINY = Size()
 
 
 @dataclass
@@ -123,71 +146,78 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _build_module(model: str, layers: int = LAYERS) -> nn.Module:
+def _build_module(model: str, layers: int = LAYERS, size: Size = TINY) -> nn.Module:
     """Build the tiny model with default (not yet randomised) weights."""
     if model == "resnet":
         return ResNet()
     import transformers  # slow import: only for the token models
 
-    family = _build_family(transformers, model, layers)
+    family = _build_family(transformers, model, layers, size)
     if family is not None:
         return family
 
     if model == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=layers,
-            n_head=HEADS, use_cache=False, bos_token_id=0, eos_token_id=0,
+            vocab_size=size.vocab, n_positions=size.positions, n_embd=size.hidden,
+            n_layer=layers, n_head=size.heads, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
         return transformers.GPT2LMHeadModel(cfg)
     if model == "bert":
         cfg = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
-            num_attention_heads=HEADS, intermediate_size=4 * HIDDEN,
-            max_position_embeddings=MAX_POSITIONS,
+            vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=layers,
+            num_attention_heads=size.heads, intermediate_size=4 * size.hidden,
+            max_position_embeddings=size.positions,
         )
         return transformers.BertForMaskedLM(cfg)
     if model == "llama":
         cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=172,
-            num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-            max_position_embeddings=MAX_POSITIONS, use_cache=False,
+            vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.ffn,
+            num_hidden_layers=layers, num_attention_heads=size.heads,
+            num_key_value_heads=size.heads, max_position_embeddings=size.positions,
+            use_cache=False,
         )
         return transformers.LlamaForCausalLM(cfg)
     raise ValueError(f"unknown model {model!r}; choose one of {ALL_MODELS}")
 
 
-def _build_family(transformers: types.ModuleType, model: str, layers: int) -> nn.Module | None:
-    """The FAMILIES models, at the same tiny width as MODELS (None for any other name)."""
-    decoder = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
-                   num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
+def _build_family(transformers: types.ModuleType, model: str, layers: int,
+                  size: Size) -> nn.Module | None:
+    """The FAMILIES models (None for any other name)."""
+    kv_heads = max(1, size.heads // 2)
+    decoder = dict(vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=layers,
+                   num_attention_heads=size.heads, max_position_embeddings=size.positions,
                    use_cache=False)
     if model == "mistral":  # grouped-query attention, 2 KV heads
         return transformers.MistralForCausalLM(transformers.MistralConfig(
-            **decoder, intermediate_size=172, num_key_value_heads=2, sliding_window=None))
+            **decoder, intermediate_size=size.ffn, num_key_value_heads=kv_heads,
+            sliding_window=None))
     if model == "qwen2":  # GQA with biased q/k/v projections
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            **decoder, intermediate_size=172, num_key_value_heads=2))
+            **decoder, intermediate_size=size.ffn, num_key_value_heads=kv_heads))
     if model == "gpt_neox":  # fused QKV, partial rotary, parallel residual
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-            **decoder, intermediate_size=4 * HIDDEN, rotary_pct=0.25))
+            **decoder, intermediate_size=4 * size.hidden, rotary_pct=0.25))
     if model == "opt":
         return transformers.OPTForCausalLM(transformers.OPTConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
-            num_attention_heads=HEADS, ffn_dim=4 * HIDDEN, word_embed_proj_dim=HIDDEN,
-            max_position_embeddings=MAX_POSITIONS, use_cache=False))
+            vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=layers,
+            num_attention_heads=size.heads, ffn_dim=4 * size.hidden,
+            word_embed_proj_dim=size.hidden, max_position_embeddings=size.positions,
+            use_cache=False))
     if model == "t5":  # encoder and decoder stacks, relative position bias
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=4 * HIDDEN,
-            num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, use_cache=False,
+            vocab_size=size.vocab, d_model=size.hidden, d_kv=size.hidden // size.heads,
+            d_ff=4 * size.hidden, num_layers=layers, num_decoder_layers=layers,
+            num_heads=size.heads, use_cache=False,
             decoder_start_token_id=0))
     if model == "vit":
         return transformers.ViTForImageClassification(transformers.ViTConfig(
-            hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
-            intermediate_size=4 * HIDDEN, image_size=IMAGE, patch_size=4,
+            hidden_size=size.hidden, num_hidden_layers=layers, num_attention_heads=size.heads,
+            intermediate_size=4 * size.hidden, image_size=IMAGE, patch_size=4,
             num_labels=NUM_CLASSES))
     if model == "mixtral":  # top-2 of 4 experts
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **decoder, intermediate_size=172, num_key_value_heads=2, num_local_experts=4,
+            **decoder, intermediate_size=size.ffn, num_key_value_heads=kv_heads,
+            num_local_experts=4,
             num_experts_per_tok=2, sliding_window=None))
     return None
 
@@ -407,3 +437,81 @@ def export(model: str, exporter: str = "torchscript", *, training: bool = False,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+# --------------------------------------------------------------------------- shapes only
+
+#: initializers above this many elements are written as external data that is never
+#: written (the planner reads dims and dtypes only); smaller ones (shape constants,
+#: inv_freq) keep their values, which folding reads
+SHAPE_ONLY_INLINE_ELEMENTS = 1 << 16
+ABSENT_WEIGHTS = "weights-not-written.bin"
+
+
+def export_shapes_only(model: str, exporter: str, path: pathlib.Path, *, layers: int,
+                       size: Size, opset: int = 18) -> pathlib.Path:
+    """Export `model` at any `size` in eval mode without the memory of its weights.
+
+    Built on the meta device, every parameter becomes a stride-0 view of one number (its
+    own, so no two are merged as equal) and every buffer zeros, so a 7B-parameter LLaMA exports in a minute on a laptop; the file lists each
+    large initializer's dims and dtype with external data that does not exist. Planning
+    needs nothing more; running does (use `export` for that)."""
+    if model in IMAGE_MODELS:
+        raise ValueError("shape-only exports are for token models")
+    with torch.device("meta"):
+        module = _build_module(model, layers, size)
+    fills = iter(range(1, 1 << 30))  # distinct values: exporters merge equal initializers
+    for owner in module.modules():
+        for name, p in list(owner.named_parameters(recurse=False)):
+            one = torch.full((1,), float(next(fills)), dtype=p.dtype)
+            setattr(owner, name, nn.Parameter(one.expand(p.shape), requires_grad=p.requires_grad))
+        for name, b in list(owner.named_buffers(recurse=False)):
+            owner.register_buffer(name, torch.zeros(1, dtype=b.dtype).expand(b.shape).clone()
+                                  if b.numel() <= SHAPE_ONLY_INLINE_ELEMENTS
+                                  else torch.zeros(1, dtype=b.dtype).expand(b.shape))
+    module.eval()
+    _logits_only(module, model)
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    ex = Example(module, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ["logits"],
+                 {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}})
+    import onnx
+    from onnx import numpy_helper
+
+    path = pathlib.Path(path)
+    with _quiet(), torch.no_grad():
+        if exporter == "dynamo":
+            dims: dict[str, torch.export.Dim] = {}
+            program = torch.onnx.export(
+                module, (), kwargs=dict(ex.inputs), dynamo=True, opset_version=opset,
+                input_names=list(ex.inputs), output_names=ex.output_names,
+                dynamic_shapes={name: {axis: dims.setdefault(label, torch.export.Dim(
+                    label, min=2, max=size.positions)) for axis, label in axes.items()}
+                    for name, axes in ex.dynamic_dims.items()})
+            program.save(str(path), include_initializers=False)
+            proto = onnx.load(str(path))
+            arrays = {name: value.const_value for name, value in
+                      program.model.graph.initializers.items()}
+            specs = {name: (int(value.dtype), [int(d) for d in value.shape])
+                     for name, value in program.model.graph.initializers.items()}
+        else:
+            _export_torchscript(ex, path, training=False, opset=opset, dynamic=True)
+            proto = onnx.load(str(path))
+            arrays = {init.name: init for init in proto.graph.initializer}
+            specs = {init.name: (init.data_type, list(init.dims))
+                     for init in proto.graph.initializer}
+            del proto.graph.initializer[:]
+    for name, (data_type, dims_of) in specs.items():
+        if math.prod(dims_of) <= SHAPE_ONLY_INLINE_ELEMENTS:
+            value = arrays[name]
+            proto.graph.initializer.append(
+                value if isinstance(value, onnx.TensorProto)
+                else numpy_helper.from_array(np.asarray(value.numpy()), name))
+            continue
+        tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims_of,
+                                  data_location=onnx.TensorProto.EXTERNAL)
+        for key, text in (("location", ABSENT_WEIGHTS), ("offset", "0"), ("length", "0")):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, text
+        proto.graph.initializer.append(tensor)
+    onnx.save(proto, str(path))
+    return path

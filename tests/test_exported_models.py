@@ -276,7 +276,7 @@ def test_export_is_cached(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"model": "vit"},
+    {"model": "mamba"},
     {"model": "gpt2", "exporter": "jit"},
     {"model": "gpt2", "exporter": "torchscript", "opset": 21},
     {"model": "gpt2", "exporter": "dynamo", "batch": 1},

@@ -88,3 +88,37 @@ def test_every_layer_of_a_default_dynamo_export_is_found(export_model, model: st
         repeats = find_repeats(graph)
         assert repeats is not None and repeats.count == 4, (exporter, repeats)
         assert repeats.covered >= 0.85 * len(graph.ops), (exporter, repeats, len(graph.ops))
+
+
+def test_renamed_rotary_frequencies_are_state_and_their_tables_context(tmp_path: Path) -> None:
+    """TorchScript renames `inv_freq` (`onnx::Mul_7`): a float initializer that reaches a
+    Cos before any input is no weight, and the table it makes is shared context."""
+    nodes = [helper.make_node("MatMul", ["x", "w_embed"], ["x0"], name="embed")]
+    inits = [numpy_helper.from_array(np.eye(HIDDEN, dtype=np.float32), "w_embed"),
+             numpy_helper.from_array(np.arange(4, dtype=np.float32)[:, None], "positions"),
+             numpy_helper.from_array(np.linspace(0, 1, HIDDEN, dtype=np.float32)[None, :],
+                                     "onnx::Mul_7")]
+    x = "x0"
+    for k in range(3):
+        inits.append(numpy_helper.from_array(
+            np.random.default_rng(k).standard_normal((HIDDEN, HIDDEN)).astype(np.float32),
+            f"w{k}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{k}"], [f"h{k}"], name=f"mm{k}"))
+        if k == 0:  # the table is written where the first layer first uses it
+            nodes += [helper.make_node("Mul", ["positions", "onnx::Mul_7"], ["freqs"],
+                                       name="freqs"),
+                      helper.make_node("Cos", ["freqs"], ["cos"], name="cos")]
+        nodes.append(helper.make_node("Mul", [f"h{k}", "cos"], [f"y{k}"], name=f"rot{k}"))
+        x = f"y{k}"
+    graph = helper.make_graph(
+        nodes, "rotary", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                        ["batch", 4, HIDDEN])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["batch", 4, HIDDEN])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "rotary.onnx")
+    imported = import_model(tmp_path / "rotary.onnx", batch=2)
+    assert imported.tensors["onnx::Mul_7"].kind == "buffer"
+    assert imported.tensors["w_embed"].kind == "parameter"
+    assert [n.name for n in imported.ops[:2]] == ["freqs", "cos"]
+    repeats = find_repeats(imported)
+    assert repeats is not None and repeats.count == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import cache
 from typing import SupportsInt, cast
 
@@ -92,6 +93,8 @@ def build_graph(
         raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
                          "): they are inputs or constants, so there is nothing to plan")
     _check_sizes(tensors, name)
+    for table in _rotary_frequencies(ops, tensors):
+        tensors[table] = replace(tensors[table], kind="buffer")
     ops = canonical_order(ops, tensors, name)
     for node in ops:
         for tensor in node.inputs:
@@ -120,6 +123,26 @@ def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
                 f"than 2**53 elements, beyond what shardplan counts exactly; check the bound "
                 "dims (--batch, --dim) and the shapes stored in the model"
             )
+
+
+def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> list[str]:
+    """Float initializers that reach a Cos or Sin before they meet any input: rotary
+    frequencies (`inv_freq`), which the TorchScript exporter renames (`onnx::Mul_920`).
+    They are state, not weights: no optimizer trains them, and the rotary tables computed
+    from them are context every layer shares (`planner.importer.order`)."""
+    from_input = {t.name for t in tensors.values() if t.kind == "input"}
+    reaches_trig: set[str] = set()
+    for node in reversed(ops):  # ops are sorted: readers come after writers
+        outputs = [o for o in node.outputs if o]
+        if node.op_type in ("Cos", "Sin") or any(o in reaches_trig for o in outputs):
+            reaches_trig.update(t for t in node.inputs if t)
+    meets_input: set[str] = set()  # tensors some reader combines with an input's data
+    for node in ops:
+        if any(t in from_input for t in node.inputs if t):
+            from_input.update(o for o in node.outputs if o)
+            meets_input.update(t for t in node.inputs if t)
+    return [t.name for t in tensors.values() if t.kind == "parameter"
+            and t.name in reaches_trig and t.name not in meets_input]
 
 
 def _classify_initializers(
