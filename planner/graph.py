@@ -8,6 +8,7 @@ exported graph has already been folded away by the importer.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -37,6 +38,23 @@ def dtype_itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
+@dataclass(frozen=True)
+class SourceName:
+    """The module parameter an initializer holds, where an exporter renamed it
+    (`planner.importer.names`); `transposed`: stored as its 2-D transpose, so the
+    initializer's dim 0 is the parameter's dim 1."""
+
+    name: str
+    transposed: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "transposed": self.transposed}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> SourceName:
+        return cls(str(data["name"]), bool(data.get("transposed", False)))
+
+
 @dataclass
 class TensorInfo:
     """One value of the graph: its static shape, element type and role."""
@@ -48,6 +66,7 @@ class TensorInfo:
     producer: str | None = None  # name of the op that writes it; None for inputs/initializers
     consumers: list[str] = field(default_factory=list)
     value: np.ndarray | None = None  # known value of small constants (folded shapes, scalars)
+    source: SourceName | None = None  # the module's name for a renamed parameter
 
     @property
     def numel(self) -> int:

@@ -3,6 +3,7 @@ alike, and importing them is quiet."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -63,3 +64,29 @@ def test_rotary_tables_run_replicated_and_the_dp_reduces_a_dynamo_llama(export_m
         if group.ops[0] in analysis.constant_ops:
             assert len(group.candidates) == 1, group.ops
     assert solve_elimination(problem) is not None
+
+
+@pytest.mark.slow
+def test_renamed_weights_keep_their_module_names(export_model) -> None:
+    """dynamo's optimiser folds Transpose(q_proj.weight) into `val_41`: the plan records
+    the module's name and the transpose, and the DTensor export speaks the module's
+    names with its layouts (a column split of the stored [in, out] is Shard(0) of
+    q_proj.weight's [out, in])."""
+    import exported_models as em
+
+    from planner.exports.dtensor import to_dtensor_placements
+    from planner.plans.model import Plan
+
+    path = export_model("mistral", "dynamo", opset=18)
+    graph = import_model(path, batch=4, dims={"seq": 16})
+    sources = {t.source.name: t for t in graph.tensors.values() if t.source}
+    q_proj = sources["model.layers.0.self_attn.q_proj.weight"]
+    assert q_proj.name.startswith("val_") and q_proj.source is not None
+    assert q_proj.source.transposed
+    reader = next(n for n in graph.ops if q_proj.name in n.inputs)
+    result = plan(graph, devices=2, mode="semi", strategies={reader.name: [[1, 1, 1], [1, 2]]})
+    placements = to_dtensor_placements(Plan.from_json(json.loads(result.dumps())))
+    module = em.build("mistral").module
+    names = {name for name, _ in module.named_parameters()}
+    assert set(placements) <= names, sorted(set(placements) - names)[:3]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == ["Shard(0)"]

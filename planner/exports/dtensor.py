@@ -7,6 +7,9 @@ from planner.sharding.convert import to_placements
 
 
 def to_dtensor_placements(plan: Plan) -> dict[str, list[str]]:
-    """Placements of every parameter of `plan` (for `shardplan export --format dtensor`)."""
-    return {name: list(to_placements(entry.layout, plan.mesh, f"parameter {name}"))
+    """Placements of every parameter of `plan`, keyed and laid out as the module holds it
+    (for `shardplan export --format dtensor`): where the exporter renamed a weight
+    (`val_41`, the transpose of `q_proj.weight`) its module name and layout."""
+    return {(entry.source.name if entry.source else name):
+            list(to_placements(entry.module_layout, plan.mesh, f"parameter {name}"))
             for name, entry in plan.tensors.items() if entry.kind == "parameter"}

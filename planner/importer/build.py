@@ -19,6 +19,7 @@ from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
 from planner.importer.bind import Bound, data_inputs
 from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Shapes
+from planner.importer.names import recover_names
 from planner.importer.order import canonical_order
 from planner.importer.source import ModelSource
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
@@ -44,6 +45,7 @@ def build_graph(
     graph = model.graph
     tensors: dict[str, TensorInfo] = {}
     initializer_kinds = _classify_initializers(model, known)
+    recovered = recover_names(model)
     for init in graph.initializer:
         value = known.get(init.name)
         tensors[init.name] = TensorInfo(
@@ -52,6 +54,7 @@ def build_graph(
             dtype=_dtype_name(init.data_type, name, init.name),
             kind=initializer_kinds[init.name],
             value=value if value is not None and value.size <= FOLD_LIMIT_ELEMENTS else None,
+            source=recovered.names.get(init.name),
         )
     for value in data_inputs(model):
         shape, elem = shapes.get(value.name, (None, 0))
@@ -106,6 +109,8 @@ def build_graph(
         batch_inputs=bound.batch_inputs, ops=ops, tensors=tensors,
         inputs=[v.name for v in data_inputs(model)], outputs=graph_outputs,
         batch_symbol=bound.batch_symbol, source=source,
+        warnings=[_merged_warning(tensor, parameters)
+                  for tensor, parameters in recovered.merged.items() if tensor in tensors],
     )
     return planning
 
@@ -123,6 +128,14 @@ def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
                 f"than 2**53 elements, beyond what shardplan counts exactly; check the bound "
                 "dims (--batch, --dim) and the shapes stored in the model"
             )
+
+
+def _merged_warning(tensor: str, parameters: tuple[str, ...]) -> str:
+    shown = ", ".join(parameters[:3]) + (f" and {len(parameters) - 3} more"
+                                        if len(parameters) > 3 else "")
+    return (f"initializer {tensor} stands for {len(parameters)} parameters ({shown}): the "
+            "exporter merged weights of equal contents, so the plan trains them as one; "
+            "export with torch.onnx.export(..., optimize=False) to keep them apart")
 
 
 def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> list[str]:

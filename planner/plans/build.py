@@ -369,7 +369,8 @@ def _op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
 
 
 def _tensor_entries(sharded: ShardedGraph) -> dict[str, TensorEntry]:
-    return {name: TensorEntry(tuple(info.shape), info.dtype, info.kind, sharded.layout(name))
+    return {name: TensorEntry(tuple(info.shape), info.dtype, info.kind, sharded.layout(name),
+                              info.source)
             for name, info in sharded.analysis.graph.tensors.items()}
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from planner.graph import SourceName
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
@@ -191,15 +192,28 @@ class TensorEntry:
     dtype: str
     kind: str  # input | parameter | buffer | constant | activation
     layout: Layout
+    source: SourceName | None = None  # the module's name where the exporter renamed it
+
+    @property
+    def module_layout(self) -> Layout:
+        """The layout of the module's own parameter (its transpose where stored so)."""
+        if self.source is None or not self.source.transposed:
+            return self.layout
+        return Layout(tuple(reversed(self.layout.dims)), self.layout.partial)
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
-                "layout": self.layout.to_json()}
+        entry = {"shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+                 "layout": self.layout.to_json()}
+        if self.source is not None:
+            entry["source"] = self.source.to_json()
+        return entry
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorEntry:
+        source = data.get("source")
         return cls(tuple(data["shape"]), data["dtype"], data["kind"],
-                   Layout.from_json(data["layout"]))
+                   Layout.from_json(data["layout"]),
+                   SourceName.from_json(source) if source is not None else None)
 
 
 def collective_to_json(c: Collective) -> dict[str, Any]:
