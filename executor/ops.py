@@ -588,6 +588,68 @@ def _prod(x: Tensor, axes: tuple[int, ...], keep: bool) -> Tensor:
     return x
 
 
+@op("Attention")
+def _attention(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    """Opset 23's fused attention (dynamo's exports at opset 23), as ONNX's reference
+    computes it: 3-D [B, S, H*D] or 4-D [B, H, S, D] inputs, grouped KV heads, softcap on
+    the raw scores, a boolean or additive mask padded to the keys, causal masking aligned
+    after any cached keys; a query row no key may see gives zeros."""
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    mask, past_k, past_v = _opt(inputs, 3), _opt(inputs, 4), _opt(inputs, 5)
+    assert q is not None and k is not None and v is not None
+    if _opt(inputs, 6) is not None or attrs.get("left_window_size", -1) >= 0 \
+            or attrs.get("right_window_size", -1) >= 0:
+        raise ShardplanError("Attention with nonpad_kv_seqlen or a sliding window (opset 25) "
+                             "is not supported by the executor")
+    flat = q.dim() == 3
+    if flat:
+        q_heads, kv_heads = int(attrs["q_num_heads"]), int(attrs["kv_num_heads"])
+        q = q.reshape(q.shape[0], q.shape[1], q_heads, -1).transpose(1, 2)
+        k = k.reshape(k.shape[0], k.shape[1], kv_heads, -1).transpose(1, 2)
+        v = v.reshape(v.shape[0], v.shape[1], kv_heads, -1).transpose(1, 2)
+    past = past_k.shape[2] if past_k is not None else 0
+    if past_k is not None and past_v is not None:
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    present_k, present_v = k, v
+    rows, cols = q.shape[2], k.shape[2]
+    bias = torch.zeros(rows, cols, dtype=q.dtype, device=q.device)
+    if mask is not None:
+        if mask.shape[-1] < cols:  # a mask over fewer keys: the rest are masked
+            mask = F.pad(mask, (0, cols - mask.shape[-1]),
+                         value=False if mask.dtype == torch.bool else -math.inf)
+        bias = bias + (torch.where(mask, 0.0, -math.inf).to(q.dtype)
+                       if mask.dtype == torch.bool else mask)
+    if attrs.get("is_causal", 0):
+        keys = torch.arange(cols, device=q.device)[None, :]
+        allowed = keys <= torch.arange(rows, device=q.device)[:, None] + past
+        bias = bias + torch.where(allowed, 0.0, -math.inf).to(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # as fused kernels do: fp32 inside
+        q, k, v, bias = q.float(), k.float(), v.float(), bias.float()
+    root = math.sqrt(attrs.get("scale", 1.0 / math.sqrt(q.shape[-1])))
+    scores = torch.matmul(q * root, (k * root).transpose(-1, -2))
+    softcap = attrs.get("softcap", 0.0)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    mode = int(attrs.get("qk_matmul_output_mode", 0))
+    with_bias = scores + bias
+    exposed = with_bias if mode == 2 or (mode == 1 and not softcap) else scores
+    precision = attrs.get("softmax_precision")
+    logits = with_bias.to(torch_dtype(precision)) if precision else with_bias
+    blocked = torch.isneginf(bias.amax(dim=-1, keepdim=True))
+    weights = torch.softmax(logits.masked_fill(blocked, 0.0), dim=-1)
+    weights = weights.masked_fill(blocked, 0.0)
+    if mode == 3:
+        exposed = weights
+    y = torch.matmul(weights.to(q.dtype), v).to(dtype)
+    if flat:
+        y = y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1)
+    return [y, present_k, present_v, exposed.to(dtype)]
+
+
 @op("Softmax")
 def _softmax(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     assert inputs[0] is not None
