@@ -453,9 +453,10 @@ def export_shapes_only(model: str, exporter: str, path: pathlib.Path, *, layers:
     """Export `model` at any `size` in eval mode without the memory of its weights.
 
     Built on the meta device, every parameter becomes a stride-0 view of one number (its
-    own, so no two are merged as equal) and every buffer zeros, so a 7B-parameter LLaMA exports in a minute on a laptop; the file lists each
-    large initializer's dims and dtype with external data that does not exist. Planning
-    needs nothing more; running does (use `export` for that)."""
+    own, so no two are merged as equal) and every buffer zeros, so a 7B-parameter LLaMA
+    exports in a minute; the file lists each large initializer's dims and dtype with
+    external data that does not exist. Planning needs nothing more; running does (use
+    `export` for that)."""
     if model in IMAGE_MODELS:
         raise ValueError("shape-only exports are for token models")
     with torch.device("meta"):

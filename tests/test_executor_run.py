@@ -334,3 +334,12 @@ def test_dynamo_llama_export_trains_on_two_ranks(export_model) -> None:
     path = export_model("llama", "dynamo", training=True, batch=4)
     chosen = plan(path, devices=2, batch=4, dims={"seq": 16}, mode="data", profile="cpu")
     _check(path, chosen)
+
+
+@pytest.mark.slow
+def test_default_dynamo_mistral_export_trains_tensor_parallel(export_model) -> None:
+    """What `torch.onnx.export(model, dynamo=True)` gives by default for a GQA decoder:
+    optimised (renamed, pre-transposed weights), rotary tables computed in the graph.
+    Its Megatron-style plan on two ranks trains as one process does."""
+    path = export_model("mistral", "dynamo", opset=18, batch=4)
+    _check(path, _megatron(path, 2, {"seq": 16}))

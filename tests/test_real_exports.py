@@ -10,6 +10,7 @@ import pytest
 
 from planner.api import plan
 from planner.importer import import_model
+from planner.layers import find_repeats
 
 
 @pytest.mark.slow
@@ -90,3 +91,23 @@ def test_renamed_weights_keep_their_module_names(export_model) -> None:
     names = {name for name, _ in module.named_parameters()}
     assert set(placements) <= names, sorted(set(placements) - names)[:3]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == ["Shard(0)"]
+
+
+FAMILY_EXPORTS = [(m, e) for m in ("mistral", "qwen2", "gpt_neox", "opt", "vit", "t5")
+                  for e in ("torchscript", "dynamo") if (m, e) != ("t5", "dynamo")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "exporter"), FAMILY_EXPORTS)
+def test_every_family_plans_with_its_layers_tied(export_model, model: str,
+                                                 exporter: str) -> None:
+    """Each family as the exporter writes it by default (4 layers) plans on 4 devices with
+    every layer found; T5's two stacks (the first layer of each holds the relative
+    position bias) tie three of four. (T5's eval-mode dynamo export fails in torch 2.13:
+    "Failed to decompose the FX graph".)"""
+    path = export_model(model, exporter, opset=18, layers=4)
+    dims = None if model == "vit" else {"seq": 16}
+    result = plan(path, devices=4, batch=8, dims=dims)
+    assert result.predicted.fits
+    repeats = find_repeats(import_model(path, batch=8, dims=dims))
+    assert repeats is not None and repeats.count == (3 if model == "t5" else 4)
