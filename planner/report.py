@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from costmodels.precision import parameter_bytes
+from planner.graph import dtype_itemsize
 from planner.humanize import human_bytes, human_count, human_seconds
+from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
@@ -47,6 +51,7 @@ def summary(plan: Plan) -> str:
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         *_kernels(plan),
+        *_weight_storage(plan),
         f"solver     {plan.solver.name}: {plan.solver.status}{_tied(plan)} in "
         f"{human_seconds(plan.solver.time_s)}",
         "",
@@ -94,6 +99,31 @@ def summary(plan: Plan) -> str:
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _weight_storage(plan: Plan) -> list[str]:
+    """How the weights are held, which dp/tp/zero alone do not say: split and used in place
+    (tensor parallel), or split and gathered whole before each use (FSDP-like storage)."""
+    gathered = {c.tensor for c in plan.collectives
+                if c.kind is CollectiveKind.ALL_GATHER and c.phase is Phase.FORWARD}
+    in_place, before_use = [0, 0], [0, 0]  # count, bytes
+    weights = [(n, e) for n, e in plan.tensors.items() if e.kind == "parameter"]
+    for name, entry in weights:
+        if entry.layout.is_replicated:
+            continue
+        held = before_use if name in gathered else in_place
+        held[0] += 1
+        held[1] += math.prod(entry.shape) * dtype_itemsize(entry.dtype)
+    parts = []
+    if in_place[0]:
+        parts.append(f"{in_place[0]} split and used in place ({human_bytes(in_place[1])} "
+                     "in all)")
+    if before_use[0]:
+        parts.append(f"{before_use[0]} stored split and gathered before each use "
+                     f"({human_bytes(before_use[1])} in all: FSDP-like storage)")
+    if not parts:
+        return []
+    return [f"weights    of {len(weights)}: " + "; ".join(parts)]
 
 
 def _pipeline(plan: Plan) -> str:
