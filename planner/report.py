@@ -9,6 +9,7 @@ from planner.graph import dtype_itemsize
 from planner.humanize import human_bytes, human_count, human_seconds
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
+from planner.sharding.derive import OPTIMIZER_OP
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
 
@@ -104,26 +105,27 @@ def summary(plan: Plan) -> str:
 def _weight_storage(plan: Plan) -> list[str]:
     """How the weights are held, which dp/tp/zero alone do not say: split and used in place
     (tensor parallel), or split and gathered whole before each use (FSDP-like storage)."""
-    gathered = {c.tensor for c in plan.collectives
-                if c.kind is CollectiveKind.ALL_GATHER and c.phase is Phase.FORWARD}
-    in_place, before_use = [0, 0], [0, 0]  # count, bytes
+    gathered = {c.tensor for c in plan.collectives  # by the op reading it, not by ZeRO
+                if c.kind is CollectiveKind.ALL_GATHER and c.phase is Phase.FORWARD
+                and c.op != OPTIMIZER_OP}
+    replicated, in_place, before_use = [0, 0], [0, 0], [0, 0]  # count, bytes
     weights = [(n, e) for n, e in plan.tensors.items() if e.kind == "parameter"]
     for name, entry in weights:
-        if entry.layout.is_replicated:
-            continue
-        held = before_use if name in gathered else in_place
+        held = (replicated if entry.layout.is_replicated
+                else before_use if name in gathered else in_place)
         held[0] += 1
         held[1] += math.prod(entry.shape) * dtype_itemsize(entry.dtype)
-    parts = []
-    if in_place[0]:
-        parts.append(f"{in_place[0]} split and used in place ({human_bytes(in_place[1])} "
-                     "in all)")
-    if before_use[0]:
-        parts.append(f"{before_use[0]} stored split and gathered before each use "
-                     f"({human_bytes(before_use[1])} in all: FSDP-like storage)")
-    if not parts:
-        return []
-    return [f"weights    of {len(weights)}: " + "; ".join(parts)]
+    parts = [f"{count} {what} ({human_bytes(size)} in all{note})"
+             for (count, size), what, note in (
+                 (in_place, "split and used in place", ""),
+                 (before_use, "stored split and gathered before each use",
+                  ": FSDP-like storage"),
+                 (replicated, "not split by their ops", ""))
+             if count]
+    if plan.parallel.zero >= 3 and plan.parallel.dp > 1:
+        parts.append(f"ZeRO-3 stores each 1/{plan.parallel.dp} over dp and gathers it "
+                     "before each use")
+    return [f"weights    {len(weights)}: " + "; ".join(parts)] if weights else []
 
 
 def _pipeline(plan: Plan) -> str:

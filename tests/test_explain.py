@@ -244,3 +244,24 @@ def test_progress_is_silent_for_a_quick_plan() -> None:
     slow("mesh 2x2: optimal")
     slow.close()
     assert "mesh 2x2: optimal" in stream.getvalue()
+
+
+def test_the_summary_says_how_weights_are_held(tmp_path: Path) -> None:
+    """dp/tp/zero do not say it: a weight stored split by its first reader and gathered
+    whole for another (here the tied head's transpose) is FSDP-like storage; tensor
+    parallel weights are used in place; ZeRO-3 is named as such."""
+    from planner.report import summary
+
+    path = zoo.save(zoo.build("gpt-tiny"), tmp_path / "gpt.onnx")
+    gathered = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="semi",
+                    strategies={"wte.gather": [[2, 1], [1, 1]],
+                                "lm_head.tied_transpose": [[1, 1]]})
+    line = next(x for x in summary(gathered).splitlines() if x.startswith("weights"))
+    assert "1 stored split and gathered before each use" in line and "FSDP-like" in line
+    in_place = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="semi",
+                    strategies={"h.0.attn.c_proj.matmul": [[1, 1, 2], [2, 1]]})
+    line = next(x for x in summary(in_place).splitlines() if x.startswith("weights"))
+    assert "split and used in place" in line and "FSDP-like" not in line
+    zero3 = plan(path, devices=2, batch=4, dims={"seq": 8}, parallel={"dp": 2, "zero": 3})
+    line = next(x for x in summary(zero3).splitlines() if x.startswith("weights"))
+    assert "ZeRO-3 stores each 1/2 over dp" in line
