@@ -14,7 +14,7 @@ from planner import zoo
 from planner.api import load_graph, plan
 from planner.errors import StrategyError
 from planner.exports.dtensor import to_dtensor_placements
-from planner.exports.mindspore import to_mindspore_checkpoint
+from planner.exports.mindspore import strategy_key, to_mindspore_checkpoint
 from planner.graph import OpNode, TensorInfo
 from planner.ops import labels_for
 from planner.plans.model import Plan
@@ -421,12 +421,21 @@ def test_mindspore_checkpoint_of_a_data_parallel_plan(gpt_plan: Plan) -> None:
         assert item["tensor_shape"] == list(gpt_plan.tensors[name].shape)
         assert item["field"] == item["opt_weight_shard_step"] == 0
     strategies = checkpoint["parallel_strategy_item"]
-    for op in gpt_plan.ops:
-        if any(b is not None for b in op.inputs):
-            entry = strategies[op.name]
-            assert entry["stage"] == 0
-            assert entry["parallel_strategy"] == [list(s) for s, b in zip(
-                op.strategy, op.inputs, strict=True) if b is not None]
+    weights = _parameters(gpt_plan)
+    keyed = 0
+    for op in gpt_plan.ops:  # keyed as MindSpore keys them: primitive "_" first weight read
+        read = [b.tensor for b in op.inputs if b is not None and b.tensor in weights]
+        if not read:
+            continue
+        rank = max(len(gpt_plan.tensors[b.tensor].shape) for b in op.inputs if b is not None)
+        entry = strategies.get(strategy_key(op.op_type, rank, read[0]))
+        if entry is None or entry["parallel_strategy"] != [
+                list(s) for s, b in zip(op.strategy, op.inputs, strict=True) if b is not None]:
+            continue  # a second reader of the same weight and primitive: the first is kept
+        assert entry["stage"] == 0
+        keyed += 1
+    assert keyed and len(strategies) >= keyed
+    assert all("_" in key and key.split("_", 1)[1] in weights for key in strategies)
     assert any(2 in dims for e in strategies.values() for dims in e["parallel_strategy"])
     values = checkpoint["parallel_layout_value_item"]
     for op_name, items in values.items():

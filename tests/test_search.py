@@ -199,8 +199,9 @@ def test_cli_semi_mode_and_export(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert placements["w1"] == ["Shard(1)"]
     assert main(["export", str(out), "--format", "mindspore"]) == 0
     checkpoint = json.loads(capsys.readouterr().out)
-    assert checkpoint["parallel_strategy_item"]["matmul1"]["parallel_strategy"] == [[1, 1],
-                                                                                    [1, 2]]
+    # keyed as MindSpore's strategy checkpoint keys the seed network's ops
+    assert checkpoint["parallel_strategy_item"]["MatMul_w1"]["parallel_strategy"] == [[1, 1],
+                                                                                     [1, 2]]
     bad = tmp_path / "bad.json"
     bad.write_text('{"matmul1": [[1, 0]]}')
     assert main(["plan", str(path), "--devices", "2", "--batch", "32", "--mode", "semi",
