@@ -12,11 +12,12 @@ graph. Plans record the units, so readers never search for layers again.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.graph import OpNode, PlanningGraph
+from planner.graph import OpNode, PlanningGraph, TensorInfo
 
 MIN_REPEATS = 2
 MAX_PLAIN_UNITS = 32  # a graph without repeated layers is cut into this many FLOP-equal units
@@ -35,27 +36,34 @@ class Repeats:
         return self.period * self.count
 
 
-def op_signature(node: OpNode, graph: PlanningGraph) -> str:
-    """What makes two ops interchangeable for planning (names excluded)."""
+def op_signature(node: OpNode, graph: PlanningGraph | Mapping[str, TensorInfo]) -> str:
+    """What makes two ops interchangeable for planning (names excluded); of a graph, or of
+    ops whose tensors are given (`repeats_of`, before the graph is built)."""
+    tensors = graph.tensors if isinstance(graph, PlanningGraph) else graph
     parts = [node.domain, node.op_type, repr(sorted((k, repr(v)) for k, v in node.attrs.items()))]
     for name in node.inputs:
         if not name:
             parts.append("-")
             continue
-        info = graph.tensors[name]
+        info = tensors[name]
         value = "" if info.value is None else hashlib.sha1(
             np.ascontiguousarray(info.value).tobytes()).hexdigest()
         parts.append(f"{info.kind}:{info.dtype}:{info.shape}:{value}")
     for name in node.outputs:
-        parts.append(f"out:{graph.tensors[name].shape}" if name else "out:-")
+        parts.append(f"out:{tensors[name].shape}" if name else "out:-")
     return "|".join(parts)
 
 
 def find_repeats(graph: PlanningGraph) -> Repeats | None:
     """The longest run of repeated layers, or None when no block repeats."""
+    return repeats_of(graph.ops, graph.tensors)
+
+
+def repeats_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> Repeats | None:
+    """`find_repeats` of ops in this order (the importer compares two orders with it)."""
     signatures: dict[str, int] = {}
-    codes = np.array([signatures.setdefault(op_signature(n, graph), len(signatures))
-                      for n in graph.ops], dtype=np.int64)
+    codes = np.array([signatures.setdefault(op_signature(n, tensors), len(signatures))
+                      for n in ops], dtype=np.int64)
     n = len(codes)
     best: Repeats | None = None
     for period in range(2, n // MIN_REPEATS + 1):

@@ -7,7 +7,9 @@ trained parameter — the attention mask, position ids, rotary cos/sin tables, t
 unsqueezes — are shared by every layer, and torch's dynamo exporter emits them where the
 first layer first uses them, inside layer 0, so that layer no longer matches the others
 (a 4-layer LLaMA showed 3 layers). `canonical_order` puts every such *context* op
-first, before any op that depends on a parameter; the rest keep the file's order.
+first, before any op that depends on a parameter (position tables aside), when that makes
+more of the graph repeat (the file's order is kept otherwise: each layer computing its
+own copy of them repeats as it is).
 `sort_nodes` puts a file's nodes in topological order (ONNX requires it, not every
 writer obeys) and refuses a cycle, before shape inference reads them.
 """
@@ -21,6 +23,7 @@ import onnx
 
 from planner.errors import ModelError
 from planner.graph import OpNode, TensorInfo
+from planner.layers import repeats_of
 
 
 def sort_nodes(model: onnx.ModelProto, model_name: str) -> None:
@@ -35,19 +38,43 @@ def sort_nodes(model: onnx.ModelProto, model_name: str) -> None:
 
 def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
                     model_name: str) -> list[OpNode]:
-    """`ops` topologically sorted: context ops (no parameter among their ancestors) first,
-    then the others, each group in file order."""
+    """`ops` (topologically sorted, in file order) with the context ops first, where that
+    makes more of the graph repeat; else as they are, which is where the model itself
+    computes each op (a traced module's pipeline stages run it so). Context: no parameter
+    upstream, or a position table looked up there: a Gather of a parameter at indices
+    computed from shapes alone (T5's relative attention bias, which the first layer of
+    each stack computes and every layer adds; GPT-2's position embeddings)."""
     producer = {out: index for index, node in enumerate(ops) for out in node.outputs if out}
-    weighted = [any(t and tensors[t].kind == "parameter" for t in node.inputs) for node in ops]
+    weighted = [False] * len(ops)
+    from_input = [False] * len(ops)
+
+    def upstream(index: int, name: str, flags: list[bool], kind: str) -> bool:
+        return tensors[name].kind == kind or (name in producer and flags[producer[name]])
 
     def rank(index: int) -> tuple[int, int]:  # called once every producer of `index` is placed
-        weighted[index] = weighted[index] or any(
-            weighted[producer[t]] for t in ops[index].inputs if t in producer)
+        node = ops[index]
+        names = [t for t in node.inputs if t]
+        from_input[index] = any(upstream(index, t, from_input, "input") for t in names)
+        reads_weight = any(t and tensors[t].kind == "parameter" for t in node.inputs)
+        position_table = (node.op_type == "Gather" and len(node.inputs) == 2
+                          and tensors[node.inputs[0]].kind == "parameter"
+                          and not upstream(index, node.inputs[1], from_input, "input")
+                          and not upstream(index, node.inputs[1], weighted, "parameter"))
+        weighted[index] = (reads_weight and not position_table) or any(
+            weighted[producer[t]] for t in names if t in producer)
         return int(weighted[index]), index
 
     order = _kahn(ops, [list(n.inputs) for n in ops], [list(n.outputs) for n in ops], rank,
                   model_name)
-    return [ops[i] for i in order]
+    hoisted = [ops[i] for i in order]
+    if hoisted == ops or _covered(hoisted, tensors) <= _covered(ops, tensors):
+        return ops  # the file's order repeats as well: where the model computes each op
+    return hoisted
+
+
+def _covered(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> int:
+    repeats = repeats_of(ops, tensors)
+    return repeats.covered if repeats is not None and repeats.count > 1 else 0
 
 
 def _kahn(items: Sequence[OpNode | onnx.NodeProto], inputs: list[list[str]],
