@@ -1,12 +1,14 @@
-"""The layer structure of a graph: its repeated block of ops, and the units it is cut into.
+"""The layer structure of a graph: its repeated blocks of ops, and the units it is cut into.
 
 Each op gets a signature (type, attributes, input and output shapes and roles). In
 topological order, a transformer's layers repeat the same run of signatures. The period
 with the longest run of `sig[i] == sig[i + p]` marks the layer length `p`
-(`find_repeats`). The search ties the ops at one position of every repeat to one choice;
-the pipeline search cuts stages between *units* (`find_units`): the prefix, each repeated
-layer and the suffix, or chunks of equal FLOPs when no repeated block covers half the
-graph. Plans record the units, so readers never search for layers again.
+(`find_repeats`); the same search in what is left before and after it finds further
+blocks, such as an encoder-decoder's two stacks (`find_blocks`). The search ties the ops
+at one position of every layer of a block to one choice; the pipeline search cuts stages
+between *units* (`find_units`): the prefix, each repeated layer and the suffix, or chunks
+of equal FLOPs when the blocks cover less than half the graph. Plans record the units,
+so readers never search for layers again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ MAX_PLAIN_UNITS = 32  # a graph without repeated layers is cut into this many FL
 # Repeats covering less of the graph than this are not its layers (a run of small ops, or
 # layers whose ops an exporter emitted in a different order each time): cut by FLOPs.
 MIN_LAYER_SHARE = 0.5
+MAX_BLOCKS = 4  # repeated blocks looked for (an encoder-decoder has two)
+# a further block covers at least this share of the graph, in layers at least half as long
+# as the first's (so a run of a few small ops is no stack)
+MIN_BLOCK_SHARE = 0.25
 
 @dataclass(frozen=True)
 class Repeats:
@@ -56,14 +62,46 @@ def op_signature(node: OpNode, graph: PlanningGraph | Mapping[str, TensorInfo]) 
 
 def find_repeats(graph: PlanningGraph) -> Repeats | None:
     """The longest run of repeated layers, or None when no block repeats."""
-    return repeats_of(graph.ops, graph.tensors)
+    return _best_run(_codes(graph.ops, graph.tensors), 0)
 
 
-def repeats_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> Repeats | None:
-    """`find_repeats` of ops in this order (the importer compares two orders with it)."""
+def find_blocks(graph: PlanningGraph) -> tuple[Repeats, ...]:
+    """Every repeated block, in graph order: the longest run of repeated layers, then the
+    longest in what is left before and after it, and so on (T5's encoder and decoder
+    stacks), each further block covering at least MIN_BLOCK_SHARE of the graph in layers at
+    least half as long as the first block's."""
+    return blocks_of(graph.ops, graph.tensors)
+
+
+def blocks_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> tuple[Repeats, ...]:
+    """`find_blocks` of ops in this order."""
+    codes = _codes(ops, tensors)
+    first = _best_run(codes, 0)
+    if first is None:
+        return ()
+    blocks, segments = [first], [(0, first.start), (first.start + first.covered, len(codes))]
+    while len(blocks) < MAX_BLOCKS:
+        found = [(run, (lo, hi)) for lo, hi in segments
+                 if (run := _best_run(codes[lo:hi], lo)) is not None
+                 and run.covered >= MIN_BLOCK_SHARE * len(codes)
+                 and 2 * run.period >= first.period]
+        if not found:
+            break
+        run, (lo, hi) = max(found, key=lambda item: item[0].covered)
+        blocks.append(run)
+        segments.remove((lo, hi))
+        segments += [(lo, run.start), (run.start + run.covered, hi)]
+    return tuple(sorted(blocks, key=lambda block: block.start))
+
+
+def _codes(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> np.ndarray:
     signatures: dict[str, int] = {}
-    codes = np.array([signatures.setdefault(op_signature(n, tensors), len(signatures))
-                      for n in ops], dtype=np.int64)
+    return np.array([signatures.setdefault(op_signature(n, tensors), len(signatures))
+                     for n in ops], dtype=np.int64)
+
+
+def _best_run(codes: np.ndarray, offset: int) -> Repeats | None:
+    """The longest run of repeats in `codes` (ops from index `offset` of the graph)."""
     n = len(codes)
     best: Repeats | None = None
     for period in range(2, n // MIN_REPEATS + 1):
@@ -74,7 +112,7 @@ def repeats_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> Repe
         count = (run_length + period) // period
         if count < MIN_REPEATS:
             continue
-        candidate = Repeats(run_start, period, count)
+        candidate = Repeats(offset + run_start, period, count)
         if best is None or candidate.covered > best.covered:
             best = candidate
     return best
@@ -108,20 +146,24 @@ class Units:
         return np.repeat(np.arange(self.count), sizes)
 
 
-def find_units(graph: PlanningGraph, repeats: Repeats | None) -> Units:
-    """Prefix, one unit per repeated layer (of `find_repeats(graph)`), suffix; FLOP-equal
-    chunks when no repeated block covers at least half the graph."""
+def find_units(graph: PlanningGraph, blocks: Sequence[Repeats]) -> Units:
+    """Prefix, one unit per repeated layer of every block (`find_blocks(graph)`), suffix;
+    the ops between two blocks (an encoder's final norm, a decoder's embedding) join the
+    next block's first layer, so the layer units are consecutive. FLOP-equal chunks when
+    the blocks cover less than half the graph."""
     n = len(graph.ops)
-    if repeats is not None and repeats.count >= 2 and repeats.covered >= MIN_LAYER_SHARE * n:
+    layered = [block for block in blocks if block.count >= 2]
+    if layered and sum(block.covered for block in layered) >= MIN_LAYER_SHARE * n:
         bounds, names = [0], []
-        if repeats.start > 0:
-            bounds.append(repeats.start)
+        if layered[0].start > 0:
+            bounds.append(layered[0].start)
             names.append("prefix")
         first_layer = len(names)
-        for layer in range(repeats.count):
-            bounds.append(repeats.start + (layer + 1) * repeats.period)
-            names.append(f"layer {layer}")
-        layers = tuple(range(first_layer, first_layer + repeats.count))
+        for block in layered:
+            for layer in range(block.count):
+                bounds.append(block.start + (layer + 1) * block.period)
+                names.append(f"layer {len(names) - first_layer}")
+        layers = tuple(range(first_layer, len(names)))
         if bounds[-1] < n:
             bounds.append(n)
             names.append("suffix")

@@ -104,7 +104,7 @@ def test_pipeline_units_add_up_to_their_stage(plans: dict[str, Path]) -> None:
 def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path]) -> None:
     """The plan-only grouping equals `planner.layers.find_units` on the imported graph."""
     from planner.importer import import_model
-    from planner.layers import find_repeats
+    from planner.layers import find_blocks
     from planner.layers import find_units as graph_units
 
     loaded = Plan.load(plans["data"])
@@ -112,7 +112,7 @@ def test_units_without_pipeline_match_the_planner_layers(plans: dict[str, Path])
     units, how = find_units(loaded)
     assert "repeated layers" in how
     graph = import_model(plans["model"], batch=8, dims={"seq": 16})
-    expected = graph_units(graph, find_repeats(graph))
+    expected = graph_units(graph, find_blocks(graph))
     assert [u.name for u in units] == list(expected.names)
     assert [u.ranges[0][0] for u in units] == list(expected.bounds[:-1])
 

@@ -10,7 +10,6 @@ import pytest
 
 from planner.api import plan
 from planner.importer import import_model
-from planner.layers import find_repeats
 
 
 @pytest.mark.slow
@@ -46,7 +45,7 @@ def test_rotary_tables_run_replicated_and_the_dp_reduces_a_dynamo_llama(export_m
     problem reduces exactly by elimination rather than falling to the ILP."""
     from costmodels.profile import load_profile
     from planner.cost.step import TrainingOptions
-    from planner.layers import find_repeats
+    from planner.layers import find_blocks
     from planner.search.elimination import solve_elimination
     from planner.search.layers import tie_classes
     from planner.search.problem import build_problem
@@ -60,7 +59,7 @@ def test_rotary_tables_run_replicated_and_the_dp_reduces_a_dynamo_llama(export_m
     assert {"Cos", "Sin"} <= kinds
     problem = build_problem(analysis, DeviceMesh((2, 4), ("a0", "a1"), 8),
                             load_profile("a100-80g"), TrainingOptions(),
-                            classes=tie_classes(graph, find_repeats(graph)))
+                            classes=tie_classes(graph, find_blocks(graph)))
     for group in problem.groups:
         if group.ops[0] in analysis.constant_ops:
             assert len(group.candidates) == 1, group.ops
@@ -102,12 +101,17 @@ FAMILY_EXPORTS = [(m, e) for m in ("mistral", "qwen2", "gpt_neox", "opt", "vit",
 def test_every_family_plans_with_its_layers_tied(export_model, model: str,
                                                  exporter: str) -> None:
     """Each family as the exporter writes it by default (4 layers) plans on 4 devices with
-    every layer found (T5: of its decoder stack, the longer; the first layer of each stack
-    computes the relative position bias, a position table that now comes first). (T5's
-    eval-mode dynamo export fails in torch 2.13: "Failed to decompose the FX graph".)"""
+    every layer found and each its own pipeline unit: T5's encoder and decoder stacks are
+    two blocks of 4 (the first layer of each computes the relative position bias, a
+    position table that comes first). (T5's eval-mode dynamo export fails in torch 2.13:
+    "Failed to decompose the FX graph".)"""
+    from planner.layers import find_blocks
+
     path = export_model(model, exporter, opset=18, layers=4)
     dims = None if model == "vit" else {"seq": 16}
     result = plan(path, devices=4, batch=8, dims=dims)
     assert result.predicted.fits
-    repeats = find_repeats(import_model(path, batch=8, dims=dims))
-    assert repeats is not None and repeats.count == 4
+    stacks = 2 if model == "t5" else 1
+    blocks = find_blocks(import_model(path, batch=8, dims=dims))
+    assert [block.count for block in blocks] == [4] * stacks
+    assert sum(unit.name.startswith("layer") for unit in result.units) == 4 * stacks

@@ -18,7 +18,7 @@ from planner.cli import main
 from planner.cost.step import TrainingOptions
 from planner.errors import NoPlanFits, ShardplanError
 from planner.importer import import_model
-from planner.layers import find_repeats
+from planner.layers import find_blocks, find_repeats
 from planner.search.elimination import solve_elimination
 from planner.search.ilp import solve_ilp
 from planner.search.layers import tie_classes
@@ -110,7 +110,7 @@ def test_repeated_layers_are_found(gpt_tiny: Path) -> None:
     repeats = find_repeats(graph)
     _, config = zoo.preset("gpt-tiny")
     assert repeats is not None and repeats.count == config.layers
-    classes = tie_classes(graph, repeats)
+    classes = tie_classes(graph, find_blocks(graph))
     assert sum(len(c) for c in classes) == len(graph.ops)
     assert max(len(c) for c in classes) == config.layers
 
@@ -119,7 +119,7 @@ def test_solvers_agree_on_a_transformer(gpt_tiny: Path) -> None:
     graph = import_model(gpt_tiny, batch=8, dims={"seq": 16})
     mesh = DeviceMesh((2, 2), ("a0", "a1"), 8)
     problem = build_problem(GraphAnalysis.of(graph), mesh, PROFILE, TrainingOptions(),
-                            classes=tie_classes(graph, find_repeats(graph)))
+                            classes=tie_classes(graph, find_blocks(graph)))
     cpsat = solve_ilp(problem, solver="cpsat")
     highs = solve_ilp(problem, solver="highs")
     assert cpsat.status == highs.status == "optimal"

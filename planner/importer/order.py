@@ -23,7 +23,7 @@ import onnx
 
 from planner.errors import ModelError
 from planner.graph import OpNode, TensorInfo
-from planner.layers import repeats_of
+from planner.layers import blocks_of
 
 
 def sort_nodes(model: onnx.ModelProto, model_name: str) -> None:
@@ -73,8 +73,7 @@ def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
 
 
 def _covered(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> int:
-    repeats = repeats_of(ops, tensors)
-    return repeats.covered if repeats is not None and repeats.count > 1 else 0
+    return sum(block.covered for block in blocks_of(ops, tensors) if block.count > 1)
 
 
 def _kahn(items: Sequence[OpNode | onnx.NodeProto], inputs: list[list[str]],

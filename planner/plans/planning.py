@@ -178,7 +178,7 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
         solver = result.decision.solver
         record = replace(solver, time_s=time.perf_counter() - started, detail=replace(
             solver.detail, mode=options.mode, meshes_tried=len(results),
-            tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.repeats)))
+            tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
         derived = derive(context, result.decision)
         finalists.append(Finalist(derived, record))
         rows.append((_alternative(derived, record), derived))

@@ -61,7 +61,7 @@ def no_plan(analysis: GraphAnalysis, profile: HardwareProfile, devices: int,
             except StrategyError:
                 continue
             problem = build_problem(analysis, mesh, profile, training, fixed,
-                                    tie_classes(analysis.graph, analysis.repeats))
+                                    tie_classes(analysis.graph, analysis.blocks))
             memory = solve_min_memory(problem, time_limit=min(time_limit, 30.0))
             if memory < smallest:
                 smallest, where = memory, "mesh " + "x".join(map(str, mesh.shape))

@@ -151,7 +151,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
         return {}, SolverRecord("none", "optimal", 0.0, 0.0, 0.0), (0.0, 0.0)
     unlimited = replace(training, memory_limit_bytes=int(budget.limit) if budget else UNLIMITED)
     problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
-                            tie_classes(analysis.graph, analysis.repeats), micro_batches)
+                            tie_classes(analysis.graph, analysis.blocks), micro_batches)
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
     for index, group in enumerate(problem.groups):
         wanted = batch.get(group.ops[0], frozenset()) if dp > 1 else frozenset()

@@ -231,7 +231,7 @@ def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: Hardw
         if options.mesh is not None or pins.given():
             raise
         return MeshResult(candidate.mesh, None, f"user strategies do not fit: {exc}")
-    classes = tie_classes(analysis.graph, analysis.repeats if options.tie_layers else None,
+    classes = tie_classes(analysis.graph, analysis.blocks if options.tie_layers else (),
                           fixed)
     problem = build_problem(analysis, mesh, profile, training, fixed, classes)
     if pins.mesh_axes:

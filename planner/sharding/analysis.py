@@ -18,7 +18,7 @@ import numpy as np
 from planner.graph import PlanningGraph
 from planner.importer import rebind
 from planner.kinds import AxisRole
-from planner.layers import Repeats, Units, find_repeats, find_units
+from planner.layers import Repeats, Units, find_blocks, find_units
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
 from planner.sharding.batch import data_parallel_strategies
@@ -35,7 +35,7 @@ class GraphAnalysis:
     needs_grad: Mapping[str, bool]  # tensor -> a gradient flows back to it
     weight_roots: Mapping[str, frozenset[str]]  # tensor computed from weights alone -> them
     first_consumers: Mapping[str, tuple[str, int]]  # input/weight/buffer -> (op, slot)
-    repeats: Repeats | None
+    blocks: tuple[Repeats, ...]  # the repeated blocks of layers, in graph order
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
     constant_ops: frozenset[str]  # ops computed from constants and buffers alone
@@ -76,11 +76,11 @@ class GraphAnalysis:
     @classmethod
     def of(cls, graph: PlanningGraph) -> GraphAnalysis:
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
-        repeats = find_repeats(graph)
+        blocks = find_blocks(graph)
         return cls(
             graph=graph, labels=labels, needs_grad=needs_grad_map(graph),
             weight_roots=weight_roots_map(graph), first_consumers=first_consumers(graph),
-            repeats=repeats, units=find_units(graph, repeats),
+            blocks=blocks, units=find_units(graph, blocks),
             batch_labels=_batch_labels(graph, labels),
             constant_ops=constant_ops_of(graph),
         )
