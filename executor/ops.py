@@ -84,6 +84,8 @@ _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "Relu": torch.relu, "Cos": torch.cos, "Sin": torch.sin, "Abs": torch.abs,
     "Floor": torch.floor, "Ceil": torch.ceil, "Not": torch.logical_not, "IsNaN": torch.isnan,
     "Sign": torch.sign, "Identity": lambda x: x, "Softplus": F.softplus,
+    "HardSwish": F.hardswish, "Mish": F.mish,
+    "Round": torch.round,  # halves to even, as ONNX
 }
 for _name, _unary_fn in _UNARY.items():
     TORCH_OPS[_name] = _unary(_unary_fn)
@@ -164,12 +166,6 @@ def _hard_sigmoid(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     return [torch.clamp(attrs.get("alpha", 0.2) * inputs[0] + attrs.get("beta", 0.5), 0, 1)]
 
 
-@op("HardSwish")
-def _hard_swish(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
-    assert inputs[0] is not None
-    return [F.hardswish(inputs[0])]
-
-
 @op("Elu")
 def _elu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     assert inputs[0] is not None
@@ -190,23 +186,11 @@ def _selu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     return [attrs.get("gamma", 1.05070102214813232421875) * F.elu(inputs[0], alpha)]
 
 
-@op("Mish")
-def _mish(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
-    assert inputs[0] is not None
-    return [F.mish(inputs[0])]
-
-
 @op("PRelu")
 def _prelu(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     x, slope = inputs[0], inputs[1]
     assert x is not None and slope is not None
     return [torch.where(x >= 0, x, slope * x)]
-
-
-@op("Round")
-def _round(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
-    assert inputs[0] is not None
-    return [torch.round(inputs[0])]  # halves to even, as ONNX
 
 
 @op("IsInf")

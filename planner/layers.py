@@ -33,6 +33,8 @@ MIN_BLOCK_SHARE = 0.25
 
 @dataclass(frozen=True)
 class Repeats:
+    """A block of `count` >= MIN_REPEATS layers of `period` ops each."""
+
     start: int  # index (in graph.ops) of the first op of the first repeat
     period: int  # ops per layer
     count: int  # number of full repeats
@@ -42,10 +44,9 @@ class Repeats:
         return self.period * self.count
 
 
-def op_signature(node: OpNode, graph: PlanningGraph | Mapping[str, TensorInfo]) -> str:
-    """What makes two ops interchangeable for planning (names excluded); of a graph, or of
-    ops whose tensors are given (`repeats_of`, before the graph is built)."""
-    tensors = graph.tensors if isinstance(graph, PlanningGraph) else graph
+def op_signature(node: OpNode, tensors: Mapping[str, TensorInfo]) -> str:
+    """What makes two ops interchangeable for planning (names excluded), given the tensors
+    (the importer compares op orders before the graph is built)."""
     parts = [node.domain, node.op_type, repr(sorted((k, repr(v)) for k, v in node.attrs.items()))]
     for name in node.inputs:
         if not name:
@@ -152,14 +153,13 @@ def find_units(graph: PlanningGraph, blocks: Sequence[Repeats]) -> Units:
     next block's first layer, so the layer units are consecutive. FLOP-equal chunks when
     the blocks cover less than half the graph."""
     n = len(graph.ops)
-    layered = [block for block in blocks if block.count >= 2]
-    if layered and sum(block.covered for block in layered) >= MIN_LAYER_SHARE * n:
+    if blocks and sum(block.covered for block in blocks) >= MIN_LAYER_SHARE * n:
         bounds, names = [0], []
-        if layered[0].start > 0:
-            bounds.append(layered[0].start)
+        if blocks[0].start > 0:
+            bounds.append(blocks[0].start)
             names.append("prefix")
         first_layer = len(names)
-        for block in layered:
+        for block in blocks:
             for layer in range(block.count):
                 bounds.append(block.start + (layer + 1) * block.period)
                 names.append(f"layer {len(names) - first_layer}")

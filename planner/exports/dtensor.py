@@ -10,6 +10,6 @@ def to_dtensor_placements(plan: Plan) -> dict[str, list[str]]:
     """Placements of every parameter of `plan`, keyed and laid out as the module holds it
     (for `shardplan export --format dtensor`): where the exporter renamed a weight
     (`val_41`, the transpose of `q_proj.weight`) its module name and layout."""
-    return {(entry.source.name if entry.source else name):
+    return {entry.module_name(name):
             list(to_placements(entry.module_layout, plan.mesh, f"parameter {name}"))
             for name, entry in plan.tensors.items() if entry.kind == "parameter"}

@@ -50,7 +50,7 @@ def _parameter_read(plan: Plan, op: OpEntry, producers: Mapping[str, OpEntry]) -
         while tensor is not None:
             entry = plan.tensors.get(tensor)
             if entry is not None and entry.kind == "parameter":
-                return entry.source.name if entry.source else tensor
+                return entry.module_name(tensor)
             view = producers.get(tensor)
             if view is None or view.op_type not in _WEIGHT_VIEWS or not view.inputs \
                     or view.inputs[0] is None:
@@ -116,7 +116,7 @@ def to_mindspore_checkpoint(plan: Plan) -> dict[str, Any]:
         flat = flat_form(entry.layout, mesh)
         dev_matrix, tensor_map = flat if flat else (
             list(ms_layout.dev_matrix), _nested_tensor_map(entry.layout, mesh, f"parameter {name}"))
-        parameters[entry.source.name if entry.source else name] = {
+        parameters[entry.module_name(name)] = {
             "dev_matrix": dev_matrix,
             "tensor_map": tensor_map,
             "tensor_shape": list(entry.shape),

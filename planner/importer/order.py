@@ -48,18 +48,18 @@ def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
     weighted = [False] * len(ops)
     from_input = [False] * len(ops)
 
-    def upstream(index: int, name: str, flags: list[bool], kind: str) -> bool:
+    def upstream(name: str, flags: list[bool], kind: str) -> bool:
         return tensors[name].kind == kind or (name in producer and flags[producer[name]])
 
     def rank(index: int) -> tuple[int, int]:  # called once every producer of `index` is placed
         node = ops[index]
         names = [t for t in node.inputs if t]
-        from_input[index] = any(upstream(index, t, from_input, "input") for t in names)
+        from_input[index] = any(upstream(t, from_input, "input") for t in names)
         reads_weight = any(t and tensors[t].kind == "parameter" for t in node.inputs)
         position_table = (node.op_type == "Gather" and len(node.inputs) == 2
                           and tensors[node.inputs[0]].kind == "parameter"
-                          and not upstream(index, node.inputs[1], from_input, "input")
-                          and not upstream(index, node.inputs[1], weighted, "parameter"))
+                          and not upstream(node.inputs[1], from_input, "input")
+                          and not upstream(node.inputs[1], weighted, "parameter"))
         weighted[index] = (reads_weight and not position_table) or any(
             weighted[producer[t]] for t in names if t in producer)
         return int(weighted[index]), index
@@ -73,7 +73,7 @@ def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
 
 
 def _covered(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> int:
-    return sum(block.covered for block in blocks_of(ops, tensors) if block.count > 1)
+    return sum(block.covered for block in blocks_of(ops, tensors))
 
 
 def _kahn(items: Sequence[OpNode | onnx.NodeProto], inputs: list[list[str]],

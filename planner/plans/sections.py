@@ -194,6 +194,10 @@ class TensorEntry:
     layout: Layout
     source: SourceName | None = None  # the module's name where the exporter renamed it
 
+    def module_name(self, key: str) -> str:
+        """The module's name for this tensor, whose key in the plan is `key`."""
+        return self.source.name if self.source is not None else key
+
     @property
     def module_layout(self) -> Layout:
         """The layout of the module's own parameter (its transpose where stored so)."""

@@ -51,4 +51,4 @@ def tie_classes(graph: PlanningGraph, blocks: Sequence[Repeats],
 
 def ties_layers(blocks: Sequence[Repeats]) -> bool:
     """Whether tying makes a difference: the graph repeats a layer at least twice."""
-    return any(block.count > 1 for block in blocks)
+    return bool(blocks)  # a block repeats its layer at least twice
