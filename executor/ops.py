@@ -390,6 +390,25 @@ def _gather_elements(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     return [torch.gather(x, axis, _wrap(index, x.shape[axis]))]
 
 
+#: ScatterElements' reductions as torch.scatter_reduce names ("none": plain scatter).
+_SCATTER_REDUCTIONS = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+@op("ScatterElements")
+def _scatter_elements(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
+    """Out of place, so autograd reaches data and updates (index_add exports as add)."""
+    x, index, updates = inputs[0], inputs[1], inputs[2]
+    assert x is not None and index is not None and updates is not None
+    axis = _axis(attrs.get("axis", 0), x.dim())
+    index = _wrap(index, x.shape[axis])
+    reduction = attrs.get("reduction", "none")
+    if reduction == "none":
+        return [torch.scatter(x, axis, index, updates)]
+    if reduction not in _SCATTER_REDUCTIONS:
+        raise ShardplanError(f"ScatterElements reduction {reduction!r} is not an ONNX one")
+    return [torch.scatter_reduce(x, axis, index, updates, _SCATTER_REDUCTIONS[reduction])]
+
+
 @op("Expand")
 def _expand(inputs: Inputs, attrs: Attrs) -> list[Tensor]:
     """Bidirectional broadcast: the target may hold 1 where the input is larger."""

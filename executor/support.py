@@ -36,6 +36,14 @@ def missing_op_types(node: OpNode) -> list[str]:
 
 def check_supported(graph: PlanningGraph) -> None:
     """Raise ShardplanError naming the first op the executor cannot run, and what to do."""
+    if graph.routed:
+        name, selection = next(iter(graph.routed.items()))
+        raise ShardplanError(
+            f"the torch executor cannot run op {name!r} (NonZero, and {len(graph.routed) - 1} "
+            f"more): it selects the tokens a mixture-of-experts router sends, a number known "
+            f"only at run time, which the plan sizes at {selection.count} (capacity factor "
+            f"{graph.capacity_factor:g}); the executor runs static shapes, so the plan is for "
+            "pricing and for another runtime")
     refused: dict[str, list[str]] = {}  # op type -> names of the ops that need it
     for node in graph.ops:
         for op_type in missing_op_types(node):

@@ -319,7 +319,8 @@ def graph_for(model: str | os.PathLike | PlanningGraph, plan: Plan) -> PlanningG
     except OSError as exc:
         raise ShardplanError(f"{model}: cannot read the model ({exc.strerror})") from None
     check_model_digest(plan, digest, str(model))
-    return import_model(model, batch=plan.model.batch, dims=plan.model.bound_dims)
+    return import_model(model, batch=plan.model.batch, dims=plan.model.bound_dims,
+                        capacity_factor=plan.model.capacity_factor)
 
 
 def whole_batch_graph(plan: Plan, micro: PlanningGraph) -> PlanningGraph:

@@ -13,7 +13,7 @@ from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
-from planner.graph import PlanningGraph
+from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
 from planner.importer import import_model, rebind, retyped
 from planner.kinds import AttentionKernel, Fusion, Precision
 from planner.plans.model import Plan
@@ -30,12 +30,17 @@ def load_graph(
     *,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
+    capacity_factor: float | None = None,
 ) -> PlanningGraph:
     """Import `model`, or re-bind a planning graph to `batch` and `dims` (from the model it
-    keeps, without the file) where its binding differs; dims not given keep its values."""
+    keeps, without the file) where its binding differs; dims not given keep its values.
+    `capacity_factor` sizes mixture-of-experts routers' token selections (default 1.25,
+    or the graph's own)."""
     if isinstance(model, PlanningGraph):
-        return rebind(model, batch=batch, dims=dims)
-    return import_model(model, batch=batch, dims=dims)
+        return rebind(model, batch=batch, dims=dims, capacity_factor=capacity_factor)
+    return import_model(model, batch=batch, dims=dims,
+                        capacity_factor=DEFAULT_CAPACITY_FACTOR if capacity_factor is None
+                        else capacity_factor)
 
 
 #: the device memories `--memory-limit` accepts, in GiB: outside, a figure is a typo
@@ -66,6 +71,7 @@ def plan(
     fusion: str | Fusion | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     overlap_grad_reduce: bool = True,
+    capacity_factor: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`.
@@ -84,7 +90,8 @@ def plan(
     form) decides the bytes per parameter and the dtype activations and GEMMs run in;
     `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
     (default: the profile's, `device.kernels`). The plan's `step` section records all
-    three.
+    three. `capacity_factor` sizes each expert's token batch behind a mixture-of-experts
+    router as a multiple of its even share (default 1.25, `planner.importer.routing`).
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -106,7 +113,7 @@ def plan(
                              "(0: one collective per tensor)")
     if not math.isfinite(time_limit) or time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
-    graph = load_graph(model, batch=batch, dims=dims)
+    graph = load_graph(model, batch=batch, dims=dims, capacity_factor=capacity_factor)
     chosen = _choice(Precision, precision, "--precision") or default_precision(
         graph.stored_float_dtype)
     graph = retyped(graph, policy(chosen).storage_dtype)

@@ -38,6 +38,44 @@ def dtype_itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
+#: Tokens an expert may take as a multiple of its even share: Switch Transformer's
+#: training default (Fedus et al. 2022, sec. 2.2 and table 1: 1.0 and 1.25 compared).
+DEFAULT_CAPACITY_FACTOR = 1.25
+
+
+@dataclass(frozen=True)
+class RoutedSelection:
+    """A data-dependent token selection of a mixture-of-experts router, planned at a
+    static count (`planner.importer.routing`): the `NonZero` `node` picks the tokens the
+    `TopK` `router` sent to one expert (or the experts that got any), and the plan sizes
+    its result at `count` entries, `capacity_factor` times the tokens an expert gets
+    when the router balances them evenly (top_k of `experts` for each of `tokens`)."""
+
+    node: str
+    router: str
+    experts: int
+    top_k: int
+    tokens: int
+    count: int
+    per_expert: bool  # True: tokens of one expert; False: which experts got tokens
+
+    @property
+    def balanced(self) -> float:
+        """Tokens one expert gets when the router spreads them evenly."""
+        return self.tokens * self.top_k / self.experts
+
+    def to_json(self) -> dict[str, object]:
+        return {"op": self.node, "router": self.router, "experts": self.experts,
+                "top_k": self.top_k, "tokens": self.tokens, "count": self.count,
+                "per_expert": self.per_expert}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoutedSelection:
+        return cls(str(data["op"]), str(data["router"]), int(data["experts"]),
+                   int(data["top_k"]), int(data["tokens"]), int(data["count"]),
+                   bool(data["per_expert"]))
+
+
 @dataclass(frozen=True)
 class SourceName:
     """The module parameter an initializer holds, where an exporter renamed it
@@ -130,6 +168,10 @@ class PlanningGraph:
     #: The float dtype its float tensors were re-typed to for a training precision
     #: (`planner.importer.retyped`); None: as the file stores them. Rebinding keeps it.
     float_dtype: str | None = None
+    #: The routers' token selections planned at a static capacity, by NonZero node.
+    routed: dict[str, RoutedSelection] = field(default_factory=dict)
+    #: Tokens each expert may take, as a multiple of an even share: what sizes `routed`.
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR
 
     @property
     def stored_float_dtype(self) -> str:

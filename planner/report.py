@@ -53,6 +53,7 @@ def summary(plan: Plan) -> str:
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         *_kernels(plan),
         *_weight_storage(plan),
+        *_routing(plan),
         f"solver     {plan.solver.name}: {plan.solver.status}{_tied(plan)} in "
         f"{human_seconds(plan.solver.time_s)}",
         "",
@@ -100,6 +101,21 @@ def summary(plan: Plan) -> str:
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _routing(plan: Plan) -> list[str]:
+    """What sized the mixture-of-experts routers' data-dependent token selections."""
+    per_expert = [s for s in plan.model.routed if s.per_expert]
+    if not per_expert:
+        return []
+    routers = sorted({s.router for s in per_expert})
+    first = per_expert[0]
+    counts = sorted({s.count for s in per_expert})
+    shown = ", ".join(str(c) for c in counts)
+    return [f"routing    {len(routers)} top-{first.top_k} router(s) over {first.experts} "
+            f"experts: each expert's tokens sized at {shown} (capacity factor "
+            f"{plan.model.capacity_factor:g} × an even share of {first.balanced:g}); the "
+            "real count is known only at run time"]
 
 
 def _weight_storage(plan: Plan) -> list[str]:

@@ -215,10 +215,13 @@ def _build_family(transformers: types.ModuleType, model: str, layers: int,
             intermediate_size=4 * size.hidden, image_size=IMAGE, patch_size=4,
             num_labels=NUM_CLASSES))
     if model == "mixtral":  # top-2 of 4 experts
+        # "eager" experts route through NonZero/index_add, which TorchScript exports (the
+        # default grouped_mm uses histc, which neither exporter takes; dynamo exports only
+        # "batched_mm", a gather of every token's expert weights)
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **decoder, intermediate_size=size.ffn, num_key_value_heads=kv_heads,
-            num_local_experts=4,
-            num_experts_per_tok=2, sliding_window=None))
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+            experts_implementation="eager"))
     return None
 
 

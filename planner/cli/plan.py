@@ -39,6 +39,10 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--batch", type=positive_int, help="global batch size (binds dim 0)")
     plan.add_argument("--dim", type=dim, action="append", default=[], metavar="NAME=N",
                       help="bind a symbolic input dim, e.g. --dim seq=2048 (repeatable)")
+    plan.add_argument("--capacity-factor", type=positive_number("--capacity-factor"),
+                      metavar="F",
+                      help="tokens each expert of a mixture-of-experts router may take, as a "
+                           "multiple of its even share (default 1.25)")
     plan.add_argument("--mode", default="auto", choices=["data", "semi", "auto"],
                       help="data: data-parallel baseline; semi: ops in --strategies keep their "
                            "strategies, the rest is searched; auto: everything searched")
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                           inference=args.inference, overlap=args.overlap,
                           precision=args.precision, attention=args.attention,
                           fusion=args.fusion, progress=progress,
+                          capacity_factor=args.capacity_factor,
                           overlap_grad_reduce=not args.no_overlap_grad_reduce, **buckets)
         finally:
             if progress is not None:

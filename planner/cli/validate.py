@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     graph = None
     if args.model:
         graph = load_graph(args.model, batch=loaded.model.batch,
-                           dims=loaded.model.bound_dims)
+                           dims=loaded.model.bound_dims,
+                           capacity_factor=loaded.model.capacity_factor)
     report = validate(loaded, graph)
     if args.json:
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))

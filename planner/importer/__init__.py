@@ -19,8 +19,8 @@ from dataclasses import replace
 import onnx
 
 from planner.errors import ModelError
-from planner.graph import PlanningGraph
-from planner.importer.bind import bind_dims, binding_key, check_binding
+from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
+from planner.importer.bind import bind_dims, binding_key, check_binding, check_capacity_factor
 from planner.importer.build import build_graph
 from planner.importer.fold import fold_until_stable
 from planner.importer.load import load_onnx
@@ -36,13 +36,16 @@ def import_model(
     *,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
 ) -> PlanningGraph:
-    """Load `path` and return its planning graph with every dim bound and folded."""
+    """Load `path` and return its planning graph with every dim bound and folded;
+    `capacity_factor` sizes the token selections of mixture-of-experts routers."""
+    check_capacity_factor(str(path), capacity_factor)
     model, digest = load_onnx(path)
     name = str(path)
     model, opset = prepare(model, name)
     source = ModelSource.retain(model, name, digest, opset)
-    return _bound_graph(source, model, batch, dims or {})
+    return _bound_graph(source, model, batch, dims or {}, capacity_factor)
 
 
 def rebind(
@@ -50,10 +53,12 @@ def rebind(
     *,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
+    capacity_factor: float | None = None,
 ) -> PlanningGraph:
     """`graph`'s model with other dims bound, from its retained source (no file access).
 
-    Dims not given keep `graph`'s values, except its batch symbol when `batch` is given.
+    Dims not given keep `graph`'s values, except its batch symbol when `batch` is given;
+    the capacity factor, unless given, too.
     The result, or the error, is what `import_model(graph.path, batch=batch, dims=...)`
     with those dims gives; each binding is folded once per source, and binding `graph`'s
     own dims returns `graph`.
@@ -63,7 +68,9 @@ def rebind(
             and not (batch is not None and name == graph.batch_symbol)}
     wanted = {**given, **kept}
     check_binding(graph.path, batch, wanted)
-    if _binds_as(graph, batch, wanted):
+    factor = graph.capacity_factor if capacity_factor is None else capacity_factor
+    check_capacity_factor(graph.path, factor)
+    if _binds_as(graph, batch, wanted) and factor == graph.capacity_factor:
         return graph
     if not isinstance(graph.source, ModelSource):
         raise ModelError(
@@ -71,7 +78,7 @@ def rebind(
             "was not made by import_model); import the model file with the dims wanted"
         )
     source = graph.source
-    bound = _bound_graph(source, source.model(), batch, wanted)
+    bound = _bound_graph(source, source.model(), batch, wanted, factor)
     return retyped(bound, graph.float_dtype) if graph.float_dtype else bound
 
 
@@ -91,15 +98,16 @@ def retyped(graph: PlanningGraph, float_dtype: str) -> PlanningGraph:
 
 
 def _bound_graph(source: ModelSource, model: onnx.ModelProto, batch: int | None,
-                 dims: Mapping[str, int]) -> PlanningGraph:
+                 dims: Mapping[str, int], capacity_factor: float) -> PlanningGraph:
     """Bind `model` (a fresh copy of `source`'s) and fold and build it, unless `source`
     has its graph at that binding already."""
     bound = bind_dims(model, source.path, batch, dims)
-    graph = source.graphs.get(bound.key)
+    key = (bound.key, capacity_factor)
+    graph = source.graphs.get(key)
     if graph is None:
-        model, shapes, known = fold_until_stable(model, source.opset, source.path)
-        graph = build_graph(model, shapes, known, source, bound)
-        source.graphs[bound.key] = graph
+        folded = fold_until_stable(model, source.opset, source.path, capacity_factor)
+        graph = build_graph(folded, source, bound, capacity_factor)
+        source.graphs[key] = graph
     return graph
 
 

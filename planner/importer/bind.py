@@ -47,6 +47,19 @@ def check_binding(name: str, batch: int | None, dims: Mapping[str, int]) -> None
         raise ModelError(f"{name}: --batch {batch}: the batch size must be a positive integer")
 
 
+#: Capacity factors outside this range are typos: below 1 drops most routed tokens by
+#: design, above 64 sizes every expert for more tokens than a batch has.
+CAPACITY_FACTOR_RANGE = (0.01, 64.0)
+
+
+def check_capacity_factor(name: str, factor: float) -> None:
+    low, high = CAPACITY_FACTOR_RANGE
+    if not (isinstance(factor, int | float) and low <= factor <= high):
+        raise ModelError(f"{name}: --capacity-factor {factor}: give a multiple of an "
+                         f"expert's even share of tokens between {low} and {high:g} "
+                         "(1.25 is the usual)")
+
+
 def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     initializers = {t.name for t in model.graph.initializer}
     return [v for v in model.graph.input if v.name not in initializers]

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
 from planner.importer.bind import Bound, data_inputs
-from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Shapes
+from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Folded
 from planner.importer.names import recover_names
 from planner.importer.order import canonical_order
 from planner.importer.source import ModelSource
@@ -33,14 +33,10 @@ BUFFER_INPUT_SLOTS = {"BatchNormalization": (3, 4)}
 BUFFER_NAME = re.compile(r"(running_(mean|var)|num_batches_tracked|inv_freq|_cached)$")
 
 
-def build_graph(
-    model: onnx.ModelProto,
-    shapes: Shapes,
-    known: dict[str, np.ndarray],
-    source: ModelSource,
-    bound: Bound,
-) -> PlanningGraph:
-    """The planning graph of `model` (folded at the binding `bound` from `source`)."""
+def build_graph(folded: Folded, source: ModelSource, bound: Bound,
+                capacity_factor: float) -> PlanningGraph:
+    """The planning graph of a model folded at the binding `bound` from `source`."""
+    model, shapes, known = folded.model, folded.shapes, folded.known
     name, opset = source.path, source.opset
     graph = model.graph
     tensors: dict[str, TensorInfo] = {}
@@ -111,6 +107,7 @@ def build_graph(
         batch_symbol=bound.batch_symbol, source=source,
         warnings=[_merged_warning(tensor, parameters)
                   for tensor, parameters in recovered.merged.items() if tensor in tensors],
+        routed=folded.routed, capacity_factor=capacity_factor,
     )
     return planning
 

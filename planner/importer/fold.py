@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
 from planner.errors import ModelError
-from planner.graph import FLOAT_DTYPES
+from planner.graph import DEFAULT_CAPACITY_FACTOR, FLOAT_DTYPES, RoutedSelection
+from planner.importer.routing import pinned_shapes, routed_selections
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
 from planner.reference import run_node
 
@@ -45,28 +47,45 @@ def unread_float_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
             and math.prod(init.dims) > 1 and init.name not in read and has_inline_data(init)]
 
 
-def fold_until_stable(
-    model: onnx.ModelProto, opset: int, name: str
-) -> tuple[onnx.ModelProto, Shapes, dict[str, np.ndarray]]:
-    """Alternate shape inference and folding: each fold can make more shapes static.
+class Folded(NamedTuple):
+    """A model folded at one binding: its shapes, known constant values and the routers'
+    token selections given a static size."""
 
-    Returns the folded model, every tensor's shape and the known constant values.
-    """
+    model: onnx.ModelProto
+    shapes: Shapes
+    known: dict[str, np.ndarray]
+    routed: dict[str, RoutedSelection]
+
+
+def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
+                      capacity_factor: float = DEFAULT_CAPACITY_FACTOR) -> Folded:
+    """Alternate shape inference and folding: each fold can make more shapes static.
+    A router's data-dependent selection, once its input's shape is static, is sized at
+    `capacity_factor` times an expert's even share (`planner.importer.routing`)."""
     known = _known_initializer_values(model)
     shapes: Shapes = {}
+    routed: dict[str, RoutedSelection] = {}
+    pins: list[onnx.ValueInfoProto] = []
     for _ in range(MAX_FOLD_ROUNDS):
-        model = _infer(model, name)
+        model = _infer(model, name, pins)
         shapes = _collect_shapes(model)
+        found = routed_selections(model, shapes, capacity_factor, name)
+        if found:
+            routed.update(found)
+            pins = pinned_shapes(model, routed, shapes)
+            continue
         folded = _fold_once(model, known, shapes, opset)
         lowered = _lower_sequences(model, known, shapes)
         if not (folded or lowered):
             break
     _remove_dead_nodes(model)
-    return model, shapes, known
+    return Folded(model, shapes, known, routed)
 
 
-def _infer(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, name: str,
+           pins: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
     del model.graph.value_info[:]
+    model.graph.value_info.extend(pins)
     try:
         return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as exc:

@@ -34,7 +34,9 @@ class ModelSource:
     path: str
     sha256: str
     opset: int
-    graphs: dict[BindingKey, PlanningGraph] = field(default_factory=dict, repr=False)
+    #: by binding and capacity factor
+    graphs: dict[tuple[BindingKey, float], PlanningGraph] = field(default_factory=dict,
+                                                                  repr=False)
 
     @classmethod
     def retain(cls, model: onnx.ModelProto, path: str, sha256: str, opset: int) -> ModelSource:

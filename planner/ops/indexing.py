@@ -67,3 +67,37 @@ def one_hot(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     axis = attr_axis(node, "axis", len(output_shape(node, tensors)), -1)
     out = (*labels[:axis], "depth", *labels[axis:])
     return DimLabels((labels, None, None), (out,), whole_labels=frozenset({"depth"}))
+
+
+def scatter_elements(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """Data, indices and updates share each dim off the scatter axis where their sizes
+    agree (an index there is the element's own position, so a split scatters its own
+    columns); the scatter axis stays whole in all three, for a split source could write
+    any row."""
+    data = shape_of(tensors, node.inputs[0])
+    indices = shape_of(tensors, node.inputs[1])
+    axis = attr_axis(node, "axis", len(data), 0)
+    data_labels: list[str] = []
+    source_labels: list[str] = []
+    whole: set[str] = set()
+    for dim, (d, i) in enumerate(zip(data, indices, strict=True)):
+        if dim != axis and d == i:
+            data_labels.append(f"d{dim}")
+            source_labels.append(f"d{dim}")
+        else:
+            data_labels.append(f"w{dim}")
+            source_labels.append(f"i{dim}")
+            whole.update((f"w{dim}", f"i{dim}"))
+    return DimLabels((tuple(data_labels), tuple(source_labels), tuple(source_labels)),
+                     (tuple(data_labels),), whole_labels=frozenset(whole))
+
+
+def all_whole(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """Every dim whole: an op that reads all of its input to place any output element
+    (NonZero lists the positions of the whole mask)."""
+    def labels(names: tuple[str, ...], prefix: str) -> tuple[tuple[str, ...] | None, ...]:
+        return tuple(tuple(f"{prefix}{k}_{d}" for d in range(len(shape_of(tensors, n))))
+                     if n else None for k, n in enumerate(names))
+    inputs, outputs = labels(node.inputs, "wi"), labels(node.outputs, "wo")
+    every = {label for group in (*inputs, *outputs) if group for label in group}
+    return DimLabels(inputs, outputs, whole_labels=frozenset(every))

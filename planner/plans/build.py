@@ -396,7 +396,8 @@ def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
 
 def _model_ref(graph: PlanningGraph) -> ModelRef:
     return ModelRef(graph.path, graph.sha256, dict(graph.bound_dims), graph.batch, graph.opset,
-                    graph.parameter_count)
+                    graph.parameter_count, graph.capacity_factor,
+                    tuple(graph.routed.values()))
 
 
 def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh) -> ClusterRef:

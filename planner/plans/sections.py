@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from planner.graph import SourceName
+from planner.graph import DEFAULT_CAPACITY_FACTOR, RoutedSelection, SourceName
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
@@ -38,14 +38,22 @@ class ModelRef:
     batch: int | None
     opset: int
     parameters: int
+    #: what sized the routers' token selections (`planner.importer.routing`)
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR
+    #: the routers' token selections it sized, in graph order
+    routed: tuple[RoutedSelection, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "sha256": self.sha256, "bound_dims": dict(self.bound_dims),
-                "batch": self.batch, "opset": self.opset, "parameters": self.parameters}
+                "batch": self.batch, "opset": self.opset, "parameters": self.parameters,
+                "capacity_factor": self.capacity_factor,
+                "routed": [selection.to_json() for selection in self.routed]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ModelRef:
-        return cls(**_known(cls, data))
+        known = _known(cls, data)
+        known["routed"] = tuple(RoutedSelection.from_json(s) for s in known.get("routed", ()))
+        return cls(**known)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto
 
+from planner.graph import DEFAULT_CAPACITY_FACTOR
 from planner.zoo import gpt
 from planner.zoo._builder import (
     GraphBuilder,
@@ -34,7 +35,7 @@ class MoEConfig(gpt.GPTConfig):
     top_k: int = 2
     moe_every: int = 2
     capacity: int | None = None
-    capacity_factor: float = 1.25
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR
 
     def __post_init__(self) -> None:
         super().__post_init__()
