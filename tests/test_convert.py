@@ -485,3 +485,31 @@ def test_every_op_of_a_real_graph_round_trips_its_tuples(gpt_path: pathlib.Path)
         assert again == strategy, node.name
         checked += 1
     assert checked > 10
+
+
+def test_mindspore_keys_follow_the_cell_path_of_the_planned_network(tmp_path) -> None:
+    """The seed's network with its `shard()` tuples: MindSpore keys a strategy by the
+    primitive and the parameter's cell-path name, so the network trained as `self.net`
+    of another cell reads `MatMul_net.w1` (the form MindSpore 2.10 loads); --name-prefix
+    gives it, on the strategies and the parameter layouts alike."""
+    from planner import zoo
+    from planner.cli import main
+
+    family, config = zoo.preset("seed-mlp")
+    model = zoo.save(zoo.build(family, config), tmp_path / "seed.onnx")
+    strategies = tmp_path / "shard.json"
+    strategies.write_text(json.dumps({"matmul1": [[1, 1], [1, 2]], "matmul2": [[1, 2], [2, 1]]}))
+    saved, exported = tmp_path / "plan.json", tmp_path / "ms.json"
+    assert main(["plan", str(model), "--devices", "2", "--batch", "32", "--mode", "semi",
+                 "--strategies", str(strategies), "-o", str(saved)]) == 0
+    assert main(["export", str(saved), "--format", "mindspore", "--name-prefix", "net.",
+                 "-o", str(exported)]) == 0
+    checkpoint = json.loads(exported.read_text())
+    items = checkpoint["parallel_strategy_item"]
+    assert items["MatMul_net.w1"]["parallel_strategy"] == [[1, 1], [1, 2]]
+    assert items["MatMul_net.w2"]["parallel_strategy"] == [[1, 2], [2, 1]]
+    assert set(checkpoint["parallel_layout_item"]) == {"net.w1", "net.w2"}
+    assert checkpoint["parallel_layout_item"]["net.w1"]["tensor_map"] == [-1, 0]
+    plain = to_mindspore_checkpoint(Plan.load(saved))
+    assert set(plain["parallel_strategy_item"]) == {"MatMul_w1", "MatMul_w2"}
+    assert main(["export", str(saved), "--format", "dtensor", "--name-prefix", "net."]) == 2

@@ -15,17 +15,25 @@ def add_parser(verbs: Verbs) -> None:
     export.add_argument("--format", required=True, choices=["mindspore", "dtensor"],
                         help="mindspore: strategy checkpoint JSON; dtensor: placements per "
                              "parameter")
+    export.add_argument("--name-prefix", default="", metavar="PREFIX",
+                        help="mindspore: the cell path of the planned network in the one "
+                             "MindSpore trains, put before every parameter name (\"net.\" "
+                             "when it is held as self.net: keys become MatMul_net.w1)")
     export.add_argument("-o", "--output", help="write here instead of standard output")
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.errors import ShardplanError
     from planner.exports.dtensor import to_dtensor_placements
     from planner.exports.mindspore import to_mindspore_checkpoint
     from planner.plans.model import Plan
 
     check_output(args.output, "-o", [args.plan])
     loaded = Plan.load(args.plan)
-    data = (to_mindspore_checkpoint(loaded) if args.format == "mindspore"
+    if args.name_prefix and args.format != "mindspore":
+        raise ShardplanError("--name-prefix is for --format mindspore (DTensor placements "
+                             "are keyed by the torch module's own names)")
+    data = (to_mindspore_checkpoint(loaded, args.name_prefix) if args.format == "mindspore"
             else to_dtensor_placements(loaded))
     text = json.dumps(data, indent=1, sort_keys=True)
     if args.output:

@@ -59,7 +59,7 @@ def _parameter_read(plan: Plan, op: OpEntry, producers: Mapping[str, OpEntry]) -
     return None
 
 
-def to_mindspore_checkpoint(plan: Plan) -> dict[str, Any]:
+def to_mindspore_checkpoint(plan: Plan, name_prefix: str = "") -> dict[str, Any]:
     """The plan as the JSON form of MindSpore's strategy checkpoint, for tools that read it.
 
     Keys follow MindSpore's `StrategyCheckpointInfo::to_json` (frontend/parallel/
@@ -72,7 +72,10 @@ def to_mindspore_checkpoint(plan: Plan) -> dict[str, Any]:
     Ops are keyed as MindSpore keys them (`strategy_key`: "MatMul_w1", the primitive and
     the first weight it reads), so MindSpore loads the strategies into the same network;
     ops that read no weight have no key in MindSpore's checkpoint and none here.
-    Parameters are keyed by their names (the module's, where the exporter renamed them).
+    Parameters are keyed by their names (the module's, where the exporter renamed them),
+    after `name_prefix`: MindSpore names a parameter by its cell path, so a network that
+    holds the planned one as `self.net` knows `w1` as `net.w1` (prefix "net."), and its
+    checkpoint keys `MatMul_net.w1`.
     Differences from a file MindSpore wrote, by necessity: each op's strategy lists its
     present ONNX inputs in order (non-data inputs such as a Reshape's shape as all-ones);
     there is one pipeline stage, no optimizer (ZeRO) weight sharding and no field split, so
@@ -90,7 +93,7 @@ def to_mindspore_checkpoint(plan: Plan) -> dict[str, Any]:
         if not bound or parameter is None:
             continue
         rank = max(len(plan.tensors[b.tensor].shape) for _, b in bound)
-        key = strategy_key(op.op_type, rank, parameter)
+        key = strategy_key(op.op_type, rank, name_prefix + parameter)
         if key in strategies:  # a second reader of one weight: MindSpore keeps the first
             continue
         strategies[key] = {
@@ -116,7 +119,7 @@ def to_mindspore_checkpoint(plan: Plan) -> dict[str, Any]:
         flat = flat_form(entry.layout, mesh)
         dev_matrix, tensor_map = flat if flat else (
             list(ms_layout.dev_matrix), _nested_tensor_map(entry.layout, mesh, f"parameter {name}"))
-        parameters[entry.module_name(name)] = {
+        parameters[name_prefix + entry.module_name(name)] = {
             "dev_matrix": dev_matrix,
             "tensor_map": tensor_map,
             "tensor_shape": list(entry.shape),
