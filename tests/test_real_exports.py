@@ -115,3 +115,22 @@ def test_every_family_plans_with_its_layers_tied(export_model, model: str,
     blocks = find_blocks(import_model(path, batch=8, dims=dims))
     assert [block.count for block in blocks] == [4] * stacks
     assert sum(unit.name.startswith("layer") for unit in result.units) == 4 * stacks
+
+
+@pytest.mark.slow
+def test_the_data_parallel_baseline_splits_the_padding_mask_of_both_exports(
+        export_model) -> None:
+    """Both exporters expand LLaMA's padding mask by gathering every (batch, seq) position;
+    imported as the Reshape it is, the [batch, 1, seq, seq] mask splits with the batch, so
+    the two exports' baselines agree (within 5 %; 7 % apart when the mask was whole)."""
+    batch, seq = 16, 256
+    steps = {}
+    for exporter in ("torchscript", "dynamo"):
+        path = export_model("llama", exporter, opset=18, layers=4)
+        result = plan(path, devices=8, batch=batch, dims={"seq": seq}, mode="data")
+        whole = [op.name for op in result.ops for b in op.outputs
+                 if b is not None and result.tensors[b.tensor].shape == (batch, 1, seq, seq)
+                 and b.layout.is_replicated]
+        assert whole == [], exporter
+        steps[exporter] = result.predicted.step_time_s
+    assert steps["dynamo"] == pytest.approx(steps["torchscript"], rel=0.05)

@@ -16,6 +16,7 @@ from onnx import numpy_helper, shape_inference
 
 from planner.errors import ModelError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, FLOAT_DTYPES, RoutedSelection
+from planner.importer.gathers import reshape_layout_gathers
 from planner.importer.routing import pinned_shapes, routed_selections
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
 from planner.reference import run_node
@@ -78,6 +79,7 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
         lowered = _lower_sequences(model, known, shapes)
         if not (folded or lowered):
             break
+    reshape_layout_gathers(model, shapes, known)
     _remove_dead_nodes(model)
     return Folded(model, shapes, known, routed)
 

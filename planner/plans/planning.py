@@ -126,8 +126,11 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                                            options.time_limit, options.top_k, progress)
         for decision in decisions:
             derived = derive(context, decision)
+            # the joint search ties repeated layers always: its stages are layer units
             record = replace(decision.solver, time_s=time.perf_counter() - started,
-                             detail=replace(decision.solver.detail, mode=options.mode))
+                             detail=replace(decision.solver.detail, mode=options.mode,
+                                            tied_layers=ties_layers(
+                                                context.graphs.root.blocks)))
             finalists.append(Finalist(derived, record))
             alternatives.append((_alternative(derived, record), derived))
     fitting = [f for f in finalists if f.derived.predicted.fits]
