@@ -343,3 +343,19 @@ def test_default_dynamo_mistral_export_trains_tensor_parallel(export_model) -> N
     Its Megatron-style plan on two ranks trains as one process does."""
     path = export_model("mistral", "dynamo", opset=18, batch=4)
     _check(path, _megatron(path, 2, {"seq": 16}))
+
+
+@pytest.mark.slow
+def test_t5_position_bias_gradient_is_reduced_at_its_table(export_model) -> None:
+    """T5's relative position bias is one [buckets, heads] table gathered at indices
+    computed from shapes: its gradient is summed once at the table (512 B here), not
+    all-reduced as the [1, heads, seq, seq] bias at every layer that reads it, and the
+    data-parallel run still trains as one process does. (At seq 512 the bucket indices,
+    512 x 512, are too large to fold into a constant: they stay ops of shapes alone.)"""
+    path = export_model("t5", "torchscript", opset=18, batch=4)
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 512}, mode="data", profile="cpu")
+    reduced = {c.tensor for c in chosen.collectives if c.kind.value == "all_reduce"}
+    assert any("relative_attention_bias" in t for t in reduced)
+    bias = [c for c in chosen.collectives if c.phase.value == "backward"]
+    assert bias == [], [(c.op, c.tensor) for c in bias][:3]
+    _check(path, chosen)

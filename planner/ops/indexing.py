@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from planner.graph import OpNode, TensorInfo
-from planner.ops.labels import DimLabels, attr_axis, output_shape, shape_of
+from planner.ops.labels import DimLabels, Labels, attr_axis, output_shape, shape_of
 
 
 def gather(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
@@ -28,24 +28,35 @@ def gather(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
                      sum_labels=frozenset({data_labels[axis]}))
 
 
-def gather_elements(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
-    data, indices = shape_of(tensors, node.inputs[0]), shape_of(tensors, node.inputs[1])
-    axis = attr_axis(node, "axis", len(data), 0)
-    data_labels, index_labels, whole = [], [], set()
+def _elementwise_index(data: tuple[int, ...], indices: tuple[int, ...], axis: int,
+                       split_index_axis: bool) -> tuple[Labels, Labels, frozenset[str]]:
+    """Labels of an op whose indices address `data` element by element along `axis`
+    (GatherElements, ScatterElements): off the axis, dims of equal size are one label (an
+    index there is the element's own position); the rest are whole, but for the index's
+    own dim along the axis when `split_index_axis`."""
+    data_labels: list[str] = []
+    index_labels: list[str] = []
+    whole: set[str] = set()
     for dim, (d, i) in enumerate(zip(data, indices, strict=True)):
         if dim != axis and d == i:
             data_labels.append(f"d{dim}")
             index_labels.append(f"d{dim}")
-        else:
-            data_labels.append(f"w{dim}")
-            whole.add(f"w{dim}")
-            # Along the gather axis the index dim is free to split: each output element
-            # reads the whole (replicated) data axis.
-            index_labels.append(f"i{dim}")
-            if dim != axis:
-                whole.add(f"i{dim}")
-    return DimLabels((tuple(data_labels), tuple(index_labels)), (tuple(index_labels),),
-                     whole_labels=frozenset(whole))
+            continue
+        data_labels.append(f"w{dim}")
+        index_labels.append(f"i{dim}")
+        whole.add(f"w{dim}")
+        if dim != axis or not split_index_axis:
+            whole.add(f"i{dim}")
+    return tuple(data_labels), tuple(index_labels), frozenset(whole)
+
+
+def gather_elements(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """Along the gather axis the index dim is free to split: each output element reads
+    the whole (replicated) data axis."""
+    data, indices = shape_of(tensors, node.inputs[0]), shape_of(tensors, node.inputs[1])
+    axis = attr_axis(node, "axis", len(data), 0)
+    data_labels, index_labels, whole = _elementwise_index(data, indices, axis, True)
+    return DimLabels((data_labels, index_labels), (index_labels,), whole_labels=whole)
 
 
 def gather_nd(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
@@ -71,25 +82,13 @@ def one_hot(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
 
 def scatter_elements(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     """Data, indices and updates share each dim off the scatter axis where their sizes
-    agree (an index there is the element's own position, so a split scatters its own
-    columns); the scatter axis stays whole in all three, for a split source could write
-    any row."""
-    data = shape_of(tensors, node.inputs[0])
-    indices = shape_of(tensors, node.inputs[1])
+    agree (a split scatters its own columns); the scatter axis stays whole in all three,
+    for a split source could write any row."""
+    data, indices = shape_of(tensors, node.inputs[0]), shape_of(tensors, node.inputs[1])
     axis = attr_axis(node, "axis", len(data), 0)
-    data_labels: list[str] = []
-    source_labels: list[str] = []
-    whole: set[str] = set()
-    for dim, (d, i) in enumerate(zip(data, indices, strict=True)):
-        if dim != axis and d == i:
-            data_labels.append(f"d{dim}")
-            source_labels.append(f"d{dim}")
-        else:
-            data_labels.append(f"w{dim}")
-            source_labels.append(f"i{dim}")
-            whole.update((f"w{dim}", f"i{dim}"))
-    return DimLabels((tuple(data_labels), tuple(source_labels), tuple(source_labels)),
-                     (tuple(data_labels),), whole_labels=frozenset(whole))
+    data_labels, source_labels, whole = _elementwise_index(data, indices, axis, False)
+    return DimLabels((data_labels, source_labels, source_labels), (data_labels,),
+                     whole_labels=whole)
 
 
 def all_whole(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:

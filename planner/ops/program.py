@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from planner.graph import OpNode, TensorInfo
 from planner.ops.labels import DimLabels
@@ -91,7 +91,10 @@ class LocalRewrite:
 
 def node_proto(node: OpNode) -> onnx.NodeProto:
     """The op as a single ONNX node (what a device runs when nothing is rewritten)."""
-    attrs = {k: v for k, v in node.attrs.items() if v is not None}
+    # tensor attributes (ConstantOfShape's value) are kept as arrays: back to tensors, or
+    # make_node would write them as lists and lose their shape and dtype
+    attrs = {k: numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v
+             for k, v in node.attrs.items() if v is not None}
     return helper.make_node(node.op_type, list(node.inputs), list(node.outputs), name=node.name,
                             domain=node.domain or None, **attrs)
 

@@ -116,12 +116,18 @@ def weight_roots_map(graph: PlanningGraph) -> dict[str, frozenset[str]]:
     """Tensors computed from parameters alone (a tied head's transposed table), by root.
 
     Their partial gradients need no reduction of their own: backward ops are linear in the
-    incoming gradient, so summing once at the parameters gives the same result.
+    incoming gradient, so summing once at the parameters gives the same result. Tensors
+    the constant ops compute (`constant_ops_of`: the same on every device) count as
+    constants, so T5's relative position bias, a parameter gathered at bucket indices
+    computed from shapes, is reduced as its [buckets, heads] table rather than as the
+    [1, heads, seq, seq] bias every layer reads.
     """
     roots: dict[str, frozenset[str]] = {
         t.name: frozenset({t.name}) for t in graph.tensors.values() if t.kind == "parameter"
     }
     constant = {t.name for t in graph.tensors.values() if t.kind in ("constant", "buffer")}
+    computed = constant_ops_of(graph)
+    constant.update(o for node in graph.ops if node.name in computed for o in node.outputs if o)
     for node in graph.ops:
         sources = [i for i in node.inputs if i]
         if not sources or not all(i in roots or i in constant for i in sources):
