@@ -10,7 +10,9 @@ its defaults (dynamo optimises) without weight memory (`tests/exported_models.py
 `planner.api.plan` on a100-80g at 8 sequences of 1024 tokens per device. "plan s" is the
 whole call (every mesh, the joint search, the baselines, the build); "zoo s" plans the zoo
 model of the same shape (GPT-2, BERT, LLaMA) in the same run, so the ratio is free of the
-host's load. "vs ts" compares the predicted step with the TorchScript export's.
+host's load. "step" is the chosen plan's predicted step, "dp step" the data-parallel
+baseline's; each "vs ts" compares it with the TorchScript export's (the baselines price
+masks and position biases as the ops that make them, so the two exports agree there too).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def main() -> None:
     print(f"real exports (eval, exporters' defaults) vs the zoo twin, a100-80g, "
           f"{PER_DEVICE} x {SEQ} tokens per device, hidden {size.hidden}")
     header = (f"{'model':<10}{'exporter':<13}{'layers':>7}{'devices':>8}{'ops':>6}"
-              f"{'found':>7}{'plan s':>8}{'zoo s':>8}{'ratio':>7}{'step':>12}{'vs ts':>7}")
+              f"{'found':>7}{'plan s':>8}{'zoo s':>8}{'ratio':>7}{'step':>12}{'vs ts':>7}"
+              f"{'dp step':>12}{'vs ts':>7}")
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as scratch:
@@ -94,19 +97,29 @@ def main() -> None:
                 for devices in (int(n) for n in args.devices.split(",")):
                     zoo_s = _timed_plan(twin, devices)[0] if twin else None
                     steps: dict[str, float] = {}
+                    dp_steps: dict[str, float] = {}
                     for exporter, path in files.items():
                         seconds, graph, result = _timed_plan(path, devices)
                         repeats = find_repeats(graph)
                         steps[exporter] = result.predicted.step_time_s
-                        versus = (f"{steps[exporter] / steps['torchscript']:>7.3f}"
-                                  if "torchscript" in steps else f"{'':>7}")
+                        baseline = result.baselines.get("data-parallel")
+                        dp_steps[exporter] = baseline.step_time_s if baseline else 0.0
+                        versus = _versus(steps, exporter)
                         print(f"{model:<10}{exporter:<13}{layers:>7}{devices:>8}"
                               f"{len(graph.ops):>6}{repeats.count if repeats else 0:>7}"
                               f"{seconds:>8.1f}"
                               + (f"{zoo_s:>8.1f}{seconds / zoo_s:>7.2f}" if zoo_s
                                  else f"{'':>8}{'':>7}")
-                              + f"{human_seconds(result.predicted.step_time_s):>12}{versus}",
-                              flush=True)
+                              + f"{human_seconds(result.predicted.step_time_s):>12}{versus}"
+                              + f"{human_seconds(dp_steps[exporter]):>12}"
+                              + _versus(dp_steps, exporter), flush=True)
+
+
+def _versus(steps: dict[str, float], exporter: str) -> str:
+    """`exporter`'s step against the TorchScript export's, where both were priced."""
+    if not steps.get("torchscript") or not steps.get(exporter):
+        return f"{'':>7}"
+    return f"{steps[exporter] / steps['torchscript']:>7.3f}"
 
 
 if __name__ == "__main__":
