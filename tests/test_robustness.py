@@ -477,3 +477,56 @@ def test_the_executor_refuses_a_plan_whose_shapes_are_not_the_models(tmp_path: P
     (tmp_path / "model.onnx").write_bytes(fuzz_cases.base_bytes("gpt-tiny"))
     assert fuzz_runner.check_plan_against_model(str(tmp_path / "plan.json"),
                                                str(tmp_path / "model.onnx")) == 2
+
+
+def _inconsistent(path: Path, node: onnx.NodeProto, inits: list[onnx.TensorProto],
+                  outputs: list[onnx.ValueInfoProto]) -> Path:
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+        outputs, inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def _untyped(*names: str) -> list[onnx.ValueInfoProto]:
+    return [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+
+
+def _ints(name: str, *values: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("concat_axis", r"op cat \(Concat\): axis must be in"),
+    ("split_sizes", r"op split \(Split\): Mismatch between the sum of 'split' \(60\)"),
+    ("einsum_label", r"op es \(Einsum\): Equation output contains a label missing"),
+    ("reshape_count", r"op rs \(Reshape\) turns \[4, 32\] \(128 elements\) into \[5, 30\]"),
+    ("declared_output", r"op mm \(MatMul\) computes output y as \[4, 8\], but the file "
+                        r"declares \[4, 99\]"),
+])
+def test_graphs_that_contradict_their_ops_are_refused_naming_the_op(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, expected: str) -> None:
+    """Declared shapes or attributes that contradict what the ops compute (issue 18): exit
+    2, one line naming the op, never a plan priced on the wrong shape."""
+    import re
+
+    from planner.cli import main
+
+    node, inits, outputs = {
+        "concat_axis": (helper.make_node("Concat", ["x", "x"], ["y"], axis=9, name="cat"),
+                        [], _untyped("y")),
+        "split_sizes": (helper.make_node("Split", ["x", "s"], ["a", "b"], axis=1,
+                                         name="split"), [_ints("s", 30, 30)],
+                        _untyped("a", "b")),
+        "einsum_label": (helper.make_node("Einsum", ["x", "x"], ["y"], equation="ij,jq->iz",
+                                          name="es"), [], _untyped("y")),
+        "reshape_count": (helper.make_node("Reshape", ["x", "s"], ["y"], name="rs"),
+                          [_ints("s", 5, 30)], _untyped("y")),
+        "declared_output": (helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                            [numpy_helper.from_array(np.zeros((32, 8), np.float32), "w")],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 99])]),
+    }[case]
+    path = _inconsistent(tmp_path / f"{case}.onnx", node, inits, outputs)
+    assert main(["plan", str(path), "--devices", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.search(expected, lines[0]), lines

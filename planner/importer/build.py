@@ -79,6 +79,9 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         ops.append(OpNode(node.name, node.op_type, node.domain, tuple(node.input),
                           tuple(outputs), attrs))
     if problems:
+        reason = _inference_error(model)
+        if reason is not None:
+            raise ModelError(f"{name}: {reason}; the file is inconsistent: re-export it")
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
                                            else "")
         raise ModelError(
@@ -92,6 +95,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
                          "): they are inputs or constants, so there is nothing to plan")
     _check_sizes(tensors, name)
+    _check_views(ops, tensors, name)
     for table in _rotary_frequencies(ops, tensors):
         tensors[table] = replace(tensors[table], kind="buffer")
     ops = canonical_order(ops, tensors, name)
@@ -125,6 +129,43 @@ def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
                 f"than 2**53 elements, beyond what shardplan counts exactly; check the bound "
                 "dims (--batch, --dim) and the shapes stored in the model"
             )
+
+
+#: ops that only view their first input in another shape: the element count is kept
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+
+
+def _check_views(ops: list[OpNode], tensors: Mapping[str, TensorInfo], model_name: str
+                 ) -> None:
+    """Refuse a view that changes the element count (a Reshape of [4, 32] to [5, 30]):
+    ONNX shape inference takes the target as given, and the plan would be priced on it."""
+    for node in ops:
+        if node.op_type not in VIEW_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        source, result = tensors[node.inputs[0]].shape, tensors[node.outputs[0]].shape
+        if math.prod(source) != math.prod(result):
+            raise ModelError(
+                f"{model_name}: op {node.name} ({node.op_type}) turns {list(source)} "
+                f"({math.prod(source)} elements) into {list(result)} "
+                f"({math.prod(result)}): its target shape is wrong; re-export the model")
+
+
+def _inference_error(model: onnx.ModelProto) -> str | None:
+    """What strict ONNX shape inference says is wrong with the model (an axis out of
+    range, split sizes that do not add up), when it names an op: why shapes stayed
+    unknown where no dim is left unbound."""
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception as exc:
+        found = INFERENCE_ERROR.search(" ".join(str(exc).split()))
+        if found:
+            op_type, node, reason = found.groups()
+            return f"op {node} ({op_type}): {reason.rstrip('.')[:300]}"
+    return None
+
+
+#: "(op_type:Concat, node name: cat): [ShapeInferenceError] axis must be …"
+INFERENCE_ERROR = re.compile(r"\(op_type:([\w.]+), node name: ([^)]*)\): \[\w+\] (.*)")
 
 
 def _merged_warning(tensor: str, parameters: tuple[str, ...]) -> str:

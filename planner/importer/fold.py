@@ -64,6 +64,7 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
     A router's data-dependent selection, once its input's shape is static, is sized at
     `capacity_factor` times an expert's even share (`planner.importer.routing`)."""
     known = _known_initializer_values(model)
+    declared = _take_declared_output_shapes(model)
     shapes: Shapes = {}
     routed: dict[str, RoutedSelection] = {}
     pins: list[onnx.ValueInfoProto] = []
@@ -79,9 +80,46 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
         lowered = _lower_sequences(model, known, shapes)
         if not (folded or lowered):
             break
+    _check_declared_shapes(model, declared, shapes, name)
     reshape_layout_gathers(model, shapes, known)
     _remove_dead_nodes(model)
     return Folded(model, shapes, known, routed)
+
+
+def _take_declared_output_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """The static shapes the file declares for its outputs, cleared from the model so
+    that shape inference computes its own (with a declaration present it keeps the
+    declared one, right or wrong)."""
+    declared: dict[str, tuple[int, ...]] = {}
+    for value in model.graph.output:
+        tensor_type = value.type.tensor_type
+        if not (value.type.HasField("tensor_type") and tensor_type.HasField("shape")):
+            continue
+        dims = tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            declared[value.name] = tuple(int(d.dim_value) for d in dims)
+            tensor_type.ClearField("shape")
+    return declared
+
+
+def _check_declared_shapes(model: onnx.ModelProto, declared: Mapping[str, tuple[int, ...]],
+                           shapes: Shapes, name: str) -> None:
+    """Refuse a file whose declared output shape contradicts what its ops compute (a plan
+    priced on either would be wrong); where inference found none, the declaration
+    stands."""
+    producers = {out: node for node in model.graph.node for out in node.output if out}
+    for output, dims in declared.items():
+        computed, elem = shapes.get(output, (None, 0))
+        if computed is None:
+            shapes[output] = (dims, elem)
+        elif computed != dims:
+            node = producers.get(output)
+            by = f"op {node.name} ({node.op_type}) computes" if node is not None else \
+                "the graph computes"
+            raise ModelError(
+                f"{name}: {by} output {output} as {list(computed)}, but the file declares "
+                f"{list(dims)}; the declared shape is wrong or an op's attributes are: "
+                "re-export the model (or fix the declaration)")
 
 
 def _infer(model: onnx.ModelProto, name: str,
