@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from executor.dropout import DropoutSite
 from executor.interpreter import run_nodes, to_tensor
+from executor.weights import read_weights
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, CollectiveKind, Move, Phase
@@ -259,22 +260,9 @@ class _SumOverAxes(torch.autograd.Function):
 
 
 def onnx_weights(path: str) -> dict[str, np.ndarray]:
-    """The initializers stored in the model (with its external data when present); empty
-    when the weights are declared but absent, as in the zoo's planning graphs."""
-    import onnx
-    from onnx import numpy_helper
-
-    try:
-        model = onnx.load(path)
-    except Exception:
-        return {}
-    values = {}
-    for init in model.graph.initializer:
-        try:
-            values[init.name] = numpy_helper.to_array(init)
-        except (OSError, ValueError, RuntimeError):
-            return {}
-    return values
+    """The initializers stored in the model (with its external data), empty for those it
+    declares without data (`executor.weights`: an unreadable weights file is an error)."""
+    return read_weights(path).values
 
 
 def full_parameters(graph: PlanningGraph, seed: int,

@@ -39,6 +39,7 @@ from executor.schedule import (
 )
 from executor.support import check_supported
 from executor.update import WeightUpdate, check_zero, tied_groups
+from executor.weights import read_weights
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.importer import import_model, rebind
@@ -55,11 +56,13 @@ class RunLog:
     predicted_step_time_s: float = 0.0
     collectives: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)  # per rank: stage, counts, state sizes
+    weights: str = ""  # how the weights were had, when not read from the model
 
     def to_json(self) -> dict:
         return {"losses": self.losses, "step_time_s": self.step_time_s,
                 "predicted_step_time_s": self.predicted_step_time_s,
-                "collectives": self.collectives, "ranks": self.ranks}
+                "collectives": self.collectives, "ranks": self.ranks,
+                "weights": self.weights}
 
     @property
     def verdict(self) -> str:
@@ -362,6 +365,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
             if len(report.problems) > 1 else ""
         raise PlanFileError(f"the plan does not validate against {model}: "
                             f"{report.problems[0]}{more}")
+    read_weights(model, load=False)  # a weights file that is there must be whole
     kind, output = loss_kind(graph, loss)
     check_data(graph, data, kind, output, plan.micro_batches)
     check_pipeline_section(plan)
@@ -403,6 +407,7 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
             raise ShardplanError(f"rank {exc.error_index} died (exit code {exc.exit_code}); "
                                  "the other ranks were stopped") from None
         logged = json.loads(out.read_text())
+    logged["weights"] = read_weights(model, load=False).note
     return RunLog(**logged)
 
 
@@ -417,7 +422,8 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
     check_data(micro, data, *loss_kind(micro, loss), plan.micro_batches)
     graph = whole_batch_graph(plan, micro)
     engine = _engine(GraphAnalysis.of(graph), None, 0, seed, str(model), optimizer, lr, loss)
-    log = RunLog(predicted_step_time_s=predicted_step_time_s)
+    log = RunLog(predicted_step_time_s=predicted_step_time_s,
+                 weights=read_weights(model, load=False).note)
     _steps(engine, graph, steps, seed, log, loss=loss, data=data)
     return log
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
 def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> None:
     """Each step's loss and time, the predicted step, whether the collectives were the
     plan's (`compared`: a split run), and the log file."""
+    if log.weights:
+        print(log.weights, file=sys.stderr)
     for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
         print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
     print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
