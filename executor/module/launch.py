@@ -209,6 +209,10 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
             log.unplanned = dict(state.record.unplanned)
+        # Leave together: a rank that tears its gloo pairs down while a peer still
+        # completes a pipeline send can abort it ("terminate called without an active
+        # exception", seen once in a loaded CI run of the interleaved schedule).
+        dist.barrier()
         return log
     finally:
         dist.destroy_process_group()
