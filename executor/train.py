@@ -350,10 +350,11 @@ def _start_ranks(world: int, settings: RunSettings) -> None:
 
 
 def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: str = ""
-              ) -> None:
+              ) -> str:
     """Refuse, before any rank starts, a plan for another model or one this executor
-    cannot run (its stages, schedule or ZeRO stage), or `--data` that does not hold the
-    step's arrays, with the one-line reason."""
+    cannot run (its stages, schedule or ZeRO stage), a weights file that is not whole, or
+    `--data` that does not hold the step's arrays, with the one-line reason. Returns the
+    run's note on its weights ("" when the model's own are read)."""
     from planner.validate import validate
 
     graph = graph_for(model, plan)
@@ -365,13 +366,14 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
             if len(report.problems) > 1 else ""
         raise PlanFileError(f"the plan does not validate against {model}: "
                             f"{report.problems[0]}{more}")
-    read_weights(model, load=False)  # a weights file that is there must be whole
+    weights = read_weights(model, load=False)  # a weights file that is there must be whole
     kind, output = loss_kind(graph, loss)
     check_data(graph, data, kind, output, plan.micro_batches)
     check_pipeline_section(plan)
     check_schedule(build_stages(graph, plan.pipeline, plan.mesh, output,
                                 GraphAnalysis.of(graph).needs_grad))
     check_zero(plan.parallel.zero)
+    return weights.note
 
 
 def free_port() -> int:
@@ -386,7 +388,7 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
           checkpoint: str = "", loss: str = "auto", data: str = "",
           checkpoint_every: int = 0) -> RunLog:
     """Run `plan` on as many local gloo ranks as its mesh has devices."""
-    preflight(model, plan, loss, data)
+    weights_note = preflight(model, plan, loss, data)
     if checkpoint:
         checkpoints.check_target(checkpoint)
     with tempfile.TemporaryDirectory() as scratch:
@@ -407,7 +409,7 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
             raise ShardplanError(f"rank {exc.error_index} died (exit code {exc.exit_code}); "
                                  "the other ranks were stopped") from None
         logged = json.loads(out.read_text())
-    logged["weights"] = read_weights(model, load=False).note
+    logged["weights"] = weights_note
     return RunLog(**logged)
 
 
