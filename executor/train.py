@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from executor import checkpoint as checkpoints
 from executor.data import check_data, global_shape
 from executor.pipeline import PipelineEngine
+from executor.ranks import follow_launcher, run_ranks
 from executor.runtime import Placement, PlanRunner, onnx_weights
 from executor.schedule import (
     build_stages,
@@ -38,6 +38,7 @@ from executor.schedule import (
     weight_holders,
 )
 from executor.support import check_supported
+from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.update import WeightUpdate, check_zero, tied_groups
 from executor.weights import read_weights
 from planner.errors import PlanFileError, ShardplanError
@@ -264,9 +265,10 @@ class RunSettings:
     checkpoint: str = ""  # where to save the final state
     loss: str = "auto"  # graph | ce | mse | auto (the graph's own loss, else ce)
     data: str = ""  # a folder of <input>.npy arrays (and targets.npy); "" = synthetic
-    timeout_s: float = 120.0  # a dead rank makes the others fail within this
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a dead or stopped rank ends the run within this
     fault: str = ""  # SHARDPLAN_FAULT of the caller (a fault drill), see _fault_drill
     checkpoint_every: int = 0  # also save every N steps (atomically), so a kill loses < N
+    launcher: int = 0  # the pid ranks follow (executor.ranks.follow_launcher); 0 = none
 
 
 def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> RunLog:
@@ -301,6 +303,8 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
 
 
 def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
+    if settings.launcher:
+        follow_launcher(settings.launcher)
     run_rank(rank, world, f"tcp://127.0.0.1:{port}", settings)
     # Everything is written and the process group is gone. Tearing down an interpreter
     # that loaded torch takes seconds per rank on a busy host: leave at once.
@@ -345,8 +349,8 @@ def _start_ranks(world: int, settings: RunSettings) -> None:
     this process, whose thread pools may be running)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["executor.train", "torch._dynamo"])
-    mp.start_processes(_worker, args=(world, free_port(), settings), nprocs=world,
-                       join=True, start_method="forkserver")
+    run_ranks(_worker, (world, free_port(), settings), world, start_method="forkserver",
+              timeout_s=settings.timeout_s)
 
 
 def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: str = ""
@@ -386,8 +390,10 @@ def free_port() -> int:
 def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0.1,
           seed: int = 0, optimizer: str = "sgd", resume: str = "",
           checkpoint: str = "", loss: str = "auto", data: str = "",
-          checkpoint_every: int = 0) -> RunLog:
-    """Run `plan` on as many local gloo ranks as its mesh has devices."""
+          checkpoint_every: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> RunLog:
+    """Run `plan` on as many local gloo ranks as its mesh has devices. A rank that
+    fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`; no
+    rank outlives the call (`executor.ranks`)."""
     weights_note = preflight(model, plan, loss, data)
     if checkpoint:
         checkpoints.check_target(checkpoint)
@@ -398,16 +404,9 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
         settings = RunSettings(str(model), str(plan_path), steps, lr, seed, optimizer, str(out),
                                resume=str(resume), checkpoint=str(checkpoint), loss=loss,
                                data=str(data), fault=os.environ.get("SHARDPLAN_FAULT", ""),
-                               checkpoint_every=checkpoint_every)
-        try:
-            _start_ranks(plan.mesh.size, settings)
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise ShardplanError(f"rank {exc.error_index} failed ({last}); the other ranks "
-                                 "were stopped") from None
-        except mp.ProcessExitedException as exc:
-            raise ShardplanError(f"rank {exc.error_index} died (exit code {exc.exit_code}); "
-                                 "the other ranks were stopped") from None
+                               checkpoint_every=checkpoint_every,
+                               timeout_s=check_timeout(timeout_s), launcher=os.getpid())
+        _start_ranks(plan.mesh.size, settings)
         logged = json.loads(out.read_text())
     logged["weights"] = weights_note
     return RunLog(**logged)

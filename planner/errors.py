@@ -33,3 +33,19 @@ class NoPlanFits(ShardplanError):
     """No plan fits the device memory limit (CLI exit code 3)."""
 
     exit_code = 3
+
+
+class RunFailed(ShardplanError):
+    """A training run's rank failed, died or stopped answering (CLI exit code 4); every
+    rank the run started has been stopped."""
+
+    exit_code = 4
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while ranks ran: raised in the launcher, as SIGINT raises
+    KeyboardInterrupt, so that it stops its ranks (CLI exit code 128 + the signal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

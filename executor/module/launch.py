@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import check_target, existing
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
+from executor.ranks import follow_launcher, run_ranks
 from executor.runtime import MeshComm
+from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.train import RunLog, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
@@ -157,6 +158,8 @@ class ModuleRun:
     optimizer: str = "sgd"
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
     local: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a dead or stopped rank ends the run within this
+    launcher: int = 0  # the pid ranks follow (executor.ranks.follow_launcher); 0 = none
 
 
 def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
@@ -172,7 +175,7 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(run.backend, init_method=init_method, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=5))
+                            world_size=world, timeout=datetime.timedelta(seconds=run.timeout_s))
     saving = run.checkpoints
     try:
         plan = Plan.from_json(json.loads(run.plan_json))
@@ -234,6 +237,8 @@ def _stage_sums(issued: Counter, comm: MeshComm) -> Counter:
 
 
 def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
+    if run.launcher:
+        follow_launcher(run.launcher)
     log = run_module_rank(rank, world, f"tcp://127.0.0.1:{port}", run)
     if rank == 0:
         Path(out).write_text(json.dumps(log.to_json()))
@@ -242,12 +247,15 @@ def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  batch_size: int | None = None, backend: str = "gloo",
                  optimizer: str = "sgd", checkpoints: Checkpoints | None = None,
-                 local: bool = True) -> ModuleRunLog:
+                 local: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> ModuleRunLog:
     """Train the builder's module with `plan` on one process per device: gloo on CPU, or
     NCCL with one GPU per process. The global batch is the plan's unless given. With
     `checkpoints`, the run starts from a checkpoint saved under any plan of the module
     (`steps` more steps, the batches continuing from its step) and saves its own.
-    `local=False` runs every op on DTensors (`executor.parallelize`'s `local`)."""
+    `local=False` runs every op on DTensors (`executor.parallelize`'s `local`). A rank
+    that fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`;
+    no rank outlives the call (`executor.ranks`)."""
+    timeout_s = check_timeout(timeout_s)
     saving = checkpoints or Checkpoints()
     if saving.save or saving.resume:
         from executor.module.state import refuse_pipelined
@@ -271,14 +279,10 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                              f"machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
-        try:
-            run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
-                            backend, optimizer, saving, local)
-            mp.start_processes(_rank, args=(plan.mesh.size, free_port(), run, out),
-                               nprocs=plan.mesh.size, start_method="spawn")
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise ShardplanError(f"a rank failed: {last}") from exc
+        run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
+                        backend, optimizer, saving, local, timeout_s, os.getpid())
+        run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
+                  start_method="spawn", timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())
     return ModuleRunLog(**data)
 

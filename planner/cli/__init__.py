@@ -9,6 +9,7 @@ the parser from them and turns what a run raises into one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,7 +25,7 @@ from planner.cli import (
     zoo,
 )
 from planner.cli.args import Parser, Verbs
-from planner.errors import ShardplanError
+from planner.errors import ShardplanError, SignalInterrupt
 
 #: Each verb's parser, in `shardplan --help` order.
 _ADD_PARSERS: tuple[Callable[[Verbs], None], ...] = (
@@ -62,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardplanError as exc:
         print(f"shardplan: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except SignalInterrupt as stopped:
+        print(f"shardplan: stopped by {signal.Signals(stopped.signum).name}",
+              file=sys.stderr)
+        return 128 + stopped.signum
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from executor.timeouts import DEFAULT_TIMEOUT_S, MOST_TIMEOUT_S
 from planner.cli.args import Verbs, check_output, positive_int, positive_number
 from planner.errors import ShardplanError
 
@@ -42,6 +43,10 @@ def add_parser(verbs: Verbs) -> None:
     run.add_argument("--loss", default="auto", choices=["auto", "graph", "ce", "mse"],
                      help="auto: the model's own scalar loss output if it has one, else "
                           "cross-entropy on the first output")
+    run.add_argument("--timeout", metavar="SECONDS", default=DEFAULT_TIMEOUT_S,
+                     type=positive_number("--timeout", most=MOST_TIMEOUT_S),
+                     help="a rank that dies or stops answering ends the run within this "
+                          f"long, every rank stopped (default {DEFAULT_TIMEOUT_S:g})")
     run.add_argument("--data", metavar="DIR", default="",
                      help="<input>.npy arrays (and targets.npy) of the global batch; each "
                           "data-parallel rank reads its shard (default: synthetic)")
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
                     optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
-                    loss=args.loss, data=args.data, checkpoint_every=args.checkpoint_every or 0)
+                    loss=args.loss, data=args.data, checkpoint_every=args.checkpoint_every or 0,
+                    timeout_s=args.timeout)
     else:
         log = train_reference(args.model, loaded, steps=args.steps, lr=args.lr,
                               seed=args.seed, optimizer=args.optimizer, loss=args.loss,
@@ -136,7 +142,7 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
     log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
                        backend=args.backend, optimizer=args.optimizer,
                        checkpoints=Checkpoints(args.resume, args.checkpoint,
-                                               args.checkpoint_every or 0))
+                                               args.checkpoint_every or 0), timeout_s=args.timeout)
     _report(log, loaded, args.log_json, compared=True)
     return 0
 
