@@ -1045,3 +1045,347 @@ def _plan_numbers(rng: random.Random) -> Case:
         return f"{show_path(path)} = {value}", "any"
 
     return _plan_case(rng, mutate)
+
+
+# =========================================================================== held-out classes
+# The classes an adversarial run outside the project found (issue 18), each a generator:
+# command-line values, plan and strategies files that break a parser's bounds, hand-edited
+# plans that only a re-derivation catches, ops that contradict their own shapes, names
+# that would forge a message line, and executor inputs checked before any rank starts.
+
+CLI_BASES = ("seed-mlp", "gpt-tiny")
+#: (flags, the flag the message must name): each must be refused (exit 2, one line).
+BAD_PLAN_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--dim", "seq=8", "--dim", "seq=16"), "--dim"),
+    (("--parallel", "dp=8,dp=2"), "--parallel"),
+    (("--parallel", "dp=2", "--parallel", "tp=2"), "--parallel"),
+    (("--time-limit", "nan"), "--time-limit"),
+    (("--time-limit", "inf"), "--time-limit"),
+    (("--time-limit", "-1"), "--time-limit"),
+    (("--memory-limit", "1e-300"), "--memory-limit"),
+    (("--memory-limit", "nan"), "--memory-limit"),
+    (("--memory-limit", "inf"), "--memory-limit"),
+    (("--memory-limit", "1e300"), "--memory-limit"),
+    (("--devices", "1000000000000000000000000000000"), "devices"),
+    (("--devices", "1000000000"), "devices"),
+    (("--devices", "1e9"), "--devices"),
+    (("--devices", "0"), "--devices"),
+    (("--capacity-factor", "nan"), "--capacity-factor"),
+    (("--bucket-mb", "inf"), "--bucket-mb"),
+)
+BAD_RUN_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--lr", "nan"), "--lr"), (("--lr", "inf"), "--lr"), (("--lr", "-0.1"), "--lr"),
+    (("--timeout", "nan"), "--timeout"), (("--timeout", "0"), "--timeout"),
+    (("--steps", "0"), "--steps"), (("--nproc", "-2"), "--nproc"),
+)
+
+
+@case_class("cli/flags")
+def _cli_flags(rng: random.Random) -> Case:
+    """Repeated, contradictory, non-finite or absurd flag values: refused at once."""
+    base = rng.choice(CLI_BASES)
+    if rng.random() < 0.7:
+        flags, named = rng.choice(BAD_PLAN_FLAGS)
+        devices = [] if any(f == "--devices" for f in flags) else ["--devices", "2"]
+        args, _ = bind_args(base_bytes(base))
+        if "--dim" in flags:  # the case's own --dim pair replaces the binding of seq
+            args = [a for a in args if not a.startswith("--dim=seq")]
+        argv = ["plan", "{dir}/model.onnx", *devices, *args, *flags, "--time-limit", "10"]
+        if "--time-limit" in flags:
+            argv = argv[:-2]
+        files = {"model.onnx": base_bytes(base)}
+    else:
+        flags, named = rng.choice(BAD_RUN_FLAGS)
+        argv = ["run", "{dir}/model.onnx", "--plan", "{dir}/plan.json", "--nproc", "1", *flags]
+        files = {"model.onnx": base_bytes(base), "plan.json": base_plan(base, 2)}
+    return Case(files, argv, (named,), "reject", note=f"{base}: {' '.join(flags)}")
+
+
+def _deep(kind: str, depth: int) -> bytes:
+    if kind == "array":
+        return b"[" * depth + b"]" * depth
+    return b'{"a": ' * depth + b"1" + b"}" * depth
+
+
+@case_class("plan/json-bounds")
+def _plan_json_bounds(rng: random.Random) -> Case:
+    """Plan files that break a JSON parser's bounds: nesting thousands deep, integers of
+    thousands of digits, duplicate keys (the last would win), non-finite numbers, bytes
+    that are not UTF-8."""
+    base, devices = rng.choice(PLAN_BASES)
+    text = base_plan(base, devices)
+    kind = rng.choice(["deep-array", "deep-object", "deep-field", "big-int", "duplicate-ops",
+                       "duplicate-tensor", "infinite", "nan-literal", "latin1", "bom"])
+    if kind.startswith("deep-") and kind != "deep-field":
+        body = _deep(kind[5:], rng.choice([1000, 5000, 100_000]))
+    elif kind == "deep-field":
+        body = text.replace(b'"solver": {', b'"solver": {"x": ' + _deep("object", 3000) + b", ", 1)
+    elif kind == "big-int":
+        digits = b"9" * rng.choice([5000, 100_000])
+        body = text.replace(b'"micro_batches": ', b'"micro_batches": ' + digits + b", \"x\": ", 1)
+        body = body if body != text else text[:-1] + b', "x": ' + digits + b"}"
+    elif kind == "duplicate-ops":
+        body = text.rstrip()[:-1] + b', "ops": []}'
+    elif kind == "duplicate-tensor":
+        data = json.loads(text)
+        name = rng.choice(sorted(data["tensors"]))
+        entry = json.dumps({name: data["tensors"][name]}).encode()[1:-1]
+        body = text.replace(b'"tensors": {', b'"tensors": {' + entry + b", ", 1)
+    elif kind == "infinite":
+        body = text.replace(b'"step_time_s": ', b'"step_time_s": 1e400, "x": ', 1)
+    elif kind == "nan-literal":
+        body = text.replace(b'"step_time_s": ', b'"step_time_s": NaN, "x": ', 1)
+    elif kind == "latin1":
+        body = text.replace(b'"schema": "', b'"schema": "\xe9', 1)
+    else:
+        body = b"\xef\xbb\xbf" + text
+    return _plan_bytes_case(rng, base, body, f"{base}: {kind}",
+                            "any" if kind == "bom" else "reject")
+
+
+PIPELINE_PINS = {"pp": 2, "dp": 2, "zero": 1, "micro_batches": 2}
+
+
+@cache
+def base_pinned_plan(name: str, devices: int, pins: tuple[tuple[str, Any], ...]) -> bytes:
+    """A valid plan JSON of a base model planned with `--parallel` pins."""
+    from planner.api import plan
+
+    with tempfile.TemporaryDirectory(prefix="shardplan-fuzz-base-") as folder:
+        path = Path(folder) / "model.onnx"
+        path.write_bytes(base_bytes(name))
+        _, dims = bind_args(base_bytes(name))
+        result = plan(path, devices=devices, batch=8, dims=dims, parallel=dict(pins),
+                      time_limit=10.0)
+        return result.dumps().encode()
+
+
+def _tamper(rng: random.Random, data: dict[str, Any]) -> str:
+    """One hand edit that keeps the file loadable but makes the plan wrong: only a
+    re-derivation from the model (`validate`) can see it."""
+    collectives = data["collectives"]
+    kinds = ["duplicate-gradient", "broadcast-gradient", "zero-edited", "parallel-dp",
+             "parallel-tp", "drop-sends", "empty-sends", "drop-reduce-scatter",
+             "axes-swapped"]
+    kind = rng.choice(kinds)
+    gradient = [c for c in collectives if c["phase"] in ("gradient", "zero")]
+    if kind == "duplicate-gradient" and gradient:
+        collectives.append(dict(rng.choice(gradient)))
+    elif kind == "broadcast-gradient" and gradient:
+        rng.choice(gradient)["kind"] = "broadcast"
+    elif kind == "zero-edited":
+        data["parallel"]["zero"] = 0 if data["parallel"].get("zero") else 1
+    elif kind == "parallel-dp":
+        data["parallel"]["dp"] = 7
+    elif kind == "parallel-tp":
+        data["parallel"]["tp"] = data["parallel"].get("tp", 1) * 2
+    elif kind == "drop-sends":
+        data["collectives"] = [c for c in collectives if c["kind"] != "send_recv"]
+    elif kind == "empty-sends" and data.get("pipeline"):
+        data["pipeline"]["sends"] = []
+    elif kind == "drop-reduce-scatter":
+        data["collectives"] = [c for c in collectives if c["kind"] != "reduce_scatter"]
+    elif kind == "axes-swapped" and gradient:
+        chosen = rng.choice(gradient)
+        others = [a for a in data["mesh"]["axes"] if a not in chosen["axes"]]
+        chosen["axes"] = others[:1] or ["nope"]
+    else:
+        data["parallel"]["dp"] = 7
+        kind = "parallel-dp"
+    return kind
+
+
+@case_class("plan/tampered")
+def _plan_tampered(rng: random.Random) -> Case:
+    """A plan edited by hand where the edit still loads: `validate PLAN MODEL` and the
+    executor's checks before any rank starts must refuse it."""
+    if rng.random() < 0.5:
+        base, devices = "gpt-tiny", 4
+        text = base_pinned_plan(base, devices, tuple(sorted(PIPELINE_PINS.items())))
+    else:
+        base, devices = rng.choice(PLAN_BASES)
+        text = base_plan(base, devices)
+    data = json.loads(text)
+    before = json.dumps(data, sort_keys=True)
+    kind = _tamper(rng, data)
+    expect = "any" if json.dumps(data, sort_keys=True) == before else "reject"
+    files = {"plan.json": _dump(data), "model.onnx": base_bytes(base)}
+    return Case(files, ["validate", "{dir}/plan.json", "{dir}/model.onnx"],
+                ("plan.json", "model.onnx"), expect, check_plan=True, note=f"{base}: {kind}")
+
+
+def _contradiction(kind: str) -> onnx.ModelProto:
+    """A small graph whose one op contradicts the shapes it is given or declares."""
+    x = _value("x", TensorProto.FLOAT, [4, 32])
+    inits = [_weight("w", (32, 8))]
+    if kind == "declared-output":
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+        out = _value("y", TensorProto.FLOAT, [4, 99])
+    elif kind == "concat-axis":
+        nodes = [helper.make_node("Concat", ["x", "x"], ["y"], name="cat", axis=9)]
+        out = _value("y", TensorProto.FLOAT, None)
+    elif kind == "split-sizes":
+        inits.append(_ints("sizes", [30, 30]))
+        nodes = [helper.make_node("Split", ["x", "sizes"], ["y", "y2"], name="split", axis=1)]
+        out = _value("y", TensorProto.FLOAT, None)
+    elif kind == "reshape-count":
+        inits.append(_ints("target", [5, 30]))
+        nodes = [helper.make_node("Reshape", ["x", "target"], ["y"], name="rs")]
+        out = _value("y", TensorProto.FLOAT, None)
+    elif kind == "einsum-label":
+        nodes = [helper.make_node("Einsum", ["x", "w"], ["y"], name="es",
+                                  equation="ij,jk->iz")]
+        out = _value("y", TensorProto.FLOAT, None)
+    elif kind == "transpose-perm":
+        nodes = [helper.make_node("Transpose", ["x"], ["y"], name="tr", perm=[0, 5])]
+        out = _value("y", TensorProto.FLOAT, None)
+    elif kind == "softmax-axis":
+        nodes = [helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=7)]
+        out = _value("y", TensorProto.FLOAT, None)
+    else:  # gather-axis
+        inits.append(_ints("idx", [0, 1]))
+        nodes = [helper.make_node("Gather", ["x", "idx"], ["y"], name="ga", axis=-9)]
+        out = _value("y", TensorProto.FLOAT, None)
+    return _model(helper.make_graph(nodes, kind, [x], [out], inits))
+
+
+CONTRADICTIONS = ("declared-output", "concat-axis", "split-sizes", "reshape-count",
+                  "einsum-label", "transpose-perm", "softmax-axis", "gather-axis")
+
+
+@case_class("onnx/contradiction")
+def _onnx_contradiction(rng: random.Random) -> Case:
+    kind = rng.choice(CONTRADICTIONS)
+    return onnx_case(_contradiction(kind), kind, "reject")
+
+
+@case_class("onnx/training-info")
+def _onnx_training_info(rng: random.Random) -> Case:
+    """External data hidden in `ModelProto.training_info` obeys the folder rule too."""
+    name, model = _pick_base(rng, EXTERNAL_BASES)
+    kind = rng.choice(list(OUTSIDE_TARGETS))
+    location, expect = OUTSIDE_TARGETS[kind]
+    hidden = _weight("hidden_state", (4, 4))
+    hidden.ClearField("raw_data")
+    hidden.ClearField("float_data")
+    hidden.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "64")):
+        hidden.external_data.add(key=key, value=value)
+    info = model.training_info.add()
+    info.initialization.CopyFrom(helper.make_graph([], "init", [], [], [hidden]))
+    files = {"weights.bin": b"\0" * 64, "sub/weights.bin": b"\0" * 64}
+    links = {"link.bin": "{out}/secret.bin", "linkdir": "{out}", "inlink.bin": "weights.bin"}
+    case = onnx_case(model, f"{name}: training_info tensor at {location!r} ({kind})",
+                     "reject" if expect == "reject" else "any", files, links)
+    case.names = ("model.onnx",)
+    return case
+
+
+FORGED = ("a\nshardplan: error: forged", "b\rshardplan: error: forged",
+          "c\x1b[2Kshardplan: error: forged", "d\u2028shardplan: error: forged")
+
+
+@case_class("names/escape")
+def _names_escape(rng: random.Random) -> Case:
+    """A name carrying a line break or a terminal escape, in a graph that is refused: the
+    refusal stays one line (a second `shardplan: error:` line would be forged)."""
+    forged = rng.choice(FORGED)
+    model = base_model("helper-mlp")
+    kind = rng.choice(["custom-op", "cycle", "dangling"])
+    node = rng.choice(list(model.graph.node))
+    node.name = forged
+    if kind == "custom-op":
+        node.op_type = "NoSuchOp" + forged[:1]
+    elif kind == "cycle":
+        node.input[0] = node.output[0]
+    else:
+        node.input[0] = forged
+    return onnx_case(model, f"{kind} with name {forged!r}", "reject")
+
+
+def _strategies_body(rng: random.Random, kind: str) -> tuple[str, bytes]:
+    """A strategies file (name, bytes) that breaks a parser's bounds."""
+    pin = b'"fc1": [[1, 1], [1, 2]]'
+    if kind == "deep-json":
+        return "s.json", b'{"fc1": ' + _deep("array", rng.choice([1000, 5000])) + b"}"
+    if kind == "big-int":
+        return "s.json", b'{"fc1": [[1, 1], [1, ' + b"9" * 5000 + b"]]}"
+    if kind == "duplicate-key":
+        return "s.json", b"{" + pin + b', "fc1": [[1, 1], [2, 1]]}'
+    if kind == "latin1":
+        return "s.json", b'{"fc\xe91": [[1, 1], [1, 2]]}'
+    if kind == "yaml-int-key":
+        return "s.yaml", b"7: [[1, 1], [1, 2]]\n"
+    if kind == "yaml-deep":
+        return "s.yaml", b"fc1: " + b"[" * 50_000 + b"]" * 50_000 + b"\n"
+    if kind == "yaml-bomb":
+        lines = [b'a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+        lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 9)}]".encode()
+                  for i in range(1, 10)]
+        return "s.yaml", b"\n".join(lines) + b"\nfc1: *a9\n"
+    return "s.yaml", b"fc1: [[1, 1], [1, 2]\n  bad: : indentation\n"
+
+
+@case_class("strategies/bounds")
+def _strategies_bounds(rng: random.Random) -> Case:
+    kind = rng.choice(["deep-json", "big-int", "duplicate-key", "latin1", "yaml-int-key",
+                       "yaml-deep", "yaml-bomb", "yaml-syntax"])
+    name, body = _strategies_body(rng, kind)
+    argv = ["plan", "{dir}/model.onnx", "--devices", "2", "--batch", "8", "--mode", "semi",
+            "--strategies", f"{{dir}}/{name}", "--time-limit", "10"]
+    return Case({"model.onnx": base_bytes("helper-mlp"), name: body}, argv, (name,),
+                "reject", note=f"strategies {kind}")
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=array.dtype == object)
+    return buffer.getvalue()
+
+
+@case_class("run/inputs")
+def _run_inputs(rng: random.Random) -> Case:
+    """Executor inputs that must be refused before any rank starts: data arrays of the
+    wrong shape, type or index range, corrupt or object arrays, outputs and checkpoints
+    in places that cannot hold them."""
+    base = "gpt-tiny"
+    plan_text = base_plan(base, 4)
+    data = json.loads(plan_text)
+    batch = int(data["model"]["bound_dims"].get("batch", 8))
+    seq = int(data["model"]["bound_dims"].get("seq", 4))
+    vocab = int(next(t["shape"][0] for n, t in data["tensors"].items() if "wte" in n))
+    kind = rng.choice(["shape", "dtype", "index-range", "negative-index", "object", "corrupt",
+                       "targets-range", "log-under-file", "checkpoint-under-file",
+                       "resume-not-checkpoint"])
+    files = {"model.onnx": base_bytes(base), "plan.json": plan_text, "file.txt": b"x"}
+    ids = np.zeros((batch, seq), dtype=np.int64)
+    extra: list[str] = ["--data", "{dir}/data"]
+    named = "data"
+    if kind == "shape":
+        files["data/input_ids.npy"] = _npy(np.zeros((batch + 1, seq), dtype=np.int64))
+    elif kind == "dtype":
+        files["data/input_ids.npy"] = _npy(np.zeros((batch, seq), dtype=np.float32))
+    elif kind == "index-range":
+        files["data/input_ids.npy"] = _npy(ids + vocab)
+    elif kind == "negative-index":
+        files["data/input_ids.npy"] = _npy(ids - 1)
+    elif kind == "object":
+        files["data/input_ids.npy"] = _npy(np.array([{"a": 1}] * batch, dtype=object))
+    elif kind == "corrupt":
+        files["data/input_ids.npy"] = _npy(ids)[:60]
+    elif kind == "targets-range":
+        files["data/input_ids.npy"] = _npy(ids)
+        files["data/targets.npy"] = _npy(np.full((batch, seq), 1_000_000, dtype=np.int64))
+    elif kind == "log-under-file":
+        extra, named = ["--log-json", "{dir}/file.txt/log.json"], "log.json"
+    elif kind == "checkpoint-under-file":
+        extra, named = ["--checkpoint", "{dir}/file.txt/ck"], "ck"
+    else:
+        files["user/.metadata"] = b""
+        files["user/notes.txt"] = b"mine"
+        extra, named = ["--resume", "{dir}/user"], "user"
+    argv = ["run", "{dir}/model.onnx", "--plan", "{dir}/plan.json", "--nproc", "4",
+            "--steps", "1", *extra]
+    return Case(files, argv, (named,), "reject", note=f"{base}: {kind}")

@@ -20,6 +20,7 @@ import contextlib
 import io
 import math
 import multiprocessing
+import re
 import resource
 import shutil
 import signal
@@ -42,6 +43,8 @@ OUTCOMES = ("ok", "rejected", "no-fit", "traceback", "hang", "crash", "bad-exit"
 #: with MemoryError (a traceback outcome), not push a shared machine into swap.
 WORKER_MEMORY_BYTES = 3 << 30
 ERROR_PREFIX = "shardplan: error:"
+#: An error line: shardplan's own, or argparse's, which names the verb (`shardplan plan:`).
+ERROR_LINE = re.compile(r"^shardplan(?: [a-z]+)?: error:")
 
 EntryPoint = Callable[[list[str]], int]
 
@@ -116,7 +119,7 @@ def check_plan_against_model(plan_path: str, model_path: str) -> int:
 
 def _judge(case: Case, code: int, stderr: str, folder: Path) -> tuple[str, str]:
     """Outcome of one finished command from its exit code, stderr and output file."""
-    errors = [line for line in stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+    errors = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
     detail = errors[0] if errors else stderr.strip()[-300:]
     if "Traceback (most recent call last)" in stderr:
         return "traceback", stderr.strip()[-600:]
@@ -184,6 +187,9 @@ def execute(case: Case, folder: Path, timeout_s: float, entry: EntryPoint) -> Re
                 check = _call(lambda _: check_plan_against_model(
                     str(folder / "plan.json"), str(folder / "model.onnx")), [])
                 outcomes.append(_judge(case, *check, folder))
+                # explain reads the plan alone: any plan that loads must explain
+                explained = _call(entry, ["explain", str(folder / "plan.json")])
+                outcomes.append(_judge(case, *explained, folder))
         outcome = _expectation(case, _worst(outcomes))
     except CaseTimeout:
         outcome = ("hang", _last_frames())

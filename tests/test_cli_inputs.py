@@ -31,6 +31,10 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["--memory-limit", "1e-300"], "between 1 KiB"),
     (["--devices", str(10 ** 9)], "more than any cluster shardplan plans for"),
     (["--devices", str(10 ** 30)], "more than any cluster shardplan plans for"),
+    (["--parallel", "dp=2", "--parallel", "tp=2"],
+     "argument --parallel: given twice; give it once (one flag pins several"),
+    (["--devices", "2", "--devices", "4"], "argument --devices: given twice; give it once"),
+    (["--time-limit", "5", "--time-limit=9"], "argument --time-limit: given twice"),
 ])
 def test_absurd_plan_flags_are_refused(seed: Path, flags: list[str], message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,3 +115,45 @@ def test_data_that_is_not_the_steps_arrays_is_refused(seed: Path, tmp_path: Path
     (folder / "targets.npy").write_bytes(b"not numpy")
     assert main(run) == 2
     assert "not a numpy array file" in capsys.readouterr().err
+
+
+def test_a_plan_whose_ranges_leave_its_ops_is_refused_on_load(
+        seed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Readers index the op list by the plan's unit, stage and segment ranges and by its
+    stage ranks (explain crashed on a plan with an op removed): loading refuses them."""
+    planned = tmp_path / "plan.json"
+    assert main(["plan", str(seed), "--batch", "32", "--devices", "2",
+                 "--parallel", "pp=2,micro_batches=2", "-o", str(planned)]) == 0
+    data = json.loads(planned.read_text())
+    edits = {
+        "op removed": lambda d: d["ops"].pop(),
+        "stage rank": lambda d: d["pipeline"]["stages"][0].update(ranks=[5]),
+        "unit range": lambda d: d["pipeline"]["units"][0].update(ops=[0, 99]),
+        "unknown dtype": lambda d: next(iter(d["tensors"].values())).update(dtype="x"),
+    }
+    for what, edit in edits.items():
+        edited = json.loads(json.dumps(data))
+        edit(edited)
+        (tmp_path / "edited.json").write_text(json.dumps(edited))
+        capsys.readouterr()
+        assert main(["explain", str(tmp_path / "edited.json")]) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "edited.json" in err, (what, err)
+
+
+def test_the_plan_schema_knows_exactly_the_importers_dtypes() -> None:
+    from planner.importer.tensors import ONNX_TO_NUMPY
+
+    schema = json.loads((Path(__file__).parents[1] / "planner" / "plans"
+                         / "strategy.schema.json").read_text())
+    found = next(node["properties"]["dtype"]["enum"] for node in _objects(schema)
+                 if "dtype" in node.get("properties", {}))
+    assert sorted(found) == sorted(set(ONNX_TO_NUMPY.values()))
+
+
+def _objects(node: object) -> list[dict]:
+    if isinstance(node, dict):
+        return [node, *(o for v in node.values() for o in _objects(v))]
+    if isinstance(node, list):
+        return [o for v in node for o in _objects(v)]
+    return []

@@ -10,16 +10,37 @@ import argparse
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from planner.errors import ShardplanError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that exits 2 with one line, like every other bad input."""
+    """argparse that exits 2 with one line, like every other bad input, and refuses a
+    single-valued flag given twice (argparse's own last-one-wins would silently drop
+    `--parallel dp=2` from `--parallel dp=2 --parallel tp=2`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _StoreOnce(argparse._StoreAction):
+    """`store`, refusing a second value for the same flag (repeatable flags use append)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        seen: set[str] = namespace.__dict__.setdefault("_given_once", set())
+        if option_string is not None and self.dest in seen:
+            hint = " (one flag pins several: --parallel dp=2,tp=2)" if self.dest == "parallel" \
+                else ""
+            raise argparse.ArgumentError(self, f"given twice; give it once{hint}")
+        seen.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
 
 
 #: What `add_subparsers(parser_class=Parser)` returns: each verb module adds its parser to it.

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from planner.errors import PlanFileError
 from planner.plans.schema import REMEDY
-from planner.plans.sections import ClusterRef, OpEntry, TensorEntry
+from planner.plans.sections import ClusterRef, OpEntry, PipelineSection, TensorEntry, UnitEntry
 from planner.records import Collective
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -67,3 +67,26 @@ def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where:
         if size % factor:
             raise PlanFileError(f"{where}: dim {dim} of size {size} cannot be split into "
                                 f"{factor} equal parts; {REMEDY}")
+
+
+def check_op_ranges(units: Sequence[UnitEntry], pipeline: PipelineSection | None, ops: int,
+                    devices: int, source: str) -> None:
+    """Refuse op ranges outside the plan's `ops` and ranks outside its mesh: every reader
+    indexes the op list by them (explain's units, the executor's stages and segments)."""
+    ranges: list[tuple[str, tuple[int, int]]] = [
+        (f"units[{i}] ({unit.name})", unit.ops) for i, unit in enumerate(units)]
+    if pipeline is not None:
+        ranges += [(f"pipeline.units[{i}] ({unit.name})", unit.ops)
+                   for i, unit in enumerate(pipeline.units)]
+        for s, stage in enumerate(pipeline.stages):
+            ranges += [(f"pipeline.stages[{s}].ops[{c}]", r) for c, r in enumerate(stage.ops)]
+            ranges += [(f"pipeline.stages[{s}].recompute_segments[{c}]", r)
+                       for c, r in enumerate(stage.recompute_segments)]
+            outside = [rank for rank in stage.ranks if not 0 <= rank < devices]
+            if outside:
+                raise PlanFileError(f"{source}: pipeline.stages[{s}].ranks: rank {outside[0]} "
+                                    f"is not one of the mesh's {devices} devices; {REMEDY}")
+    for where, (first, end) in ranges:
+        if not 0 <= first <= end <= ops:
+            raise PlanFileError(f"{source}: {where}: op range [{first}, {end}) lies outside "
+                                f"the plan's {ops} ops; {REMEDY}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlanFileError, StrategyError
-from planner.plans.checks import check_plan_fits
+from planner.plans.checks import check_op_ranges, check_plan_fits
 from planner.plans.schema import check_plan_json
 from planner.plans.sections import (
     SCHEMA,
@@ -150,6 +150,7 @@ class Plan:
             raise PlanFileError(f"{source}: malformed plan ({exc})") from None
         check_plan_fits(plan.cluster, plan.mesh, plan.tensors, plan.ops, plan.collectives,
                         source)
+        check_op_ranges(plan.units, plan.pipeline, len(plan.ops), plan.mesh.size, source)
         return plan
 
     @classmethod
