@@ -41,7 +41,7 @@ from executor.support import check_supported
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.update import WeightUpdate, check_zero, tied_groups
 from executor.weights import read_weights
-from planner.errors import PlanFileError, ShardplanError
+from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.importer import import_model, rebind
 from planner.kinds import AxisRole
@@ -359,17 +359,12 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     cannot run (its stages, schedule or ZeRO stage), a weights file that is not whole, or
     `--data` that does not hold the step's arrays, with the one-line reason. Returns the
     run's note on its weights ("" when the model's own are read)."""
-    from planner.validate import validate
+    from planner.validate import refuse_invalid
 
     graph = graph_for(model, plan)
     check_plan_matches(plan, graph)
     check_supported(graph)
-    report = validate(plan, graph)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more: shardplan validate)" \
-            if len(report.problems) > 1 else ""
-        raise PlanFileError(f"the plan does not validate against {model}: "
-                            f"{report.problems[0]}{more}")
+    refuse_invalid(plan, graph, f" against {model}")
     weights = read_weights(model, load=False)  # a weights file that is there must be whole
     kind, output = loss_kind(graph, loss)
     check_data(graph, data, kind, output, plan.micro_batches)

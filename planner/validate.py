@@ -19,8 +19,11 @@ it re-derives from the sharding layer, never from the search or the pricing.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
@@ -28,11 +31,20 @@ from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import OPTIMIZER_OP, derive
+from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive, fraction_of_layout
 from planner.sharding.layout import Layout
+from planner.sharding.pipeline import (
+    OpNames,
+    chunk_of_units,
+    send_routes,
+    send_steps,
+    stage_holds,
+    unit_crossings,
+)
 from planner.sharding.redistribute import redistribute
-from planner.sharding.sends import SEND_OP, send_split
+from planner.sharding.sends import SEND_OP, SendSplit, send_split
 from planner.sharding.strategy import OpStrategy, input_layouts, is_valid, output_layouts
+from planner.sharding.weights import synced_axes, weight_steps
 
 MAX_LISTED = 20
 
@@ -57,20 +69,105 @@ def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
     """Every problem found in `plan` (and against `graph`, the model imported at the plan's
     dims, when given)."""
     report = Report()
+    _parallel(plan, report)
+    _costs(plan, report)
+    before = len(report.problems)
     _pipeline(plan, report)
+    if plan.pipeline is not None and len(report.problems) == before:
+        matched = graph if graph is not None and _matches(plan, graph) else None
+        _stage_holds(plan, matched, report)
+        _sends(plan, matched, report)
+    _send_collectives(plan, report)
     _edges(plan, report)
     if graph is not None:
         _model(plan, graph, report)
     return report
 
 
+def refuse_invalid(plan: Plan, graph: PlanningGraph | None, against: str) -> None:
+    """Raise PlanFileError with the first problem `validate` finds (a runner's check
+    before any rank starts; `against`: what the plan was checked against, for the line)."""
+    report = validate(plan, graph)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more: shardplan validate)" \
+            if len(report.problems) > 1 else ""
+        raise PlanFileError(f"the plan does not validate{against}: {report.problems[0]}{more}")
+
+
+def _matches(plan: Plan, graph: PlanningGraph) -> bool:
+    try:
+        check_plan_matches(plan, graph)
+    except ShardplanError:
+        return False  # `_model` reports why
+    return True
+
+
+def _parallel(plan: Plan, report: Report) -> None:
+    """The parallel section states the mesh's degrees: pp the pipeline axis, dp and tp
+    (and pp) groups of its devices; a pipeline plan's dp is its data axis and its tp its
+    tensor axis or 1 (nothing split over it)."""
+    parallel, mesh = plan.parallel, plan.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    axes = ", ".join(f"{a}={n}" for a, n in sizes.items())
+    pp = sizes.get(str(AxisRole.PIPELINE), 1)
+    if parallel.pp != pp:
+        report.add(f"parallel.pp is {parallel.pp} but the mesh ({axes}) has {pp} pipeline "
+                   "stages")
+    degrees = parallel.dp * parallel.tp * parallel.pp
+    if degrees < 1 or mesh.size % degrees:
+        report.add(f"parallel dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} is "
+                   f"{degrees} devices, not a grouping of the mesh's {mesh.size} ({axes}; "
+                   f"cluster.devices {plan.cluster.devices})")
+    elif plan.pipeline is not None:
+        dp, tp = sizes.get(str(AxisRole.DATA), 1), sizes.get(str(AxisRole.TENSOR), 1)
+        if parallel.dp != dp:
+            report.add(f"parallel.dp is {parallel.dp} but the mesh ({axes}) has dp={dp}")
+        if parallel.tp not in (1, tp):
+            report.add(f"parallel.tp is {parallel.tp} but the mesh ({axes}) has tp={tp}")
+
+
+#: The sections holding predicted costs: every number in them is finite and at least 0.
+COST_SECTIONS = ("predicted", "collectives", "ops", "alternatives", "baselines")
+
+
+def _costs(plan: Plan, report: Report) -> None:
+    """Every predicted cost (step, breakdown, memory, each collective, op and stage) is a
+    finite number, at least 0: an inf or NaN would order plans or size buffers wrongly."""
+    data = plan.to_json()
+    found: list[tuple[str, float]] = []
+    for key in COST_SECTIONS:
+        _numbers(data.get(key), key, found)
+    if plan.pipeline is not None:
+        _numbers(data["pipeline"]["stages"], "pipeline.stages", found)
+        _numbers(data["pipeline"]["bubble_fraction"], "pipeline.bubble_fraction", found)
+    for path, value in found[:MAX_LISTED]:
+        report.add(f"{path} is {value}: a predicted cost must be a finite number, 0 or more; "
+                   "re-plan")
+    if len(found) > MAX_LISTED:
+        report.add(f"and {len(found) - MAX_LISTED} more costs that are not finite numbers ≥ 0")
+
+
+def _numbers(value: Any, path: str, found: list[tuple[str, float]]) -> None:
+    """Collect the numbers under `value` that are not finite or are negative."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _numbers(item, f"{path}.{key}", found)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _numbers(item, f"{path}[{index}]", found)
+    elif isinstance(value, int | float) and not isinstance(value, bool) \
+            and (not math.isfinite(value) or value < 0):
+        found.append((path, value))
+
+
 def _pipeline(plan: Plan, report: Report) -> None:
     pipe = plan.pipeline
     parallel = plan.parallel
     if pipe is None:
-        if parallel.pp > 1 or parallel.micro_batches > 1:
+        if parallel.pp > 1 or parallel.micro_batches > 1 or parallel.zero:
             report.add(f"parallel says pp={parallel.pp}, micro_batches="
-                       f"{parallel.micro_batches} but the plan has no pipeline section")
+                       f"{parallel.micro_batches}, zero={parallel.zero} but the plan has no "
+                       "pipeline section")
         return
     stages = pipe.stages
     n = len(plan.ops)
@@ -121,11 +218,6 @@ def _pipeline(plan: Plan, report: Report) -> None:
                 report.add(f"pipeline send of {send.tensor}: scattered over "
                            f"{list(send.scatter_axes)} along dim {send.scatter_dim}, but its "
                            f"layout allows {'no scatter' if split is None else split}")
-            gathers = sum(1 for c in plan.collectives if c.op == SEND_OP
-                          and c.tensor == send.tensor and tuple(c.axes) == send.scatter_axes)
-            if not gathers:
-                report.add(f"pipeline send of {send.tensor}: scattered, but the plan lists "
-                           "no all-gather to reassemble it")
         if send.from_stage == send.to_stage or not all(
                 0 <= stage < len(stages) for stage in (send.from_stage, send.to_stage)):
             report.add(f"pipeline send of {send.tensor}: stages {send.from_stage} → "
@@ -137,6 +229,114 @@ def _pipeline(plan: Plan, report: Report) -> None:
                        f"{send.to_chunk} are not op ranges of stages {send.from_stage} → "
                        f"{send.to_stage}")
     report.checked["stages"] = len(stages)
+
+
+def _op_names(plan: Plan, graph: PlanningGraph | None) -> list[OpNames]:
+    """Each op's input and output names: the model's when given (it matches the plan),
+    else the plan's bindings."""
+    if graph is not None:
+        return [(tuple(node.inputs), tuple(node.outputs)) for node in graph.ops]
+    return [(tuple(b.tensor if b else None for b in op.inputs),
+             tuple(b.tensor if b else None for b in op.outputs)) for op in plan.ops]
+
+
+def _stage_holds(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
+    """Each stage holds the parameters and buffers its ops read (`stage_holds`)."""
+    assert plan.pipeline is not None
+    ops = _op_names(plan, graph)
+    for stage in plan.pipeline.stages:
+        wanted = stage_holds(ops, stage.ops, lambda name: plan.tensors[name].kind)
+        if tuple(sorted(stage.holds)) != wanted:
+            odd = sorted(set(stage.holds) ^ set(wanted))
+            report.add(f"stage {stage.device_stage}: holds {len(stage.holds)} weights, its ops "
+                       f"read {len(wanted)} (first difference: {odd[0]})")
+
+
+def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
+    """The pipeline's sends are the ones its partition implies (`send_routes`): each
+    activation crossing to another device stage, chunk to chunk, with its gradient when it
+    carries one (known from the model; without it, as the plan's sends say), of its
+    layout's local size."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    chunks = pipe.chunks()
+    units = pipe.units
+    bounds = [u.ops[0] for u in units] + ([units[-1].ops[1]] if units else [])
+    if not all(first in bounds and end in bounds for (first, end), _ in chunks):
+        report.add("pipeline: a stage's op range does not start and end at unit bounds "
+                   f"{bounds[:8]}…; re-plan")
+        return
+    ops = _op_names(plan, graph)
+    unit_of = [0] * len(ops)
+    for k, unit in enumerate(units):
+        for index in range(*unit.ops):
+            unit_of[index] = k
+    needs_grad = GraphAnalysis.of(graph).needs_grad if graph is not None else \
+        {send.tensor: True for send in pipe.sends if send.grad}
+    chunk_of_unit = chunk_of_units(bounds, chunks)
+    wanted: Counter = Counter()
+    for crossing in unit_crossings(ops, unit_of):
+        grad = needs_grad.get(crossing.tensor, False)
+        for source, target in send_routes(crossing, grad, chunk_of_unit, chunks):
+            wanted[(crossing.tensor, chunks[source][1], chunks[target][1], source, target,
+                    grad)] += 1
+    listed = Counter((s.tensor, s.from_stage, s.to_stage, s.from_chunk, s.to_chunk, s.grad)
+                     for s in pipe.sends)
+    for (tensor, a, b, ca, cb, grad), count in sorted((wanted - listed).items())[:MAX_LISTED]:
+        report.add(f"pipeline: stage {a} must send {tensor} to stage {b} (chunk {ca} → {cb}"
+                   f"{', its gradient back' if grad else ''}) but the plan lacks that send "
+                   f"({count}×)")
+    for (tensor, a, b, ca, cb, grad), count in sorted((listed - wanted).items())[:MAX_LISTED]:
+        report.add(f"pipeline: the send of {tensor} from stage {a} to stage {b} (chunk {ca} "
+                   f"→ {cb}{', gradient back' if grad else ''}) is not one the stages' ops "
+                   f"need ({count}× too many)")
+    for send in pipe.sends:
+        entry = plan.tensors.get(send.tensor)
+        if entry is None:
+            continue
+        size = _local_bytes(entry.shape, entry.dtype, entry.layout, plan.mesh)
+        if size is not None and send.bytes != size:
+            report.add(f"pipeline send of {send.tensor}: {send.bytes} bytes, but its layout "
+                       f"holds {size} per rank")
+    report.checked["sends"] = len(pipe.sends)
+
+
+def _local_bytes(shape, dtype: str, layout: Layout, mesh) -> int | None:
+    try:
+        itemsize = dtype_itemsize(dtype)
+    except TypeError:
+        return None
+    return round(math.prod(shape) * itemsize * fraction_of_layout(layout, mesh))
+
+
+def _send_collectives(plan: Plan, report: Report) -> None:
+    """The plan lists each send's transfer every micro-batch (its gradient's too) at the
+    first op of the receiving chunk reading it, and the all-gather of a scattered one
+    (`send_steps`), each once; an op-level plan lists none."""
+    wanted: Counter = Counter()
+    pipe = plan.pipeline
+    if pipe is not None:
+        chunks = pipe.chunks()
+        ops = _op_names(plan, None)
+        names = [op.name for op in plan.ops]
+        for send in pipe.sends:
+            if not 0 <= send.to_chunk < len(chunks):
+                continue  # `_pipeline` reports it
+            (first, end), _ = chunks[send.to_chunk]
+            split = SendSplit(send.scatter_axes, send.scatter_dim) if send.scatter_axes \
+                else None
+            for step in send_steps(send.tensor, send.grad, split, ops[first:end],
+                                   names[first:end]):
+                wanted[(str(step.kind), send.tensor, step.axes, str(step.phase), step.op)] += 1
+    listed = Counter((str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op)
+                     for c in plan.collectives
+                     if c.kind == CollectiveKind.SEND_RECV or c.op == SEND_OP)
+    for (kind, tensor, axes, phase, op), count in sorted((wanted - listed).items())[:MAX_LISTED]:
+        report.add(f"pipeline send of {tensor}: the plan lacks its {phase} {kind} over "
+                   f"{list(axes)} at op {op} ({count}×)")
+    for (kind, tensor, axes, phase, op), count in sorted((listed - wanted).items())[:MAX_LISTED]:
+        report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
+                   f"({count}×): no pipeline send needs it")
 
 
 def _edges(plan: Plan, report: Report) -> None:
@@ -275,22 +475,83 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     for (kind, tensor, axes, phase, op), count in sorted((got - expected).items())[:MAX_LISTED]:
         report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
                    f"({count}×): no assignment needs it")
-    needed_axes = {name: set(axes) for name, axes in again.gradient_axes.items()}
-    listed_axes: dict[str, set[str]] = {}
-    for c in plan.collectives:
-        if c.op == OPTIMIZER_OP and AxisRole.PIPELINE not in c.axes:
-            listed_axes.setdefault(c.tensor, set()).update(c.axes)
-    for name in sorted(set(needed_axes) - set(listed_axes))[:MAX_LISTED]:
-        report.add(f"weight {name}: its gradient must be summed over "
-                   f"{list(again.gradient_axes[name])} but the plan lists no such collective")
-    for name, axes in sorted(listed_axes.items())[:MAX_LISTED]:
-        if name not in needed_axes:
-            report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, but no "
+    needed = _weight_steps(plan, graph, again)
+    _weights(plan, needed, report)
+    report.checked["collectives"] = sum(expected.values()) + sum(needed.values())
+
+
+WeightKey = tuple[str, str, tuple[str, ...], str]  # weight, kind, axes, phase
+
+
+def _weight_steps(plan: Plan, graph: PlanningGraph, again: ShardedGraph) -> Counter:
+    """The weight collectives the plan must list, as the builder derives them: an op-level
+    plan's gradient all-reduces (`derive`), or a pipeline plan's ZeRO steps of every
+    weight its ops read over its synced gradient axes, once per stage holding it, with
+    the sum between two holders (`weight_steps`)."""
+    if plan.pipeline is None:
+        return Counter((c.tensor, str(c.kind), tuple(c.axes), str(c.phase))
+                       for c in again.gradients)
+    ops = _op_names(plan, graph)
+    holders: dict[str, list[int]] = {}
+    for stage in plan.pipeline.stages:
+        for name in stage_holds(ops, stage.ops, lambda n: graph.tensors[n].kind):
+            holders.setdefault(name, []).append(stage.device_stage)
+    read = {name for node in graph.ops for name in node.inputs
+            if name and graph.tensors[name].kind == "parameter"}
+    found: Counter = Counter()
+    for name in sorted(read):
+        axes = synced_axes(again.gradient_axes.get(name, ()), plan.mesh)
+        for step in weight_steps(axes, tuple(holders.get(name, [0])), plan.parallel.zero):
+            found[(name, str(step.kind), step.axes, str(step.phase))] += 1
+    return found
+
+
+def _weights(plan: Plan, needed: Counter, report: Report) -> None:
+    """Compare the weight collectives listed with the needed ones, weight by weight: the
+    axes its gradient is summed over first, then each collective's kind, phase and count."""
+    listed: Counter = Counter((c.tensor, str(c.kind), tuple(c.axes), str(c.phase))
+                              for c in plan.collectives if c.op == OPTIMIZER_OP)
+    weights = sorted({key[0] for key in (needed | listed)})
+
+    def axes_of(found: Counter, name: str) -> set[str]:
+        return {a for (w, _, axes, _), n in found.items() if w == name and n
+                for a in axes if a != AxisRole.PIPELINE}
+
+    shown = 0
+    for name in weights:
+        if shown >= MAX_LISTED:
+            break
+        want, got = axes_of(needed, name), axes_of(listed, name)
+        mine = Counter({k: n for k, n in needed.items() if k[0] == name})
+        theirs = Counter({k: n for k, n in listed.items() if k[0] == name})
+        if mine == theirs:
+            continue
+        shown += 1
+        if want and not got:
+            report.add(f"weight {name}: its gradient must be summed over {sorted(want)} but "
+                       "the plan lists no such collective")
+        elif got and not want:
+            report.add(f"weight {name}: the plan sums its gradient over {sorted(got)}, but no "
                        "op splits work on it there (the sum would multiply it)")
-        elif axes != needed_axes[name]:
-            report.add(f"weight {name}: the plan sums its gradient over {sorted(axes)}, the "
-                       f"assignments need {sorted(needed_axes[name])}")
-    report.checked["collectives"] = sum(expected.values()) + len(needed_axes)
+        elif want != got:
+            report.add(f"weight {name}: the plan sums its gradient over {sorted(got)}, the "
+                       f"assignments need {sorted(want)}")
+        else:
+            report.add(f"weight {name}: {_steps_text(theirs)} listed, but "
+                       f"{_zero_text(plan)} needs {_steps_text(mine)}")
+
+
+def _steps_text(steps: Counter) -> str:
+    if not +steps:
+        return "none"
+    return ", ".join(f"{n}× {phase} {kind} over {list(axes)}"
+                     for (_, kind, axes, phase), n in sorted(steps.items()) if n)
+
+
+def _zero_text(plan: Plan) -> str:
+    if plan.pipeline is None:
+        return "its gradient sum"
+    return f"ZeRO {plan.parallel.zero} on the stage(s) holding it (planner.sharding.weights)"
 
 
 def _assignment_text(assignment) -> dict[str, list[str]]:

@@ -148,3 +148,79 @@ def test_an_extra_gradient_sum_and_a_wrong_strategy_tuple_are_found(
     assert code == 2
     assert "the assignments need ['dp']" in text
     assert "does not match its input layouts" in text
+
+
+@pytest.fixture(scope="module")
+def data_plan(files: dict[str, Path]) -> Path:
+    """An op-level data-parallel plan: each weight's gradient one all-reduce (ZeRO 0)."""
+    chosen = plan(files["model"], devices=2, batch=8, dims={"seq": 16}, profile="cpu",
+                  mode="data")
+    return chosen.save(files["model"].parent / "data.json")
+
+
+def test_an_op_level_plan_validates_clean(data_plan: Path, files: dict[str, Path],
+                                          capsys) -> None:
+    code, text = _validate(data_plan, files["model"], capsys)
+    assert code == 0, text
+
+
+def _first_gradient(data: dict, kind: str) -> dict:
+    return next(c for c in data["collectives"] if c["op"] == "optimizer"
+                and c["kind"] == kind and c["phase"] == "gradient")
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d["collectives"].append(dict(_first_gradient(d, "all_reduce"))),
+     "2× gradient all_reduce over ['dp'] listed, but its gradient sum needs 1×"),
+    (lambda d: _first_gradient(d, "all_reduce").__setitem__("kind", "broadcast"),
+     "1× gradient broadcast over ['dp'] listed"),
+    (lambda d: d["parallel"].update(dp=7, tp=4), "parallel dp=7 tp=4 pp=1 is 28 devices"),
+    (lambda d: d["predicted"].__setitem__("step_time_s", float("inf")),
+     "predicted.step_time_s is inf"),
+])
+def test_op_level_tampering_is_found(data_plan: Path, files: dict[str, Path], tmp_path: Path,
+                                     capsys, change, needle: str) -> None:
+    code, text = _validate(_tampered(data_plan, tmp_path, change), files["model"], capsys)
+    assert code == 2 and needle in text, text
+
+
+def _gradient_weight(data: dict) -> str:
+    return _first_gradient(data, "reduce_scatter")["tensor"]
+
+
+@pytest.mark.parametrize("change,needle,alone", [
+    (lambda d: d.__setitem__("collectives", [c for c in d["collectives"]
+                                             if c["kind"] != "send_recv"]),
+     "the plan lacks its forward send_recv over ['pp']", True),
+    (lambda d: d["pipeline"].__setitem__("sends", []),
+     "but the plan lacks that send", True),
+    (lambda d: d["parallel"].__setitem__("zero", 0),
+     "needs 1× gradient all_reduce over ['dp']", False),
+    (lambda d: d["parallel"].update(dp=7, tp=4), "parallel dp=7 tp=4 pp=2 is 56 devices", True),
+    (lambda d: d["parallel"].__setitem__("dp", 1), "parallel.dp is 1 but the mesh", True),
+    (lambda d: d["pipeline"]["stages"][0].__setitem__("forward_s", 1e400),
+     "pipeline.stages[0].forward_s is inf", True),
+])
+def test_pipeline_re_derivation_finds_tampering(files: dict[str, Path], tmp_path: Path,
+                                                capsys, change, needle: str,
+                                                alone: bool) -> None:
+    tampered = _tampered(files["pipeline"], tmp_path, change)
+    code, text = _validate(tampered, files["model"], capsys)
+    assert code == 2 and needle in text, text
+    if needle.startswith("needs"):  # the ZeRO-1 steps are named with their weight
+        assert f"weight {_gradient_weight(json.loads(files['pipeline'].read_text()))}" in text
+    if alone:  # found from the plan's own sections too
+        code, text = _validate(tampered, None, capsys)
+        assert code == 2 and needle in text, text
+
+
+def test_the_executor_refuses_what_validate_rejects(files: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    from executor.train import preflight
+    from planner.errors import PlanFileError
+    from planner.plans.model import Plan
+
+    tampered = _tampered(files["pipeline"], tmp_path,
+                         lambda d: d["pipeline"].__setitem__("sends", []))
+    with pytest.raises(PlanFileError, match="does not validate against .*lacks that send"):
+        preflight(files["model"], Plan.load(tampered))

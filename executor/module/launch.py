@@ -41,6 +41,7 @@ from executor.train import RunLog, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
 from planner.sharding.derive import OPTIMIZER_OP
+from planner.validate import refuse_invalid
 
 Builder = Callable[[], tuple[torch.nn.Module, Callable[[int, int], dict[str, torch.Tensor]],
                              Callable[..., torch.Tensor]]]
@@ -256,6 +257,9 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     that fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`;
     no rank outlives the call (`executor.ranks`)."""
     timeout_s = check_timeout(timeout_s)
+    # Everything the plan states that its own sections imply, before any rank starts (the
+    # module's export is not at hand: its ops and layouts are checked as the ranks build).
+    refuse_invalid(plan, None, "")
     saving = checkpoints or Checkpoints()
     if saving.save or saving.resume:
         from executor.module.state import refuse_pipelined

@@ -28,7 +28,9 @@ from planner.kinds import Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.pipeline import unit_crossings
 from planner.sharding.sends import SendSplit, send_split
+from planner.sharding.weights import synced_axes
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ParamShare:
     def synced_axes(self, mesh: DeviceMesh) -> tuple[str, ...]:
         """The axes of `axes` this mesh has more than one device on: the group its
         gradient synchronisation really runs over (empty: nothing to synchronise)."""
-        return tuple(a for a in self.axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+        return synced_axes(self.axes, mesh)
 
 
 @dataclass(frozen=True)
@@ -152,29 +154,18 @@ def _crossings(priced: PricedGraph,
     sharded = priced.sharded
     graph = sharded.analysis.graph
     needs_grad = sharded.analysis.needs_grad
-    producer_unit: dict[str, int] = {}
-    consumers: dict[str, set[int]] = {}
-    for k, node in enumerate(graph.ops):
-        for name in node.outputs:
-            if name:
-                producer_unit[name] = int(unit_of[k])
-        for name in node.inputs:
-            if name and graph.tensors[name].producer is not None:
-                consumers.setdefault(name, set()).add(int(unit_of[k]))
+    ops = [(node.inputs, node.outputs) for node in graph.ops]
     leaving = np.zeros(int(unit_of.max()) + 1 if len(unit_of) else 0)
     result = []
-    for name, units in consumers.items():
-        source = producer_unit[name]
-        later = sorted(u for u in units if u != source)
-        if not later:
-            continue
+    for crossing in unit_crossings(ops, [int(u) for u in unit_of]):
+        name = crossing.tensor
         info = graph.tensors[name]
         local = info.nbytes * fraction_of_layout(sharded.layouts[name], sharded.mesh)
         grad = needs_grad.get(name, False)
-        result.append(Crossing(name, local, source, tuple(later), grad,
+        result.append(Crossing(name, local, crossing.producer, crossing.consumers, grad,
                                send_split(sharded.layouts[name], info.shape, sharded.mesh)))
         if grad:
-            leaving[source] += local
+            leaving[crossing.producer] += local
     return tuple(result), leaving
 
 

@@ -21,11 +21,11 @@ from costmodels.schedule import bubble_fraction
 from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
-from planner.cost.pipeline import PIPELINE_AXIS, Pricer, Prices
+from planner.cost.pipeline import Pricer, Prices
 from planner.cost.step import StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute, StepKind
+from planner.kinds import AxisRole, Phase, Recompute, StepKind
 from planner.layers import Units
 from planner.plans.model import Plan
 from planner.plans.sections import (
@@ -50,8 +50,15 @@ from planner.search.joint import choice_mesh, pipeline_config
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.sends import SEND_OP, SendSplit
-from planner.sharding.weights import sync_steps
+from planner.sharding.pipeline import (
+    UnitCrossing,
+    chunk_of_units,
+    send_routes,
+    send_steps,
+    stage_holds,
+)
+from planner.sharding.sends import SendSplit
+from planner.sharding.weights import weight_steps
 
 
 @dataclass(frozen=True)
@@ -247,9 +254,11 @@ def recompute_segments(analysis: GraphAnalysis, kernels: KernelPlan,
 def _holds(sharded: ShardedGraph, ops: Sequence[tuple[int, int]]) -> tuple[str, ...]:
     """The parameters and buffers the stage's ops read: what its ranks keep."""
     tensors = sharded.analysis.graph.tensors
-    held = {name for a, b in ops for op in sharded.ops[a:b] for name in op.node.inputs
-            if name and tensors[name].kind in ("parameter", "buffer")}
-    return tuple(sorted(held))
+    return stage_holds(_op_names(sharded.analysis.graph), ops, lambda n: tensors[n].kind)
+
+
+def _op_names(graph: PlanningGraph) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    return [(tuple(node.inputs), tuple(node.outputs)) for node in graph.ops]
 
 
 def _sends(analysis: GraphAnalysis, profile: UnitProfile,
@@ -261,25 +270,16 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
     backward pass returns its own gradient); one without reaches a device once, at the
     first of its chunks reading it, which hands it on to the device's later chunks.
     """
-    units = analysis.units
     chunks = chunks_of(stages)
-    chunk_of_unit: dict[int, int] = {}
-    for index, ((first, end), _) in enumerate(chunks):
-        for u in range(units.bounds.index(first), units.bounds.index(end)):
-            chunk_of_unit[u] = index
+    chunk_of_unit = chunk_of_units(analysis.units.bounds, chunks)
     sends = []
     for crossing in profile.crossings:
-        source = chunk_of_unit[crossing.producer]
-        source_device = chunks[source][1]
-        readers = sorted({chunk_of_unit[u] for u in crossing.consumers} - {source})
-        reached: set[int] = set()
-        for target in readers:
-            device = chunks[target][1]
-            if device == source_device or (not crossing.grad and device in reached):
-                continue
-            reached.add(device)
+        routes = send_routes(UnitCrossing(crossing.tensor, crossing.producer,
+                                          crossing.consumers),
+                             crossing.grad, chunk_of_unit, chunks)
+        for source, target in routes:
             split = prices.send(crossing.bytes, crossing.split).split
-            sends.append(SendEntry(crossing.tensor, source_device, device,
+            sends.append(SendEntry(crossing.tensor, chunks[source][1], chunks[target][1],
                                    round(crossing.bytes), crossing.grad, source, target,
                                    split.axes if split else (), split.dim if split else -1))
     return tuple(sends)
@@ -300,22 +300,18 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
     issues: list[tuple[tuple, int, Issue]] = []  # (issue order, record index, bucket key)
     for param in profile.params:
         axes = param.synced_axes(prices.mesh)
-        held_by = holders.get(param.name, [0])
         first = param.units[0] if param.units else 0
-        for holder in held_by:
-            for number, step in enumerate(sync_steps(zero) if axes else ()):
+        for step in weight_steps(axes, tuple(holders.get(param.name, [0])), zero):
+            if step.number < 0:  # the sum between two holders: one exchange with the other
+                seconds = prices.p2p(param.bytes)
+            else:
                 seconds = prices.bucketed(step.kind, param.bytes, axes)
                 # Forward gathers run in layer order; the rest in the backward pass's order.
                 position = first if step.phase == Phase.FORWARD else -first
-                issues.append(((holder, number, position, param.name), len(result),
-                               Issue((holder, step.kind, step.phase, axes), param.bytes)))
-                result.append(Collective(step.kind, param.name, axes, round(param.bytes),
-                                         step.phase, OPTIMIZER_OP, seconds))
-            if len(held_by) > 1:
-                seconds = prices.p2p(param.bytes)
-                result.append(Collective(CollectiveKind.ALL_REDUCE, param.name,
-                                         (PIPELINE_AXIS,), round(param.bytes), Phase.GRADIENT,
-                                         OPTIMIZER_OP, seconds))
+                issues.append(((step.holder, step.number, position, param.name), len(result),
+                               Issue((step.holder, step.kind, step.phase, axes), param.bytes)))
+            result.append(Collective(step.kind, param.name, step.axes, round(param.bytes),
+                                     step.phase, OPTIMIZER_OP, seconds))
     issues.sort(key=lambda item: item[0])
     buckets = assign_buckets((issue for _, _, issue in issues), prices.bucket)
     for (_, index, _), bucket in zip(issues, buckets, strict=True):
@@ -329,21 +325,22 @@ def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
     for a scattered send the all-gather of the slices where it arrives; named after the
     first op of the receiving chunk that reads it."""
     chunks = chunks_of(stages)
+    names = _op_names(graph)
     result = []
     for send in sends:
         split = SendSplit(send.scatter_axes, send.scatter_dim) if send.scatter_axes else None
         priced = prices.send(send.bytes, split)
         assert priced.split == split, "a send's split is decided by Prices.send alone"
         (first, end), _ = chunks[send.to_chunk]
-        op = next((node.name for node in graph.ops[first:end] if send.tensor in node.inputs),
-                  "pipeline")
-        phases = (Phase.FORWARD, Phase.BACKWARD) if send.grad else (Phase.FORWARD,)
-        for phase in phases:
-            result.append(Collective(CollectiveKind.SEND_RECV, send.tensor, (PIPELINE_AXIS,),
-                                     round(priced.bytes), phase, op, priced.p2p_s))
-            if split is not None:
-                result.append(Collective(CollectiveKind.ALL_GATHER, send.tensor, split.axes,
-                                         send.bytes, phase, SEND_OP, priced.gather_s))
+        for step in send_steps(send.tensor, send.grad, split, names[first:end],
+                               [node.name for node in graph.ops[first:end]]):
+            if step.gathers:
+                result.append(Collective(step.kind, send.tensor, step.axes, send.bytes,
+                                         step.phase, step.op, priced.gather_s))
+            else:
+                result.append(Collective(step.kind, send.tensor, step.axes,
+                                         round(priced.bytes), step.phase, step.op,
+                                         priced.p2p_s))
     return result
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.kinds import CollectiveKind, Phase
+from planner.kinds import AxisRole, CollectiveKind, Phase
+from planner.sharding.mesh import DeviceMesh
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -46,3 +47,37 @@ ZERO_STEPS: dict[int, tuple[SyncStep, ...]] = {
 def sync_steps(zero: int) -> tuple[SyncStep, ...]:
     """The collectives of one synchronised weight under ZeRO stage `zero`."""
     return ZERO_STEPS[zero]
+
+
+@dataclass(frozen=True)
+class WeightStep:
+    """One collective synchronising a weight on one of the device stages holding it:
+    `number` is its place among that stage's ZeRO steps (`sync_steps`), -1 for the sum
+    between the holders of a weight two stages read (a tied embedding)."""
+
+    holder: int
+    number: int
+    kind: CollectiveKind
+    axes: tuple[str, ...]
+    phase: Phase
+
+
+def synced_axes(axes: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axes of `axes` this mesh has more than one device on: the group a weight's
+    gradient synchronisation really runs over (empty: nothing to synchronise)."""
+    return tuple(a for a in axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
+
+
+def weight_steps(axes: tuple[str, ...], holders: tuple[int, ...],
+                 zero: int) -> tuple[WeightStep, ...]:
+    """Every collective of one weight in a pipeline plan: its ZeRO stage's steps over its
+    synced `axes` once per holding stage, and with two or more holders, the sum between
+    them over the pipeline axis, once per holder."""
+    steps: list[WeightStep] = []
+    for holder in holders:
+        steps += [WeightStep(holder, number, step.kind, axes, step.phase)
+                  for number, step in enumerate(sync_steps(zero) if axes else ())]
+        if len(holders) > 1:
+            steps.append(WeightStep(holder, -1, CollectiveKind.ALL_REDUCE,
+                                    (str(AxisRole.PIPELINE),), Phase.GRADIENT))
+    return tuple(steps)
