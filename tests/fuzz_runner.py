@@ -101,16 +101,18 @@ def _call(entry: EntryPoint, argv: list[str]) -> tuple[int, str]:
 
 def check_plan_against_model(plan_path: str, model_path: str) -> int:
     """What `shardplan run` does before any rank starts: load the plan, import the model
-    with the plan's dims, and refuse a mismatch (executor.train.graph_for +
-    executor.runtime.check_plan_matches). Returns the exit code the CLI would give."""
+    with the plan's dims, and refuse a mismatch or a plan `validate` rejects
+    (executor.train.graph_for, check_plan_matches, refuse_invalid). Returns the exit code the CLI would give."""
     from executor.train import graph_for
     from planner.errors import ShardplanError
     from planner.plans.model import Plan
-    from planner.validate import check_plan_matches
+    from planner.validate import check_plan_matches, refuse_invalid
 
     try:
         plan = Plan.load(plan_path)
-        check_plan_matches(plan, graph_for(model_path, plan))
+        graph = graph_for(model_path, plan)
+        check_plan_matches(plan, graph)
+        refuse_invalid(plan, graph, f" against {model_path}")
     except ShardplanError as exc:
         print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return exc.exit_code

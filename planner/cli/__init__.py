@@ -24,7 +24,7 @@ from planner.cli import (
     validate,
     zoo,
 )
-from planner.cli.args import Parser, Verbs
+from planner.cli.args import Parser, Verbs, one_line
 from planner.errors import ShardplanError, SignalInterrupt
 
 #: Each verb's parser, in `shardplan --help` order.
@@ -78,12 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `shardplan ... | head`: the reader left; not an error
         _silence_stdout()
         return 0
-
-
-def one_line(message: str) -> str:
-    """A message as one line: control characters (a newline in an op name, a YAML
-    parser's multi-line report) escaped, so no input can forge a second error line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def _silence_stdout() -> None:

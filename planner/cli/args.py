@@ -15,6 +15,12 @@ from typing import Any, TypeAlias
 from planner.errors import ShardplanError
 
 
+def one_line(message: str) -> str:
+    """A message as one line: control characters (a newline in an op name, a YAML
+    parser's multi-line report) escaped, so no input can forge a second error line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line, like every other bad input, and refuses a
     single-valued flag given twice (argparse's own last-one-wins would silently drop

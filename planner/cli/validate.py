@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from planner.cli.args import Verbs
+from planner.cli.args import Verbs, one_line
 
 
 def add_parser(verbs: Verbs) -> None:
@@ -31,13 +31,18 @@ def run(args: argparse.Namespace) -> int:
                            dims=loaded.model.bound_dims,
                            capacity_factor=loaded.model.capacity_factor)
     report = validate(loaded, graph)
+    against = f" against {args.model}" if args.model else ""
     if args.json:
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))
     else:
         checked = ", ".join(f"{n} {what}" for what, n in report.checked.items())
-        against = f" against {args.model}" if args.model else ""
         if report.ok:
             print(f"{args.plan}: valid{against} ({checked} checked)")
         for problem in report.problems:
-            print(f"{args.plan}: {problem}", file=sys.stderr)
+            print(f"{args.plan}: {one_line(problem)}", file=sys.stderr)
+    if not report.ok:  # the list above, then the one error line every refusal ends with
+        count = len(report.problems)
+        print(f"shardplan: error: {one_line(args.plan)}: {count} problem"
+              f"{'s' if count > 1 else ''} found{one_line(against)}; re-create the plan with "
+              "`shardplan plan -o`", file=sys.stderr)
     return 0 if report.ok else 2
