@@ -115,8 +115,11 @@ def test_an_unlisted_redistribution_is_found_without_the_model(
     (lambda d: d["pipeline"]["stages"][1].__setitem__("ranks", [0, 1]), "block"),
     (lambda d: d["parallel"].__setitem__("pp", 3), "parallel.pp"),
     (lambda d: d["pipeline"].__setitem__("global_batch", 99), "global batch"),
-    (lambda d: d["pipeline"]["stages"][0]["recompute_segments"].append([10_000, 10_001]),
+    (lambda d: d["pipeline"]["stages"][0]["recompute_segments"].append(  # stage 1's op
+        [d["pipeline"]["stages"][1]["ops"][0][0], d["pipeline"]["stages"][1]["ops"][0][0] + 1]),
      "not inside"),
+    (lambda d: d["pipeline"]["stages"][0]["recompute_segments"].append([10_000, 10_001]),
+     "lies outside the plan's"),  # refused on load: readers index the ops by it
 ])
 def test_pipeline_tampering_is_found(files: dict[str, Path], tmp_path: Path, capsys,
                                      change, needle: str) -> None:
