@@ -118,21 +118,19 @@ def parse_json(text: str, file: Path, error: type[ShardplanError]) -> Any:
 
 
 def nesting_depth(value: Any, limit: int) -> int:
-    """Levels of lists and dicts in `value`, counted without recursion and without
-    visiting a shared container twice; stops at `limit + 1`."""
-    deepest, seen = 0, set()
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if not isinstance(item, list | dict) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+    """Levels of lists and dicts in a parsed JSON value (a tree), counted level by level
+    without recursion; stops at `limit + 1`."""
+    depth, level = 0, [value]
+    while True:
+        containers = [item for item in level if isinstance(item, list | dict)]
+        if not containers:
+            return depth
+        depth += 1
+        if depth > limit:
+            return depth
+        level = []
+        for item in containers:
+            level.extend(item.values() if isinstance(item, dict) else item)
 
 
 def read_yaml(file: Path, text: str, error: type[ShardplanError]) -> Any:
