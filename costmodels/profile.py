@@ -23,6 +23,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 from hardware_profiles import PROFILE_DIR
 from planner.errors import ProfileError
 from planner.kinds import AttentionKernel, Fusion
+from planner.userfiles import read_json
 
 SCHEMA = "shardplan.hardware-profile/1"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -249,22 +250,11 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
 
 
 def _read_json(path: Path) -> Any:
-    """Parse the file, turning I/O and syntax problems into one-line ProfileErrors."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileError(f"{path}: no such profile file; check the path, or use one of the "
-                           f"bundled profiles: {', '.join(list_profiles())}") from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"{path}: not UTF-8 text; save the profile as UTF-8 JSON") from None
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read the profile file ({exc.strerror or exc}); "
-                           f"check the path and its permissions") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
-                           f"{exc.msg}; fix the syntax there") from None
+    """Parse the file with the bounded reader, turning I/O, encoding and syntax problems
+    into one-line ProfileErrors."""
+    return read_json(path, "profile", ProfileError,
+                     missing="check the path, or use one of the bundled profiles: "
+                     f"{', '.join(list_profiles())}")
 
 
 class _Reader:

@@ -23,7 +23,7 @@ PACKAGES = ("planner", "costmodels", "executor", "hardware_profiles")
 #: Layers from the bottom up; a module is in the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("planner.errors", "planner.kinds", "planner.humanize", "planner.records",
-              "hardware_profiles")),
+              "planner.userfiles", "hardware_profiles")),
     ("graph", ("planner.graph", "planner.reference", "planner.layers")),
     ("ops", ("planner.ops",)),
     ("import", ("planner.importer", "planner.zoo")),

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from planner.cli.args import Verbs
-from planner.errors import ShardplanError
+from planner.errors import ProfileError, ShardplanError
+from planner.userfiles import read_json
 
 
 def add_parser(verbs: Verbs) -> None:
@@ -36,5 +37,5 @@ def run(args: argparse.Namespace) -> int:
     if not args.name:
         raise ShardplanError("profiles show: give a profile name, e.g. `profiles show a100-80g`")
     profile = load_profile(args.name)
-    print(json.dumps(json.loads(Path(profile.path).read_text()), indent=2))
+    print(json.dumps(read_json(Path(profile.path), "profile", ProfileError), indent=2))
     return 0

@@ -121,10 +121,15 @@ def _location_problem(location: str | None, folder: Path) -> str:
 
 
 def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor of the model: initializers, attribute tensors, subgraphs, functions."""
+    """Every tensor of the model: initializers, attribute tensors, subgraphs, functions,
+    and the graphs of `training_info` (its initialization and algorithm: ONNX's loader
+    reads their external data too)."""
     yield from _graph_tensors(model.graph)
     for function in model.functions:
         yield from _node_tensors(function.node)
+    for info in model.training_info:
+        yield from _graph_tensors(info.initialization)
+        yield from _graph_tensors(info.algorithm)
 
 
 def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

@@ -39,6 +39,7 @@ from planner.plans.sections import (
 from planner.plans.upgrade import upgrade_pipeline
 from planner.records import Collective, Predicted, SolverRecord
 from planner.sharding.mesh import DeviceMesh
+from planner.userfiles import read_json
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         file = Path(path)
-        try:
-            data = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise PlanFileError(f"{file}: no such plan file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PlanFileError(f"{file}: cannot read the plan ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise PlanFileError(
-                f"{file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-            ) from None
+        data = read_json(file, "plan", PlanFileError,
+                         missing="give the path of a plan written by `shardplan plan -o`")
         return cls.from_json(data, source=str(file))
 
     @classmethod

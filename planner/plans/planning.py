@@ -30,8 +30,8 @@ from planner.search.layers import ties_layers
 from planner.search.oplevel import (
     MeshResult,
     candidate_meshes,
-    matched_ops,
     replica_meshes,
+    resolve_patterns,
     search_meshes,
 )
 from planner.search.options import Pins, SearchOptions, check_pins
@@ -88,8 +88,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     pins = check_pins(options.parallel)
     analysis = GraphAnalysis.of(graph)
     context = BuildContext(Analyses(analysis), hardware, training)
-    for pattern in options.strategies:  # a typo is the same on every mesh: say it once
-        matched_ops(analysis, pattern)
+    # a typo or two globs at odds are the same on every mesh: say it once
+    resolve_patterns(analysis, options.strategies)
     started = time.perf_counter()
     joint_only = pins.joint_only
     joint_wanted = (options.mode == "auto" and not training.inference and bool(graph.batch)

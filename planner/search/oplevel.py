@@ -176,8 +176,11 @@ def _product(values: Sequence[int]) -> int:
 
 
 def matched_ops(analysis: GraphAnalysis, pattern: str) -> list[str]:
-    """Op names a strategy pattern (a name or glob) selects; an error naming it if none."""
+    """Op names a strategy pattern selects: the op of that exact name, else the ops the
+    glob matches; an error naming the pattern if none."""
     names = [node.name for node in analysis.graph.ops]
+    if pattern in names:
+        return [pattern]  # an exact name, even one with glob characters ('attn[0]')
     matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
     if not matched:
         close = [n for n in names if pattern.lower().strip("*") in n.lower()][:5] or names[:5]
@@ -188,20 +191,48 @@ def matched_ops(analysis: GraphAnalysis, pattern: str) -> list[str]:
     return matched
 
 
-def fixed_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
-                     given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, OpStrategy]:
-    """Resolve `name or glob pattern -> MindSpore tuples` into strategies on `mesh`."""
-    graph = analysis.graph
-    fixed: dict[str, OpStrategy] = {}
+def resolve_patterns(analysis: GraphAnalysis, given: Mapping[str, Sequence[Sequence[int]]]
+                     ) -> dict[str, Sequence[Sequence[int]]]:
+    """`op name -> tuples` from `name or glob -> tuples`, whatever the order of the entries:
+    an op's exact-name entry wins over every glob that matches it; two globs that match
+    one op and give it different tuples are refused naming both (file order would decide,
+    and a JSON object has none)."""
+    chosen: dict[str, tuple[str, Sequence[Sequence[int]]]] = {}
+    names = {node.name for node in analysis.graph.ops}
+    exact = {pattern for pattern in given if pattern in names}
     for pattern, tuples in given.items():
         for name in matched_ops(analysis, pattern):
-            node = graph.op(name)
-            op_labels = analysis.labels.get(name)
-            if op_labels is None:
-                raise StrategyError(f"op {name} ({node.op_type}) has no sharding rule; it "
-                                    "can only run replicated, so it cannot take a strategy")
-            fixed[name] = strategy_from_tuples(node, op_labels, graph.tensors, mesh,
-                                               [tuple(t) for t in tuples])
+            if name in exact and pattern != name:
+                continue  # the op's own entry decides
+            if name in chosen and _as_lists(chosen[name][1]) != _as_lists(tuples):
+                raise StrategyError(
+                    f"op {name} is matched by the strategy patterns {chosen[name][0]!r} and "
+                    f"{pattern!r}, which give it different strategies "
+                    f"({_as_lists(chosen[name][1])} and {_as_lists(tuples)}); give the op its "
+                    "own entry (an exact op name wins over any pattern) or narrow a pattern"
+                )
+            chosen[name] = (pattern, tuples)
+    return {name: tuples for name, (_, tuples) in chosen.items()}
+
+
+def _as_lists(tuples: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list(t) for t in tuples]
+
+
+def fixed_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
+                     given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, OpStrategy]:
+    """Resolve `name or glob pattern -> MindSpore tuples` into strategies on `mesh`
+    (`resolve_patterns` says which entry an op takes)."""
+    graph = analysis.graph
+    fixed: dict[str, OpStrategy] = {}
+    for name, tuples in resolve_patterns(analysis, given).items():
+        node = graph.op(name)
+        op_labels = analysis.labels.get(name)
+        if op_labels is None:
+            raise StrategyError(f"op {name} ({node.op_type}) has no sharding rule; it "
+                                "can only run replicated, so it cannot take a strategy")
+        fixed[name] = strategy_from_tuples(node, op_labels, graph.tensors, mesh,
+                                           [tuple(t) for t in tuples])
     return fixed
 
 
