@@ -102,7 +102,8 @@ def _call(entry: EntryPoint, argv: list[str]) -> tuple[int, str]:
 def check_plan_against_model(plan_path: str, model_path: str) -> int:
     """What `shardplan run` does before any rank starts: load the plan, import the model
     with the plan's dims, and refuse a mismatch or a plan `validate` rejects
-    (executor.train.graph_for, check_plan_matches, refuse_invalid). Returns the exit code the CLI would give."""
+    (executor.train.graph_for, check_plan_matches, refuse_invalid). Returns the exit code
+    the CLI would give."""
     from executor.train import graph_for
     from planner.errors import ShardplanError
     from planner.plans.model import Plan

@@ -225,5 +225,5 @@ def test_the_executor_refuses_what_validate_rejects(files: dict[str, Path],
 
     tampered = _tampered(files["pipeline"], tmp_path,
                          lambda d: d["pipeline"].__setitem__("sends", []))
-    with pytest.raises(PlanFileError, match="does not validate against .*lacks that send"):
+    with pytest.raises(PlanFileError, match=r"does not validate against .*lacks that send"):
         preflight(files["model"], Plan.load(tampered))
