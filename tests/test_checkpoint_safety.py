@@ -139,9 +139,9 @@ def test_two_runs_cannot_write_one_checkpoint_folder(
         assert lock.read_text().strip().endswith(str(os.getpid()))
     assert not lock.exists()
     lock.write_text("a file of mine")
-    with pytest.raises(ShardplanError, match="exists and is not a shardplan lock"):
-        with checkpoints.locked(target):
-            pass
+    with pytest.raises(ShardplanError, match="exists and is not a shardplan lock"), \
+            checkpoints.locked(target):
+        pass
     assert lock.read_text() == "a file of mine"
 
 
@@ -170,10 +170,10 @@ def test_a_rank_error_is_one_line_naming_the_rank(tmp_path: Path) -> None:
     class NotAnException(BaseException):  # as DCP's CheckpointException is
         pass
 
-    with pytest.raises(Exception, match="NotAnException: NotADirectoryError: ck.partial"):
-        with reported_to_launcher():
-            raise NotAnException("ranks:[0, 1]\nTraceback (RANK 0)\n"
-                                 "NotADirectoryError: ck.partial")
+    with pytest.raises(Exception, match=r"NotAnException: NotADirectoryError: ck\.partial"), \
+            reported_to_launcher():
+        raise NotAnException("ranks:[0, 1]\nTraceback (RANK 0)\n"
+                             "NotADirectoryError: ck.partial")
     with pytest.raises(ShardplanError, match=r"--checkpoint .*x: cannot save \(.*name too long"):
         checkpoints.write(tmp_path / ("x" * 300), {}, {"format": checkpoints.FORMAT})
 
