@@ -87,6 +87,25 @@ def follow_launcher(launcher: int) -> None:
                      name="shardplan-follow-launcher").start()
 
 
+class RankError(Exception):
+    """A rank's failure that was not an `Exception` (DCP's CheckpointException is a
+    BaseException), re-raised as one so that the launcher hears of it (torch's rank
+    wrapper reports only Exceptions; anything else escaped with a traceback and exit 1)."""
+
+
+@contextlib.contextmanager
+def reported_to_launcher() -> Iterator[None]:
+    """In a rank: every failure reaches the launcher's one-line message."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise RankError(f"{type(exc).__name__}: {lines[-1].strip() if lines else ''}"
+                        ) from None
+
+
 def _wait_for_launcher(launcher: int, handle: int | None) -> None:
     if handle is not None:
         select.select([handle], [], [])  # a pidfd turns readable when its process exits
@@ -138,9 +157,21 @@ def _raised(exc: mp.ProcessRaisedException, stopped_since: dict[int, float],
             timeout_s: float) -> str:
     if stopped_since:  # the peers of a stopped rank time out first: name the cause
         return _stopped_message(min(stopped_since), timeout_s)
-    lines = str(exc).strip().splitlines()
+    return f"rank {exc.error_index} failed ({_error_line(str(exc))}); the other ranks were " \
+        "stopped"
+
+
+def _error_line(traceback: str) -> str:
+    """The error of a rank's traceback in one line: a shardplan error's own message (it
+    says what to do), any other as "Type: message"."""
+    lines = [line.strip() for line in traceback.strip().splitlines() if line.strip()]
     last = lines[-1] if lines else "no message"
-    return f"rank {exc.error_index} failed ({last}); the other ranks were stopped"
+    kind, sep, message = last.partition(": ")
+    if sep and kind.startswith(("planner.errors.", "executor.ranks.RankError")):
+        return message
+    if not sep or " " in kind:  # the last line of a message of several lines
+        return last
+    return f"{kind.rpartition('.')[2]}: {message}"
 
 
 def _exited(exc: mp.ProcessExitedException) -> str:

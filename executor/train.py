@@ -10,6 +10,7 @@ collective counts (summed over one rank per pipeline stage) and what every rank 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from executor import checkpoint as checkpoints
 from executor.data import check_data, global_shape
 from executor.pipeline import PipelineEngine
-from executor.ranks import follow_launcher, run_ranks
+from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import Placement, PlanRunner, onnx_weights
 from executor.schedule import (
     build_stages,
@@ -196,7 +197,8 @@ def _engine(analysis: GraphAnalysis, plan: Plan | None, rank: int, seed: int, mo
 
 def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
            log: RunLog, resume: str = "", checkpoint: str = "", loss: str = "auto",
-           data: str = "", fault_spec: str = "", checkpoint_every: int = 0) -> None:
+           data: str = "", fault_spec: str = "", checkpoint_every: int = 0,
+           marker: dict | None = None) -> None:
     kind, output = loss_kind(graph, loss)
     count = engine.stages.micro_batches
     feeds, targets = batch_data(graph, seed, kind, output, data, count)
@@ -214,9 +216,11 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
         log.losses.append(reported)
         done += 1
         if checkpoint and checkpoint_every and done % checkpoint_every == 0:
-            checkpoints.save(checkpoint, params, update.optimizer, done, update.targets)
+            checkpoints.save(checkpoint, params, update.optimizer, done, marker or {},
+                             update.targets)
     if checkpoint and not (checkpoint_every and done % checkpoint_every == 0):
-        checkpoints.save(checkpoint, params, update.optimizer, done, update.targets)
+        checkpoints.save(checkpoint, params, update.optimizer, done, marker or {},
+                         update.targets)
 
 
 def _rank_record(engine: PipelineEngine) -> dict:
@@ -283,6 +287,9 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
         if plan.mesh.size != world:
             raise ShardplanError(f"the plan is for {plan.mesh.size} devices but {world} ranks "
                                  "were started; start as many ranks as the plan has devices")
+        marker = checkpoints.marker_for(plan, "graph", settings.optimizer)
+        if settings.resume:  # (the launcher checked it; under torchrun, this is the check)
+            checkpoints.check_resume(settings.resume, marker)
         graph = graph_for(settings.model, plan)
         check_plan_matches(plan, graph)
         engine = _engine(GraphAnalysis.of(graph), plan, rank, settings.seed, settings.model,
@@ -290,7 +297,7 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
         log = RunLog(predicted_step_time_s=plan.predicted.step_time_s)
         _steps(engine, graph, settings.steps, settings.seed, log, settings.resume,
                settings.checkpoint, settings.loss, settings.data, settings.fault,
-               settings.checkpoint_every)
+               settings.checkpoint_every, marker)
         records: list = [None] * world
         dist.all_gather_object(records, _rank_record(engine))
         log.ranks = records
@@ -305,7 +312,8 @@ def run_rank(rank: int, world: int, init_method: str, settings: RunSettings) -> 
 def _worker(rank: int, world: int, port: int, settings: RunSettings) -> None:
     if settings.launcher:
         follow_launcher(settings.launcher)
-    run_rank(rank, world, f"tcp://127.0.0.1:{port}", settings)
+    with reported_to_launcher():
+        run_rank(rank, world, f"tcp://127.0.0.1:{port}", settings)
     # Everything is written and the process group is gone. Tearing down an interpreter
     # that loaded torch takes seconds per rank on a busy host: leave at once.
     sys.stdout.flush()
@@ -375,6 +383,16 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     return weights.note
 
 
+def check_checkpoints(plan: Plan, runner: str, optimizer: str, resume: str = "",
+                      checkpoint: str = "") -> None:
+    """Before any rank starts: `checkpoint` is a folder saving may create or replace, and
+    `resume` a checkpoint this run (runner, optimizer, plan) can resume from."""
+    if checkpoint:
+        checkpoints.check_target(checkpoint)
+    if resume:
+        checkpoints.check_resume(resume, checkpoints.marker_for(plan, runner, optimizer))
+
+
 def free_port() -> int:
     """A TCP port on localhost no one listens on now, for a local process group."""
     with socket.socket() as sock:
@@ -389,10 +407,12 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
     """Run `plan` on as many local gloo ranks as its mesh has devices. A rank that
     fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`; no
     rank outlives the call (`executor.ranks`)."""
+    check_checkpoints(plan, "graph", optimizer, resume, checkpoint)
     weights_note = preflight(model, plan, loss, data)
-    if checkpoint:
-        checkpoints.check_target(checkpoint)
-    with tempfile.TemporaryDirectory() as scratch:
+    with checkpoints.locked(checkpoint) if checkpoint else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory() as scratch:
+        if checkpoint:
+            checkpoints.check_target(checkpoint)  # again, now that no other run can write it
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)
         out = Path(scratch) / "log.json"

@@ -13,6 +13,7 @@ what the ranks must equal.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -31,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from executor.checkpoint import check_target, existing
+from executor.checkpoint import locked, marker_for
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
-from executor.ranks import follow_launcher, run_ranks
+from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import MeshComm
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
-from executor.train import RunLog, free_port, issues_per_run
+from executor.train import RunLog, check_checkpoints, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
 from planner.sharding.derive import OPTIMIZER_OP
@@ -188,6 +189,9 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
         axes = group_axes(state.mesh)
         issued: Counter = Counter()
         log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
+        marker = marker_for(plan, "module", run.optimizer)
+        if saving.resume:  # (the launcher checked it; under torchrun, this is the check)
+            check_checkpoints(plan, "module", run.optimizer, resume=saving.resume)
         done = checkpoints.load(saving.resume, state, optimizer).steps \
             if saving.resume else 0
         for step in range(done, done + run.steps):
@@ -200,9 +204,9 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             log.losses.append(_scalar(loss))
             log.step_time_s.append(time.perf_counter() - started)
             if saving.save and saving.every and (step + 1) % saving.every == 0:
-                checkpoints.save(saving.save, state, optimizer, step + 1)
+                checkpoints.save(saving.save, state, optimizer, step + 1, marker)
         if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
-            checkpoints.save(saving.save, state, optimizer, done + run.steps)
+            checkpoints.save(saving.save, state, optimizer, done + run.steps, marker)
         issued.update(state.weight_calls)
         issued = _stage_sums(issued, state.comm)
         if rank == 0:
@@ -240,7 +244,8 @@ def _stage_sums(issued: Counter, comm: MeshComm) -> Counter:
 def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
     if run.launcher:
         follow_launcher(run.launcher)
-    log = run_module_rank(rank, world, f"tcp://127.0.0.1:{port}", run)
+    with reported_to_launcher():
+        log = run_module_rank(rank, world, f"tcp://127.0.0.1:{port}", run)
     if rank == 0:
         Path(out).write_text(json.dumps(log.to_json()))
 
@@ -265,23 +270,23 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         from executor.module.state import refuse_pipelined
 
         refuse_pipelined(plan)  # before any rank starts
-    if saving.save:
-        check_target(saving.save)
-    if saving.resume:
-        existing(saving.resume)  # before any rank starts
     batch_size = batch_size or plan.global_batch
     if batch_size is None:
         raise ShardplanError("the plan names no global batch: give batch_size")
     if optimizer not in OPTIMIZERS:
         raise ShardplanError(f"--optimizer {optimizer!r}: choose one of "
                              f"{', '.join(OPTIMIZERS)}")
+    check_checkpoints(plan, "module", optimizer, saving.resume, saving.save)
     load_builder(spec)  # a wrong name is reported here, before any rank starts
     if backend not in ("gloo", "nccl"):
         raise ShardplanError(f"--backend {backend!r}: choose gloo or nccl")
     if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
         raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
                              f"machine has {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as scratch:
+    with locked(saving.save) if saving.save else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory() as scratch:
+        if saving.save:
+            check_checkpoints(plan, "module", optimizer, checkpoint=saving.save)  # locked now
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
                         backend, optimizer, saving, local, timeout_s, os.getpid())

@@ -9,7 +9,8 @@ parameters and their optimizer state are flat chunks of a weight; they are gathe
 the weight's block for saving and cut back into chunks after loading (the gathers count
 as phase "checkpoint", outside the plan's step). Scalars (AdamW's step) and the run's
 position (training steps done, dropout draws) are saved as plain tensors, equal on every
-rank. The folder is written atomically (`executor.checkpoint.write`).
+rank. The folder is written atomically (`executor.checkpoint.write`), with shardplan's
+marker; a resume with another optimizer is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -96,14 +98,15 @@ def refuse_pipelined(plan: Plan) -> None:
 
 
 def save(directory: str | Path, state: ParallelModule, optimizer: torch.optim.Optimizer,
-         steps: int) -> None:
-    """Write the module's weights, `optimizer`'s state and the run's position."""
+         steps: int, marker: dict[str, Any]) -> None:
+    """Write the module's weights, `optimizer`'s state and the run's position, with the
+    checkpoint's `marker` (`executor.checkpoint.marker_for`)."""
     refuse_pipelined(state.plan)
     with _outside_step(state):
         found = {key: saved for key, _, saved, _ in _entries(state, optimizer)}
     found["run/steps"] = torch.tensor(steps)
     found["run/draws"] = torch.tensor(state.draws)
-    write(directory, found)
+    write(directory, found, marker)
 
 
 def load(directory: str | Path, state: ParallelModule, optimizer: torch.optim.Optimizer

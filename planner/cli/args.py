@@ -151,6 +151,9 @@ def check_output(path: str | Path | None, flag: str,
     target = Path(path)
     if target.is_dir():
         raise ShardplanError(f"{flag} {target}: is a folder; give a file path")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise ShardplanError(f"{flag} {target}: {target.parent} is a file, not a folder; "
+                             "give a path in a folder")
     if not target.parent.is_dir():
         raise ShardplanError(f"{flag} {target}: the folder {target.parent} does not exist; "
                              "create it first")
