@@ -61,10 +61,14 @@ def test_corpus_covers_every_class_with_real_outcomes(corpus: list[Result]) -> N
     for cls in ("onnx/valid", "profile/valid", "plan/valid"):
         assert table[cls]["ok"] == sum(table[cls].values()), cls
     for cls in ("onnx/cycle", "onnx/control-flow", "profile/nan", "profile/not-json",
-                "plan/sha256", "plan/model-swap", "plan/not-json"):
+                "plan/sha256", "plan/model-swap", "plan/not-json",
+                # issue 18's held-out classes
+                "cli/flags", "strategies/bounds", "onnx/contradiction", "names/escape",
+                "run/inputs"):
         assert table[cls]["rejected"] == sum(table[cls].values()), cls
     assert table["onnx/external-data"]["rejected"] > 0
     assert table["onnx/external-data"]["ok"] > 0  # paths inside the folder still plan
+    assert table["plan/tampered"]["rejected"] > 0 and table["plan/json-bounds"]["rejected"] > 0
 
 
 def test_cases_are_deterministic_per_seed_and_index() -> None:
