@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
+import pytest
+from test_robustness import _save, chain_model
+
+from planner.api import MAX_PLANNED_OPS
 from planner.layers import Repeats, _best_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _shifts(codes: np.ndarray, offset: int) -> Repeats | None:
@@ -39,3 +50,39 @@ def test_repeat_detection_by_runs_matches_the_definition() -> None:
             codes = rng.integers(0, int(rng.integers(1, 4)), n)
         codes = codes.astype(np.int64)
         assert _best_run(codes, 3) == _shifts(codes, 3), codes.tolist()
+
+
+PLAN_AND_MEASURE = """
+import contextlib, io, json, resource, sys, time
+from planner.cli import main
+started = time.perf_counter()
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    code = main(["plan", sys.argv[1], "--devices", "8", "--batch", "8", "-o", sys.argv[2]])
+print(json.dumps({"seconds": time.perf_counter() - started, "code": code,
+                  "stderr": err.getvalue(),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+@pytest.mark.slow
+def test_a_200k_node_chain_is_answered_in_bounded_time_and_memory(tmp_path: Path) -> None:
+    """Past MAX_PLANNED_OPS a graph is refused after its import, in one line: planning it
+    took quadratic time in repeat detection and quadratic tables in the stage search, and
+    still takes about 45 KiB and milliseconds per op per configuration priced."""
+    path = _save(chain_model(200_000, width=16), tmp_path / "chain.onnx")
+    done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(path),
+                           str(tmp_path / "plan.json")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, check=True, preexec_fn=_limit_memory)
+    figures = json.loads(done.stdout)
+    print(f"\n200,000-node chain: exit {figures['code']} in {figures['seconds']:.1f} s, peak "
+          f"RSS {figures['peak_rss_bytes'] / 2**20:.0f} MiB")
+    assert figures["code"] == 2
+    assert figures["stderr"].count("\n") == 1
+    assert f"200,000 ops, more than the planner plans ({MAX_PLANNED_OPS:,}" in figures["stderr"]
+    assert figures["seconds"] < 120
+    assert figures["peak_rss_bytes"] < 6 << 30
