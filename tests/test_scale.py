@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from test_robustness import _save, chain_model
 
-from planner.api import MAX_PLANNED_OPS
+from planner.api import MAX_PLANNED_OPS, plan
+from planner.errors import ShardplanError
 from planner.layers import Repeats, _best_run
+from planner.search.stages import MAX_PIPELINE_UNITS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,3 +88,13 @@ def test_a_200k_node_chain_is_answered_in_bounded_time_and_memory(tmp_path: Path
     assert f"200,000 ops, more than the planner plans ({MAX_PLANNED_OPS:,}" in figures["stderr"]
     assert figures["seconds"] < 120
     assert figures["peak_rss_bytes"] < 6 << 30
+
+
+def test_a_pipeline_of_more_units_than_the_stage_search_takes_is_refused(
+        tmp_path: Path) -> None:
+    """Its tables hold (units + 1)² entries each: pinned pp > 1 is an error, not 6 GiB."""
+    layers = MAX_PIPELINE_UNITS + 25
+    path = _save(chain_model(4 * layers, width=16), tmp_path / "chain.onnx")
+    with pytest.raises(ShardplanError, match=rf"pp=2: the graph has {layers + 1} units "
+                                             rf"\(layers\), more than the stage search takes"):
+        plan(path, devices=8, batch=8, parallel={"pp": 2})
