@@ -12,7 +12,7 @@ from costmodels.precision import default_precision, policy
 from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.buckets import DEFAULT_BUCKET_MB
 from planner.cost.step import TrainingOptions
-from planner.errors import ShardplanError
+from planner.errors import ModelError, ShardplanError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
 from planner.importer import import_model, rebind, retyped
 from planner.kinds import AttentionKernel, Fusion, Precision
@@ -42,6 +42,11 @@ def load_graph(
                         capacity_factor=DEFAULT_CAPACITY_FACTOR if capacity_factor is None
                         else capacity_factor)
 
+
+#: the most ops a graph may have to be planned: planning takes about 45 KiB of memory and
+#: some milliseconds per op, so 50,000 ops take minutes and a few GiB (docs/robustness.md
+#: "Limits"); a graph past it is refused after its import rather than run out of memory
+MAX_PLANNED_OPS = 50_000
 
 #: the device memories `--memory-limit` accepts, in GiB: outside, a figure is a typo
 MEMORY_LIMIT_GIB = (2.0 ** -20, 2.0 ** 20)
@@ -114,6 +119,10 @@ def plan(
     if not math.isfinite(time_limit) or time_limit <= 0:
         raise ShardplanError(f"--time-limit {time_limit}: must be a positive number of seconds")
     graph = load_graph(model, batch=batch, dims=dims, capacity_factor=capacity_factor)
+    if len(graph.ops) > MAX_PLANNED_OPS:
+        raise ModelError(f"{graph.path}: {len(graph.ops):,} ops, more than the planner plans "
+                         f"({MAX_PLANNED_OPS:,}: each op takes memory and time in every "
+                         "configuration priced); plan a model with fewer layers")
     chosen = _choice(Precision, precision, "--precision") or default_precision(
         graph.stored_float_dtype)
     graph = retyped(graph, policy(chosen).storage_dtype)

@@ -102,31 +102,137 @@ def _codes(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> np.ndarr
 
 
 def _best_run(codes: np.ndarray, offset: int) -> Repeats | None:
-    """The longest run of repeats in `codes` (ops from index `offset` of the graph)."""
-    n = len(codes)
+    """The longest run of repeats in `codes` (ops from index `offset` of the graph): the
+    period p (smallest on ties) whose longest p-periodic stretch (first on ties) holds the
+    most ops in whole layers.
+
+    Every such stretch of at least two layers is a maximal repetition ("run") of a period
+    q dividing p (Fine and Wilf), and a string of n symbols has fewer than n runs, their
+    exponents summing to O(n) (Bannai et al., "The Runs Theorem", 2017). So the runs and
+    their multiples are enumerated instead of comparing `codes` with itself at each of the
+    n/2 shifts, which was quadratic (200,000 ops: minutes)."""
+    longest: dict[int, tuple[int, int]] = {}  # period: (-length, start) of its longest stretch
+    for start, end, period in _runs(codes):
+        length = end - start
+        for multiple in range(period, length // 2 + 1, period):
+            if multiple >= 2 and (-length, start) < longest.get(multiple, (1, 0)):
+                longest[multiple] = (-length, start)
     best: Repeats | None = None
-    for period in range(2, n // MIN_REPEATS + 1):
-        equal = codes[:-period] == codes[period:]
-        if not equal.any():
-            continue
-        run_start, run_length = _longest_run(equal)
-        count = (run_length + period) // period
-        if count < MIN_REPEATS:
-            continue
-        candidate = Repeats(offset + run_start, period, count)
+    for period in sorted(longest):
+        length, start = -longest[period][0], longest[period][1]
+        candidate = Repeats(offset + start, period, length // period)
         if best is None or candidate.covered > best.covered:
             best = candidate
     return best
 
 
-def _longest_run(flags: np.ndarray) -> tuple[int, int]:
-    """Start and length of the longest run of True."""
-    padded = np.concatenate(([0], flags.astype(np.int8), [0]))
-    changes = np.flatnonzero(np.diff(padded))
-    starts, ends = changes[::2], changes[1::2]
-    lengths = ends - starts
-    best = int(np.argmax(lengths))
-    return int(starts[best]), int(lengths[best])
+def _runs(codes: np.ndarray) -> set[tuple[int, int, int]]:
+    """Every maximal repetition (start, end, smallest period) of at least two periods: for
+    both orders of the symbols, the longest Lyndon word at each position extended both
+    ways by longest common extensions (the Runs theorem's construction)."""
+    n = len(codes)
+    if n < 4:
+        return set()
+    symbols = np.unique(codes, return_inverse=True)[1].astype(np.int64).reshape(-1)
+    ahead = _Extensions(symbols)
+    behind = _Extensions(symbols[::-1])
+    found: set[tuple[int, int, int]] = set()
+    for order in (symbols, symbols.max() - symbols):
+        rank = ahead.rank if order is symbols else _suffix_ranks(order)
+        starts = np.arange(n)
+        ends = _next_smaller(rank)
+        right = ahead.common(starts, ends)
+        left = behind.common(n - starts, n - ends)
+        periods = ends - starts
+        square = left + right >= periods
+        for start, end, period in zip((starts - left)[square].tolist(),
+                                      (ends + right)[square].tolist(),
+                                      periods[square].tolist(), strict=True):
+            found.add((start, end, period))
+    return found
+
+
+def _suffix_ranks(symbols: np.ndarray) -> np.ndarray:
+    """Rank of every suffix among all suffixes (a suffix before its extensions), by prefix
+    doubling."""
+    n = len(symbols)
+    rank = symbols + 1
+    step = 1
+    while True:
+        following = np.zeros(n, dtype=np.int64)
+        following[:max(n - step, 0)] = rank[step:]
+        order = np.lexsort((following, rank))
+        changed = (np.diff(rank[order]) != 0) | (np.diff(following[order]) != 0)
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.concatenate(([1], 1 + np.cumsum(changed)))
+        if rank[order[-1]] == n or step >= n:
+            return rank - 1
+        step *= 2
+
+
+def _next_smaller(values: np.ndarray) -> np.ndarray:
+    """For each position, the next position holding a smaller value (len when none): with
+    suffix ranks, where the longest Lyndon word starting there ends."""
+    n = len(values)
+    result = np.full(n, n, dtype=np.int64)
+    stack: list[int] = []
+    listed = values.tolist()
+    for position in range(n - 1, -1, -1):
+        value = listed[position]
+        while stack and listed[stack[-1]] > value:
+            stack.pop()
+        if stack:
+            result[position] = stack[-1]
+        stack.append(position)
+    return result
+
+
+class _Extensions:
+    """Longest common extensions of a string's suffixes: suffix ranks, Kasai's longest
+    common prefixes of neighbours, and a sparse table of their minima."""
+
+    def __init__(self, symbols: np.ndarray) -> None:
+        n = len(symbols)
+        self.n = n
+        self.rank = _suffix_ranks(symbols)
+        order = np.empty(n, dtype=np.int64)
+        order[self.rank] = np.arange(n)
+        listed, ranks, suffixes = symbols.tolist(), self.rank.tolist(), order.tolist()
+        common = [0] * n  # common[r]: with the suffix ranked r − 1
+        shared = 0
+        for position in range(n):
+            r = ranks[position]
+            if r == 0:
+                shared = 0
+                continue
+            other = suffixes[r - 1]
+            while (position + shared < n and other + shared < n
+                   and listed[position + shared] == listed[other + shared]):
+                shared += 1
+            common[r] = shared
+            shared = max(shared - 1, 0)
+        self.minima = [np.asarray(common, dtype=np.int64)]
+        width = 1
+        while 2 * width <= n:
+            previous = self.minima[-1]
+            self.minima.append(np.minimum(previous[:-width], previous[width:]))
+            width *= 2
+
+    def common(self, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+        """Length of the longest common prefix of the suffixes at `first` and `second`
+        (distinct positions; n is the empty suffix)."""
+        result = np.zeros(len(first), dtype=np.int64)
+        inside = (first < self.n) & (second < self.n)
+        a, b = self.rank[first[inside]], self.rank[second[inside]]
+        low, high = np.minimum(a, b) + 1, np.maximum(a, b) + 1
+        level = np.floor(np.log2(high - low)).astype(np.int64)
+        values = np.empty(len(low), dtype=np.int64)
+        for k in np.unique(level).tolist():
+            at = level == k
+            table = self.minima[k]
+            values[at] = np.minimum(table[low[at]], table[high[at] - (1 << k)])
+        result[inside] = values
+        return result
 
 
 @dataclass(frozen=True)

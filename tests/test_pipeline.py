@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -19,7 +21,7 @@ from planner.cli import main
 from planner.cost.oplevel import price_graph
 from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, TrainingOptions
-from planner.cost.units import UnitProfile, unit_profile
+from planner.cost.units import Crossing, UnitProfile, unit_profile
 from planner.importer import import_model
 from planner.kinds import Recompute
 from planner.layers import Units
@@ -147,6 +149,41 @@ def test_partition_dp_equals_brute_force(gpt8: Path, pp: int) -> None:
         cost = 4 * per_micro + tables.totals.end + tables.totals.optimizer
         achieved = max(cost[a, b] for a, b in itertools.pairwise(cuts))
         assert achieved == pytest.approx(expected)
+
+
+def test_a_one_stage_pipeline_builds_one_row_of_the_full_tables(gpt8: Path) -> None:
+    analysis = GraphAnalysis.of(import_model(gpt8, batch=4, dims={"seq": 16}))
+    hardware = load_profile("a100-80g")
+    mesh = DeviceMesh.build({"dp": 8}, 8)
+    priced = price_graph(derive(analysis, mesh, {}), hardware, TrainingOptions())
+    profile = unit_profile(priced, analysis.units)
+    one = StageTables(Pricer(profile, PipelineConfig(pp=1, micro_batches=2), hardware, mesh))
+    every = StageTables(Pricer(profile, PipelineConfig(pp=2, micro_batches=2), hardware, mesh))
+    n = profile.count
+    assert one.time[Recompute.NONE].shape == (1, n + 1)
+    assert every.time[Recompute.NONE].shape == (n + 1, n + 1)
+    for mode in (Recompute.NONE, Recompute.FULL):
+        for name in ("time", "saved", "transient"):
+            assert np.array_equal(getattr(one, name)[mode], getattr(every, name)[mode][:1])
+    assert np.array_equal(one.received, every.received[:1])
+    assert np.array_equal(one.workspace, every.workspace[:1])
+    assert one.solve(np.inf, [Recompute.NONE]) == ([0, n], [Recompute.NONE])
+
+
+def test_a_20000_way_fan_out_at_one_stage_builds_nothing_quadratic() -> None:
+    """Every unit's output read by the last: the old tables were (units + 1)² per entry
+    (20,000 units: 3.2 GB each) and visited every start of every crossing."""
+    count = 20_000
+    base = _uniform_profile(count, 1e-3, 1e6)
+    crossings = tuple(Crossing(f"t{u}", 1e3, u, (count - 1,), True) for u in range(count - 1))
+    profile = dataclasses.replace(base, crossings=crossings)
+    hardware = load_profile("a100-80g")
+    mesh = DeviceMesh.build({"dp": 8}, 8)
+    started = time.perf_counter()
+    tables = StageTables(Pricer(profile, PipelineConfig(pp=1), hardware, mesh))
+    assert tables.solve(np.inf, [Recompute.NONE]) == ([0, count], [Recompute.NONE])
+    assert tables.received[0, -1] == 0  # nothing crosses into the one stage
+    assert time.perf_counter() - started < 10
 
 
 def test_units_are_prefix_layers_suffix(gpt8: Path) -> None:

@@ -333,3 +333,14 @@ def test_unknown_names_and_oversized_inline_weights() -> None:
         zoo.build("gpt", zoo.preset("bert-tiny")[1])
     with pytest.raises(ModelError, match="with_weights=False"):
         zoo.build("gpt", layers=1, hidden=1024, heads=8, vocab=2**20, with_weights=True)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+def test_a_graph_past_the_node_bound_is_refused_before_it_is_built(family: str) -> None:
+    """`zoo gpt --layers 100000` ran out of memory building 3.4 M nodes (protobuf crashed)."""
+    started = time.perf_counter()
+    with pytest.raises(ModelError, match=r"100000 layers: its graph would have about [\d,]+ "
+                                          r"nodes .* use fewer layers"):
+        zoo.build(family, layers=100_000)
+    assert time.perf_counter() - started < 10
+    assert len(zoo.build(family, layers=6).graph.node) < zoo.MAX_NODES

@@ -49,7 +49,7 @@ from planner.search.problem import (
     restrict_candidates,
 )
 from planner.search.solve import Engine, solve
-from planner.search.stages import Partition, Partitioner
+from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
 from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
@@ -100,15 +100,23 @@ class JointResult:
     #: micro-batch sizes (rows per device) the graph cannot be bound at -> why: their
     #: configurations were skipped (a token-major batch reshaped into whole sequences)
     skipped_sizes: dict[int, str] = field(default_factory=dict)
+    #: units of a graph with more than MAX_PIPELINE_UNITS: no pipeline was considered
+    too_many_units: int = 0
 
     def warnings(self) -> tuple[str, ...]:
-        """What the plan says of the micro-batch sizes this search could not consider."""
-        if not self.skipped_sizes:
-            return ()
-        sizes = sorted(self.skipped_sizes)
-        shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
-        return (f"micro-batches of {shown} rows were not considered: the graph does not "
-                f"bind its batch dim at those sizes ({self.skipped_sizes[sizes[0]]})",)
+        """What the plan says of the micro-batch sizes and pipelines this search could not
+        consider."""
+        found = []
+        if self.skipped_sizes:
+            sizes = sorted(self.skipped_sizes)
+            shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+            found.append(f"micro-batches of {shown} rows were not considered: the graph does "
+                         f"not bind its batch dim at those sizes "
+                         f"({self.skipped_sizes[sizes[0]]})")
+        if self.too_many_units:
+            found.append(f"pipelines were not considered: the graph has {self.too_many_units} "
+                         f"units (layers), more than the stage search's {MAX_PIPELINE_UNITS}")
+        return tuple(found)
 
 
 def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1, replicas: int = 1) -> DeviceMesh:
@@ -314,6 +322,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     units = root.units
     layers = len(units.layer_units) or units.count
+    too_many = units.count if units.count > MAX_PIPELINE_UNITS else 0
+    if too_many and pins.pp is not None and pins.pp > 1:
+        raise ShardplanError(
+            f"{graph.path}: --parallel pp={pins.pp}: the graph has {too_many} units (layers), "
+            f"more than the stage search takes ({MAX_PIPELINE_UNITS}: its tables grow with "
+            f"the square of the units); plan it with pp=1")
     skipped: dict[int, str] = {}
     bindable: dict[int, bool] = {}
 
@@ -333,7 +347,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
                                             granule)
                if binds(graph.batch // (c.dp * c.micro_batches))
-               and binds(graph.batch // c.micro_batches)]
+               and binds(graph.batch // c.micro_batches) and not (too_many and c.pp > 1)]
     modes = recompute_modes(pins)
     if not choices:  # the op-level plans may still stand; the message if none does
         binding = f" at {granule} rows or multiples of them (the least it binds at)" \
@@ -453,7 +467,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
     return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories,
-                       skipped)
+                       skipped, too_many)
 
 
 def _memory_aware(choice: Choice, limit: float, modes: list[Recompute],

@@ -27,6 +27,10 @@ from planner.cost.step import StepPrice, step_price
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 from planner.layers import Units
 
+# The stage DP's tables of a pipeline hold (units + 1)² entries each, some thirty of them:
+# at 1,024 units about 250 MiB in all, at 20,000 units more than any machine has. Graphs
+# with more units (layers) than this are planned without pipeline stages.
+MAX_PIPELINE_UNITS = 1024
 
 def contiguous(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
     """Stages of consecutive units from cut points [0, c1, ..., units]."""
@@ -163,22 +167,34 @@ def _best_modes(pricer: Pricer, devices: list[list[tuple[int, int]]], limit: flo
 
 
 class StageTables:
-    """Every contiguous range's time and memory as (units+1)² matrices, for the DP."""
+    """Every contiguous range's time and memory, for the DP: [r, i] is the range from unit
+    `starts[r]` to unit i. A pipeline of one stage starts only at unit 0, so its tables
+    are one row (linear in the units); deeper pipelines need every start, (units+1)²
+    (`MAX_PIPELINE_UNITS` bounds them)."""
 
     def __init__(self, pricer: Pricer) -> None:
         profile, config = pricer.profile, pricer.config
         self.config = config
         n = profile.count
         self.n = n
+        starts = np.arange(1) if config.pp == 1 else np.arange(n + 1)
+        self.starts = starts
+        rows = len(starts)
 
-        def span(values: np.ndarray) -> np.ndarray:  # [j, i]: sum of values[j:i]
+        def span(values: np.ndarray) -> np.ndarray:  # [r, i]: sum of values[starts[r]:i]
             prefix = np.concatenate(([0.0], np.cumsum(values)))
-            return prefix[None, :] - prefix[:, None]
+            return prefix[None, :] - prefix[starts, None]
 
         def running_max(values: np.ndarray) -> np.ndarray:
-            table = np.zeros((n + 1, n + 1))
-            for j in range(n):
-                table[j, j + 1:] = np.maximum.accumulate(values[j:])
+            table = np.zeros((rows, n + 1))
+            for r, j in enumerate(starts.tolist()):
+                if j < n:
+                    table[r, j + 1:] = np.maximum.accumulate(values[j:])
+            return table
+
+        def covering(first: int, last: int) -> np.ndarray:  # [r, i]: j <= first, last < i
+            table = np.zeros((rows, n + 1), dtype=bool)
+            table[: int(np.searchsorted(starts, first, side="right")), last + 1:] = True
             return table
 
         base = span(profile.forward + profile.backward)
@@ -188,22 +204,25 @@ class StageTables:
         self.saved = {mode: span(profile.saved[mode]) for mode in RECOMPUTE_MODES}
         self.transient = {mode: running_max(profile.transient[mode]) for mode in RECOMPUTE_MODES}
         # A crossing enters range [j, i) when produced before j and read by a unit in it.
-        received = np.zeros((n + 1, n + 1))
-        p2p = np.zeros((n + 1, n + 1))
+        received = np.zeros((rows, n + 1))
+        p2p = np.zeros((rows, n + 1))
         for crossing in profile.crossings:
             seconds = pricer.prices.p2p(crossing.bytes) * (2.0 if crossing.grad else 1.0)
-            for j in range(crossing.producer + 1, crossing.consumers[-1] + 1):
+            low = int(np.searchsorted(starts, crossing.producer + 1))
+            high = int(np.searchsorted(starts, crossing.consumers[-1] + 1))
+            for r in range(low, high):
+                j = int(starts[r])
                 first = next(u for u in crossing.consumers if u >= j)
-                received[j, first + 1:] += crossing.bytes
-                p2p[j, first + 1:] += seconds
+                received[r, first + 1:] += crossing.bytes
+                p2p[r, first + 1:] += seconds
         self.received, self.p2p = received, p2p
         weights = pricer.weights
         totals = weights.own.apply(lambda name, values: running_max(values)
                                    if name == "largest" else span(values))
         for param, terms, exchange in weights.shared:
-            inside = np.zeros((n + 1, n + 1), dtype=bool)
+            inside = np.zeros((rows, n + 1), dtype=bool)
             for u in param.units:
-                inside[: u + 1, u + 1:] = True
+                inside |= covering(u, u)
 
             def add(name: str, table: Any, terms: WeightTerms = terms,
                     inside: np.ndarray = inside) -> Any:
@@ -212,8 +231,7 @@ class StageTables:
 
             totals = totals.apply(add)
             # Held by more than one stage: the holders exchange its gradient at the end.
-            holds_all = np.zeros((n + 1, n + 1), dtype=bool)
-            holds_all[: param.units[0] + 1, param.units[-1] + 1:] = True
+            holds_all = covering(param.units[0], param.units[-1])
             totals = replace(totals, end=totals.end + (inside & ~holds_all) * exchange)
         self.totals = totals
         workspace = running_max(profile.workspace)
@@ -238,13 +256,15 @@ class StageTables:
               modes: Sequence[Recompute]) -> tuple[list[int], list[Recompute]] | None:
         config, n = self.config, self.n
         m = config.micro_batches
-        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-        best = np.full(n + 1, np.inf)
+        starts, rows = self.starts, len(self.starts)
+        valid = starts[:, None] < np.arange(n + 1)[None, :]
+        best = np.full(rows, np.inf)
         best[0] = 0.0
         back: list[tuple[np.ndarray, np.ndarray]] = []
+        ending = np.full(n + 1, np.inf)
         for stage in range(config.pp):
-            load = np.full((n + 1, n + 1), np.inf)
-            mode_of = np.zeros((n + 1, n + 1), dtype=np.int64)
+            load = np.full((rows, n + 1), np.inf)
+            mode_of = np.zeros((rows, n + 1), dtype=np.int64)
             for index, mode in enumerate(RECOMPUTE_MODES):
                 if mode not in modes:
                     continue
@@ -256,9 +276,10 @@ class StageTables:
                 mode_of = np.where(better, index, mode_of)
             through = np.maximum(best[:, None], load)
             choice = np.argmin(through, axis=0)
-            best = through[choice, np.arange(n + 1)]
-            back.append((choice, mode_of[choice, np.arange(n + 1)]))
-        if not np.isfinite(best[n]):
+            ending = through[choice, np.arange(n + 1)]  # the best load of units [0, i)
+            best = ending[starts]
+            back.append((starts[choice], mode_of[choice, np.arange(n + 1)]))
+        if not np.isfinite(ending[n]):
             return None
         cuts, chosen = [n], []
         end = n

@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from planner.errors import ModelError
 from planner.zoo import bert, gpt, llama, moe, resnet, seed
-from planner.zoo._builder import BUFFER_SUFFIXES, DTYPES, numel
+from planner.zoo._builder import BUFFER_SUFFIXES, DTYPES, INLINE_LIMIT, numel
 from planner.zoo.bert import BERTConfig
 from planner.zoo.gpt import GPTConfig
 from planner.zoo.llama import LlamaConfig
@@ -95,7 +95,36 @@ def build(family: str, config: Any = None, *, with_weights: bool = False, seed: 
     """ONNX model of one family (or preset name); weights absent (external, never written)
     unless asked. Overrides replace config fields, e.g. ``build("gpt2-small", layers=2)``."""
     family, config = _resolve(family, config, overrides)
+    _check_size(family, config)
     return _BUILDERS[family](config, with_weights=with_weights, seed=seed)
+
+
+# A graph of this many nodes takes gigabytes to build and far longer to plan than anyone
+# waits (the planner takes about a millisecond per op per configuration it prices).
+MAX_NODES = 1_000_000
+
+
+def _check_size(family: str, config: Any) -> None:
+    """Refuse, before building it, a model whose graph would pass MAX_NODES nodes or
+    protobuf's 2 GiB: its size grows linearly in its layers, so two small builds measure
+    it (building it whole would run out of memory first, and protobuf crashes then)."""
+    layers = getattr(config, "layers", None)
+    step = max(2, int(getattr(config, "moe_every", 1)))
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 2 + step:
+        return
+    sizes = []
+    for depth in (2, 2 + step):
+        small = _BUILDERS[family](dataclasses.replace(config, layers=depth),
+                                  with_weights=False, seed=0)
+        sizes.append((len(small.graph.node), small.ByteSize()))
+    (nodes, size), (more_nodes, more_size) = sizes
+    nodes += (layers - 2) * (more_nodes - nodes) // step
+    size += (layers - 2) * (more_size - size) // step
+    if nodes > MAX_NODES or size > INLINE_LIMIT:
+        raise ModelError(
+            f"{family} with {layers} layers: its graph would have about {nodes:,} nodes in "
+            f"{size / 2**30:.1f} GiB, more than the zoo builds ({MAX_NODES:,} nodes, "
+            f"{INLINE_LIMIT / 2**30:.1f} GiB, protobuf's limit): use fewer layers")
 
 
 def parameter_count(family: str, config: Any = None) -> int:
