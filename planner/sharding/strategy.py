@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
 from planner.ops import DimLabels
@@ -108,7 +106,7 @@ def is_valid(node: OpNode, labels: DimLabels, strategy: OpStrategy,
 
 def work_fraction(strategy: OpStrategy, mesh: DeviceMesh) -> float:
     """Share of the op's FLOPs one device does: every split label divides the work."""
-    return 1.0 / float(np.prod([mesh.axis_size(a) for a in strategy.used_axes] or [1]))
+    return 1.0 / mesh.group_size(strategy.used_axes)  # the mesh's own product, not numpy's
 
 
 def grad_partial_axes(labels: DimLabels, strategy: OpStrategy, index: int) -> tuple[str, ...]:
