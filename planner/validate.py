@@ -30,6 +30,7 @@ from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
+from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive, fraction_of_layout
 from planner.sharding.layout import Layout
@@ -328,15 +329,28 @@ def _send_collectives(plan: Plan, report: Report) -> None:
             for step in send_steps(send.tensor, send.grad, split, ops[first:end],
                                    names[first:end]):
                 wanted[(str(step.kind), send.tensor, step.axes, str(step.phase), step.op)] += 1
-    listed = Counter((str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op)
-                     for c in plan.collectives
+    listed = Counter(_key(c) for c in plan.collectives
                      if c.kind == CollectiveKind.SEND_RECV or c.op == SEND_OP)
-    for (kind, tensor, axes, phase, op), count in sorted((wanted - listed).items())[:MAX_LISTED]:
-        report.add(f"pipeline send of {tensor}: the plan lacks its {phase} {kind} over "
-                   f"{list(axes)} at op {op} ({count}×)")
-    for (kind, tensor, axes, phase, op), count in sorted((listed - wanted).items())[:MAX_LISTED]:
-        report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
-                   f"({count}×): no pipeline send needs it")
+    _differences(report, wanted, listed,
+                 "pipeline send of {tensor}: the plan lacks its {phase} {kind} over {axes} at "
+                 "op {op} ({count}×)",
+                 "extra {phase} {kind} of {tensor} over {axes} at op {op} ({count}×): no "
+                 "pipeline send needs it")
+
+
+def _key(c: Collective) -> tuple[str, str, tuple[str, ...], str, str]:
+    """What makes two listed collectives the same one: kind, tensor, axes, phase, op."""
+    return str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op
+
+
+def _differences(report: Report, wanted: Counter, listed: Counter, lacking: str,
+                 extra: str) -> None:
+    """Report each collective `wanted` more often than `listed` (and the reverse), at most
+    MAX_LISTED of each, with the messages' fields kind, tensor, axes, phase, op, count."""
+    for template, difference in ((lacking, wanted - listed), (extra, listed - wanted)):
+        for (kind, tensor, axes, phase, op), count in sorted(difference.items())[:MAX_LISTED]:
+            report.add(template.format(kind=kind, tensor=tensor, axes=list(axes),
+                                       phase=phase, op=op, count=count))
 
 
 def _edges(plan: Plan, report: Report) -> None:
@@ -463,18 +477,16 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
                    training=plan.step.kind == StepKind.TRAINING)
 
     def op_level(collectives) -> Counter:
-        return Counter((str(c.kind), c.tensor, tuple(c.axes), str(c.phase), c.op)
-                       for c in collectives
+        return Counter(_key(c) for c in collectives
                        if c.phase in (Phase.FORWARD, Phase.BACKWARD) and c.op != OPTIMIZER_OP
                        and c.kind != CollectiveKind.SEND_RECV and c.op != SEND_OP)
 
     expected, got = op_level(again.collectives), op_level(plan.collectives)
-    for (kind, tensor, axes, phase, op), count in sorted((expected - got).items())[:MAX_LISTED]:
-        report.add(f"missing {phase} {kind} of {tensor} over {list(axes)} at op {op} "
-                   f"({count}×): the assignments need it")
-    for (kind, tensor, axes, phase, op), count in sorted((got - expected).items())[:MAX_LISTED]:
-        report.add(f"extra {phase} {kind} of {tensor} over {list(axes)} at op {op} "
-                   f"({count}×): no assignment needs it")
+    _differences(report, expected, got,
+                 "missing {phase} {kind} of {tensor} over {axes} at op {op} ({count}×): the "
+                 "assignments need it",
+                 "extra {phase} {kind} of {tensor} over {axes} at op {op} ({count}×): no "
+                 "assignment needs it")
     needed = _weight_steps(plan, graph, again)
     _weights(plan, needed, report)
     report.checked["collectives"] = sum(expected.values()) + sum(needed.values())
