@@ -11,6 +11,7 @@ writes `--log-json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        log = _module(rank, world, args) if args.module else _graph(rank, world, args)
+        with _checkpoint_lock(rank, args.checkpoint):
+            log = _module(rank, world, args) if args.module else _graph(rank, world, args)
     except ShardplanError as exc:
         print(f"rank {rank}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -62,6 +64,18 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.log_json, "w") as out:
                     json.dump(log.to_json(), out, indent=1)
     return 0
+
+
+def _checkpoint_lock(rank: int, checkpoint: str) -> contextlib.AbstractContextManager[None]:
+    """Rank 0 writes the marker and renames the finished checkpoint, so it holds the
+    folder's lock for the run, as `shardplan run`'s launcher does: a second run writing the
+    same folder is refused before it starts."""
+    if rank != 0 or not checkpoint:
+        return contextlib.nullcontext()
+    from executor.checkpoint import check_target, locked
+
+    check_target(checkpoint)
+    return locked(checkpoint)
 
 
 def _graph(rank: int, world: int, args: argparse.Namespace) -> RunLog:

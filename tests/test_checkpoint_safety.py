@@ -132,6 +132,15 @@ def test_two_runs_cannot_write_one_checkpoint_folder(
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         _refused(capsys, _run(models, "--checkpoint", str(target)),
                  f"another run (pid {holder.pid}) is writing it ({lock} is held)")
+        # under torchrun, rank 0 takes the lock before its process group starts
+        torchrun = subprocess.run(
+            [sys.executable, "-m", "executor", str(models["model"]), "--plan",
+             str(models["dp"]), "--checkpoint", str(target)], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd(), "RANK": "0", "WORLD_SIZE": "2"},
+            timeout=120)
+        assert torchrun.returncode == 2, torchrun.stderr
+        assert f"rank 0: error: --checkpoint {target}: another run (pid {holder.pid})" \
+            in torchrun.stderr
     finally:
         holder.kill()
         holder.wait()
