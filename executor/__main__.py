@@ -72,10 +72,10 @@ def _checkpoint_lock(rank: int, checkpoint: str) -> contextlib.AbstractContextMa
     same folder is refused before it starts."""
     if rank != 0 or not checkpoint:
         return contextlib.nullcontext()
-    from executor.checkpoint import check_target, locked
+    from executor.checkpoint import check_target, writing
 
     check_target(checkpoint)
-    return locked(checkpoint)
+    return writing(checkpoint)
 
 
 def _graph(rank: int, world: int, args: argparse.Namespace) -> RunLog:

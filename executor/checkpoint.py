@@ -28,13 +28,14 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from executor.ranks import last_line
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
 
@@ -160,6 +161,19 @@ def locked(directory: str | Path) -> Iterator[None]:
         os.close(handle)
 
 
+@contextlib.contextmanager
+def writing(directory: str | Path) -> Iterator[None]:
+    """While a run may save into `directory` ("" : it saves nowhere): hold its lock, and
+    check the target again now that no other run can change it (the caller checked it
+    before its expensive work)."""
+    if not directory:
+        yield
+        return
+    with locked(directory):
+        check_target(directory)
+        yield
+
+
 def _acquire(path: Path, lock: Path) -> int:
     while True:
         try:
@@ -221,16 +235,21 @@ def write(directory: str | Path, state: dict[str, torch.Tensor], marker: dict[st
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
+
+    def cannot_save(why: str) -> str:
+        return f"--checkpoint {final}: cannot save ({why}); check the folder's space and " \
+            "permissions"
+
     if rank == 0:
-        _guarded(final, lambda: _start_partial(final, partial, marker))
+        _guarded(lambda: _start_partial(final, partial, marker), cannot_save)
     _barrier()
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
-    _guarded(final, lambda: dcp.save(state, checkpoint_id=str(partial),
-                                     no_dist=not dist.is_initialized()))
+    _guarded(lambda: dcp.save(state, checkpoint_id=str(partial),
+                              no_dist=not dist.is_initialized()), cannot_save)
     _barrier()
     if rank == 0:
-        _guarded(final, lambda: _replace(final, partial))
+        _guarded(lambda: _replace(final, partial), cannot_save)
     _barrier()
 
 
@@ -251,9 +270,9 @@ def _replace(final: Path, partial: Path) -> None:
     partial.rename(final)
 
 
-def _guarded(path: Path, action: Any) -> None:
-    """Run a save step; its failure (an OSError, or DCP's CheckpointException, which is a
-    BaseException) becomes one line naming the folder."""
+def _guarded(action: Callable[[], object], refusal: Callable[[str], str]) -> None:
+    """Run a save or load step; its failure (an OSError, or DCP's CheckpointException,
+    which is a BaseException) becomes one line, `refusal` of the error's last line."""
     try:
         action()
     except ShardplanError:
@@ -261,13 +280,7 @@ def _guarded(path: Path, action: Any) -> None:
     except BaseException as exc:  # DCP raises CheckpointException, a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ShardplanError(f"--checkpoint {path}: cannot save ({_last_line(exc)}); check "
-                             "the folder's space and permissions") from None
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+        raise ShardplanError(refusal(last_line(str(exc), type(exc).__name__))) from None
 
 
 def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
@@ -276,13 +289,10 @@ def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
     path = existing(directory)
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ShardplanError(f"{path}: cannot resume from it ({_last_line(exc)}); it was "
-                             "saved from another model") from None
+    _guarded(lambda: dcp.load(state, checkpoint_id=str(path),
+                              no_dist=not dist.is_initialized()),
+             lambda why: f"{path}: cannot resume from it ({why}); it was saved from another "
+             "model")
 
 
 def existing(directory: str | Path) -> Path:

@@ -101,9 +101,14 @@ def reported_to_launcher() -> Iterator[None]:
     except (Exception, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:
-        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        raise RankError(f"{type(exc).__name__}: {lines[-1].strip() if lines else ''}"
-                        ) from None
+        raise RankError(f"{type(exc).__name__}: {last_line(str(exc), '')}") from None
+
+
+def last_line(text: str, default: str) -> str:
+    """The last non-blank line of an error's text (a traceback's is the error itself),
+    stripped; `default` when there is none."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else default
 
 
 def _wait_for_launcher(launcher: int, handle: int | None) -> None:
@@ -164,8 +169,7 @@ def _raised(exc: mp.ProcessRaisedException, stopped_since: dict[int, float],
 def _error_line(traceback: str) -> str:
     """The error of a rank's traceback in one line: a shardplan error's own message (it
     says what to do), any other as "Type: message"."""
-    lines = [line.strip() for line in traceback.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else "no message"
+    last = last_line(traceback, "no message")
     kind, sep, message = last.partition(": ")
     if sep and kind.startswith(("planner.errors.", "executor.ranks.RankError")):
         return message

@@ -10,7 +10,6 @@ collective counts (summed over one rank per pipeline stage) and what every rank 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import multiprocessing
@@ -22,6 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,7 +198,7 @@ def _engine(analysis: GraphAnalysis, plan: Plan | None, rank: int, seed: int, mo
 def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
            log: RunLog, resume: str = "", checkpoint: str = "", loss: str = "auto",
            data: str = "", fault_spec: str = "", checkpoint_every: int = 0,
-           marker: dict | None = None) -> None:
+           marker: dict[str, Any] | None = None) -> None:
     kind, output = loss_kind(graph, loss)
     count = engine.stages.micro_batches
     feeds, targets = batch_data(graph, seed, kind, output, data, count)
@@ -207,6 +207,11 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
     params = engine.runner.params
     done = checkpoints.load(resume, params, update.optimizer, update.targets) if resume else 0
     fault = _fault_drill(engine.runner.comm.rank, fault_spec)
+
+    def save(at_step: int) -> None:
+        assert marker is not None, "a run that saves passes its checkpoint's marker"
+        checkpoints.save(checkpoint, params, update.optimizer, at_step, marker, update.targets)
+
     for _ in range(steps):
         if fault is not None and done == fault:
             os._exit(17)  # a fault drill: this rank dies in the middle of training
@@ -216,11 +221,9 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
         log.losses.append(reported)
         done += 1
         if checkpoint and checkpoint_every and done % checkpoint_every == 0:
-            checkpoints.save(checkpoint, params, update.optimizer, done, marker or {},
-                             update.targets)
+            save(done)
     if checkpoint and not (checkpoint_every and done % checkpoint_every == 0):
-        checkpoints.save(checkpoint, params, update.optimizer, done, marker or {},
-                         update.targets)
+        save(done)
 
 
 def _rank_record(engine: PipelineEngine) -> dict:
@@ -409,10 +412,7 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
     rank outlives the call (`executor.ranks`)."""
     check_checkpoints(plan, "graph", optimizer, resume, checkpoint)
     weights_note = preflight(model, plan, loss, data)
-    with checkpoints.locked(checkpoint) if checkpoint else contextlib.nullcontext(), \
-            tempfile.TemporaryDirectory() as scratch:
-        if checkpoint:
-            checkpoints.check_target(checkpoint)  # again, now that no other run can write it
+    with checkpoints.writing(checkpoint), tempfile.TemporaryDirectory() as scratch:
         plan_path = Path(scratch) / "plan.json"
         plan.save(plan_path)
         out = Path(scratch) / "log.json"

@@ -13,7 +13,6 @@ what the ranks must equal.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from executor.checkpoint import locked, marker_for
+from executor.checkpoint import marker_for, writing
 from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
 from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
@@ -283,10 +282,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
         raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
                              f"machine has {torch.cuda.device_count()}")
-    with locked(saving.save) if saving.save else contextlib.nullcontext(), \
-            tempfile.TemporaryDirectory() as scratch:
-        if saving.save:
-            check_checkpoints(plan, "module", optimizer, checkpoint=saving.save)  # locked now
+    with writing(saving.save), tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
                         backend, optimizer, saving, local, timeout_s, os.getpid())
