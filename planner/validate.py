@@ -32,7 +32,7 @@ from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive, fraction_of_layout
+from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout
 from planner.sharding.pipeline import (
     OpNames,
@@ -295,19 +295,11 @@ def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
         entry = plan.tensors.get(send.tensor)
         if entry is None:
             continue
-        size = _local_bytes(entry.shape, entry.dtype, entry.layout, plan.mesh)
-        if size is not None and send.bytes != size:
+        size = round(entry.local_bytes(plan.mesh))
+        if send.bytes != size:
             report.add(f"pipeline send of {send.tensor}: {send.bytes} bytes, but its layout "
                        f"holds {size} per rank")
     report.checked["sends"] = len(pipe.sends)
-
-
-def _local_bytes(shape, dtype: str, layout: Layout, mesh) -> int | None:
-    try:
-        itemsize = dtype_itemsize(dtype)
-    except TypeError:
-        return None
-    return round(math.prod(shape) * itemsize * fraction_of_layout(layout, mesh))
 
 
 def _send_collectives(plan: Plan, report: Report) -> None:
@@ -374,10 +366,7 @@ def _edges(plan: Plan, report: Report) -> None:
             entry = plan.tensors[binding.tensor]
             if entry.layout == binding.layout:
                 continue
-            try:
-                itemsize = dtype_itemsize(entry.dtype)
-            except TypeError:  # a dtype numpy does not know: price the move as fp32
-                itemsize = 4
+            itemsize = dtype_itemsize(entry.dtype)  # the importer's: the schema refuses others
             try:
                 steps = redistribute(entry.layout, binding.layout, entry.shape, itemsize,
                                      plan.mesh)

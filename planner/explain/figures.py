@@ -11,14 +11,12 @@ plan does not itemise is reported as "not itemised" rather than hidden in anothe
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from planner.explain.model import StageRow, Term, TopItem, UnitReport
 from planner.explain.units import Unit, op_classes, op_split, template
-from planner.graph import dtype_itemsize
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
 from planner.plans.sections import OpEntry, StageEntry
@@ -233,7 +231,7 @@ def unit_reports(plan: Plan, index: PlanIndex) -> list[UnitReport]:
         else:
             coll[index.unit_of[at]] += m * c.time_s
     for name, reader in index.first_reader.items():
-        params[index.unit_of[reader]] += _local_bytes(plan, name)
+        params[index.unit_of[reader]] += plan.tensors[name].local_bytes(plan.mesh)
     recompute = _unit_recompute(plan, index)
     reports = []
     for k, unit in enumerate(index.units):
@@ -252,12 +250,6 @@ def _dominant(times: dict[str, float]) -> tuple[str, float]:
     total = sum(times.values())
     split = max(times, key=lambda s: (times[s], s != "replicated"))
     return split, (times[split] / total if total > 0 else 1.0)
-
-
-def _local_bytes(plan: Plan, tensor: str) -> float:
-    info = plan.tensors[tensor]
-    whole = math.prod(info.shape) * dtype_itemsize(info.dtype)
-    return whole / math.prod(info.layout.split_factors(plan.mesh))
 
 
 def _unit_recompute(plan: Plan, index: PlanIndex) -> list[float]:

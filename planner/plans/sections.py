@@ -7,11 +7,12 @@ the plan file's objects (`predicted.memory["peak"]`). Each section's JSON form i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from planner.graph import DEFAULT_CAPACITY_FACTOR, RoutedSelection, SourceName
+from planner.graph import DEFAULT_CAPACITY_FACTOR, RoutedSelection, SourceName, dtype_itemsize
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
@@ -23,7 +24,9 @@ from planner.kinds import (
     StepKind,
 )
 from planner.records import Collective, MemoryBreakdown, OpCost, StepBreakdown
+from planner.sharding.derive import fraction_of_layout
 from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
 
 SCHEMA = "shardplan.strategy/1"
 
@@ -205,6 +208,12 @@ class TensorEntry:
     def module_name(self, key: str) -> str:
         """The module's name for this tensor, whose key in the plan is `key`."""
         return self.source.name if self.source is not None else key
+
+    def local_bytes(self, mesh: DeviceMesh) -> float:
+        """Bytes of the block one device holds in the tensor's layout (as the builder sizes
+        sends: the whole tensor's bytes times the layout's share)."""
+        return math.prod(self.shape) * dtype_itemsize(self.dtype) * fraction_of_layout(
+            self.layout, mesh)
 
     @property
     def module_layout(self) -> Layout:
