@@ -116,11 +116,23 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
                                                        options.fusion))
     costs: list[OpCost] = []
     compute_forward = compute_backward = saved_total = workspace = 0.0
+    seconds_of: dict[tuple, tuple[float, float]] = {}
     for op in sharded.ops:
         node = op.node
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
-        forward, backward = op_times(node, kernels, tensors, op.inputs, op.fraction, mesh,
-                                     profile, options.precision, differentiated)
+        kernel = kernels.ops[node.name]
+        # Every layer prices the same kernels alike: ask the cost model once per question.
+        times_key = (node.op_type, kernel, op.fraction, differentiated,
+                     *(tensors[o].dtype for o in node.outputs[:1] if o),
+                     *((repr(node.attrs), *op.inputs[:2],
+                        *(tensors[i].shape if i else None for i in node.inputs[:2]))
+                       if kernel.matrix else ()))
+        found = seconds_of.get(times_key)
+        if found is None:
+            found = seconds_of[times_key] = op_times(node, kernels, tensors, op.inputs,
+                                                     op.fraction, mesh, profile,
+                                                     options.precision, differentiated)
+        forward, backward = found
         saved = 0.0 if options.inference else saved_bytes(
             node, kernels, tensors, [sharded.layouts.get(o) if o else None
                                      for o in node.outputs], mesh)

@@ -14,23 +14,22 @@ file.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.candidates import describe
+from planner.sharding.candidates import Candidate, describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.redistribute import backward_steps, equivalent, redistribute
 from planner.sharding.strategy import (
     REPLICATED,
     OpStrategy,
-    grad_partial_axes,
-    input_layouts,
-    output_layouts,
     work_fraction,
 )
 
@@ -113,14 +112,19 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     ops: list[OpSharding] = []
     region_of = analysis.recompute_regions()
     moved: set[tuple] = set()
+    described: dict[tuple, Candidate] = {}
     for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
         labels = rule if rule is not None else replicated_labels(node)
-        in_ranks = [len(tensors[t].shape) if t else -1 for t in node.inputs]
-        out_ranks = [len(tensors[t].shape) if t else -1 for t in node.outputs]
-        wanted = input_layouts(labels, strategy, in_ranks)
-        produced = output_layouts(labels, strategy, out_ranks)
+        # Repeated layers ask the same question of every layer: answer it once.
+        shape_key = (labels, strategy, node.flops, node.bytes_read, node.bytes_written,
+                     tuple(tensors[t].shape if t else None for t in node.inputs),
+                     tuple(len(tensors[t].shape) if t else -1 for t in node.outputs))
+        own = described.get(shape_key)
+        if own is None:
+            own = described[shape_key] = describe(node, labels, strategy, tensors, mesh)
+        wanted, produced = own.inputs, own.outputs
         specs: list[CollectiveSpec] = []
         for index, (name, want) in enumerate(zip(node.inputs, wanted, strict=True)):
             if not name or want is None:
@@ -128,7 +132,7 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             if name not in layout_of:  # inputs and weights are placed as first consumed
                 layout_of[name] = want
             roots = analysis.weight_roots.get(name)
-            partial = grad_partial_axes(labels, strategy, index)
+            partial = own.grad_partial[index]
             key = shared_read_key(tensors[name], layout_of[name], want, partial,
                                   int(region_of[k]), mesh, needs_grad.get(name, False),
                                   roots is not None)
@@ -143,7 +147,6 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             for root in roots or ():
                 if deferred:
                     deferred_axes.setdefault(root, set()).update(deferred)
-        own = describe(node, labels, strategy, tensors, mesh)
         for phase, steps in ((Phase.FORWARD, own.forward_collectives),
                              (Phase.BACKWARD, own.backward_collectives)):
             specs += [CollectiveSpec(CollectiveKind(kind), node.outputs[0], tuple(axes), nbytes,
@@ -151,8 +154,8 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
         for name, layout in zip(node.outputs, produced, strict=True):
             if name and layout is not None:
                 layout_of[name] = layout
-        ops.append(OpSharding(node, labels, rule is not None, strategy, tuple(wanted),
-                              tuple(produced), work_fraction(strategy, mesh), tuple(specs)))
+        ops.append(OpSharding(node, labels, rule is not None, strategy, wanted, produced,
+                              work_fraction(strategy, mesh), tuple(specs)))
     gradient_axes = {name: tuple(a for a in mesh.axis_names if a in deferred_axes[name])
                      for name in sorted(deferred_axes)}
     gradients = tuple(
@@ -199,21 +202,34 @@ def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: 
     on every device, so its gradient need not be reduced here: a partial gradient, or the
     zero-padded gradient of a local slice, is summed once at the parameter instead.
     """
-    forward = redistribute(src, dst, info.shape, info.itemsize, mesh)
-    result = [CollectiveSpec(CollectiveKind(s.kind), info.name, tuple(s.axes), s.nbytes,
-                             Phase.FORWARD, consumer) for s in forward if s.communicates]
+    moves, deferred = _edge_moves(info.shape, info.itemsize, src, dst, mesh, requires_grad,
+                                  tuple(partial_axes), weight_derived)
+    return ([CollectiveSpec(kind, info.name, axes, nbytes, phase, consumer)
+             for kind, axes, nbytes, phase in moves], set(deferred))
+
+
+@lru_cache(maxsize=1 << 16)
+def _edge_moves(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
+                mesh: DeviceMesh, requires_grad: bool, partial_axes: tuple[str, ...],
+                weight_derived: bool
+                ) -> tuple[tuple[tuple[CollectiveKind, tuple[str, ...], int, Phase], ...],
+                           frozenset[str]]:
+    """`edge_steps` without the names: the same for every layer's read of its tensor."""
+    forward = redistribute(src, dst, shape, itemsize, mesh)
+    result = [(CollectiveKind(s.kind), tuple(s.axes), s.nbytes, Phase.FORWARD)
+              for s in forward if s.communicates]
     if not requires_grad:
-        return result, set()
+        return tuple(result), frozenset()
     deferred: set[str] = set()
     if weight_derived:
         deferred = set(partial_axes) | {a for s in forward if s.kind == Move.SLICE for a in s.axes}
         forward = [s for s in forward if s.kind != Move.SLICE]
         partial_axes = ()
-    src_bytes = int(info.nbytes * fraction_of_layout(src, mesh))
+    src_bytes = int(math.prod(shape) * itemsize * fraction_of_layout(src, mesh))
     steps = backward_steps(forward, partial_axes, src_bytes)
-    result += [CollectiveSpec(CollectiveKind(s.kind), info.name, tuple(s.axes), s.nbytes,
-                              Phase.BACKWARD, consumer) for s in steps if s.communicates]
-    return result, deferred
+    result += [(CollectiveKind(s.kind), tuple(s.axes), s.nbytes, Phase.BACKWARD)
+               for s in steps if s.communicates]
+    return tuple(result), frozenset(deferred)
 
 
 def fraction_of_layout(layout: Layout, mesh: DeviceMesh) -> float:

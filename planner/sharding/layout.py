@@ -43,7 +43,7 @@ class Layout:
 
     def split_factors(self, mesh: DeviceMesh) -> tuple[int, ...]:
         """MindSpore's strategy tuple: into how many parts each dim is cut."""
-        return tuple(mesh.group_size(axes) for axes in self.dims)
+        return mesh.split_factors(self.dims)
 
     def local_shape(self, shape: Sequence[int], mesh: DeviceMesh) -> tuple[int, ...]:
         return tuple(size // factor for size, factor in

@@ -72,6 +72,18 @@ class DeviceMesh:
             size *= self.axis_size(axis)
         return size
 
+    @cached_property
+    def _factors(self) -> dict[tuple[tuple[str, ...], ...], tuple[int, ...]]:
+        return {}
+
+    def split_factors(self, dims: tuple[tuple[str, ...], ...]) -> tuple[int, ...]:
+        """Into how many parts each dim split over `dims[d]`'s axes is cut. Memoised:
+        derivation and pricing ask it for every read of every tensor."""
+        found = self._factors.get(dims)
+        if found is None:
+            found = self._factors[dims] = tuple(self.group_size(axes) for axes in dims)
+        return found
+
     def group_extent(self, axes: Iterable[str]) -> int:
         """Size of the aligned block of consecutive device ids one group spans."""
         axes = list(axes)

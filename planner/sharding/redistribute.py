@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-
-import numpy as np
 
 from planner.errors import StrategyError
 from planner.kinds import Move
@@ -70,14 +69,15 @@ def ring_traffic(step: CommStep, mesh: DeviceMesh) -> float:
 
 
 def _normal(layout: Layout, mesh: DeviceMesh) -> Layout:
+    if len(layout.partial) < 2:  # nothing to order: the common case, kept as it is
+        return layout
     order = {a: i for i, a in enumerate(mesh.axis_names)}
     return Layout(layout.dims, tuple(sorted(set(layout.partial), key=order.__getitem__)))
 
 
 def _local_bytes(shape: Sequence[int], layout: Layout, mesh: DeviceMesh, itemsize: int) -> int:
     factors = layout.split_factors(mesh)
-    return int(np.prod([s // f for s, f in zip(shape, factors, strict=True)],
-                       dtype=np.int64)) * itemsize
+    return math.prod(s // f for s, f in zip(shape, factors, strict=True)) * itemsize
 
 
 def _placement(layout: Layout, axis: str) -> tuple[str, int]:
@@ -154,15 +154,26 @@ def redistribute(
     cost: StepCost = ring_traffic,
 ) -> list[CommStep]:
     """The cheapest move sequence from `src` to `dst` under `cost` (empty when equal)."""
+    if cost is ring_traffic:  # the planner's pricing and derivation ask this one again and again
+        return list(_ring_moves(src, dst, tuple(shape), itemsize, mesh))
     start, goal = _normal(src, mesh), _normal(dst, mesh)
     if start == goal:  # `equivalent`
         return []
-    direct = _direct(start, goal, shape, itemsize, mesh)
-    if direct is not None and cost is ring_traffic:
-        return direct
-    if cost is ring_traffic:
-        return list(_cached_search(start, goal, tuple(shape), itemsize, mesh))
     return _search(start, goal, shape, itemsize, mesh, cost)
+
+
+@lru_cache(maxsize=1 << 18)
+def _ring_moves(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+                mesh: DeviceMesh) -> tuple[CommStep, ...]:
+    """`redistribute` under the ring-traffic cost: the direct moves where they reach the
+    target, else the search."""
+    start, goal = _normal(src, mesh), _normal(dst, mesh)
+    if start == goal:
+        return ()
+    direct = _direct(start, goal, shape, itemsize, mesh)
+    if direct is not None:
+        return tuple(direct)
+    return tuple(_search(start, goal, shape, itemsize, mesh, ring_traffic))
 
 
 def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
@@ -232,12 +243,6 @@ def _direct(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int,
             s % f for s, f in zip(shape, dst.split_factors(mesh), strict=True)):
         return None
     return steps
-
-
-@lru_cache(maxsize=65536)
-def _cached_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
-                   mesh: DeviceMesh) -> tuple[CommStep, ...]:
-    return tuple(_search(src, dst, shape, itemsize, mesh, ring_traffic))
 
 
 def _search(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: DeviceMesh,
