@@ -4,6 +4,7 @@ unequal time; the zero-bubble schedules ZB-H1 and ZB-V."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -11,11 +12,13 @@ import onnx
 import pytest
 
 from costmodels.orders import chunk_device, device_chunks, schedule_order
+from costmodels.profile import load_profile
 from costmodels.schedule import in_flight, pipeline_time, simulate
 from executor.schedule import Chunk, Stages, Transfer, check_schedule, schedule_actions
 from planner import zoo
 from planner.api import plan
 from planner.cli import main
+from planner.importer import import_model
 from planner.kinds import Schedule
 from planner.search.joint import enumerate_choices
 from planner.search.options import Pins
@@ -296,3 +299,63 @@ def test_zbv_on_too_few_layers_is_refused_in_one_line(gpt: Path, capsys) -> None
                  "--parallel", "pp=4,micro_batches=4,schedule=zbv"])
     err = capsys.readouterr().err
     assert code in (2, 3) and "zbv" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- plan, validate, runners
+
+
+def test_zero_bubble_plans_validate_and_a_wrong_v_is_found(gpt8: Path) -> None:
+    from planner.plans.model import Plan
+    from planner.validate import validate
+
+    graph = import_model(gpt8, batch=2, dims={"seq": 128})
+    for schedule in ("zb-h1", "zbv"):
+        chosen = _zb_plan(gpt8, schedule=schedule)
+        again = Plan.from_json(json.loads(chosen.dumps()))  # the file carries the schedule
+        assert again.pipeline is not None and again.pipeline.schedule == schedule
+        assert validate(again, graph).ok, validate(again, graph).problems
+    data = json.loads(_zb_plan(gpt8, schedule="zbv").dumps())
+    stages = data["pipeline"]["stages"]
+    stages[0]["ops"], stages[1]["ops"] = stages[1]["ops"], stages[0]["ops"]  # not a V
+    report = validate(Plan.from_json(data), None)
+    assert any("places chunks on devices [0, 1, 2, 3, 3, 2, 1, 0]" in p
+               for p in report.problems), report.problems
+
+
+def test_zero_bubble_plans_are_refused_before_any_rank_starts(gpt8: Path) -> None:
+    """Both runners name the schedule and what to use instead, in one line, before a rank
+    starts (the module runner before it even loads the builder)."""
+    from executor.module.launch import train_module
+    from executor.train import train
+    from planner.errors import ShardplanError
+
+    for schedule in ("zb-h1", "zbv"):
+        chosen = _zb_plan(gpt8, schedule=schedule)
+        for runner in ("graph", "module"):
+            with pytest.raises(ShardplanError) as error:
+                if runner == "graph":
+                    train(gpt8, chosen, steps=1)
+                else:
+                    train_module("no_such_module.py:build", chosen, steps=1)
+            text = str(error.value)
+            assert f"schedule {schedule}" in text and "schedule=1f1b" in text
+            assert "\n" not in text
+
+
+def test_the_weight_gradient_share_is_the_gemms_dw(gpt8: Path) -> None:
+    """A MatMul reading a weight spends one forward on dW (half its backward); the
+    attention's activation GEMMs and the elementwise ops none."""
+    from planner.cost.kernels import kernel_plan, policy_for
+    from planner.sharding.analysis import GraphAnalysis
+
+    graph = import_model(gpt8, batch=2, dims={"seq": 128})
+    analysis = GraphAnalysis.of(graph)
+    kernels = kernel_plan(analysis, policy_for(load_profile("a100-80g")))
+    ratios = {}
+    for node in graph.ops:
+        kernel = kernels.ops[node.name]
+        reads_weight = any(i in analysis.weight_roots for i in node.inputs[:2] if i)
+        ratios.setdefault((node.op_type, reads_weight), set()).add(kernel.weight_ratio)
+    assert ratios[("MatMul", True)] == {1.0}
+    assert ratios.get(("MatMul", False), {0.0}) == {0.0}
+    assert all(r == {0.0} for (op, _), r in ratios.items() if op in ("Add", "Softmax", "Mul"))
