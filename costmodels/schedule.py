@@ -1,6 +1,7 @@
 """Pipeline schedules: step time from per-stage times, bubble, and micro-batches in flight.
 
-One place for the schedule formulas the search, the plan and the tests use:
+One place for the schedule formulas the search, the plan and the tests use. Every
+schedule's order is `costmodels.orders`'s; this module times it.
 
 - GPipe (Huang et al. 2019) runs every micro-batch's forward, then every backward; 1F1B
   (PipeDream-Flush, Narayanan et al. 2021) alternates them after a warm-up. Both take
@@ -13,17 +14,27 @@ One place for the schedule formulas the search, the plan and the tests use:
   when every chunk of a device takes the same time (any forward:backward ratio, m a
   multiple of p). With chunks of unequal time (uneven layer counts, Megatron-LM's
   ``--decoder-first/last-pipeline-num-layers``, or the embedding and head on the first
-  and last chunks) no closed form is exact: the step is the longest path through the
-  schedule's actions, each device running Megatron-LM's order (`interleaved_order`) and
-  every pass waiting for its inputs: a forward for the previous chunk's forward of the
-  same micro-batch, a backward for its own forward and the next chunk's backward.
-  `interleaved_time` computes that path, O(m·v·p); it equals the closed form for equal
-  chunks, and it is what `pipeline_time` returns when given unequal chunk times.
+  and last chunks) no closed form is exact.
+- The zero-bubble schedules (Qi et al. 2023) split each backward into B (the inputs'
+  gradients, which the previous stage waits for) and W (the weights' gradients, which
+  nobody waits for). ZB-H1 defers Ws into 1F1B's cool-down: with equal stages its bubble
+  is about (p − 1)(T_F + T_B − T_W) against 1F1B's (p − 1)(T_F + T_B + T_W). ZB-V puts
+  two chunks per device in a V and leaves almost no bubble when T_F ≈ T_B ≈ T_W.
+
+Where no closed form is exact (unequal interleaved chunks, both zero-bubble schedules)
+the step is the longest path through the schedule's passes (`simulate`): every device
+runs its order, and a pass starts when its device is free and its inputs are done — a
+forward after the previous chunk's forward of the micro-batch, a backward (B) after its
+own forward and the next chunk's backward, a W after its own B. O(passes); it equals the
+closed forms where they hold (tests/test_schedules.py).
 
 Memory differs: GPipe keeps all m micro-batches' activations; 1F1B keeps p − s on stage
 s (at most m); interleaved keeps Megatron-LM's warm-up count plus one chunk, each chunk
 holding 1/v of the device's activations (megatron/core/pipeline_parallel/schedules.py,
-``get_pipeline_model_parallel_warmup_microbatches``).
+``get_pipeline_model_parallel_warmup_microbatches``). `in_flight` counts them off the
+order itself: a chunk's activations from its forward until its last backward pass — for
+the zero-bubble schedules its W, since the input backward keeps the autograd graph for
+the W (torch's `stage_backward_input` retains it, as the executor would).
 """
 
 from __future__ import annotations
@@ -31,6 +42,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from costmodels.orders import (
+    SPLIT_BACKWARD,
+    chunk_device,
+    chunks_per_device,
+    device_chunks,
+    schedule_order,
+)
 from planner.kinds import Schedule
 
 SCHEDULES = tuple(str(schedule) for schedule in Schedule)
@@ -42,145 +60,166 @@ def check_schedule(schedule: str) -> None:
                          f"{', '.join(SCHEDULES)}")
 
 
-ChunkTimes = Sequence[Sequence[tuple[float, float]]]  # [device][slot]: (forward, backward)
+#: [device][slot]: (forward, backward) or (forward, input backward, weight backward)
+#: seconds of one micro-batch; a pair's backward is all of it (no weight part known).
+ChunkTimes = Sequence[Sequence[tuple[float, ...]]]
+Triples = tuple[tuple[tuple[float, float, float], ...], ...]
+
+#: A device's time split F : B : W when only its total is known (the joint search's
+#: bound): a GEMM's forward, its input gradient and its weight gradient cost alike, the
+#: largest weight share any op has (elementwise ops have none), so the zero-bubble
+#: schedules are never priced slower here than with the real split.
+DEFAULT_SPLIT = (1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0)
 
 
 def pipeline_time(stage_times: Sequence[float], micro_batches: int, schedule: str = "1f1b",
                   virtual_stages: int = 1, chunks: ChunkTimes | None = None) -> float:
     """Seconds to push `micro_batches` through stages taking `stage_times` each (per device:
-    the sum over its chunks when interleaved). For the interleaved schedule, `chunks` gives
-    each device's chunks as (forward, backward) seconds; when they are not all equal the
-    step is the schedule's longest path (`interleaved_time`), else the closed form."""
+    the sum over its chunks). `chunks` gives each device's chunks as (forward, backward)
+    or (forward, input backward, weight backward) seconds. The closed forms where they are
+    exact (1F1B, GPipe, interleaved with equal chunks), else the schedule's longest path
+    (`simulate`); without `chunks` each device's time is split evenly over its chunks and
+    F : B : W as `DEFAULT_SPLIT`."""
     check_schedule(schedule)
     if not stage_times:
         return 0.0
     slowest, total = max(stage_times), sum(stage_times)
-    if schedule == Schedule.INTERLEAVED:
-        if chunks is not None and not _equal_chunks(chunks):
-            return interleaved_time(chunks, micro_batches)
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        return total + (micro_batches - 1) * slowest
+    if schedule == Schedule.INTERLEAVED and (chunks is None or _equal_chunks(chunks)):
         v = max(1, virtual_stages)
         return micro_batches * slowest + (total - slowest) / v
-    return total + (micro_batches - 1) * slowest
+    if chunks is None:
+        v = chunks_per_device(schedule, virtual_stages)
+        chunks = [[tuple(t / v * share for share in DEFAULT_SPLIT)] * v for t in stage_times]
+    return simulate(schedule, chunks, micro_batches)
 
 
 def _equal_chunks(chunks: ChunkTimes) -> bool:
-    sums = [f + b for device in chunks for f, b in device]
+    sums = [sum(times) for device in chunks for times in device]
     return bool(sums) and max(sums) - min(sums) <= 1e-12 * max(sums)
 
 
-@functools.lru_cache(maxsize=256)
-def _order(stages: int, chunks: int, micro_batches: int,
-           device: int) -> tuple[tuple[bool, int, int], ...]:
-    """`interleaved_order`, kept: the partition search prices the same schedule often."""
-    return tuple(interleaved_order(stages, chunks, micro_batches, device))
+def _triples(chunks: ChunkTimes) -> Triples:
+    return tuple(tuple((float(t[0]), float(t[1]), float(t[2]) if len(t) > 2 else 0.0)
+                       for t in device) for device in chunks)
 
 
-def interleaved_order(stages: int, chunks: int, micro_batches: int,
-                      device: int) -> list[tuple[bool, int, int]]:
-    """Megatron-LM's interleaved 1F1B order on `device` (megatron/core/pipeline_parallel/
-    schedules.py): (is forward, micro-batch, slot) for every pass. Micro-batches go in
-    groups of p through slot 0, then slot 1, ...; backward passes run the slots in
-    reverse; the warm-up runs (p − d − 1)·2 + (v − 1)·p forwards."""
-    p, v = stages, chunks
-    total = micro_batches * v
-
-    def micro(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
-    def forward(k: int) -> tuple[bool, int, int]:
-        return True, micro(k), (k // p) % v
-
-    def backward(k: int) -> tuple[bool, int, int]:
-        return False, micro(k), v - 1 - (k // p) % v
-
-    warmup = min((p - device - 1) * 2 + (v - 1) * p, total)
-    order = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [forward(warmup + k), backward(k)]
-    return order + [backward(k) for k in range(total - warmup, total)]
-
-
-def interleaved_time(chunks: ChunkTimes, micro_batches: int) -> float:
-    """The interleaved step's length (`_interleaved_time`), memoised on the chunk times:
-    the stage search asks for the same partitions' schedule many times."""
-    return _interleaved_time(tuple(tuple((float(f), float(b)) for f, b in device)
-                                   for device in chunks), micro_batches)
+def simulate(schedule: str, chunks: ChunkTimes, micro_batches: int) -> float:
+    """The step's length: the longest path through `schedule`'s passes (`passes`)."""
+    return _simulate(str(schedule), _triples(chunks), micro_batches)
 
 
 @functools.lru_cache(maxsize=4096)
-def _interleaved_time(chunks: tuple[tuple[tuple[float, float], ...], ...],
-                      micro_batches: int) -> float:
-    """The interleaved step's length: every device runs `interleaved_order`, chunk c·p + d
-    of the model on device d taking `chunks[d][c]` = (forward, backward) seconds; a pass
-    starts when its device is free and its inputs are done. Chunks of one device may
-    differ in time, devices must hold the same number of chunks, and m be a multiple of
-    p (as Megatron-LM requires)."""
+def _simulate(schedule: str, chunks: Triples, micro_batches: int) -> float:
+    """Memoised on the chunk times: the stage search prices the same partitions often."""
+    return max((end for _, _, _, end in timeline(schedule, chunks, micro_batches)),
+               default=0.0)
+
+
+def timeline(schedule: str, chunks: ChunkTimes,
+             micro_batches: int) -> list[tuple[int, tuple[str, int, int], float, float]]:
+    """Every pass as (device, (kind, micro-batch, chunk), start, end): each device runs
+    `costmodels.orders.schedule_order`; chunk `device_chunks(...)[slot]` of device d takes
+    `chunks[d][slot]` = (forward, input backward, weight backward) seconds, a backward
+    that is not split taking both. A pass starts when its device is free and its inputs
+    are done (the module doc). Devices must hold the same number of chunks; the
+    interleaved schedule needs m a multiple of p (as Megatron-LM does)."""
     p = len(chunks)
-    v = len(chunks[0]) if p else 0
+    times = _triples(chunks)
+    v = len(times[0]) if p else 0
     if not p or not v:
-        return 0.0
-    if any(len(device) != v for device in chunks):
-        raise ValueError("interleaved_time: every device needs the same number of chunks")
-    if micro_batches % p:
-        raise ValueError(f"interleaved_time: {micro_batches} micro-batches is not a multiple "
-                         f"of {p} stages")
+        return []
+    if any(len(device) != v for device in times):
+        raise ValueError("pipeline schedule: every device needs the same number of chunks")
+    if v != chunks_per_device(schedule, v):
+        raise ValueError(f"pipeline schedule {schedule} runs "
+                         f"{chunks_per_device(schedule, v)} chunks per device, not {v}")
+    if schedule == Schedule.INTERLEAVED and micro_batches % p:
+        raise ValueError(f"interleaved schedule: {micro_batches} micro-batches is not a "
+                         f"multiple of {p} stages")
+    split = schedule in SPLIT_BACKWARD
     last = p * v - 1
-    orders = [_order(p, v, micro_batches, d) for d in range(p)]
-    # End time of each pass, by micro-batch and global chunk; -1: not run yet.
-    forward_end = [[-1.0] * (last + 1) for _ in range(micro_batches)]
-    backward_end = [[-1.0] * (last + 1) for _ in range(micro_batches)]
-    free = [0.0] * p
-    position = [0] * p
+    slot_of = {c: (d, k) for d in range(p)
+               for k, c in enumerate(device_chunks(schedule, p, v, d))}
+    orders = [schedule_order(schedule, p, micro_batches, d, v) for d in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    free, position = [0.0] * p, [0] * p
+    events: list[tuple[int, tuple[str, int, int], float, float]] = []
     remaining = sum(len(order) for order in orders)
     while remaining:
         moved = False
         for d in range(p):
-            order, device_chunks = orders[d], chunks[d]
-            at, clock = position[d], free[d]
+            order, clock, at = orders[d], free[d], position[d]
             while at < len(order):
-                is_forward, micro, slot = order[at]
-                chunk = slot * p + d
-                if is_forward:
-                    ready = forward_end[micro][chunk - 1] if chunk else 0.0
-                    if ready < 0.0:
-                        break
-                    clock = max(clock, ready) + device_chunks[slot][0]
-                    forward_end[micro][chunk] = clock
-                else:
-                    ready = forward_end[micro][chunk]
-                    after = backward_end[micro][chunk + 1] if chunk < last else 0.0
-                    if ready < 0.0 or after < 0.0:
-                        break
-                    clock = max(clock, ready, after) + device_chunks[slot][1]
-                    backward_end[micro][chunk] = clock
+                kind, micro, chunk = step = order[at]
+                ready = _ready(kind, micro, chunk, last, done)
+                if ready is None:
+                    break
+                f, b, w = times[d][slot_of[chunk][1]]
+                length = f if kind == "F" else w if kind == "W" else b if split else b + w
+                start = max(clock, ready)
+                clock = done[step] = start + length
+                events.append((d, step, start, clock))
                 at += 1
             if at != position[d]:
                 remaining -= at - position[d]
                 position[d], free[d] = at, clock
                 moved = True
-        if not moved:  # Megatron's order never deadlocks; a guard against misuse
-            raise ValueError("interleaved_time: the schedule cannot proceed")
-    return max(free)
+        if not moved:  # the orders never deadlock; a guard against misuse
+            raise ValueError(f"pipeline schedule {schedule} cannot proceed")
+    return events
+
+
+def _ready(kind: str, micro: int, chunk: int, last: int,
+           done: dict[tuple[str, int, int], float]) -> float | None:
+    """When a pass's inputs are there, or None while one has not run."""
+    if kind == "F":
+        return 0.0 if chunk == 0 else done.get(("F", micro, chunk - 1))
+    if kind == "W":
+        return done.get(("B", micro, chunk))
+    own = done.get(("F", micro, chunk))
+    after = 0.0 if chunk == last else done.get(("B", micro, chunk + 1))
+    return None if own is None or after is None else max(own, after)
 
 
 def bubble_fraction(stages: int, micro_batches: int, schedule: str = "1f1b",
-                    virtual_stages: int = 1) -> float:
-    """Idle share of a pipeline of equal stages: 1 − (useful time / step time)."""
+                    virtual_stages: int = 1,
+                    split: tuple[float, float, float] | None = None) -> float:
+    """Idle share of a pipeline of equal stages: 1 − (useful time / step time). The
+    zero-bubble schedules' depends on a stage's (forward, input backward, weight backward)
+    `split` (default `DEFAULT_SPLIT`); the others' does not."""
     busy = micro_batches * 1.0
-    step = pipeline_time([1.0] * stages, micro_batches, schedule, virtual_stages)
+    chunks = None
+    if schedule in SPLIT_BACKWARD:
+        v = chunks_per_device(schedule, virtual_stages)
+        total = sum(split) if split else 0.0
+        shares = tuple(t / total for t in split) if split and total > 0 else DEFAULT_SPLIT
+        chunks = [[tuple(share / v for share in shares)] * v] * stages
+    step = pipeline_time([1.0] * stages, micro_batches, schedule, virtual_stages, chunks)
     return 1.0 - busy / step if step > 0 else 0.0
 
 
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b",
               virtual_stages: int = 1) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak, in units of the
-    stage's whole activation set for one micro-batch (a chunk counts 1/v)."""
+    stage's whole activation set for one micro-batch (a chunk counts 1/v): counted off
+    the stage's order, each chunk's from its forward to its last backward pass (W when
+    the backward is split)."""
     check_schedule(schedule)
-    if schedule == Schedule.GPIPE:
-        return float(micro_batches)
-    if schedule == Schedule.ONE_F_ONE_B:
-        return float(min(micro_batches, stages - stage))
-    v = max(1, virtual_stages)
-    warmup = (stages - stage - 1) * 2 + (v - 1) * stages
-    chunks = min(micro_batches * v, warmup + 1)
-    return chunks / v
+    v = chunks_per_device(schedule, virtual_stages)
+    return _in_flight(str(schedule), stages, micro_batches, stage, v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(schedule: str, stages: int, micro_batches: int, stage: int, v: int) -> float:
+    last_pass = "W" if schedule in SPLIT_BACKWARD else "B"
+    held = peak = 0
+    for kind, _, _ in schedule_order(schedule, stages, micro_batches, stage, v):
+        held += 1 if kind == "F" else -1 if kind == last_pass else 0
+        peak = max(peak, held)
+    return peak / v
+
+
+__all__ = ["SCHEDULES", "ChunkTimes", "bubble_fraction", "check_schedule", "chunk_device",
+           "in_flight", "pipeline_time", "simulate", "timeline"]

@@ -10,8 +10,15 @@ runs on its own, so a tensor crossing chunks is cut out of autograd on the recei
 and its gradient is passed back the same way.
 
 A schedule is one list of actions per device (forward or backward of one micro-batch on
-one chunk). Sends never block, receives do, so a schedule cannot deadlock exactly when the
-greedy simulation in `check_schedule` completes it; every run checks this first.
+one chunk; for the zero-bubble schedules the backward split into the inputs' gradients B
+and the weights' gradients W), the order `costmodels.orders` writes for the pricing too.
+Sends never block, receives do, so a schedule cannot deadlock exactly when the greedy
+simulation in `check_schedule` completes it; every run checks this first.
+
+The runners cannot split a backward pass yet (it needs autograd run twice over one
+retained graph, the second time only to the weights, without re-running the first's
+collectives): `check_runnable` refuses the zero-bubble schedules by name before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -19,6 +26,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodels.orders import (
+    SPLIT_BACKWARD,
+    chunk_device,
+    chunks_per_device,
+    device_chunks,
+    schedule_order,
+)
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Recompute, Schedule
@@ -56,7 +70,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward or "B" backward
+    kind: str  # "F" forward, "B" backward (of the inputs only when split), "W" weights
     micro: int
     chunk: int  # global chunk index
 
@@ -119,9 +133,9 @@ def build_stages(graph: PlanningGraph, pipeline: PipelineSection | None, mesh: D
     if len(rows) != pp:
         raise PlanFileError(f"pipeline.stages has {len(rows)} entries but the mesh has "
                             f"pp={pp}; re-create the plan")
+    check_runnable(schedule)
     chunks = _chunks([ops for ops, _ in rows], len(graph.ops))
-    if schedule == Schedule.INTERLEAVED:
-        _check_interleaving(chunks, pp, micro)
+    _check_placement(chunks, schedule, pp, micro)
     segments = tuple(sorted((int(a), int(b)) for _, row in rows for a, b in row))
     _check_segments(segments, chunks)
     producer = {name: k for k, node in enumerate(graph.ops) for name in node.outputs if name}
@@ -152,13 +166,24 @@ def _chunks(rows: Sequence[Sequence[tuple[int, int]]], count: int) -> list[Chunk
     return chunks
 
 
-def _check_interleaving(chunks: Sequence[Chunk], pp: int, micro: int) -> None:
-    """Megatron's interleaving: chunk k lives on device k mod pp; micro-batches in
-    groups of pp."""
-    if any(c.device != c.index % pp for c in chunks) or len(chunks) % pp:
-        raise PlanFileError("pipeline.stages: an interleaved plan must give device d the "
-                            "chunks d, d+pp, d+2pp, ... (round robin)")
-    if micro % pp:
+def check_runnable(schedule: str) -> None:
+    """Refuse a schedule the runners cannot run yet: one that splits the backward pass."""
+    if schedule in SPLIT_BACKWARD:
+        raise ShardplanError(f"pipeline schedule {schedule}: the executor cannot run it yet "
+                             "(it splits each backward into input and weight gradients); "
+                             "re-plan with --parallel schedule=1f1b, or interleaved")
+
+
+def _check_placement(chunks: Sequence[Chunk], schedule: str, pp: int, micro: int) -> None:
+    """Each chunk on the device the schedule puts it (`costmodels.orders.chunk_device`:
+    Megatron's round robin, ZB-V's V); interleaving takes micro-batches in groups of pp."""
+    if schedule in (Schedule.INTERLEAVED, Schedule.ZBV) and (
+            len(chunks) % pp or any(c.device != chunk_device(schedule, pp, c.index)
+                                    for c in chunks)):
+        shape = ("the chunks d, d+pp, d+2pp, ... (round robin)"
+                 if schedule == Schedule.INTERLEAVED else "the chunks d and 2pp−1−d (a V)")
+        raise PlanFileError(f"pipeline.stages: a {schedule} plan must give device d {shape}")
+    if schedule == Schedule.INTERLEAVED and micro % pp:
         raise PlanFileError(f"pipeline.micro_batches {micro}: the interleaved schedule needs "
                             f"a multiple of pp={pp}")
 
@@ -218,45 +243,21 @@ def _transfers(graph: PlanningGraph, chunks: Sequence[Chunk], producer: Mapping[
 
 
 def schedule_actions(stages: Stages, device: int) -> list[Action]:
-    """The order in which `device` runs forward and backward passes of its chunks."""
+    """The order in which `device` runs its passes: `costmodels.orders.schedule_order`,
+    the order the plan was priced with, on the plan's chunks."""
     mine = stages.of_device(device)
-    m, pp = stages.micro_batches, stages.pp
-    if stages.schedule == Schedule.GPIPE:
-        return ([Action("F", i, c.index) for i in range(m) for c in mine]
-                + [Action("B", i, c.index) for i in range(m) for c in reversed(mine)])
-    if stages.schedule == Schedule.ONE_F_ONE_B and len(mine) == 1:
-        chunk = mine[0].index
-        warmup = min(pp - device - 1, m)
-        actions = [Action("F", i, chunk) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action("F", warmup + i, chunk), Action("B", i, chunk)]
-        return actions + [Action("B", i, chunk) for i in range(m - warmup, m)]
-    if stages.schedule == Schedule.ONE_F_ONE_B:
+    wanted = chunks_per_device(stages.schedule, len(mine))
+    if len(mine) != wanted:
         raise PlanFileError(f"pipeline: device stage {device} holds {len(mine)} op ranges; "
-                            "1F1B runs one per device (use the interleaved schedule)")
-    return _interleaved(mine, device, pp, m)
-
-
-def _interleaved(mine: Sequence[Chunk], device: int, pp: int, m: int) -> list[Action]:
-    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): micro-batches in groups of
-    pp through chunk 0, then chunk 1, ...; backward through the chunks in reverse."""
-    v = len(mine)
-    total = m * v
-
-    def micro(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
-
-    def forward(k: int) -> Action:
-        return Action("F", micro(k), mine[(k // pp) % v].index)
-
-    def backward(k: int) -> Action:
-        return Action("B", micro(k), mine[v - 1 - (k // pp) % v].index)
-
-    warmup = min((pp - device - 1) * 2 + (v - 1) * pp, total)
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [forward(warmup + k), backward(k)]
-    return actions + [backward(k) for k in range(total - warmup, total)]
+                            f"{stages.schedule} runs {wanted} per device"
+                            + (" (use the interleaved schedule)" if wanted == 1 else ""))
+    # The order names chunks in the schedule's own placement; the plan's are the same
+    # chunks (`_check_placement`), numbered by their first op.
+    plan_chunk = dict(zip(device_chunks(stages.schedule, stages.pp, len(mine), device),
+                          (c.index for c in mine), strict=True))
+    return [Action(kind, micro, plan_chunk[chunk]) for kind, micro, chunk in
+            schedule_order(stages.schedule, stages.pp, stages.micro_batches, device,
+                           len(mine))]
 
 
 def check_schedule(stages: Stages) -> dict[int, list[Action]]:
@@ -282,7 +283,8 @@ def check_schedule(stages: Stages) -> dict[int, list[Action]]:
         raise ShardplanError(f"pipeline schedule {stages.schedule} would deadlock: device "
                              f"stage {d} waits at {action.kind} of micro-batch {action.micro} "
                              f"on chunk {action.chunk}")
-    expected = {(k, i, c.index) for k in "FB" for i in range(stages.micro_batches)
+    kinds = "FBW" if stages.schedule in SPLIT_BACKWARD else "FB"
+    expected = {(k, i, c.index) for k in kinds for i in range(stages.micro_batches)
                 for c in stages.chunks}
     if done != expected:
         raise ShardplanError(f"pipeline schedule {stages.schedule} misses or repeats passes")
@@ -292,5 +294,7 @@ def check_schedule(stages: Stages) -> dict[int, list[Action]]:
 def _ready(action: Action, stages: Stages, done: set[tuple[str, int, int]]) -> bool:
     if action.kind == "F":
         return all(("F", action.micro, t.src) in done for t in stages.inbound(action.chunk))
+    if action.kind == "W":
+        return ("B", action.micro, action.chunk) in done
     return ("F", action.micro, action.chunk) in done and all(
         ("B", action.micro, t.dst) in done for t in stages.outbound(action.chunk) if t.grad)

@@ -45,11 +45,16 @@ class Phase(StrEnum):
 
 
 class Schedule(StrEnum):
-    """Pipeline schedules (costmodels.schedule has their formulas)."""
+    """Pipeline schedules (`costmodels.orders` has each one's order, `costmodels.schedule`
+    its time and memory). The zero-bubble ones (Qi et al. 2023) split the backward pass
+    into the inputs' gradients and the weights' gradients: ZB-H1 on one chunk per device,
+    ZB-V (torch's `ScheduleZBVZeroBubble`) on two chunks per device laid in a V."""
 
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
     INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+    ZBV = "zbv"
 
 
 class Recompute(StrEnum):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from costmodels.orders import chunks_per_device, device_chunks
+from costmodels.schedule import timeline
 from planner.errors import ShardplanError
 from planner.explain import Explanation
 from planner.humanize import human_bytes, human_seconds
@@ -23,6 +25,7 @@ from planner.records import MEMORY_CATEGORIES
 DPI = 110
 COLORS = {
     "forward": "#4C78A8", "backward": "#F58518", "recompute": "#B279A2",
+    "weight gradients": "#EECA3B",
     "collectives": "#E45756", "gradient sync": "#72B7B2", "optimizer": "#54A24B",
     "parameters": "#4C78A8", "gradients": "#F58518", "optimizer state": "#54A24B",
     "activations": "#E45756", "workspace": "#9D755D",
@@ -188,7 +191,7 @@ class Event:
     """One block of the timeline on one device stage."""
 
     stage: int
-    kind: str  # forward | backward | recompute | gradient sync | optimizer
+    kind: str  # forward | backward | weight gradients | recompute | gradient sync | optimizer
     micro_batch: int  # -1 for once-per-step blocks
     chunk: int
     start: float
@@ -202,6 +205,7 @@ class _StageTimes:
     recompute: float
     sync: float  # once per step
     optimizer: float
+    weight: float = 0.0  # of `backward`, the weights' gradients (W of the zero-bubble ones)
 
 
 def _schedule_name(plan: Plan, stages: int, micro_batches: int) -> str:
@@ -218,7 +222,8 @@ def _stage_times(plan: Plan) -> list[_StageTimes]:
     without a pipeline section (from the step's breakdown)."""
     if plan.pipeline is not None and plan.pipeline.stages:
         return [_StageTimes(s.forward_s + s.zero_s + s.p2p_s / 2, s.backward_s + s.p2p_s / 2,
-                            s.recompute_s, s.gradient_sync_s, s.optimizer_s)
+                            s.recompute_s, s.gradient_sync_s, s.optimizer_s,
+                            s.weight_gradient_s)
                 for s in plan.pipeline.stages]
     b = plan.predicted.breakdown
     return [_StageTimes(
@@ -231,70 +236,30 @@ def _schedule_of(plan: Plan) -> Schedule:
     return plan.pipeline.schedule if plan.pipeline is not None else Schedule.ONE_F_ONE_B
 
 
-def _orders(schedule: Schedule, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    """Per device: (F or B, micro-batch, chunk) in the order the schedule runs them.
-
-    GPipe: all forwards, then all backwards. 1F1B: p − s − 1 warm-up forwards, then one
-    forward, one backward. Interleaved (Megatron-LM): forwards go in groups of p
-    micro-batches through chunk 0, 1, ..., backwards through the chunks in reverse, with
-    (p − s − 1)·2 + (v − 1)·p warm-up forwards.
-    """
-    if schedule != Schedule.INTERLEAVED:
-        v = 1
-    forwards = [(i, c) for g in range(0, m, p) for c in range(v)
-                for i in range(g, min(g + p, m))]
-    backwards = [(i, v - 1 - c) for g in range(0, m, p) for c in range(v)
-                 for i in range(g, min(g + p, m))]
-    orders = []
-    for s in range(p):
-        if schedule == Schedule.GPIPE:
-            warm = len(forwards)
-        elif schedule == Schedule.INTERLEAVED:
-            warm = min((p - s - 1) * 2 + (v - 1) * p, len(forwards))
-        else:
-            warm = min(p - s - 1, m)
-        order = [("F", *forwards[k]) for k in range(warm)]
-        for j in range(len(forwards) - warm):
-            order += [("F", *forwards[warm + j]), ("B", *backwards[j])]
-        order += [("B", *backwards[j]) for j in range(len(forwards) - warm, len(backwards))]
-        orders.append(order)
-    return orders
-
-
 def schedule_events(plan: Plan) -> list[Event]:
-    """The step as a timeline: each device stage runs its schedule order; a block starts
-    when the device is free and its input is ready (the previous virtual stage's forward,
-    the next one's backward). Chunks of an interleaved stage take 1/v of its time."""
+    """The step as a timeline: each device stage runs its schedule's order and a block
+    starts when the device is free and its input is ready, as the pricing times it
+    (`costmodels.schedule.timeline`). Chunks of a stage take 1/v of its time; a split
+    backward (the zero-bubble schedules) shows its weight-gradient passes apart."""
     times = _stage_times(plan)
     p = len(times)
     m = plan.micro_batches
     schedule = _schedule_of(plan)
-    chunks = plan.pipeline.virtual_stages if plan.pipeline is not None else 1
-    v = chunks if schedule == Schedule.INTERLEAVED else 1
-    orders = _orders(schedule, p, m, v)
-    done: dict[tuple[str, int, int], float] = {}  # (F|B, micro, virtual stage) -> end
-    free = [0.0] * p
-    position = [0] * p
+    v = chunks_per_device(schedule, plan.pipeline.virtual_stages
+                          if plan.pipeline is not None else 1)
+    chunks = [[(t.forward / v, (t.backward - t.weight + t.recompute) / v, t.weight / v)] * v
+              for t in times]
+    try:
+        passes = timeline(schedule, chunks, m)
+    except ValueError as error:
+        raise ShardplanError(f"pipeline schedule {str(schedule)!r} with {p} stages and {m} "
+                             f"micro-batches cannot be laid out as a timeline: {error}") from None
     events: list[Event] = []
-    last_virtual = p * v - 1
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                kind, micro, chunk = orders[s][position[s]]
-                virtual = chunk * p + s
-                ready = _ready(kind, micro, virtual, last_virtual, done)
-                if ready is None:
-                    break
-                start = max(free[s], ready)
-                events += _blocks(s, kind, micro, chunk, start, times[s], v)
-                free[s] = events[-1].end
-                done[(kind, micro, virtual)] = free[s]
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            raise ShardplanError(f"pipeline schedule {str(schedule)!r} with {p} stages and {m} "
-                                 "micro-batches cannot be laid out as a timeline")
+    free = [0.0] * p
+    for device, (kind, micro, chunk), start, end in passes:
+        slot = device_chunks(schedule, p, v, device).index(chunk)
+        events += _blocks(device, kind, micro, slot, start, end, times[device], v)
+        free[device] = max(free[device], end)
     for s, t in enumerate(times):
         start = free[s]
         for kind, length in (("gradient sync", t.sync), ("optimizer", t.optimizer)):
@@ -304,25 +269,18 @@ def schedule_events(plan: Plan) -> list[Event]:
     return events
 
 
-def _ready(kind: str, micro: int, virtual: int, last: int,
-           done: dict[tuple[str, int, int], float]) -> float | None:
-    """When a block's input is there, or None while its producer has not run."""
+def _blocks(stage: int, kind: str, micro: int, chunk: int, start: float, end: float,
+            t: _StageTimes, v: int) -> list[Event]:
+    """One pass as drawn: a backward starts with what recompute re-runs."""
     if kind == "F":
-        key = ("F", micro, virtual - 1)
-        return 0.0 if virtual == 0 else done.get(key)
-    key = ("F", micro, virtual) if virtual == last else ("B", micro, virtual + 1)
-    return done.get(key)
-
-
-def _blocks(stage: int, kind: str, micro: int, chunk: int, start: float, t: _StageTimes,
-            v: int) -> list[Event]:
-    if kind == "F":
-        return [Event(stage, "forward", micro, chunk, start, start + t.forward / v)]
+        return [Event(stage, "forward", micro, chunk, start, end)]
+    if kind == "W":
+        return [Event(stage, "weight gradients", micro, chunk, start, end)]
     blocks = []
     if t.recompute > 0:
         blocks.append(Event(stage, "recompute", micro, chunk, start, start + t.recompute / v))
         start = blocks[-1].end
-    blocks.append(Event(stage, "backward", micro, chunk, start, start + t.backward / v))
+    blocks.append(Event(stage, "backward", micro, chunk, start, end))
     return blocks
 
 

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodels.orders import chunk_device, chunks_per_device
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
+from planner.plans.sections import PipelineSection
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
@@ -208,6 +210,7 @@ def _pipeline(plan: Plan, report: Report) -> None:
             report.add(f"stage {index}: ranks {list(stage.ranks[:4])}… are not the mesh's "
                        f"block {expected[0]}..{expected[-1]} (pp is the outermost axis)")
     chunks = pipe.chunks()
+    _check_placement(pipe, chunks, report)
     for send in pipe.sends:
         if send.tensor not in plan.tensors:
             report.add(f"pipeline send of unknown tensor {send.tensor!r}")
@@ -230,6 +233,24 @@ def _pipeline(plan: Plan, report: Report) -> None:
                        f"{send.to_chunk} are not op ranges of stages {send.from_stage} → "
                        f"{send.to_stage}")
     report.checked["stages"] = len(stages)
+
+
+def _check_placement(pipe: PipelineSection, chunks: Sequence[tuple[tuple[int, int], int]],
+                     report: Report) -> None:
+    """Each chunk on the device its schedule runs it on (`costmodels.orders`: one per
+    device, Megatron's round robin, ZB-V's V), as many per device as the schedule runs."""
+    p = len(pipe.stages)
+    wanted = chunks_per_device(pipe.schedule, pipe.virtual_stages)
+    if len(chunks) != p * wanted or pipe.virtual_stages != wanted:
+        report.add(f"pipeline schedule {pipe.schedule} runs {wanted} chunk(s) per device: "
+                   f"{p * wanted} op ranges and virtual_stages {wanted}, not {len(chunks)} "
+                   f"and {pipe.virtual_stages}")
+        return
+    placed = [device for _, device in chunks]
+    expected = [chunk_device(pipe.schedule, p, k) for k in range(len(chunks))]
+    if wanted > 1 and placed != expected:
+        report.add(f"pipeline schedule {pipe.schedule} places chunks on devices {expected}, "
+                   f"the plan on {placed}")
 
 
 def _op_names(plan: Plan, graph: PlanningGraph | None) -> list[OpNames]:

@@ -1143,7 +1143,7 @@ def _plan_json_bounds(rng: random.Random) -> Case:
                             "any" if kind == "bom" else "reject")
 
 
-PIPELINE_PINS = {"pp": 2, "dp": 2, "zero": 1, "micro_batches": 2}
+PIPELINE_PINS = {"pp": 2, "dp": 2, "zero": 1, "micro_batches": 2, "schedule": "1f1b"}
 
 
 @cache

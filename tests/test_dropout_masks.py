@@ -69,7 +69,7 @@ def _gpt_with_dropout(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("parallel", [
     {"dp": 2},
     {"tp": 2, "dp": 1, "layout": "megatron"},
-    {"pp": 2, "dp": 1, "micro_batches": 2, "recompute": "full"},
+    {"pp": 2, "dp": 1, "micro_batches": 2, "recompute": "full", "schedule": "1f1b"},
 ], ids=["data", "tensor", "pipeline-recompute"])
 def test_split_runs_with_dropout_equal_one_process(tmp_path: Path, parallel: dict) -> None:
     """GPT with dropout 0.1 on its attention probabilities and residuals: 2 gloo ranks give

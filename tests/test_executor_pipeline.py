@@ -39,6 +39,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _plan(path: Path, **parallel: int | str) -> Plan:
+    """A plan the executor runs: a pipeline's schedule is 1F1B unless pinned (the search
+    may pick a zero-bubble schedule, which the executor refuses: see
+    test_zero_bubble_plans_are_refused_before_any_rank_starts)."""
+    if parallel.get("pp", 1) != 1 and "schedule" not in parallel and "vpp" not in parallel:
+        parallel["schedule"] = "1f1b"
     return plan(path, devices=4, batch=8, dims={"seq": 16}, profile="cpu", parallel=parallel)
 
 
@@ -259,7 +264,7 @@ def test_cli_runs_a_pipeline_plan(models: dict[str, Path], tmp_path: Path,
 
     path, plan_file = models["gpt"], tmp_path / "plan.json"
     assert main(["plan", str(path), "--devices", "4", "--batch", "8", "--dim", "seq=16",
-                 "--profile", "cpu", "--parallel", "pp=2,dp=2,micro_batches=2",
+                 "--profile", "cpu", "--parallel", "pp=2,dp=2,micro_batches=2,schedule=1f1b",
                  "-o", str(plan_file)]) == 0
     logs = {}
     for nproc in ("4", "1"):

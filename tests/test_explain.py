@@ -175,14 +175,16 @@ def test_plots_are_written(plans: dict[str, Path], tmp_path: Path,
                 assert path.stat().st_size > 10_000, path
 
 
-@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                             ("zb-h1", 1), ("zbv", 2)])
 def test_schedule_timeline_matches_the_schedule_formula(plans: dict[str, Path], schedule: str,
                                                         chunks: int) -> None:
     """Equal stages: the simulated timeline ends when costmodels.schedule says."""
     loaded = Plan.load(plans["pipe"])
     p, m = 4, 8
     stage = {"forward_s": 1.0, "backward_s": 2.0, "recompute_s": 0.0, "p2p_s": 0.0,
-             "zero_s": 0.0, "gradient_sync_s": 0.0, "optimizer_s": 0.0}
+             "zero_s": 0.0, "gradient_sync_s": 0.0, "optimizer_s": 0.0,
+             "weight_gradient_s": 1.0}
     pipeline = dataclasses.replace(
         loaded.pipeline, schedule=Schedule(schedule), virtual_stages=chunks, micro_batches=m,
         stages=tuple(dataclasses.replace(loaded.pipeline.stages[0], device_stage=s, **stage)
@@ -192,6 +194,8 @@ def test_schedule_timeline_matches_the_schedule_formula(plans: dict[str, Path], 
     assert end == pytest.approx(pipeline_time([3.0] * p, m, schedule, chunks))
     forwards = [e for e in events if e.kind == "forward"]
     assert len(forwards) == p * m * chunks
+    weights = [e for e in events if e.kind == "weight gradients"]  # W drawn apart
+    assert len(weights) == (p * m * chunks if schedule.startswith("zb") else 0)
 
 
 @pytest.mark.parametrize("argv,needle", [

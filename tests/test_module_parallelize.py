@@ -76,7 +76,8 @@ def test_plans_it_cannot_run_yet_are_refused_in_one_line(llama_onnx: Path) -> No
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})
     staged = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="auto",
-                  parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 0})
+                  parallel={"dp": 1, "tp": 1, "pp": 2, "micro_batches": 2, "zero": 0,
+                            "schedule": "1f1b"})
     with pytest.raises(ShardplanError, match="checkpoints of a pipeline plan"):
         train_module(LLAMA, staged, steps=1, checkpoints=Checkpoints(save="unused"))
     module, make_batch, _ = load_builder(LLAMA)()

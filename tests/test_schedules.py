@@ -1,18 +1,24 @@
-"""Interleaved 1F1B with any number of chunks per device and chunks of unequal time."""
+"""Pipeline schedules: one order per schedule (`costmodels.orders`) that the pricing and
+the executor both run; interleaved 1F1B with any number of chunks per device and chunks of
+unequal time; the zero-bubble schedules ZB-H1 and ZB-V."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import onnx
 import pytest
 
-from costmodels.schedule import interleaved_order, interleaved_time, pipeline_time
-from executor.schedule import Chunk, Stages, schedule_actions
+from costmodels.orders import chunk_device, device_chunks, schedule_order
+from costmodels.profile import load_profile
+from costmodels.schedule import in_flight, pipeline_time, simulate
+from executor.schedule import Chunk, Stages, Transfer, check_schedule, schedule_actions
 from planner import zoo
 from planner.api import plan
 from planner.cli import main
+from planner.importer import import_model
 from planner.kinds import Schedule
 from planner.search.joint import enumerate_choices
 from planner.search.options import Pins
@@ -57,7 +63,8 @@ def test_equal_chunks_follow_the_closed_form(p: int, v: int, m: int) -> None:
         closed = m * t + (p * t - t) / v
         assert _simulate(p, v, m, forward, backward) == pytest.approx(closed)
         assert pipeline_time([t] * p, m, "interleaved", v) == pytest.approx(closed)
-        assert interleaved_time(_by_device(p, v, forward, backward), m) == pytest.approx(closed)
+        chunks = _by_device(p, v, forward, backward)
+        assert simulate("interleaved", chunks, m) == pytest.approx(closed)
 
 
 def test_unequal_chunks_are_priced_by_the_schedules_longest_path() -> None:
@@ -73,7 +80,7 @@ def test_unequal_chunks_are_priced_by_the_schedules_longest_path() -> None:
         chunks = _by_device(p, v, forward, backward)
         exact = _simulate(p, v, m, forward, backward)
         totals = [sum(f + b for f, b in device) for device in chunks]
-        assert interleaved_time(chunks, m) == pytest.approx(exact)
+        assert simulate("interleaved", chunks, m) == pytest.approx(exact)
         assert pipeline_time(totals, m, "interleaved", v, chunks) == pytest.approx(exact)
         closed = m * max(totals) + (sum(totals) - max(totals)) / v
         above += exact > closed + 1e-9
@@ -87,8 +94,9 @@ def test_the_pricing_and_the_executor_run_one_order(p: int, v: int, m: int) -> N
     chunks = tuple(Chunk(k, k, k + 1, k % p, k // p) for k in range(p * v))
     stages = Stages(p, m, "interleaved", chunks, (), (), p * v - 1)
     for d in range(p):
-        ran = [(a.kind == "F", a.micro, a.chunk) for a in schedule_actions(stages, d)]
-        assert ran == [(f, i, s * p + d) for f, i, s in interleaved_order(p, v, m, d)]
+        ran = [(a.kind, a.micro, a.chunk) for a in schedule_actions(stages, d)]
+        assert ran == [tuple(step) for step in schedule_order("interleaved", p, m, d, v)]
+        assert {c for _, _, c in ran} == {s * p + d for s in range(v)}
 
 
 def test_chunk_counts_cover_uneven_layers() -> None:
@@ -137,3 +145,217 @@ def test_bad_vpp_exit_2(gpt: Path, pins: str, needle: str, capsys) -> None:
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err and len(
         err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- one order, every schedule
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (3, 7), (8, 16)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_simulation_equals_the_closed_forms(schedule: str, p: int, m: int) -> None:
+    """Equal stages, any forward : backward : weight split: T = (m + p − 1)·t."""
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (0.5, 1.5, 0.7)):
+        t = f + b + w
+        assert simulate(schedule, [[(f, b, w)]] * p, m) == pytest.approx((m + p - 1) * t)
+        assert pipeline_time([t] * p, m, schedule) == pytest.approx((m + p - 1) * t)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 9)])
+def test_zb_h1_bubble_is_the_papers_formula(p: int, m: int) -> None:
+    """Qi et al. 2023 §3.1: ZB-H1 idles (p − 1)(T_F + T_B − T_W) where 1F1B idles
+    (p − 1)(T_F + T_B + T_W), for T_W up to T_F (the paper's regime, a GEMM's dW)."""
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.2, 0.8), (2.0, 3.0, 1.0)):
+        useful = m * (f + b + w)
+        zb = simulate("zb-h1", [[(f, b, w)]] * p, m)
+        assert zb - useful == pytest.approx((p - 1) * (f + b - w))
+        assert simulate("1f1b", [[(f, b, w)]] * p, m) - useful == pytest.approx(
+            (p - 1) * (f + b + w))
+
+
+def test_zb_h1_is_never_slower_than_1f1b_on_the_same_stages() -> None:
+    rng = random.Random(11)
+    faster = 0
+    for _ in range(60):
+        p = rng.choice([2, 3, 4, 6])
+        m = rng.choice([p, 2 * p, p + 3, 1])
+        stages = [[(rng.uniform(0.5, 2), rng.uniform(0.5, 3), rng.uniform(0, 1.5))]
+                  for _ in range(p)]
+        zb, one = simulate("zb-h1", stages, m), simulate("1f1b", stages, m)
+        assert zb <= one + 1e-9
+        faster += zb < one - 1e-9
+    assert faster > 40
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zbv_lays_each_devices_chunks_in_a_v(p: int) -> None:
+    """Device d holds chunks d and 2p − 1 − d; its passes touch only those; the first
+    chunk's forwards run down the devices and the second's back up (torch's
+    ScheduleZBVZeroBubble), and the step is near zero-bubble when F = B = W."""
+    for d in range(p):
+        assert device_chunks("zbv", p, 2, d) == (d, 2 * p - 1 - d)
+        assert {chunk_device("zbv", p, c) for c in (d, 2 * p - 1 - d)} == {d}
+    m = 2 * p
+    for d in range(p):
+        order = schedule_order("zbv", p, m, d)
+        assert {c for _, _, c in order} == {d, 2 * p - 1 - d}
+        assert sorted((k, i, c) for k, i, c in order) == sorted(
+            (k, i, c) for k in "FBW" for i in range(m) for c in (d, 2 * p - 1 - d))
+        first_forward = next(k for k, step in enumerate(order) if step.kind == "F")
+        assert order[first_forward].chunk == d  # the V starts down
+    step = simulate("zbv", [[(1.0, 1.0, 1.0)] * 2] * p, m)
+    ideal = m * 6.0
+    assert step < simulate("zb-h1", [[(2.0, 2.0, 2.0)]] * p, m)
+    assert (step - ideal) / step < (p - 1) / (m + p - 1) / 2  # under half of 1F1B's share
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                        ("interleaved", 3), ("zb-h1", 1), ("zbv", 2)])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5), (4, 1)])
+def test_every_order_runs_in_the_executor_without_deadlock(schedule: str, v: int, p: int,
+                                                           m: int) -> None:
+    """The executor's own check (transfers chunk to chunk, W after its B) completes every
+    schedule's order, with every pass once."""
+    if schedule == "interleaved" and m % p:
+        return
+    placed = [chunk_device(schedule, p, k) for k in range(p * v)]
+    chunks = tuple(Chunk(k, k, k + 1, placed[k], sum(1 for j in range(k) if placed[j] ==
+                                                       placed[k])) for k in range(p * v))
+    transfers = tuple(Transfer(k, f"t{k}", k, k + 1, True, placed[k] != placed[k + 1])
+                      for k in range(p * v - 1))
+    actions = check_schedule(Stages(p, m, schedule, chunks, transfers, (), p * v - 1))
+    kinds = "FBW" if schedule in ("zb-h1", "zbv") else "FB"
+    assert sum(len(a) for a in actions.values()) == len(kinds) * m * p * v
+
+
+def test_in_flight_follows_each_order() -> None:
+    """1F1B keeps p − s; GPipe m; interleaved Megatron's warm-up + 1 chunks; ZB-H1 keeps a
+    micro-batch until its W (its graph is retained for it): min(m, p) on every stage, the
+    first stage's 1F1B figure; ZB-V at most 1F1B's first stage (its paper's claim)."""
+    p, m = 4, 8
+    assert [in_flight(s, p, m, "1f1b") for s in range(p)] == [4, 3, 2, 1]
+    assert [in_flight(s, p, m, "gpipe") for s in range(p)] == [8] * 4
+    assert [in_flight(s, p, m, "interleaved", 2) for s in range(p)] == [5.5, 4.5, 3.5, 2.5]
+    assert [in_flight(s, p, m, "zb-h1") for s in range(p)] == [4] * 4
+    assert [in_flight(s, p, 2, "zb-h1") for s in range(p)] == [2] * 4
+    assert max(in_flight(s, p, m, "zbv") for s in range(p)) <= in_flight(0, p, m, "1f1b")
+
+
+# ---------------------------------------------------------------- the search and its pins
+
+
+@pytest.fixture(scope="module")
+def gpt8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = zoo.GPTConfig(layers=8, hidden=256, heads=4, vocab=512, max_positions=128)
+    return zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("zb") / "gpt8.onnx")
+
+
+def _zb_plan(path: Path, **pins: int | str):
+    return plan(path, devices=4, batch=16, dims={"seq": 128}, profile="a100-80g",
+                parallel={"pp": 4, "dp": 1, "tp": 1, "micro_batches": 8, "zero": 0, **pins})
+
+
+def test_the_search_picks_a_zero_bubble_schedule_when_faster(gpt8: Path) -> None:
+    chosen = _zb_plan(gpt8)
+    one = _zb_plan(gpt8, schedule="1f1b")
+    assert chosen.pipeline is not None and chosen.pipeline.schedule in ("zb-h1", "zbv")
+    assert chosen.predicted.step_time_s < one.predicted.step_time_s
+    assert chosen.solver.objective == chosen.predicted.step_time_s
+    stages = chosen.pipeline.stages
+    assert all(0 < s.weight_gradient_s < s.backward_s for s in stages)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_zero_bubble_pins_are_honoured(gpt8: Path, schedule: str) -> None:
+    chosen = _zb_plan(gpt8, schedule=schedule)
+    one = _zb_plan(gpt8, schedule="1f1b")
+    pipe = chosen.pipeline
+    assert pipe is not None and pipe.schedule == schedule
+    assert chosen.predicted.step_time_s < one.predicted.step_time_s
+    assert pipe.bubble_fraction < one.pipeline.bubble_fraction
+    if schedule == "zbv":
+        assert pipe.virtual_stages == 2
+        chunks = pipe.chunks()
+        assert [device for _, device in chunks] == [0, 1, 2, 3, 3, 2, 1, 0]
+    else:
+        assert all(len(stage.ops) == 1 for stage in pipe.stages)
+        # held until its W: every stage keeps min(m, p) micro-batches
+        assert [s.in_flight for s in pipe.stages] == [4.0] * 4
+
+
+@pytest.mark.parametrize("pins,needle", [
+    ("pp=1,schedule=zbv", "pp of 2"), ("pp=1,schedule=zb-h1", "pp of 2"),
+    ("pp=2,schedule=zb", "choose one of"), ("pp=2,vpp=2,schedule=zbv", "vpp")])
+def test_impossible_zero_bubble_pins_exit_2(gpt: Path, pins: str, needle: str,
+                                            capsys) -> None:
+    code = main(["plan", str(gpt), "--devices", "2", "--batch", "16", "--dim", "seq=16",
+                 "--parallel", pins])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_zbv_on_too_few_layers_is_refused_in_one_line(gpt: Path, capsys) -> None:
+    """7 layers cannot fill pp=4's eight V chunks."""
+    code = main(["plan", str(gpt), "--devices", "4", "--batch", "16", "--dim", "seq=16",
+                 "--parallel", "pp=4,micro_batches=4,schedule=zbv"])
+    err = capsys.readouterr().err
+    assert code in (2, 3) and "zbv" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- plan, validate, runners
+
+
+def test_zero_bubble_plans_validate_and_a_wrong_v_is_found(gpt8: Path) -> None:
+    from planner.plans.model import Plan
+    from planner.validate import validate
+
+    graph = import_model(gpt8, batch=2, dims={"seq": 128})
+    for schedule in ("zb-h1", "zbv"):
+        chosen = _zb_plan(gpt8, schedule=schedule)
+        again = Plan.from_json(json.loads(chosen.dumps()))  # the file carries the schedule
+        assert again.pipeline is not None and again.pipeline.schedule == schedule
+        assert validate(again, graph).ok, validate(again, graph).problems
+    data = json.loads(_zb_plan(gpt8, schedule="zbv").dumps())
+    stages = data["pipeline"]["stages"]
+    stages[0]["ops"], stages[1]["ops"] = stages[1]["ops"], stages[0]["ops"]  # not a V
+    report = validate(Plan.from_json(data), None)
+    assert any("places chunks on devices [0, 1, 2, 3, 3, 2, 1, 0]" in p
+               for p in report.problems), report.problems
+
+
+def test_zero_bubble_plans_are_refused_before_any_rank_starts(gpt8: Path) -> None:
+    """Both runners name the schedule and what to use instead, in one line, before a rank
+    starts (the module runner before it even loads the builder)."""
+    from executor.module.launch import train_module
+    from executor.train import train
+    from planner.errors import ShardplanError
+
+    for schedule in ("zb-h1", "zbv"):
+        chosen = _zb_plan(gpt8, schedule=schedule)
+        for runner in ("graph", "module"):
+            with pytest.raises(ShardplanError) as error:
+                if runner == "graph":
+                    train(gpt8, chosen, steps=1)
+                else:
+                    train_module("no_such_module.py:build", chosen, steps=1)
+            text = str(error.value)
+            assert f"schedule {schedule}" in text and "schedule=1f1b" in text
+            assert "\n" not in text
+
+
+def test_the_weight_gradient_share_is_the_gemms_dw(gpt8: Path) -> None:
+    """A MatMul reading a weight spends one forward on dW (half its backward); the
+    attention's activation GEMMs and the elementwise ops none."""
+    from planner.cost.kernels import kernel_plan, policy_for
+    from planner.sharding.analysis import GraphAnalysis
+
+    graph = import_model(gpt8, batch=2, dims={"seq": 128})
+    analysis = GraphAnalysis.of(graph)
+    kernels = kernel_plan(analysis, policy_for(load_profile("a100-80g")))
+    ratios = {}
+    for node in graph.ops:
+        kernel = kernels.ops[node.name]
+        reads_weight = any(i in analysis.weight_roots for i in node.inputs[:2] if i)
+        ratios.setdefault((node.op_type, reads_weight), set()).add(kernel.weight_ratio)
+    assert ratios[("MatMul", True)] == {1.0}
+    assert ratios.get(("MatMul", False), {0.0}) == {0.0}
+    assert all(r == {0.0} for (op, _), r in ratios.items() if op in ("Add", "Softmax", "Mul"))

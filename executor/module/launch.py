@@ -36,6 +36,7 @@ from executor.module.layouts import weight_buckets
 from executor.module.trace import export_program, save_model
 from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import MeshComm
+from executor.schedule import check_runnable
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.train import RunLog, check_checkpoints, free_port, issues_per_run
 from planner.errors import ShardplanError
@@ -264,6 +265,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     # Everything the plan states that its own sections imply, before any rank starts (the
     # module's export is not at hand: its ops and layouts are checked as the ranks build).
     refuse_invalid(plan, None, "")
+    if plan.pipeline is not None:
+        check_runnable(plan.pipeline.schedule)  # a zero-bubble schedule, by name
     saving = checkpoints or Checkpoints()
     if saving.save or saving.resume:
         from executor.module.state import refuse_pipelined

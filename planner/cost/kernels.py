@@ -73,6 +73,9 @@ class OpKernel:
     launches: int  # 1: it starts a kernel (pays the launch floor and a GEMM's ramp)
     backward_ratio: float  # backward seconds over forward seconds
     matrix: bool
+    #: of the backward, the weights' gradients' seconds over forward seconds
+    #: (`weight_gradient_ratio`); the rest of the backward is the inputs' gradients
+    weight_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     graph = analysis.graph
     rules = {node.name: _rule(node) for node in graph.ops}
     saved = saved_tensors(graph, analysis.needs_grad, rules)
-    kernels = {node.name: _own_kernel(node) for node in graph.ops}
+    kernels = {node.name: _own_kernel(node, analysis.weight_roots) for node in graph.ops}
     cores = analysis.attention_cores()
     absorbed: set[str] = set()
     for node in graph.ops:
@@ -132,12 +135,27 @@ def _rule(node: OpNode) -> Saves:
     return Saves(every_output=True) if record is None else record.saves
 
 
-def _own_kernel(node: OpNode) -> OpKernel:
+def _own_kernel(node: OpNode, weights: Mapping[str, frozenset[str]]) -> OpKernel:
     record = record_for(node.op_type, node.domain)
     matrix = record is not None and record.matrix
     launches = 0 if node.is_view else 1
     return OpKernel(node.flops, node.bytes_read + node.bytes_written, launches,
-                    BACKWARD_RATIO, matrix)
+                    BACKWARD_RATIO, matrix, weight_gradient_ratio(node, matrix, weights))
+
+
+def weight_gradient_ratio(node: OpNode, matrix: bool,
+                          weights: Mapping[str, frozenset[str]]) -> float:
+    """The weights' gradients' share of an op's backward, in forward passes: what the
+    zero-bubble schedules run apart as W (Qi et al. 2023 §2). A matrix op (MatMul, Gemm,
+    Conv) with a weight operand (a parameter, or a tensor computed from parameters alone:
+    `GraphAnalysis.weight_roots`) computes dW = Xᵀ·dY, a GEMM of its forward's FLOPs, beside
+    dX = dY·Wᵀ, another; so each weight among its two matrix operands is one forward, the
+    whole backward at most. Any other op has no W: an elementwise op's weight gradient (a
+    bias, a norm's scale) is a reduction priced with its input gradient's pass."""
+    if not matrix:
+        return 0.0
+    count = sum(1 for name in node.inputs[:2] if name and name in weights)
+    return min(float(count), BACKWARD_RATIO)
 
 
 # --------------------------------------------------------------------------- attention

@@ -284,6 +284,7 @@ class Pricer:
             chosen[a:b] = True
         forward_compute = float(profile.forward_compute[chosen].sum())
         backward_compute = float(profile.backward_compute[chosen].sum())
+        weight = float(profile.weight_compute[chosen].sum())
         forward_comm = float(profile.forward_communication[chosen].sum())
         backward_comm = float(profile.backward_communication[chosen].sum())
         extra = {Recompute.NONE: 0.0,
@@ -314,29 +315,33 @@ class Pricer:
         return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
                           backward_comm, extra, p2p, zero, end, hidden,
                           weights.optimizer, flight, memory,
-                          self._chunks(ranges, mode, p2p + zero))
+                          self._chunks(ranges, mode, p2p + zero), weight)
 
     def _chunks(self, ranges: Sequence[tuple[int, int]], mode: Recompute,
-                shared: float) -> tuple[tuple[float, float], ...]:
-        """Each chunk's (forward, backward) seconds per micro-batch: its units' compute
-        and collectives (the backward with what it re-runs), and the device's sends and
-        ZeRO collectives (`shared`) spread over its chunks by their share of that time."""
+                shared: float) -> tuple[tuple[float, float, float], ...]:
+        """Each chunk's (forward, input backward, weight backward) seconds per
+        micro-batch: its units' compute and collectives, the input backward with the
+        backward collectives and what recompute re-runs (both come before the inputs'
+        gradients), the weight backward its weights' gradients (`weight_compute`); and the
+        device's sends and ZeRO collectives (`shared`) spread over its chunks by their
+        share of that time."""
         profile = self.profile
         own = []
         for a, b in ranges:
             forward = float(profile.forward_compute[a:b].sum()
                             + profile.forward_communication[a:b].sum())
+            weight = float(profile.weight_compute[a:b].sum())
             backward = float(profile.backward_compute[a:b].sum()
-                             + profile.backward_communication[a:b].sum())
+                             + profile.backward_communication[a:b].sum()) - weight
             backward += {Recompute.NONE: 0.0,
                          Recompute.SELECTIVE: float(profile.selective_extra[a:b].sum()),
                          Recompute.FULL: forward}[mode]
-            own.append((forward, backward))
-        total = sum(f + b for f, b in own)
+            own.append((forward, backward, weight))
+        total = sum(sum(times) for times in own)
         if total <= 0.0:
-            return tuple((shared / (2 * len(own)),) * 2 for _ in own) if own else ()
+            return tuple((shared / (2 * len(own)),) * 2 + (0.0,) for _ in own) if own else ()
         scale = 1.0 + shared / total
-        return tuple((f * scale, b * scale) for f, b in own)
+        return tuple((f * scale, b * scale, w * scale) for f, b, w in own)
 
     def _overlap(self, chosen: np.ndarray, weights: WeightTerms) -> tuple[float, float, float]:
         """(exposed, hidden) seconds of the device's end-of-step synchronisation, and the

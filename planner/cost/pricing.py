@@ -20,7 +20,7 @@ from planner.cost.kernels import KernelPlan, OpKernel
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Phase, Precision
 from planner.ops.work import gemm_dims
-from planner.records import Collective
+from planner.records import Collective, OpCost
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -78,6 +78,15 @@ def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo
     forward = op_seconds(node, kernel, op_dtype(node, kernel, tensors, precision), fraction,
                          profile, shape)
     return forward, (kernel.backward_ratio * forward if differentiated else 0.0)
+
+
+def weight_gradient_seconds(node: OpNode, kernels: KernelPlan, cost: OpCost) -> float:
+    """Of `cost.backward_s`, the seconds of `node`'s weights' gradients (its kernel's
+    `weight_ratio` forward passes, `planner.cost.kernels.weight_gradient_ratio`); the rest
+    is its inputs' gradients."""
+    if cost.backward_s <= 0.0:
+        return 0.0
+    return min(cost.backward_s, kernels.ops[node.name].weight_ratio * cost.forward_s)
 
 
 def saved_bytes(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],

@@ -75,9 +75,12 @@ class StagePrice:
     optimizer_s: float
     in_flight: float  # micro-batches whose activations the stage holds at its peak
     memory: MemoryBreakdown
-    #: per chunk (unit range), its (forward, backward) seconds per micro-batch; they add
-    #: up to `per_micro_batch_s`. The interleaved schedule is priced from them.
-    chunks: tuple[tuple[float, float], ...] = ()
+    #: per chunk (unit range), its (forward, input backward, weight backward) seconds per
+    #: micro-batch; they add up to `per_micro_batch_s`. The schedules without a closed
+    #: form (interleaved with unequal chunks, the zero-bubble ones) are priced from them.
+    chunks: tuple[tuple[float, float, float], ...] = ()
+    #: of `backward_compute_s`, the weights' gradients (W of the zero-bubble schedules)
+    weight_s: float = 0.0
 
     @property
     def forward_s(self) -> float:

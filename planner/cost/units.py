@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.cost.oplevel import PricedGraph
-from planner.cost.pricing import saved_bytes
+from planner.cost.pricing import saved_bytes, weight_gradient_seconds
 from planner.kinds import Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
@@ -75,6 +75,9 @@ class UnitProfile:
     workspace: np.ndarray  # largest output or collective buffer
     params: tuple[ParamShare, ...]
     crossings: tuple[Crossing, ...]
+    #: of `backward_compute`, the seconds of the weights' gradients (W, run apart by the
+    #: zero-bubble schedules; `planner.cost.pricing.weight_gradient_seconds`)
+    weight_compute: np.ndarray
 
     @property
     def count(self) -> int:
@@ -106,7 +109,7 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     count = units.count
     unit_of = units.unit_of_ops()
     index_of = {node.name: k for k, node in enumerate(graph.ops)}
-    forward, backward = np.zeros(count), np.zeros(count)
+    forward, backward, weight = np.zeros(count), np.zeros(count), np.zeros(count)
     forward_comm, backward_comm = np.zeros(count), np.zeros(count)
     selective = np.zeros(count)
     saved_all, dropped = np.zeros(count), np.zeros(count)
@@ -117,6 +120,7 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         u = unit_of[k]
         forward[u] += cost.forward_s
         backward[u] += cost.backward_s
+        weight[u] += weight_gradient_seconds(node, priced.kernels, cost)
         saved_all[u] += cost.saved_bytes
         workspace[u] = max(workspace[u], cost.output_bytes)
         if node.name in core_ops:
@@ -144,7 +148,7 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                  Recompute.SELECTIVE: saved_all - saved[Recompute.SELECTIVE],
                  Recompute.FULL: saved_all - saved[Recompute.FULL]}
     return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
-                       transient, workspace, _params(priced, unit_of), crossings)
+                       transient, workspace, _params(priced, unit_of), crossings, weight)
 
 
 def _crossings(priced: PricedGraph,

@@ -22,7 +22,7 @@ from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
 from planner.cost.pipeline import Pricer, Prices
-from planner.cost.step import StepPrice, TrainingOptions, predicted
+from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Phase, Recompute, StepKind
@@ -199,7 +199,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         micro_batch_size=graph.batch, global_batch=global_batch,
         virtual_stages=config.virtual_stages,
         bubble_fraction=bubble_fraction(choice.pp, config.micro_batches, config.schedule,
-                                        config.virtual_stages),
+                                        config.virtual_stages, _split(price.busiest)),
         units=_unit_entries(analysis.units), stages=stages, sends=sends)
     collectives = (*(c for c in priced.collectives if c.phase != Phase.GRADIENT),
                    *_weight_collectives(profile, stages, choice.zero, pricer.prices),
@@ -229,7 +229,7 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: Kern
             forward_s=stage.forward_s, backward_s=stage.backward_s,
             recompute_s=stage.recompute_s, p2p_s=stage.p2p_s, zero_s=stage.zero_s,
             gradient_sync_s=stage.sync_s, optimizer_s=stage.optimizer_s,
-            in_flight=stage.in_flight))
+            in_flight=stage.in_flight, weight_gradient_s=stage.weight_s))
     return tuple(rows)
 
 
@@ -417,3 +417,10 @@ def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:
 def _layer_units(units: Units) -> tuple[UnitEntry, ...]:
     """The units as readers group ops: only when they are the model's repeated layers."""
     return _unit_entries(units) if units.layer_units else ()
+
+
+def _split(stage: StagePrice) -> tuple[float, float, float]:
+    """A stage's (forward, input backward, weight backward) seconds: what the zero-bubble
+    schedules' bubble depends on."""
+    weight = stage.weight_s
+    return (stage.forward_s, stage.per_micro_batch_s - stage.forward_s - weight, weight)

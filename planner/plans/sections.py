@@ -364,6 +364,8 @@ class StageEntry:
     gradient_sync_s: float = 0.0
     optimizer_s: float = 0.0
     in_flight: float = 0.0
+    #: of `backward_s`, the weights' gradients: the W passes of the zero-bubble schedules
+    weight_gradient_s: float = 0.0
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -382,7 +384,7 @@ class StageEntry:
             "backward_s": self.backward_s, "recompute_s": self.recompute_s,
             "p2p_s": self.p2p_s, "zero_s": self.zero_s,
             "gradient_sync_s": self.gradient_sync_s, "optimizer_s": self.optimizer_s,
-            "in_flight": self.in_flight,
+            "in_flight": self.in_flight, "weight_gradient_s": self.weight_gradient_s,
         }
 
     @classmethod
@@ -401,7 +403,7 @@ class StageEntry:
 
 
 _STAGE_FIGURES = ("forward_s", "backward_s", "recompute_s", "p2p_s", "zero_s",
-                  "gradient_sync_s", "optimizer_s", "in_flight")
+                  "gradient_sync_s", "optimizer_s", "in_flight", "weight_gradient_s")
 
 
 @dataclass(frozen=True)

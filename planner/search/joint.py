@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
 from planner.cost.oplevel import gemm_floor_s, priced_choice
@@ -59,8 +60,11 @@ UNLIMITED = 1 << 62
 MAX_MEMORY_AWARE = 8  # configurations per search given a memory-aware layout
 MEMORY_AWARE_ROUNDS = 3  # budgets tried per configuration
 MAX_LOCAL_MICRO_BATCH = 16  # per device; GEMMs are near their peak efficiency by then
-SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)  # GPipe: 1F1B's time,
-# more memory. Interleaved chunks per device searched: 2 up to this, while every chunk
+SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1,
+                      Schedule.ZBV)  # GPipe: 1F1B's time, more memory.
+#: Schedules of several stages only (one stage has no bubble to fill).
+PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
+# Interleaved chunks per device searched: 2 up to this, while every chunk
 # keeps at least one layer (Megatron-LM SC'21 ran up to 4; more adds sends, little bubble).
 MAX_INTERLEAVE_CHUNKS = 8
 
@@ -277,7 +281,8 @@ def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, lay
             list(SCHEDULES_SEARCHED) if pp > 1 else [Schedule.ONE_F_ONE_B])
         for zero in zeros:
             for schedule in schedules:
-                if schedule == Schedule.INTERLEAVED and (pp == 1 or m % pp):
+                if (schedule in PIPELINED_ONLY and pp == 1) or (
+                        schedule == Schedule.INTERLEAVED and m % pp):
                     continue
                 for chunks in chunk_counts(schedule, pp, layers, pins):
                     choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks,
@@ -286,11 +291,11 @@ def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, lay
 
 
 def chunk_counts(schedule: Schedule, pp: int, layers: int, pins: Pins) -> list[int]:
-    """Model chunks per device: 1 unless interleaved; then the pinned vpp, or every v from
-    2 while each of the pp·v chunks keeps at least one layer (at most
-    MAX_INTERLEAVE_CHUNKS)."""
+    """Model chunks per device: 2 for ZB-V's V, 1 for the other schedules but interleaved;
+    then the pinned vpp, or every v from 2 while each of the pp·v chunks keeps at least
+    one layer (at most MAX_INTERLEAVE_CHUNKS)."""
     if schedule != Schedule.INTERLEAVED:
-        return [1]
+        return [chunks_per_device(schedule)]
     if pins.vpp is not None:
         return [pins.vpp]
     return list(range(2, min(MAX_INTERLEAVE_CHUNKS, max(1, layers) // pp) + 1))
@@ -518,8 +523,9 @@ def _peak_stage_memory(price: StepPrice) -> dict[str, int]:
 def _unformed(choice: Choice, units: Units) -> str:
     """Why a configuration cannot be laid on the model's units at all."""
     layers = len(units.layer_units)
-    if choice.schedule == Schedule.INTERLEAVED:
-        return (f"interleaving pp={choice.pp} × {choice.virtual_stages} chunks needs at least "
+    if choice.schedule in (Schedule.INTERLEAVED, Schedule.ZBV):
+        what = "interleaving" if choice.schedule == Schedule.INTERLEAVED else "zbv's V"
+        return (f"{what} pp={choice.pp} × {choice.virtual_stages} chunks needs at least "
                 f"{choice.pp * choice.virtual_stages} repeated layers (one per chunk); the "
                 f"model has {layers}")
     return (f"pp={choice.pp} needs at least as many units as stages; the model has "

@@ -116,6 +116,10 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         typed["schedule"] = Schedule(str(pins["schedule"]))
     if pins.get("sp") == 1:
         typed.setdefault("layout", "megatron")
+    if pins.get("pp") == 1 and typed.get("schedule") in (
+            Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV):
+        raise ShardplanError(f"--parallel schedule={pins['schedule']} pipelines: it needs "
+                             "pp of 2 or more, not pp=1")
     if "vpp" in pins and typed.setdefault("schedule",
                                           Schedule.INTERLEAVED) != Schedule.INTERLEAVED:
         raise ShardplanError(f"--parallel vpp={pins['vpp']}: model chunks per device "

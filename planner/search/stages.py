@@ -3,10 +3,13 @@
 `partition` is the dynamic programme over unit boundaries, in the style of Alpa's
 inter-op pass (Zheng et al., OSDI 2022): it minimises the bottleneck stage load
 m·t_s + e_s under the memory limit, choosing each stage's recompute mode, vectorised over
-every contiguous range with numpy (`StageTables`). Interleaved schedules use Megatron's
-round-robin chunking instead, with v chunks per device of equal layer counts or, where
-the layers do not divide or the embedding and head make the end chunks heavier, the end
-chunks a layer lighter (`chunk_layer_counts`); the exact price picks the counts. The
+every contiguous range with numpy (`StageTables`); ZB-H1 takes 1F1B's cut (its bubble is
+1F1B's less the deferred weight passes, the same load decides it) and is priced exactly.
+Interleaved schedules use Megatron's round-robin chunking instead, with v chunks per
+device of equal layer counts or, where the layers do not divide or the embedding and head
+make the end chunks heavier, the end chunks a layer lighter (`chunk_layer_counts`); ZB-V
+the same counts over 2·pp chunks laid in its V (`costmodels.orders.chunk_device`); the
+exact price picks the counts. The
 result is a decision (unit ranges and a recompute mode per device) with its exact price
 from `planner.cost.pipeline.Pricer`.
 """
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from costmodels.memory import training_memory
+from costmodels.orders import chunk_device, chunks_per_device
 from costmodels.schedule import in_flight
 from planner.cost.pipeline import Pricer, WeightTerms
 from planner.cost.step import StepPrice, step_price
@@ -37,12 +41,14 @@ def contiguous(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
     return [[(bounds[k], bounds[k + 1])] for k in range(len(bounds) - 1)]
 
 
-def interleaved(units: Units, pp: int, chunks: int,
-                counts: Sequence[int] | None = None) -> list[list[tuple[int, int]]] | None:
+def interleaved(units: Units, pp: int, chunks: int, counts: Sequence[int] | None = None,
+                schedule: Schedule = Schedule.INTERLEAVED
+                ) -> list[list[tuple[int, int]]] | None:
     """Megatron's interleaved assignment: the layers in pp·chunks chunks of `counts` layers
-    (default: equal), chunk c on device c mod pp; the prefix joins the first chunk and the
-    suffix the last. None when the layers do not divide evenly (default counts) or the
-    counts do not add up to the layers, or a chunk would hold no layer."""
+    (default: equal), chunk c on device c mod pp (or where `schedule` places it: ZB-V's
+    V); the prefix joins the first chunk and the suffix the last. None when the layers do
+    not divide evenly (default counts) or the counts do not add up to the layers, or a
+    chunk would hold no layer."""
     layers = units.layer_units
     pieces = pp * chunks
     if not layers or pp < 1 or chunks < 1:
@@ -59,7 +65,7 @@ def interleaved(units: Units, pp: int, chunks: int,
     starts[0], starts[-1] = 0, units.count
     devices: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     for c in range(pieces):
-        devices[c % pp].append((starts[c], starts[c + 1]))
+        devices[chunk_device(schedule, pp, c)].append((starts[c], starts[c + 1]))
     return devices
 
 
@@ -120,18 +126,18 @@ class Partitioner:
               modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
         """The cheapest partition that fits `limit` bytes per device, or None.
 
-        Interleaved schedules use the even chunking; otherwise a DP over cut points
+        Interleaved and ZB-V schedules use the even chunking; otherwise a DP over cut points
         minimises the largest stage load m·t_s + e_s (its time through the pipeline),
         choosing each stage's recompute mode, and the result is priced exactly by the
         pricer.
         """
         pricer = self.pricer
         profile, config = pricer.profile, pricer.config
-        if config.schedule == Schedule.INTERLEAVED:
+        if config.schedule in (Schedule.INTERLEAVED, Schedule.ZBV):
             best: Partition | None = None
-            pieces = config.pp * config.virtual_stages
-            for counts in chunk_layer_counts(len(profile.units.layer_units), pieces):
-                devices = interleaved(profile.units, config.pp, config.virtual_stages, counts)
+            v = chunks_per_device(config.schedule, config.virtual_stages)
+            for counts in chunk_layer_counts(len(profile.units.layer_units), config.pp * v):
+                devices = interleaved(profile.units, config.pp, v, counts, config.schedule)
                 laid = _best_modes(pricer, devices, limit, modes) if devices else None
                 if laid is not None and (best is None or laid.price.step_time_s
                                          < best.price.step_time_s):
