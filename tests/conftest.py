@@ -20,14 +20,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def export_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """Directory holding exported models for this session.
+    """Directory holding exported models for this session, shared by its xdist workers.
 
     `SHARDPLAN_EXPORT_CACHE` keeps exports across sessions; a per-torch-version
     subdirectory stops a torch upgrade from serving stale graphs.
     """
     env = os.environ.get("SHARDPLAN_EXPORT_CACHE")
     if not env:
-        return tmp_path_factory.mktemp("onnx-exports")
+        # Under xdist each worker's base temp is a folder of the session's: exports go
+        # beside them, so the workers share one cache (exports appear atomically, and a
+        # lock per file stops two workers exporting the same model twice).
+        base = tmp_path_factory.getbasetemp()
+        root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        path = root / "onnx-exports"
+        path.mkdir(exist_ok=True)
+        return path
     import torch
 
     path = pathlib.Path(env).expanduser() / f"torch-{torch.__version__}"

@@ -9,6 +9,7 @@ encodes every option), so a test session pays for each variant once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import logging
 import math
@@ -429,16 +430,22 @@ def export(model: str, exporter: str = "torchscript", *, training: bool = False,
                                  dynamic=dynamic, batch=batch, seq=seq, layers=layers)
     if target.exists():
         return target
-    ex = build(model, training=training, batch=batch, seq=seq, layers=layers)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
-    try:
-        tmp = scratch / target.name
-        fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
-        with _quiet(), torch.random.fork_rng():
-            fn(ex, tmp, training=training, opset=opset, dynamic=dynamic)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    # One exporter per file at a time: a second process (an xdist worker) waits for the
+    # first one's file instead of exporting the same model again.
+    with open(out_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        ex = build(model, training=training, batch=batch, seq=seq, layers=layers)
+        scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
+        try:
+            tmp = scratch / target.name
+            fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
+            with _quiet(), torch.random.fork_rng():
+                fn(ex, tmp, training=training, opset=opset, dynamic=dynamic)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 

@@ -10,9 +10,19 @@ from planner.cli.args import Verbs
 from planner.errors import ShardplanError
 
 
+class _ZooParser(argparse.ArgumentParser):
+    """Writes its epilog when help is asked for: listing the presets imports the zoo (and
+    onnx), which every other verb would otherwise pay for at start-up."""
+
+    def format_help(self) -> str:
+        self.epilog = _epilog()
+        return super().format_help()
+
+
 def add_parser(verbs: Verbs) -> None:
     zoo = verbs.add_parser("zoo", help="write an ONNX graph of a standard model from a config",
-                           epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    zoo.__class__ = _ZooParser
     zoo.add_argument("family", help="gpt, bert, llama, resnet or moe, or a preset name")
     zoo.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     zoo.add_argument("--with-weights", action="store_true",
