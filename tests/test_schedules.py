@@ -359,3 +359,20 @@ def test_the_weight_gradient_share_is_the_gemms_dw(gpt8: Path) -> None:
     assert ratios[("MatMul", True)] == {1.0}
     assert ratios.get(("MatMul", False), {0.0}) == {0.0}
     assert all(r == {0.0} for (op, _), r in ratios.items() if op in ("Add", "Softmax", "Mul"))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_the_bound_of_equal_stages_extrapolates_the_steady_state_exactly(
+        schedule: str) -> None:
+    """The joint search's bound prices equal stages past 4p micro-batches from the steady
+    state: it must equal the pass-by-pass simulation."""
+    from costmodels.orders import chunks_per_device
+    from costmodels.schedule import DEFAULT_SPLIT, simulate
+
+    for stages in (2, 3, 5, 8):
+        for micro in (4 * stages + 1, 5 * stages + 3, 9 * stages):
+            v = chunks_per_device(schedule, 2)
+            unit = tuple(share / v for share in DEFAULT_SPLIT)
+            direct = 2.5 * simulate(schedule, [[unit] * v] * stages, micro)
+            assert pipeline_time([2.5] * stages, micro, schedule, 2) == pytest.approx(
+                direct, rel=1e-12)
