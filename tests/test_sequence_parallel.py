@@ -134,3 +134,27 @@ def test_cp_and_ep_pins_take_one_only(gpt: Path, key: str,
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert f"--parallel {key}=2" in err and "not planned yet" in err
+
+
+@pytest.mark.slow
+def test_a_searched_sequence_parallel_pipeline_runs_as_one_process(tmp_path: Path) -> None:
+    """Megatron's split on two pipeline stages of tp=2, sp left to the search: it keeps
+    sequence parallelism, so the activations sent between stages already travel split
+    along the sequence over tp (no scatter of their own); 4 gloo ranks with dropout give
+    one process's losses."""
+    from executor.train import train, train_reference
+
+    config = GPTConfig(layers=4, hidden=64, heads=4, vocab=128, max_positions=32,
+                       fused_qkv=False, dropout=0.1)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt4.onnx")
+    chosen = plan(path, devices=4, batch=4, dims={"seq": 32},
+                  parallel={"dp": 1, "tp": 2, "pp": 2, "zero": 0, "layout": "megatron",
+                            "micro_batches": 2, "schedule": "1f1b"})
+    assert chosen.parallel.sp == 1
+    assert chosen.pipeline is not None
+    between = [s for s in chosen.pipeline.sends if s.tensor.endswith("mlp.dropout")]
+    assert between and all(chosen.tensors[s.tensor].layout.dims[1] == ("tp",)
+                           and not s.scatter_axes for s in between)
+    reference = train_reference(path, chosen, steps=3)
+    run = train(path, chosen, steps=3)
+    assert run.losses == pytest.approx(reference.losses, rel=1e-6)
