@@ -19,7 +19,8 @@ from planner.api import plan
 from planner.cli import main
 from planner.errors import NoPlanFits, ShardplanError
 from planner.plans.model import Plan
-from planner.search.options import check_pins
+from planner.search.joint import enumerate_choices
+from planner.search.options import Pins, check_pins
 from planner.zoo.gpt import GPTConfig
 
 #: Every degree but sp pinned: the search's only choice is sequence parallelism.
@@ -52,6 +53,19 @@ def test_the_pins_set_the_plans_sp(pinned: dict[int, Plan]) -> None:
     assert pinned[0].parallel.sp == 0 and pinned[1].parallel.sp == 1
     assert pinned[1].predicted.memory["activations"] < pinned[0].predicted.memory["activations"]
     assert all((p.parallel.cp, p.parallel.ep) == (1, 1) for p in pinned.values())
+
+
+def test_megatrons_layout_enumerates_both_for_tp_above_one() -> None:
+    """Under `layout=megatron` each configuration with tp > 1 comes with and without
+    sequence parallelism; tp = 1 and the searched layout without; a pin keeps its own."""
+    def sp_of(pins: Pins) -> set[tuple[int, bool]]:
+        return {(c.tp, c.sequence_parallel) for c in enumerate_choices(4, 8, 2, 8, pins)}
+
+    assert sp_of(Pins(pp=1, layout="megatron")) == {(1, False), (2, False), (2, True),
+                                                    (4, False), (4, True)}
+    assert sp_of(Pins(pp=1, tp=2, layout="megatron", sp=0)) == {(2, False)}
+    assert sp_of(Pins(pp=1, tp=2, layout="megatron", sp=1)) == {(2, True)}
+    assert not any(sp for _, sp in sp_of(Pins(pp=1)))
 
 
 def test_the_search_keeps_the_faster_of_the_two(gpt: Path, pinned: dict[int, Plan]) -> None:
