@@ -38,7 +38,7 @@ from executor.schedule import (
     check_schedule,
     weight_holders,
 )
-from executor.support import check_supported
+from executor.support import check_degrees, check_supported
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.update import WeightUpdate, check_zero, tied_groups
 from executor.weights import read_weights
@@ -372,6 +372,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     run's note on its weights ("" when the model's own are read)."""
     from planner.validate import refuse_invalid
 
+    check_degrees(plan.parallel)
     graph = graph_for(model, plan)
     check_plan_matches(plan, graph)
     check_supported(graph)

@@ -48,7 +48,7 @@ def summary(plan: Plan) -> str:
         f"cluster    {plan.cluster.devices} × {plan.cluster.profile} "
         f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
         f"mesh       {mesh}",
-        f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} "
+        f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         *_kernels(plan),

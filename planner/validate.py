@@ -4,7 +4,9 @@ Loading a plan already checks its JSON against the schema and its layouts agains
 mesh (`planner.plans.schema`, `planner.plans.checks`). Validation goes further, and lists
 every problem it finds:
 
-- without the model: the pipeline section partitions the ops and the ranks; every tensor
+- without the model: the parallel section states the mesh's degrees, and `parallel.sp`
+  the sequence split the plan's layouts have (`planner.plans.sequence`), with cp and ep 1
+  (nothing plans them yet); the pipeline section partitions the ops and the ranks; every tensor
   an op reads in another layout than the one it is stored in has the forward collectives
   of that move listed (the redistribution the planner prices);
 - with the model: the plan is this file's (digest, dims, every op, every shape); every
@@ -32,6 +34,7 @@ from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection
+from planner.plans.sequence import sequence_split
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
@@ -108,7 +111,7 @@ def _matches(plan: Plan, graph: PlanningGraph) -> bool:
 def _parallel(plan: Plan, report: Report) -> None:
     """The parallel section states the mesh's degrees: pp the pipeline axis, dp and tp
     (and pp) groups of its devices; a pipeline plan's dp is its data axis and its tp its
-    tensor axis or 1 (nothing split over it)."""
+    tensor axis or 1 (nothing split over it); sp what its layouts do; cp and ep 1."""
     parallel, mesh = plan.parallel, plan.mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     axes = ", ".join(f"{a}={n}" for a, n in sizes.items())
@@ -127,6 +130,24 @@ def _parallel(plan: Plan, report: Report) -> None:
             report.add(f"parallel.dp is {parallel.dp} but the mesh ({axes}) has dp={dp}")
         if parallel.tp not in (1, tp):
             report.add(f"parallel.tp is {parallel.tp} but the mesh ({axes}) has tp={tp}")
+    _sequence(plan, report)
+    for key, what in (("cp", "context"), ("ep", "expert")):
+        if getattr(parallel, key) != 1:
+            report.add(f"parallel.{key} is {getattr(parallel, key)}: {what} parallelism is not "
+                       f"planned yet, so no plan runs it; shardplan writes {key}=1")
+
+
+def _sequence(plan: Plan, report: Report) -> None:
+    """`parallel.sp` says what the plan's layouts do: 1 exactly when an activation a layer
+    hands on is stored split along the sequence (`planner.plans.sequence`)."""
+    found = sequence_split(plan.ops, plan.tensors, plan.units)
+    sp = plan.parallel.sp
+    if sp == 1 and found is None:
+        report.add("parallel.sp is 1 but no activation between the plan's layers is stored "
+                   "split along the sequence (sequence parallelism splits them); it is 0")
+    elif sp != 1 and found is not None:
+        report.add(f"parallel.sp is {sp} but the plan runs sequence parallelism: {found}, "
+                   "which a layer hands on, is stored split along the sequence; it is 1")
 
 
 #: The sections holding predicted costs: every number in them is finite and at least 0.

@@ -72,6 +72,7 @@ from executor.module.weights import WeightSync
 from executor.pipeline import ScheduleEngine, wire_of
 from executor.runtime import Counters, MeshComm
 from executor.schedule import build_stages, weight_holders
+from executor.support import check_degrees
 from executor.update import tied_groups
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
@@ -447,6 +448,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if not dist.is_initialized():
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
+    check_degrees(plan.parallel)
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")

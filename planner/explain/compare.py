@@ -71,7 +71,7 @@ def render_compare(data: dict[str, Any]) -> str:
                   for e in entries]),
         ("global batch", [str(e["global_batch"]) for e in entries]),
     ]
-    for key in ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule"):
+    for key in ("dp", "tp", "pp", "sp", "micro_batches", "zero", "recompute", "schedule"):
         rows.append((key, [str(e["parallel"].get(key) if e["parallel"].get(key) is not None
                                else "-") for e in entries]))
     rows += [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from planner.explain.model import SAME, Explanation, TopItem, UnitReport
 from planner.humanize import human_bytes, human_seconds
@@ -57,13 +58,21 @@ def _header(ex: Explanation) -> list[str]:
         f"plan       {ex.source}: {ex.model['path']} ({ex.model['parameters'] / 1e6:,.1f} M "
         f"parameters, global batch {p.get('global_batch')})",
         f"cluster    {ex.cluster['devices']} × {ex.cluster['profile']}, mesh {mesh}",
-        f"strategy   dp={p['dp']} tp={p['tp']} pp={p['pp']} micro_batches="
-        f"{p['micro_batches']} zero={p['zero']} recompute={p['recompute']}{pipe}",
+        f"strategy   dp={p['dp']} tp={p['tp']} pp={p['pp']}{_degrees_beyond(p)} "
+        f"micro_batches={p['micro_batches']} zero={p['zero']} recompute={p['recompute']}{pipe}",
         f"step time  {human_seconds(ex.step_time_s)}; peak memory "
         f"{human_bytes(ex.memory.get('peak', 0))} of {human_bytes(ex.memory_limit_bytes)}"
         f" ({'fits' if ex.fits else 'does not fit'}); solver {ex.solver['name']} "
         f"({ex.solver['status']})",
     ]
+
+
+def _degrees_beyond(parallel: dict[str, Any]) -> str:
+    """sp always (Megatron's sequence parallelism, 0 or 1), cp and ep where not 1 (nothing
+    plans them yet: only a hand-made file has another value, which validate refuses)."""
+    extra = [f"sp={parallel.get('sp', 0)}"]
+    extra += [f"{key}={parallel[key]}" for key in ("cp", "ep") if parallel.get(key, 1) != 1]
+    return "".join(f" {item}" for item in extra)
 
 
 def _fullest_stage(ex: Explanation) -> int | None:

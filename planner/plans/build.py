@@ -44,6 +44,7 @@ from planner.plans.sections import (
     UnitEntry,
     chunks_of,
 )
+from planner.plans.sequence import sequence_split
 from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import choice_mesh, pipeline_config
@@ -125,14 +126,17 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     sharded = priced.sharded
     price = priced.step()
     dp, tp = decision.degrees or _degrees(analysis, sharded)
+    ops, tensors, units = _op_entries(priced), _tensor_entries(sharded), \
+        _layer_units(analysis.units)
+    parallel = ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer,
+                              sp=_sequence_parallel(ops, tensors, units))
     return Derived(decision, Plan(
         model=_model_ref(analysis.graph), cluster=_cluster_ref(context.hardware, decision.mesh),
-        mesh=decision.mesh, parallel=ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer),
-        ops=_op_entries(priced), tensors=_tensor_entries(sharded),
+        mesh=decision.mesh, parallel=parallel, ops=ops, tensors=tensors,
         collectives=priced.collectives, predicted=predicted(price, context.limit),
         solver=UNREPORTED,
         warnings=_warnings(analysis.graph, sharded, context.hardware), step=_step(training),
-        pipeline=None, units=_layer_units(analysis.units)), price)
+        pipeline=None, units=units), price)
 
 
 def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
@@ -185,11 +189,13 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         # what `parallel.tp` = 1 says unless the user pinned tp; the mesh keeps the axis.
         tp = choice.tp if decision.tp_pinned else 1
     modes = set(decision.recompute)
+    ops, tensors, units = _op_entries(priced), _tensor_entries(sharded), \
+        _layer_units(analysis.units)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
-        optimizer=training.optimizer)
+        optimizer=training.optimizer, sp=_sequence_parallel(ops, tensors, units))
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp)
     sends = _sends(analysis, profile, stages, pricer.prices)
@@ -206,10 +212,9 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
                    *_send_collectives(sends, stages, graph, pricer.prices))
     return Derived(decision, Plan(
         model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh), mesh=mesh,
-        parallel=parallel, ops=_op_entries(priced), tensors=_tensor_entries(sharded),
+        parallel=parallel, ops=ops, tensors=tensors,
         collectives=collectives, predicted=predicted(price, context.limit), solver=UNREPORTED,
-        warnings=tuple(warnings), step=_step(training), pipeline=section,
-        units=_layer_units(analysis.units)), price)
+        warnings=tuple(warnings), step=_step(training), pipeline=section, units=units), price)
 
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,
@@ -389,6 +394,14 @@ def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
             f"{len(no_rule)} op(s) of type {', '.join(kinds)} have no sharding rule; "
             "they are kept and planned replicated (their inputs are gathered)")
     return tuple(warnings)
+
+
+def _sequence_parallel(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
+                       units: Sequence[UnitEntry]) -> int:
+    """`parallel.sp`: 1 when the plan's own layouts split the activations between blocks
+    along the sequence (`planner.plans.sequence`, the definition `validate` checks), so
+    the searched layout is named as Megatron's is; cp and ep stay 1 (nothing plans them)."""
+    return int(sequence_split(ops, tensors, units) is not None)
 
 
 def _model_ref(graph: PlanningGraph) -> ModelRef:

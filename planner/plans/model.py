@@ -36,7 +36,7 @@ from planner.plans.sections import (
     collective_from_json,
     collective_to_json,
 )
-from planner.plans.upgrade import upgrade_pipeline
+from planner.plans.upgrade import upgrade_parallel, upgrade_pipeline
 from planner.records import Collective, Predicted, SolverRecord
 from planner.sharding.mesh import DeviceMesh
 from planner.userfiles import read_json
@@ -151,11 +151,13 @@ class Plan:
         ops = tuple(OpEntry.from_json(op) for op in data["ops"])
         tensors = {name: TensorEntry.from_json(t) for name, t in data["tensors"].items()}
         pipeline = data.get("pipeline")
+        units = tuple(UnitEntry.from_json(u) for u in data.get("units", []))
         return cls(
             model=ModelRef.from_json(data["model"]),
             cluster=ClusterRef.from_json(data["cluster"]),
             mesh=DeviceMesh.from_json(data["mesh"]),
-            parallel=ParallelConfig.from_json(data["parallel"]),
+            parallel=upgrade_parallel(ParallelConfig.from_json(data["parallel"]),
+                                      data["parallel"], ops, tensors, units),
             ops=ops, tensors=tensors,
             collectives=tuple(collective_from_json(c) for c in data["collectives"]),
             predicted=Predicted.from_json(data["predicted"]),
@@ -167,5 +169,5 @@ class Plan:
                        for name, b in data.get("baselines", {}).items()},
             pipeline=upgrade_pipeline(PipelineSection.from_json(pipeline), ops, tensors)
             if pipeline is not None else None,
-            units=tuple(UnitEntry.from_json(u) for u in data.get("units", [])),
+            units=units,
         )

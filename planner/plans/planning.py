@@ -133,7 +133,10 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                                                 context.graphs.root.blocks)))
             finalists.append(Finalist(derived, record))
             alternatives.append((_alternative(derived, record), derived))
-    fitting = [f for f in finalists if f.derived.predicted.fits]
+    # `sp=0` pins the plan's sequence split off: a searched layout could still split the
+    # activations between blocks along the sequence, which the plan would then name
+    fitting = [f for f in finalists if f.derived.predicted.fits
+               and pins.sp in (None, f.derived.sections.parallel.sp)]
     if not fitting:
         raise no_plan(analysis, hardware, devices, options.strategies, options.time_limit,
                       training, meshes, reasons, joint)
@@ -162,7 +165,8 @@ def _eligible(name: str, baseline: Derived, options: SearchOptions, pins: Pins) 
     parallel = baseline.sections.parallel
     mesh = tuple(baseline.sections.mesh.shape)
     return (not options.strategies and options.mesh in (None, mesh)
-            and pins.admit(parallel.dp, parallel.tp, "megatron" if name == "megatron" else None))
+            and pins.admit(parallel.dp, parallel.tp, "megatron" if name == "megatron" else None)
+            and pins.sp in (None, parallel.sp))
 
 
 def _op_level(context: BuildContext, results: list[MeshResult], options: SearchOptions,

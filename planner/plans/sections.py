@@ -76,7 +76,13 @@ class ClusterRef:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The plan's degrees as a user reads them; `recompute` is one mode or "per-stage"."""
+    """The plan's degrees as a user reads them; `recompute` is one mode or "per-stage".
+
+    `sp` is 1 when the plan runs sequence parallelism (its activations between blocks are
+    split along the sequence over tp: `planner.plans.sequence`), else 0, the meaning of the
+    `--parallel sp` pin. `cp` and `ep` are the context- and expert-parallel degrees:
+    nothing plans either yet, so every plan has 1 (`validate` refuses another value).
+    Files written before these keys read as 0, 1 and 1: no plan had them then."""
 
     dp: int = 1
     tp: int = 1
@@ -85,11 +91,15 @@ class ParallelConfig:
     zero: int = 0
     recompute: Recompute = Recompute.NONE
     optimizer: str = "adam"
+    sp: int = 0
+    cp: int = 1
+    ep: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "micro_batches": self.micro_batches, "zero": self.zero,
-                "recompute": str(self.recompute), "optimizer": self.optimizer}
+                "recompute": str(self.recompute), "optimizer": self.optimizer,
+                "sp": self.sp, "cp": self.cp, "ep": self.ep}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ParallelConfig:

@@ -1,8 +1,10 @@
 """Plan files of earlier releases, brought up to the current sections on load.
 
 Files written before the plan builder recorded them lack, per pipeline stage, the weights
-it holds, and, per send, the chunks (op ranges) it joins. Both are read off the file's own
-op bindings here, once, when such a file is loaded; files written now carry them.
+it holds, and, per send, the chunks (op ranges) it joins, and in the parallel section
+whether the plan runs sequence parallelism (`sp`). All are read off the file's own op
+bindings and layouts here, once, when such a file is loaded; files written now carry them
+(`cp` and `ep` were 1 in every plan: their defaults).
 """
 
 from __future__ import annotations
@@ -10,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from planner.plans.sections import OpEntry, PipelineSection, SendEntry, StageEntry, TensorEntry
+from planner.plans.sections import (
+    OpEntry,
+    ParallelConfig,
+    PipelineSection,
+    SendEntry,
+    StageEntry,
+    TensorEntry,
+    UnitEntry,
+)
+from planner.plans.sequence import sequence_split
 
 WEIGHT_KINDS = ("parameter", "buffer")
 
@@ -52,3 +63,13 @@ def _holds(stage: StageEntry, ops: Sequence[OpEntry],
     held = {b.tensor for a, end in stage.ops for op in ops[max(0, a):end] for b in op.inputs
             if b and b.tensor in tensors and tensors[b.tensor].kind in WEIGHT_KINDS}
     return tuple(sorted(held))
+
+
+def upgrade_parallel(section: ParallelConfig, data: Mapping[str, object],
+                     ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
+                     units: Sequence[UnitEntry]) -> ParallelConfig:
+    """The parallel section with `sp` read off the layouts where the file (`data`, its
+    JSON) predates the key: a Megatron sequence-parallel plan says so, as it would now."""
+    if "sp" in data:
+        return section
+    return replace(section, sp=int(sequence_split(ops, tensors, units) is not None))

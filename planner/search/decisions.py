@@ -44,11 +44,15 @@ class Choice:
     #: copies of the (pp, dp, tp) configuration on the rest of the devices (a replica
     #: axis): a model that gains nothing from more dp ranks leaves them repeating its work
     replicas: int = 1
+    #: Megatron's sequence parallelism over tp (`planner.search.megatron`): the joint
+    #: search tries it beside the plain split when the layout is Megatron's
+    sequence_parallel: bool = False
 
     def describe(self) -> str:
         sched = self.schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
         rep = f" rep={self.replicas}" if self.replicas > 1 else ""
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp} mb={self.micro_batches} "
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp}{sp} mb={self.micro_batches} "
                 f"zero={self.zero} {sched}{rep}")
 
 

@@ -2,7 +2,10 @@
 recompute: it returns the best configurations as pipeline decisions.
 
 The space is (pp, dp, tp, micro-batches, ZeRO stage, schedule, replicas) with a recompute
-mode per stage. Three observations make it fast enough for thousands of devices:
+mode per stage, and under Megatron's layout (`layout=megatron`) whether tp runs its
+sequence parallelism (`Pins.sequence_parallel_choices`: a layout of its own per
+configuration, priced as any other). Three observations make it fast enough for thousands
+of devices:
 
 1. The op-level plan of one stage depends only on the tensor-parallel degree and the
    per-device micro-batch: dp splits the batch alone (the pinned meaning of dp), so each
@@ -259,12 +262,13 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
                 choices += _configurations(pp, dp, tp, replicas, batch // dp, layers,
                                            pins, granule)
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
-                                               c.schedule, c.replicas))
+                                               c.schedule, c.replicas, c.sequence_parallel))
 
 
 def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, layers: int,
                     pins: Pins, granule: int) -> list[Choice]:
-    """The micro-batch counts, ZeRO stages, schedules and chunk counts of one (pp, dp, tp)."""
+    """The micro-batch counts, ZeRO stages, schedules, chunk counts and (under Megatron's
+    layout) sequence parallelism of one (pp, dp, tp)."""
     choices = []
     for local in _micro_sizes(per_rank, granule):
         m = per_rank // local
@@ -285,8 +289,8 @@ def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, lay
                         schedule == Schedule.INTERLEAVED and m % pp):
                     continue
                 for chunks in chunk_counts(schedule, pp, layers, pins):
-                    choices.append(Choice(pp, dp, tp, m, zero, schedule, chunks,
-                                          replicas))
+                    choices += [Choice(pp, dp, tp, m, zero, schedule, chunks, replicas, sp)
+                                for sp in pins.sequence_parallel_choices(tp)]
     return choices
 
 
@@ -362,18 +366,20 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
     Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
-    profiles: dict[tuple[int, int, MemoryBudget | None], Layout] = {}
+    profiles: dict[tuple[int, int, bool, MemoryBudget | None], Layout] = {}
 
-    def layout_of(tp: int, local: int, budget: MemoryBudget | None = None) -> Layout:
+    def layout_of(tp: int, local: int, sp: bool,
+                  budget: MemoryBudget | None = None) -> Layout:
         """The unit profile of the fastest layout (within `budget`, when given) at tp and
-        the local micro-batch, its units and its op-level memory; None: no layout fits."""
-        key = (tp, local, budget)
+        the local micro-batch (Megatron's, with sequence parallelism when `sp`, under the
+        layout pin), its units and its op-level memory; None: no layout fits."""
+        key = (tp, local, sp, budget)
         if key not in profiles:
             small = graphs.at(local)
             mesh = stage_mesh(1, tp, per_node)
             strategies, _, memory = model_parallel_strategies(
                 small, mesh, hardware, training, batch, time_limit, budget=budget,
-                layout=pins.layout, sequence_parallel=pins.sp == 1)
+                layout=pins.layout, sequence_parallel=sp)
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
@@ -381,8 +387,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 profiles[key] = (unit_profile(priced, small.units), small.units, memory)
         return profiles[key]
 
-    def profile_of(tp: int, local: int) -> tuple[UnitProfile, Units, tuple[float, float]]:
-        profile, units, memory = layout_of(tp, local)
+    def profile_of(tp: int, local: int,
+                   sp: bool) -> tuple[UnitProfile, Units, tuple[float, float]]:
+        profile, units, memory = layout_of(tp, local, sp)
         assert profile is not None and memory is not None  # unbudgeted: it raises instead
         return profile, units, memory
 
@@ -403,9 +410,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     def bound_of(choice: Choice, solve: bool) -> tuple[float, bool]:
         """The configuration's bound, and whether it is the layout's (exact) or the floor."""
         local = rows // (choice.dp * choice.micro_batches)
-        exact = solve or (choice.tp, local, None) in profiles
+        exact = solve or (choice.tp, local, choice.sequence_parallel, None) in profiles
         if exact:
-            profile, _, _ = profile_of(choice.tp, local)
+            profile, _, _ = profile_of(choice.tp, local, choice.sequence_parallel)
             work = float((profile.forward + profile.backward).sum())
         else:
             if local not in floors:
@@ -423,7 +430,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
-    with_dp: dict[tuple[int, int, bool], UnitProfile] = {}
+    with_dp: dict[tuple[int, int, bool, bool], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
@@ -436,8 +443,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             heapq.heappush(queue, (*bound_of(choice, solve=True)[:1], index, True))
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
-        profile, small_units, layout_memory = profile_of(choice.tp, local)
-        key = (choice.tp, local, choice.dp > 1)
+        sp = choice.sequence_parallel
+        profile, small_units, layout_memory = profile_of(choice.tp, local, sp)
+        key = (choice.tp, local, sp, choice.dp > 1)
         if key not in with_dp:
             with_dp[key] = profile.with_gradient_axes(
                 (str(AxisRole.DATA),) if choice.dp > 1 else ())
@@ -452,7 +460,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             retries += 1
             found, budget = _memory_aware(choice, limit, modes, layout_memory,
                                           partitioner.solve(math.inf, [Recompute.FULL]),
-                                          partial(layout_of, choice.tp, local),
+                                          partial(layout_of, choice.tp, local, sp),
                                           partitioner_of)
         if found is None:
             least = partitioner.solve(math.inf, [Recompute.FULL])
@@ -535,10 +543,12 @@ def _unformed(choice: Choice, units: Units) -> str:
 def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
                    tp_pinned: bool, record: SolverRecord,
-                   budget: MemoryBudget | None = None, layout: str | None = None,
-                   sequence_parallel: bool = False) -> PipelineDecision | None:
+                   budget: MemoryBudget | None = None,
+                   layout: str | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
-    the real micro-batch, priced on (pp, dp, tp), partitioned; None when it does not fit.
+    the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
+    under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
+    not fit.
 
     The op-level layout is solved twice when the step runs several micro-batches: with
     per-step weight costs weighed as the step pays them (1 / micro-batches of a
@@ -562,7 +572,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     for weighed in dict.fromkeys((choice.micro_batches, 1)):
         strategies, _, memory = model_parallel_strategies(
             micro, inner, hardware, training, micro.batch_labels, time_limit, budget=budget,
-            layout=layout, sequence_parallel=sequence_parallel, micro_batches=weighed)
+            layout=layout, sequence_parallel=choice.sequence_parallel,
+            micro_batches=weighed)
         if memory is None or strategies in seen:
             continue
         seen.append(strategies)
@@ -602,7 +613,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout, pins.sp == 1)
+                                  pins.layout)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

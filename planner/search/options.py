@@ -10,7 +10,11 @@ from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "layout", "sp")
+                 "layout", "sp", "cp", "ep")
+#: Degrees the plan file names (`parallel.cp`, `parallel.ep`) but nothing plans yet: a pin
+#: of 1 says what every plan does; any other value is refused by name.
+UNPLANNED_DEGREES = {"cp": "context parallelism (the sequence split over its own axis)",
+                     "ep": "expert parallelism (experts split over their own axis)"}
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
               "layout", "sp")  # joint only
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
@@ -46,6 +50,8 @@ class Pins:
     vpp: int | None = None  # interleaved model chunks per device
     layout: str | None = None  # "megatron": Megatron-LM's tensor-parallel split (LAYOUTS)
     sp: int | None = None  # 1: Megatron's sequence parallelism (implies layout=megatron)
+    cp: int | None = None  # context parallel degree: only 1 (UNPLANNED_DEGREES)
+    ep: int | None = None  # expert parallel degree: only 1 (UNPLANNED_DEGREES)
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -75,6 +81,17 @@ class Pins:
                 and self.layout in (None, layout) and self.dp in (None, dp)
                 and self.tp in (None, tp))
 
+    def sequence_parallel_choices(self, tp: int) -> tuple[bool, ...]:
+        """Whether a configuration of tensor-parallel degree `tp` runs Megatron's sequence
+        parallelism: as pinned; both, for the search to price, under Megatron's layout
+        with tp > 1 (it trades each all-reduce for a reduce-scatter and an all-gather of
+        the same traffic and splits the activations between blocks by tp, so it wins
+        when memory is short and is close either way); else off (a searched layout
+        splits the sequence only if the op-level solve finds that faster)."""
+        if self.sp is not None:
+            return (self.sp == 1,)
+        return (False, True) if self.layout == "megatron" and tp > 1 else (False,)
+
     @property
     def mesh_axes(self) -> bool:
         """Whether dp or tp is pinned: op-level meshes are then (dp, tp)."""
@@ -101,6 +118,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         if key == "sp" and value not in (0, 1):
             raise ShardplanError(f"--parallel sp={value}: 1 turns Megatron's sequence "
                                  "parallelism on (with layout=megatron), 0 off")
+        if key in UNPLANNED_DEGREES and value != 1:
+            raise ShardplanError(f"--parallel {key}={value}: {UNPLANNED_DEGREES[key]} is not "
+                                 f"planned yet; every plan has {key}=1")
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")
