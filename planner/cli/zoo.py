@@ -6,11 +6,11 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from planner.cli.args import Verbs
+from planner.cli.args import Parser, Verbs
 from planner.errors import ShardplanError
 
 
-class _ZooParser(argparse.ArgumentParser):
+class _ZooParser(Parser):
     """Writes its epilog when help is asked for: listing the presets imports the zoo (and
     onnx), which every other verb would otherwise pay for at start-up."""
 
