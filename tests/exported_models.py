@@ -431,22 +431,33 @@ def export(model: str, exporter: str = "torchscript", *, training: bool = False,
     if target.exists():
         return target
     # One exporter per file at a time: a second process (an xdist worker) waits for the
-    # first one's file instead of exporting the same model again.
-    with open(out_dir / f".{target.name}.lock", "w") as lock:
+    # first one's file instead of exporting the same model again. The lock file goes once
+    # the model is in place: whoever locks it (or a new one) after that finds the model.
+    lock_path = out_dir / f".{target.name}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        ex = build(model, training=training, batch=batch, seq=seq, layers=layers)
-        scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
         try:
-            tmp = scratch / target.name
-            fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
-            with _quiet(), torch.random.fork_rng():
-                fn(ex, tmp, training=training, opset=opset, dynamic=dynamic)
-            os.replace(tmp, target)
+            if not target.exists():
+                _export_into(target, model, exporter, training=training, opset=opset,
+                             dynamic=dynamic, batch=batch, seq=seq, layers=layers)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
     return target
+
+
+def _export_into(target: pathlib.Path, model: str, exporter: str, *, training: bool,
+                 opset: int, dynamic: bool, batch: int, seq: int, layers: int) -> None:
+    """Export into a scratch folder beside `target`, then rename: the file appears whole."""
+    ex = build(model, training=training, batch=batch, seq=seq, layers=layers)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=target.parent))
+    try:
+        tmp = scratch / target.name
+        fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
+        with _quiet(), torch.random.fork_rng():
+            fn(ex, tmp, training=training, opset=opset, dynamic=dynamic)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- shapes only
