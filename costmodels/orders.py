@@ -15,6 +15,7 @@ schedule's order.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from planner.kinds import Schedule
@@ -43,6 +44,15 @@ def chunk_device(schedule: str, stages: int, chunk: int) -> int:
     if schedule == Schedule.ZBV and chunk >= stages:
         return 2 * stages - 1 - chunk
     return chunk % stages
+
+
+def misplaced(schedule: str, stages: int, devices: Sequence[int]) -> str | None:
+    """Where chunks held on `devices` (chunk by chunk, in model order) are not where
+    `schedule` runs them, in words naming both placements; None when they are."""
+    expected = [chunk_device(schedule, stages, k) for k in range(len(devices))]
+    if len(devices) % stages or list(devices) != expected:
+        return f"{schedule} places chunks on devices {expected}, the plan on {list(devices)}"
+    return None
 
 
 def device_chunks(schedule: str, stages: int, virtual_stages: int,

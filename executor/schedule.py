@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from costmodels.orders import (
     SPLIT_BACKWARD,
-    chunk_device,
     chunks_per_device,
     device_chunks,
+    misplaced,
     schedule_order,
 )
 from planner.errors import PlanFileError, ShardplanError
@@ -178,11 +178,8 @@ def _check_placement(chunks: Sequence[Chunk], schedule: str, pp: int, micro: int
     """Each chunk on the device the schedule puts it (`costmodels.orders.chunk_device`:
     Megatron's round robin, ZB-V's V); interleaving takes micro-batches in groups of pp."""
     if schedule in (Schedule.INTERLEAVED, Schedule.ZBV) and (
-            len(chunks) % pp or any(c.device != chunk_device(schedule, pp, c.index)
-                                    for c in chunks)):
-        shape = ("the chunks d, d+pp, d+2pp, ... (round robin)"
-                 if schedule == Schedule.INTERLEAVED else "the chunks d and 2pp−1−d (a V)")
-        raise PlanFileError(f"pipeline.stages: a {schedule} plan must give device d {shape}")
+            problem := misplaced(schedule, pp, [c.device for c in chunks])):
+        raise PlanFileError(f"pipeline.stages: the schedule {problem}; re-create the plan")
     if schedule == Schedule.INTERLEAVED and micro % pp:
         raise PlanFileError(f"pipeline.micro_batches {micro}: the interleaved schedule needs "
                             f"a multiple of pp={pp}")

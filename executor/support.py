@@ -14,6 +14,7 @@ from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
 from planner.ops import SHARDPLAN_DOMAIN, record_for
 from planner.plans.sections import ParallelConfig
+from planner.search.options import UNPLANNED_DEGREES
 
 #: Collectives of local programs the runtime issues (`PlanRunner._collective`).
 RUNTIME_COLLECTIVES = frozenset({f"{SHARDPLAN_DOMAIN}::AllReduce"})
@@ -59,15 +60,11 @@ def check_supported(graph: PlanningGraph) -> None:
                          f"torch implementation{also}; {_ADVICE}")
 
 
-#: The plan's degrees the executor has no runner for, by the plan file's key.
-UNRUN_DEGREES = {"cp": "context parallelism", "ep": "expert parallelism"}
-
-
 def check_degrees(parallel: ParallelConfig) -> None:
     """Refuse, by the plan file's key, a degree the executor cannot run (cp or ep above 1:
     nothing plans them yet, so only a hand-made plan has one). Sequence parallelism needs
     no check: it is in the plan's layouts, which the executor runs as they are."""
-    for key, what in UNRUN_DEGREES.items():
+    for key, what in UNPLANNED_DEGREES.items():
         if getattr(parallel, key) != 1:
             raise ShardplanError(f"parallel.{key} is {getattr(parallel, key)}: the executor "
                                  f"does not run {what} (and nothing plans it yet); re-plan "

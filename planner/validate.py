@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodels.orders import chunk_device, chunks_per_device
+from costmodels.orders import chunks_per_device, misplaced
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
@@ -36,6 +36,7 @@ from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection
 from planner.plans.sequence import sequence_split
 from planner.records import Collective
+from planner.search.options import UNPLANNED_DEGREES
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout
@@ -131,10 +132,10 @@ def _parallel(plan: Plan, report: Report) -> None:
         if parallel.tp not in (1, tp):
             report.add(f"parallel.tp is {parallel.tp} but the mesh ({axes}) has tp={tp}")
     _sequence(plan, report)
-    for key, what in (("cp", "context"), ("ep", "expert")):
+    for key, what in UNPLANNED_DEGREES.items():
         if getattr(parallel, key) != 1:
-            report.add(f"parallel.{key} is {getattr(parallel, key)}: {what} parallelism is not "
-                       f"planned yet, so no plan runs it; shardplan writes {key}=1")
+            report.add(f"parallel.{key} is {getattr(parallel, key)}: {what} is not planned "
+                       f"yet, so no plan runs it; shardplan writes {key}=1")
 
 
 def _sequence(plan: Plan, report: Report) -> None:
@@ -267,11 +268,9 @@ def _check_placement(pipe: PipelineSection, chunks: Sequence[tuple[tuple[int, in
                    f"{p * wanted} op ranges and virtual_stages {wanted}, not {len(chunks)} "
                    f"and {pipe.virtual_stages}")
         return
-    placed = [device for _, device in chunks]
-    expected = [chunk_device(pipe.schedule, p, k) for k in range(len(chunks))]
-    if wanted > 1 and placed != expected:
-        report.add(f"pipeline schedule {pipe.schedule} places chunks on devices {expected}, "
-                   f"the plan on {placed}")
+    if wanted > 1 and (problem := misplaced(pipe.schedule, p,
+                                            [device for _, device in chunks])):
+        report.add(f"pipeline schedule {problem}")
 
 
 def _op_names(plan: Plan, graph: PlanningGraph | None) -> list[OpNames]:

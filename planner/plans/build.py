@@ -44,7 +44,7 @@ from planner.plans.sections import (
     UnitEntry,
     chunks_of,
 )
-from planner.plans.sequence import sequence_split
+from planner.plans.sequence import sequence_parallel
 from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import choice_mesh, pipeline_config
@@ -129,7 +129,7 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     ops, tensors, units = _op_entries(priced), _tensor_entries(sharded), \
         _layer_units(analysis.units)
     parallel = ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer,
-                              sp=_sequence_parallel(ops, tensors, units))
+                              sp=sequence_parallel(ops, tensors, units))
     return Derived(decision, Plan(
         model=_model_ref(analysis.graph), cluster=_cluster_ref(context.hardware, decision.mesh),
         mesh=decision.mesh, parallel=parallel, ops=ops, tensors=tensors,
@@ -195,7 +195,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
-        optimizer=training.optimizer, sp=_sequence_parallel(ops, tensors, units))
+        optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units))
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp)
     sends = _sends(analysis, profile, stages, pricer.prices)
@@ -394,14 +394,6 @@ def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
             f"{len(no_rule)} op(s) of type {', '.join(kinds)} have no sharding rule; "
             "they are kept and planned replicated (their inputs are gathered)")
     return tuple(warnings)
-
-
-def _sequence_parallel(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
-                       units: Sequence[UnitEntry]) -> int:
-    """`parallel.sp`: 1 when the plan's own layouts split the activations between blocks
-    along the sequence (`planner.plans.sequence`, the definition `validate` checks), so
-    the searched layout is named as Megatron's is; cp and ep stay 1 (nothing plans them)."""
-    return int(sequence_split(ops, tensors, units) is not None)
 
 
 def _model_ref(graph: PlanningGraph) -> ModelRef:

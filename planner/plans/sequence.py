@@ -53,6 +53,13 @@ def sequence_split(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
     return None
 
 
+def sequence_parallel(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
+                      units: Sequence[UnitEntry]) -> int:
+    """`parallel.sp` as the builder writes it and an older file is read: 1 when the
+    plan's own layouts are sequence parallel (`sequence_split`), else 0."""
+    return int(sequence_split(ops, tensors, units) is not None)
+
+
 def _sequence_split(entry: TensorEntry | None) -> bool:
     """Whether `entry` is a [batch, sequence, hidden] float activation stored split along
     its sequence."""

@@ -21,7 +21,7 @@ from planner.plans.sections import (
     TensorEntry,
     UnitEntry,
 )
-from planner.plans.sequence import sequence_split
+from planner.plans.sequence import sequence_parallel
 
 WEIGHT_KINDS = ("parameter", "buffer")
 
@@ -72,4 +72,4 @@ def upgrade_parallel(section: ParallelConfig, data: Mapping[str, object],
     JSON) predates the key: a Megatron sequence-parallel plan says so, as it would now."""
     if "sp" in data:
         return section
-    return replace(section, sp=int(sequence_split(ops, tensors, units) is not None))
+    return replace(section, sp=sequence_parallel(ops, tensors, units))

@@ -45,7 +45,7 @@ from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import Choice, PipelineDecision
 from planner.search.layers import tie_classes
 from planner.search.megatron import megatron_strategies
-from planner.search.options import Pins
+from planner.search.options import PIPELINED_ONLY, Pins
 from planner.search.problem import (
     StrategyProblem,
     build_problem,
@@ -65,8 +65,6 @@ MEMORY_AWARE_ROUNDS = 3  # budgets tried per configuration
 MAX_LOCAL_MICRO_BATCH = 16  # per device; GEMMs are near their peak efficiency by then
 SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1,
                       Schedule.ZBV)  # GPipe: 1F1B's time, more memory.
-#: Schedules of several stages only (one stage has no bubble to fill).
-PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 # Interleaved chunks per device searched: 2 up to this, while every chunk
 # keeps at least one layer (Megatron-LM SC'21 ran up to 4; more adds sends, little bubble).
 MAX_INTERLEAVE_CHUNKS = 8

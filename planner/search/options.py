@@ -12,9 +12,11 @@ from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
                  "layout", "sp", "cp", "ep")
 #: Degrees the plan file names (`parallel.cp`, `parallel.ep`) but nothing plans yet: a pin
-#: of 1 says what every plan does; any other value is refused by name.
-UNPLANNED_DEGREES = {"cp": "context parallelism (the sequence split over its own axis)",
-                     "ep": "expert parallelism (experts split over their own axis)"}
+#: of 1 says what every plan does; any other value is refused by name, here, by `validate`
+#: and by the executor.
+UNPLANNED_DEGREES = {"cp": "context parallelism", "ep": "expert parallelism"}
+#: Schedules of several stages only (one stage has no bubble to fill).
+PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
               "layout", "sp")  # joint only
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
@@ -119,8 +121,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
             raise ShardplanError(f"--parallel sp={value}: 1 turns Megatron's sequence "
                                  "parallelism on (with layout=megatron), 0 off")
         if key in UNPLANNED_DEGREES and value != 1:
-            raise ShardplanError(f"--parallel {key}={value}: {UNPLANNED_DEGREES[key]} is not "
-                                 f"planned yet; every plan has {key}=1")
+            raise ShardplanError(f"--parallel {key}={value}: {UNPLANNED_DEGREES[key]} (split "
+                                 f"over an axis of its own) is not planned yet; every plan "
+                                 f"has {key}=1")
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")
@@ -136,8 +139,7 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         typed["schedule"] = Schedule(str(pins["schedule"]))
     if pins.get("sp") == 1:
         typed.setdefault("layout", "megatron")
-    if pins.get("pp") == 1 and typed.get("schedule") in (
-            Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV):
+    if pins.get("pp") == 1 and typed.get("schedule") in PIPELINED_ONLY:
         raise ShardplanError(f"--parallel schedule={pins['schedule']} pipelines: it needs "
                              "pp of 2 or more, not pp=1")
     if "vpp" in pins and typed.setdefault("schedule",
