@@ -12,9 +12,9 @@ from __future__ import annotations
 from executor.ops import TORCH_OPS
 from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
+from planner.kinds import UNPLANNED_DEGREES
 from planner.ops import SHARDPLAN_DOMAIN, record_for
 from planner.plans.sections import ParallelConfig
-from planner.search.options import UNPLANNED_DEGREES
 
 #: Collectives of local programs the runtime issues (`PlanRunner._collective`).
 RUNTIME_COLLECTIVES = frozenset({f"{SHARDPLAN_DOMAIN}::AllReduce"})

@@ -121,3 +121,9 @@ class Fusion(StrEnum):
 
     ELEMENTWISE = "elementwise"
     NONE = "none"
+
+
+#: Degrees the plan file names (`parallel.cp`, `parallel.ep`) but nothing plans yet: a pin
+#: of 1 says what every plan does; any other value is refused by name by the pins,
+#: `validate` and the executor.
+UNPLANNED_DEGREES = {"cp": "context parallelism", "ep": "expert parallelism"}

@@ -30,13 +30,12 @@ from typing import Any
 from costmodels.orders import chunks_per_device, misplaced
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
-from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
+from planner.kinds import UNPLANNED_DEGREES, AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection
 from planner.plans.sequence import sequence_split
 from planner.records import Collective
-from planner.search.options import UNPLANNED_DEGREES
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout

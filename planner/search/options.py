@@ -7,14 +7,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
-from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, UNPLANNED_DEGREES, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
                  "layout", "sp", "cp", "ep")
-#: Degrees the plan file names (`parallel.cp`, `parallel.ep`) but nothing plans yet: a pin
-#: of 1 says what every plan does; any other value is refused by name, here, by `validate`
-#: and by the executor.
-UNPLANNED_DEGREES = {"cp": "context parallelism", "ep": "expert parallelism"}
 #: Schedules of several stages only (one stage has no bubble to fill).
 PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
