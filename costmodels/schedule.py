@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from costmodels.orders import (
     SPLIT_BACKWARD,
@@ -135,15 +136,17 @@ def _triples(chunks: ChunkTimes) -> Triples:
 
 
 def simulate(schedule: str, chunks: ChunkTimes, micro_batches: int) -> float:
-    """The step's length: the longest path through `schedule`'s passes (`passes`)."""
+    """The step's length: the longest path through `schedule`'s passes (`timeline`)."""
     return _simulate(str(schedule), _triples(chunks), micro_batches)
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(schedule: str, chunks: Triples, micro_batches: int) -> float:
     """Memoised on the chunk times: the stage search prices the same partitions often."""
-    return max((end for _, _, _, end in timeline(schedule, chunks, micro_batches)),
-               default=0.0)
+    if not chunks or not chunks[0]:
+        return 0.0
+    return max(_finish(_passes(schedule, len(chunks), len(chunks[0]), micro_batches),
+                       chunks, schedule in SPLIT_BACKWARD)[:-1])
 
 
 def timeline(schedule: str, chunks: ChunkTimes,
@@ -154,62 +157,102 @@ def timeline(schedule: str, chunks: ChunkTimes,
     that is not split taking both. A pass starts when its device is free and its inputs
     are done (the module doc). Devices must hold the same number of chunks; the
     interleaved schedule needs m a multiple of p (as Megatron-LM does)."""
-    p = len(chunks)
     times = _triples(chunks)
-    v = len(times[0]) if p else 0
-    if not p or not v:
+    if not times or not times[0]:
         return []
-    if any(len(device) != v for device in times):
-        raise ValueError("pipeline schedule: every device needs the same number of chunks")
+    split = schedule in SPLIT_BACKWARD
+    graph = _passes(str(schedule), len(times), len(times[0]), micro_batches)
+    finish = _finish(graph, times, split)
+    lengths = _lengths(times, split)
+    return [(device, step, finish[i] - lengths[graph.rows[i][0]], finish[i])
+            for i, (device, step) in enumerate(graph.steps)]
+
+
+class _Passes(NamedTuple):
+    """A schedule's passes in an order where every pass comes after what it waits for:
+    `steps[i]` = (device, pass); `rows[i]` = (its length's index into `_lengths`, and the
+    positions of the passes it waits for: the device's previous pass and its inputs,
+    `len(steps)` where there is none)."""
+
+    steps: tuple[tuple[int, tuple[str, int, int]], ...]
+    rows: tuple[tuple[int, int, int, int], ...]
+
+
+_KIND_INDEX = {"F": 0, "B": 1, "W": 2}
+
+
+@functools.lru_cache(maxsize=64)
+def _passes(schedule: str, p: int, v: int, micro_batches: int) -> _Passes:
+    """The dependency graph of one schedule's step, sorted once (Kahn's algorithm) so
+    that each pricing is one pass over it: the stage search prices thousands of chunk
+    times on the same few schedules."""
     if v != chunks_per_device(schedule, v):
         raise ValueError(f"pipeline schedule {schedule} runs "
                          f"{chunks_per_device(schedule, v)} chunks per device, not {v}")
     if schedule == Schedule.INTERLEAVED and micro_batches % p:
         raise ValueError(f"interleaved schedule: {micro_batches} micro-batches is not a "
                          f"multiple of {p} stages")
-    split = schedule in SPLIT_BACKWARD
     last = p * v - 1
-    slot_of = {c: (d, k) for d in range(p)
-               for k, c in enumerate(device_chunks(schedule, p, v, d))}
-    orders = [schedule_order(schedule, p, micro_batches, d, v) for d in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    free, position = [0.0] * p, [0] * p
-    events: list[tuple[int, tuple[str, int, int], float, float]] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        moved = False
-        for d in range(p):
-            order, clock, at = orders[d], free[d], position[d]
-            while at < len(order):
-                kind, micro, chunk = step = order[at]
-                ready = _ready(kind, micro, chunk, last, done)
-                if ready is None:
-                    break
-                f, b, w = times[d][slot_of[chunk][1]]
-                length = f if kind == "F" else w if kind == "W" else b if split else b + w
-                start = max(clock, ready)
-                clock = done[step] = start + length
-                events.append((d, step, start, clock))
-                at += 1
-            if at != position[d]:
-                remaining -= at - position[d]
-                position[d], free[d] = at, clock
-                moved = True
-        if not moved:  # the orders never deadlock; a guard against misuse
+    slot_of = {c: k for d in range(p) for k, c in enumerate(device_chunks(schedule, p, v, d))}
+    listed = [(d, tuple(step)) for d in range(p)
+              for step in schedule_order(schedule, p, micro_batches, d, v)]
+    position = {step: i for i, (_, step) in enumerate(listed)}
+    waits: list[list[int]] = []
+    for i, (d, (kind, micro, chunk)) in enumerate(listed):
+        inputs = ([("F", micro, chunk - 1)] if chunk else []) if kind == "F" else \
+            [("B", micro, chunk)] if kind == "W" else \
+            [("F", micro, chunk)] + ([("B", micro, chunk + 1)] if chunk < last else [])
+        before = [i - 1] if i and listed[i - 1][0] == d else []
+        found = [position.get(step, -1) for step in inputs]
+        if -1 in found:  # the orders never miss an input; a guard against misuse
             raise ValueError(f"pipeline schedule {schedule} cannot proceed")
-    return events
+        waits.append(before + found)
+    waiting = [len(w) for w in waits]
+    after: list[list[int]] = [[] for _ in listed]
+    for i, w in enumerate(waits):
+        for j in w:
+            after[j].append(i)
+    ready = [i for i, count in enumerate(waiting) if not count]
+    order: list[int] = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for j in after[i]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                ready.append(j)
+    if len(order) != len(listed):  # a cycle: the orders never deadlock; a guard
+        raise ValueError(f"pipeline schedule {schedule} cannot proceed")
+    sorted_at = {i: k for k, i in enumerate(order)}
+    none = len(order)
+    rows = []
+    for i in order:
+        d, (kind, _, chunk) = listed[i]
+        at = [sorted_at[j] for j in waits[i]] + [none] * (3 - len(waits[i]))
+        rows.append(((d * v + slot_of[chunk]) * 3 + _KIND_INDEX[kind], at[0], at[1], at[2]))
+    return _Passes(tuple(listed[i] for i in order), tuple(rows))
 
 
-def _ready(kind: str, micro: int, chunk: int, last: int,
-           done: dict[tuple[str, int, int], float]) -> float | None:
-    """When a pass's inputs are there, or None while one has not run."""
-    if kind == "F":
-        return 0.0 if chunk == 0 else done.get(("F", micro, chunk - 1))
-    if kind == "W":
-        return done.get(("B", micro, chunk))
-    own = done.get(("F", micro, chunk))
-    after = 0.0 if chunk == last else done.get(("B", micro, chunk + 1))
-    return None if own is None or after is None else max(own, after)
+def _lengths(times: Triples, split: bool) -> list[float]:
+    """Each (device, slot)'s forward, backward and weight pass seconds, flat: a backward
+    that is not split runs its weight part too."""
+    flat: list[float] = []
+    for device in times:
+        for f, b, w in device:
+            flat += (f, b if split else b + w, w)
+    return flat
+
+
+def _finish(graph: _Passes, times: Triples, split: bool) -> list[float]:
+    """When each pass of `graph` ends (and a trailing 0: the "no pass" slot), every pass
+    starting when its device is free and its inputs are done."""
+    if any(len(device) != len(times[0]) for device in times):
+        raise ValueError("pipeline schedule: every device needs the same number of chunks")
+    lengths = _lengths(times, split)
+    finish = [0.0] * (len(graph.rows) + 1)
+    for i, (length, a, b, c) in enumerate(graph.rows):
+        finish[i] = lengths[length] + max(finish[a], finish[b], finish[c])
+    return finish
 
 
 def bubble_fraction(stages: int, micro_batches: int, schedule: str = "1f1b",

@@ -4,6 +4,7 @@ unequal time; the zero-bubble schedules ZB-H1 and ZB-V."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from costmodels.orders import chunk_device, device_chunks, schedule_order
 from costmodels.profile import load_profile
-from costmodels.schedule import in_flight, pipeline_time, simulate
+from costmodels.schedule import in_flight, pipeline_time, simulate, timeline
 from executor.schedule import Chunk, Stages, Transfer, check_schedule, schedule_actions
 from planner import zoo
 from planner.api import plan
@@ -158,6 +159,57 @@ def test_the_simulation_equals_the_closed_forms(schedule: str, p: int, m: int) -
         t = f + b + w
         assert simulate(schedule, [[(f, b, w)]] * p, m) == pytest.approx((m + p - 1) * t)
         assert pipeline_time([t] * p, m, schedule) == pytest.approx((m + p - 1) * t)
+
+
+def _event_driven(schedule: str, chunks: list[list[tuple[float, float, float]]],
+                  m: int) -> float:
+    """The definition, pass by pass: each device runs its order; a pass starts when its
+    device is free and its inputs are done (F after the previous chunk's F, B after its
+    own F and the next chunk's B, W after its own B)."""
+    p, v = len(chunks), len(chunks[0])
+    last, split = p * v - 1, schedule in ("zb-h1", "zbv")
+    slot = {c: k for d in range(p) for k, c in enumerate(device_chunks(schedule, p, v, d))}
+    todo = {d: list(schedule_order(schedule, p, m, d, v)) for d in range(p)}
+    end: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * p
+    while any(todo.values()):
+        moved = False
+        for d in range(p):
+            while todo[d]:
+                kind, micro, chunk = todo[d][0]
+                deps = ([("F", micro, chunk - 1)] if chunk else []) if kind == "F" else \
+                    [("B", micro, chunk)] if kind == "W" else \
+                    [("F", micro, chunk)] + ([("B", micro, chunk + 1)] if chunk < last else [])
+                if not all(x in end for x in deps):
+                    break
+                f, b, w = chunks[d][slot[chunk]]
+                length = f if kind == "F" else w if kind == "W" else b if split else b + w
+                clock[d] = end[(kind, micro, chunk)] = max(
+                    [clock[d], *(end[x] for x in deps)]) + length
+                todo[d].pop(0)
+                moved = True
+        assert moved
+    return max(clock)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                        ("interleaved", 3), ("zb-h1", 1), ("zbv", 2)])
+def test_the_longest_path_is_the_pass_by_pass_definition(schedule: str, v: int) -> None:
+    """`simulate` and `timeline` walk the schedule's passes sorted once by what they wait
+    for; on unequal random chunk times they end where the pass-by-pass run does, and
+    every pass starts after its device's previous one."""
+    rng = random.Random(5)
+    for _ in range(25):
+        p = rng.choice([1, 2, 3, 4, 5])
+        m = p * rng.choice([1, 2, 3]) if schedule == "interleaved" else rng.randint(1, 3 * p)
+        chunks = [[(rng.uniform(0.2, 2), rng.uniform(0.2, 3), rng.uniform(0, 1.5))
+                   for _ in range(v)] for _ in range(p)]
+        assert simulate(schedule, chunks, m) == pytest.approx(_event_driven(schedule, chunks, m))
+        passes = timeline(schedule, chunks, m)
+        assert len(passes) == sum(len(schedule_order(schedule, p, m, d, v)) for d in range(p))
+        for d in range(p):
+            mine = sorted((start, end) for device, _, start, end in passes if device == d)
+            assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(mine))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 9)])
