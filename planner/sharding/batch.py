@@ -1,4 +1,5 @@
-"""Which label of each op carries the batch: the batch split followed through the graph.
+"""Which label of each op carries the batch (or the sequence): a split of some input dims
+followed through the graph.
 
 The batch dim of each graph input is split over one mesh axis; each op then splits
 whichever of its labels carries an already-split input dim, so the split follows the
@@ -6,6 +7,12 @@ batch through reshapes and transposes. An op that cannot keep it (a rule says th
 must stay whole, or no rule exists) runs replicated and its inputs are gathered. This one
 trace is the data-parallel baseline, the meaning of a pinned dp axis, and (at the whole
 batch) the graph analysis's batch labels.
+
+The same trace from the sequence dims of the sequence inputs (`PlanningGraph.
+sequence_inputs`) gives the labels that carry the sequence (`sequence_labels`): what the
+context-parallel axis may split. There an op can carry the sequence in several labels at
+once (q kᵀ has the queries' and the keys' positions): every label that carries a split
+input dim and can be split alone is one, and each is followed to the outputs.
 """
 
 from __future__ import annotations
@@ -65,6 +72,40 @@ def data_parallel_strategies(
             if name and names is not None and label in names:
                 split_dim[name] = names.index(label)
     return strategies
+
+
+def sequence_labels(graph: PlanningGraph,
+                    labels: Mapping[str, DimLabels | None]) -> dict[str, frozenset[str]]:
+    """Per op, the labels that carry the whole sequence: the sequence dims of the sequence
+    inputs followed through the graph (every label of an op that reads a carried dim and
+    may be split over an axis of the sequence's length, as the batch trace does)."""
+    length = graph.sequence
+    if length is None:
+        return {}
+    mesh = DeviceMesh.build({AxisRole.CONTEXT: length}, 1)
+    carried: dict[str, set[int]] = {name: {dim} for name, dim in graph.sequence_inputs.items()}
+    found: dict[str, frozenset[str]] = {}
+    for node in graph.ops:
+        op_labels = labels.get(node.name)
+        if op_labels is None:
+            continue
+        candidates: set[str] = set()
+        for index, name in enumerate(node.inputs):
+            names = op_labels.inputs[index] if index < len(op_labels.inputs) else None
+            if name in carried and names is not None:
+                candidates |= {names[dim] for dim in carried[name]}
+        kept = frozenset(label for label in candidates if is_valid(
+            node, op_labels, OpStrategy.of({label: (str(AxisRole.CONTEXT),)}),
+            graph.tensors, mesh))
+        if not kept:
+            continue
+        found[node.name] = kept
+        for name, names in zip(node.outputs, op_labels.outputs, strict=True):
+            if name and names is not None:
+                dims = {k for k, label in enumerate(names) if label in kept}
+                if dims:
+                    carried[name] = dims
+    return found
 
 
 def dp_splits_exactly(assigned: Mapping[str, tuple[str, ...]], batch: Collection[str],
