@@ -56,7 +56,7 @@ from planner.search.solve import Engine, solve
 from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
-from planner.sharding.context import context_allows, head_labels
+from planner.sharding.context import context_allows, head_labels, whole_allowed
 from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
@@ -193,7 +193,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
             if dp_splits_exactly(assigned, wanted) and not tp_on_batch and (
                     not context or context_allows(
                         assigned, sequence, heads.get(group.ops[0], frozenset()),
-                        context_kind)):
+                        context_kind, whole_allowed(analysis, group.ops[0]))):
                 keep.append(position)
         if keep:
             restrict_candidates(problem, index, keep)

@@ -15,23 +15,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from planner.kinds import AxisRole, ContextKind
+from planner.ops import record_for
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.strategy import OpStrategy
 
 
 def context_allows(assigned: Mapping[str, tuple[str, ...]], sequence: frozenset[str],
-                   heads: frozenset[str], kind: ContextKind | None = None) -> bool:
+                   heads: frozenset[str], kind: ContextKind | None = None,
+                   may_stay_whole: bool = True) -> bool:
     """Whether an op's assignment uses the context axis as context parallelism means it:
     an op that carries the sequence puts "cp" on one of its sequence labels alone, or (an
-    attention core's op) on a head label alone, Ulysses' re-partitioning, or nowhere (it
-    runs whole on every context rank, as a small op feeding a gather may); an op that does
+    attention core's op) on a head label alone, Ulysses' re-partitioning, or, where it
+    `may_stay_whole` (no GEMM: `whole_allowed`), nowhere (it runs whole on every context
+    rank, as a reshape or a tile feeding a gather may); an op that does
     not carry the sequence is free (a mask built from whole positions may be cut any
     way). A pinned `kind` keeps an attention core's op to its form: the query positions
     for RING, the heads for ULYSSES."""
     on = [label for label, axes in assigned.items() if AxisRole.CONTEXT in axes]
-    if heads and kind is not None and not on:
-        return False
-    if not sequence or not on:
+    if not on:
+        return not sequence or (may_stay_whole and not (heads and kind is not None))
+    if not sequence:
         return True
     allowed = sequence | heads
     if heads and kind is ContextKind.RING:
@@ -59,6 +62,14 @@ def head_labels(analysis: GraphAnalysis) -> dict[str, frozenset[str]]:
     return found
 
 
+
+
+def whole_allowed(analysis: GraphAnalysis, op: str) -> bool:
+    """Whether an op carrying the sequence may run whole on every context rank: any op but
+    a GEMM (the work context parallelism is there to split)."""
+    node = analysis.graph.op(op)
+    record = record_for(node.op_type, node.domain)
+    return record is None or not record.matrix
 
 
 def context_kind(analysis: GraphAnalysis,
