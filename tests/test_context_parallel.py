@@ -115,9 +115,9 @@ def test_pins() -> None:
                                                                cp_kind=ContextKind.ULYSSES)
     assert check_pins({"cp": 4}).joint_only == ("cp",)
     assert check_pins({"cp": 1}).admits_op_level
-    with pytest.raises(ShardplanError, match="cp_kind=ring: .* not cp=1"):
+    with pytest.raises(ShardplanError, match=r"cp_kind=ring: .* not cp=1"):
         check_pins({"cp": 1, "cp_kind": "ring"})
-    with pytest.raises(ShardplanError, match="cp_kind=zig: choose one of ring, ulysses"):
+    with pytest.raises(ShardplanError, match=r"cp_kind=zig: choose one of ring, ulysses"):
         check_pins({"cp_kind": "zig"})
     with pytest.raises(ShardplanError, match="ep=2"):
         check_pins({"ep": 2})
