@@ -7,8 +7,9 @@ every problem it finds:
 - without the model: the parallel section states the mesh's degrees, and `parallel.sp`
   the sequence split the plan's layouts have (`planner.plans.sequence`), cp the mesh's
   context axis with its kind, and ep 1 (nothing plans it yet); the pipeline section
-  partitions the ops and the ranks; every tensor an op reads in another layout than the one it is stored in has the forward collectives
-  of that move listed (the redistribution the planner prices);
+  partitions the ops and the ranks; every tensor an op reads in another layout than
+  the one it is stored in has the forward collectives of that move listed (the
+  redistribution the planner prices);
 - with the model: the plan is this file's (digest, dims, every op, every shape); every
   op's layouts are the ones its assignment implies under the op's sharding rule, and the
   assignment is valid; re-deriving the op-level collectives from the assignments
