@@ -130,8 +130,8 @@ def _parallel(plan: Plan, report: Report) -> None:
                    "ulysses) exactly when cp is above 1")
     degrees = parallel.dp * parallel.tp * parallel.pp * parallel.cp
     if degrees < 1 or mesh.size % degrees:
-        report.add(f"parallel dp={parallel.dp} cp={parallel.cp} tp={parallel.tp} "
-                   f"pp={parallel.pp} is "
+        cp_part = f" cp={parallel.cp}" if parallel.cp != 1 else ""
+        report.add(f"parallel dp={parallel.dp}{cp_part} tp={parallel.tp} pp={parallel.pp} is "
                    f"{degrees} devices, not a grouping of the mesh's {mesh.size} ({axes}; "
                    f"cluster.devices {plan.cluster.devices})")
     elif plan.pipeline is not None:
