@@ -135,14 +135,16 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         if op_index is None or collective.phase == Phase.GRADIENT:
             continue
         u = unit_of[op_index]
-        seconds = collective.time_s * exposed.get((collective.op, collective.phase), 1.0)
+        ring = exposed.get((collective.op, collective.phase))
+        seconds = collective.time_s * (1.0 if ring is None else ring[0])
+        held = 1.0 if ring is None else ring[1]
         if collective.phase == Phase.FORWARD:
             forward_comm[u] += seconds
             if collective.op in core_ops:
                 selective[u] += seconds
         else:
             backward_comm[u] += seconds
-        workspace[u] = max(workspace[u], float(collective.bytes))
+        workspace[u] = max(workspace[u], float(collective.bytes) * held)
     crossings, leaving = _crossings(priced, unit_of)
     keep_selective = saved_all - dropped
     saved = {Recompute.NONE: saved_all, Recompute.SELECTIVE: keep_selective,
@@ -154,10 +156,12 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                        transient, workspace, _params(priced, unit_of), crossings, weight)
 
 
-def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], float]:
+def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, float]]:
     """Ring attention over the context axis: of the K/V blocks an attention core gathers
     over "cp" (all-gathers into its ops in the forward pass, the reduce-scatters of their
-    gradients in the backward), the share that shows, per (core op, phase). The core's
+    gradients in the backward), the share of their time that shows and the share of the
+    gathered buffer a rank holds at once (two blocks: the one it computes with and the
+    one arriving), per (core op, phase). The core's
     compute on this device hides them step by step
     (`costmodels.communication.ring_overlap_exposed_s`); a core split by heads (Ulysses)
     gathers nothing over "cp" and pays its all-to-alls whole. A causal core is priced as
@@ -172,7 +176,8 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], float]:
             Phase.BACKWARD: CollectiveKind.REDUCE_SCATTER}
     graph = sharded.analysis.graph
     index_of = {node.name: k for k, node in enumerate(graph.ops)}
-    found: dict[tuple[str, Phase], float] = {}
+    found: dict[tuple[str, Phase], tuple[float, float]] = {}
+    held = min(1.0, 2.0 / (steps + 1))
     for core in priced.kernels.cores:
         ops = (core.first, *core.between, core.last)
         costs = [priced.costs[index_of[op]] for op in ops]
@@ -186,7 +191,7 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], float]:
                 continue
             share = ring_overlap_exposed_s(transfer, compute[phase], steps) / transfer
             for c in passes:
-                found[(c.op, phase)] = share
+                found[(c.op, phase)] = (share, held)
     return found
 
 
