@@ -170,7 +170,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     (`planner.search.megatron`), with its sequence parallelism when `sequence_parallel`
     (`sp=1`); no budget can change it. `micro_batches`: how many the step runs, so the
     op-level problem weighs per-step costs against per-micro-batch ones as the step does.
-    A "cp" axis splits exactly the sequence (`_context_allows`; `context_kind` pins how
+    A "cp" axis splits exactly the sequence (`context_allows`; `context_kind` pins how
     attention runs over it)."""
     from planner.search.oplevel import record_of
 
@@ -371,6 +371,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.path}: --parallel pp={pins.pp}: the graph has {too_many} units (layers), "
             f"more than the stage search takes ({MAX_PIPELINE_UNITS}: its tables grow with "
             f"the square of the units); plan it with pp=1")
+    if pins.cp is not None and pins.cp > 1 and (not graph.sequence or graph.sequence % pins.cp):
+        what = (f"the sequence of {graph.sequence} tokens does not split into {pins.cp} equal "
+                "blocks; pin a cp that divides it" if graph.sequence else
+                "the model has no sequence input to split (a batch input whose next dim is "
+                "symbolic: [batch, seq] token ids); drop the cp pin")
+        raise ShardplanError(f"{graph.path}: --parallel cp={pins.cp}: {what}")
     skipped: dict[int, str] = {}
     bindable: dict[int, bool] = {}
 
