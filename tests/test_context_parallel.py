@@ -130,7 +130,8 @@ def test_pins() -> None:
 def test_a_cp_pin_the_sequence_cannot_take_is_refused(tiny: Path) -> None:
     with pytest.raises(ShardplanError, match=r"--parallel cp=3: the sequence of 16 tokens "
                                              "does not split into 3 equal blocks"):
-        plan(tiny, devices=3, batch=3, dims={"seq": SEQ}, profile="cpu", parallel={"cp": 3})
+        plan(tiny, devices=3, batch=3, dims={"seq": SEQ}, profile="a100-80g",
+             parallel={"cp": 3})
 
 
 def test_context_degrees_searched_only_for_long_sequences() -> None:
