@@ -347,3 +347,14 @@ class _Model:
         if kind == "reduce_scatter":
             return within("reduce_scatter", n) + across("reduce_scatter", n / k)
         return across("broadcast", n) + within("broadcast", n)
+
+
+def ring_overlap_exposed_s(transfer_s: float, compute_s: float, steps: int) -> float:
+    """The exposed part of a ring pass overlapped with compute (ring attention, Liu et al.
+    2023): `steps` + 1 ranks each hold one block; in each of `steps` steps a rank sends its
+    current block on and computes with the one it holds, so each step's transfer
+    (`transfer_s` / steps) hides behind one block's compute (`compute_s` / (steps + 1):
+    the local block's compute is one of them) and shows only by what it exceeds it."""
+    if steps < 1:
+        return 0.0
+    return steps * max(0.0, transfer_s / steps - compute_s / (steps + 1))

@@ -172,6 +172,15 @@ class PlanningGraph:
     routed: dict[str, RoutedSelection] = field(default_factory=dict)
     #: Tokens each expert may take, as a multiple of an even share: what sizes `routed`.
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR
+    #: graph input -> index of its sequence dim (`planner.importer.bind.sequence_dims`):
+    #: what context parallelism splits; empty when no input has one
+    sequence_inputs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def sequence(self) -> int | None:
+        """The bound sequence length the sequence inputs share; None without one."""
+        lengths = {self.tensors[name].shape[dim] for name, dim in self.sequence_inputs.items()}
+        return lengths.pop() if len(lengths) == 1 else None
 
     @property
     def stored_float_dtype(self) -> str:

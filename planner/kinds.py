@@ -88,6 +88,20 @@ class AxisRole(StrEnum):
     #: repeats the work of the axes inside it: no op splits over it, nothing is reduced
     #: along it (a model too small to put every device to work)
     REPLICA = "rep"
+    #: context parallelism: splits exactly the sequence (`planner.sharding.batch`'s trace
+    #: of the sequence inputs); attention reads K and V over it as a ring or re-partitions
+    #: heads (`ContextKind`)
+    CONTEXT = "cp"
+
+
+class ContextKind(StrEnum):
+    """How attention runs over a sequence split on the context axis: RING passes K and V
+    blocks round the axis, each step overlapped with a block of the core (Liu et al. 2023,
+    Ring Attention); ULYSSES re-partitions sequence-split q, k, v to head-split with an
+    all-to-all before the core and back after (Jacobs et al. 2023, DeepSpeed-Ulysses)."""
+
+    RING = "ring"
+    ULYSSES = "ulysses"
 
 
 GENERIC_AXES = ("a0", "a1", "a2")
@@ -123,7 +137,8 @@ class Fusion(StrEnum):
     NONE = "none"
 
 
-#: Degrees the plan file names (`parallel.cp`, `parallel.ep`) but nothing plans yet: a pin
-#: of 1 says what every plan does; any other value is refused by name by the pins,
-#: `validate` and the executor.
-UNPLANNED_DEGREES = {"cp": "context parallelism", "ep": "expert parallelism"}
+#: Degrees the plan file names (`parallel.ep`) but nothing plans yet: a pin of 1 says what
+#: every plan does; any other value is refused by name by the pins, `validate` and the
+#: executor. (Context parallelism, `parallel.cp`, is planned: the executor alone refuses
+#: it, `executor.support.check_degrees`.)
+UNPLANNED_DEGREES = {"ep": "expert parallelism"}

@@ -5,10 +5,11 @@ mesh (`planner.plans.schema`, `planner.plans.checks`). Validation goes further, 
 every problem it finds:
 
 - without the model: the parallel section states the mesh's degrees, and `parallel.sp`
-  the sequence split the plan's layouts have (`planner.plans.sequence`), with cp and ep 1
-  (nothing plans them yet); the pipeline section partitions the ops and the ranks; every tensor
-  an op reads in another layout than the one it is stored in has the forward collectives
-  of that move listed (the redistribution the planner prices);
+  the sequence split the plan's layouts have (`planner.plans.sequence`), cp the mesh's
+  context axis with its kind, and ep 1 (nothing plans it yet); the pipeline section
+  partitions the ops and the ranks; every tensor an op reads in another layout than
+  the one it is stored in has the forward collectives of that move listed (the
+  redistribution the planner prices);
 - with the model: the plan is this file's (digest, dims, every op, every shape); every
   op's layouts are the ones its assignment implies under the op's sharding rule, and the
   assignment is valid; re-deriving the op-level collectives from the assignments
@@ -111,7 +112,8 @@ def _matches(plan: Plan, graph: PlanningGraph) -> bool:
 def _parallel(plan: Plan, report: Report) -> None:
     """The parallel section states the mesh's degrees: pp the pipeline axis, dp and tp
     (and pp) groups of its devices; a pipeline plan's dp is its data axis and its tp its
-    tensor axis or 1 (nothing split over it); sp what its layouts do; cp and ep 1."""
+    tensor axis or 1 (nothing split over it); sp what its layouts do; cp the mesh's
+    context axis (1 without one), with its kind exactly when above 1; ep 1."""
     parallel, mesh = plan.parallel, plan.mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     axes = ", ".join(f"{a}={n}" for a, n in sizes.items())
@@ -119,9 +121,17 @@ def _parallel(plan: Plan, report: Report) -> None:
     if parallel.pp != pp:
         report.add(f"parallel.pp is {parallel.pp} but the mesh ({axes}) has {pp} pipeline "
                    "stages")
-    degrees = parallel.dp * parallel.tp * parallel.pp
+    cp = sizes.get(str(AxisRole.CONTEXT), 1)
+    if parallel.cp != cp:
+        report.add(f"parallel.cp is {parallel.cp} but the mesh ({axes}) has cp={cp}")
+    if (parallel.cp_kind is not None) != (parallel.cp > 1):
+        report.add(f"parallel.cp_kind is {parallel.cp_kind or 'absent'} with cp="
+                   f"{parallel.cp}: a plan names how attention runs over cp (ring or "
+                   "ulysses) exactly when cp is above 1")
+    degrees = parallel.dp * parallel.tp * parallel.pp * parallel.cp
     if degrees < 1 or mesh.size % degrees:
-        report.add(f"parallel dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} is "
+        cp_part = f" cp={parallel.cp}" if parallel.cp != 1 else ""
+        report.add(f"parallel dp={parallel.dp}{cp_part} tp={parallel.tp} pp={parallel.pp} is "
                    f"{degrees} devices, not a grouping of the mesh's {mesh.size} ({axes}; "
                    f"cluster.devices {plan.cluster.devices})")
     elif plan.pipeline is not None:

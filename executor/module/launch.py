@@ -37,6 +37,7 @@ from executor.module.trace import export_program, save_model
 from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import MeshComm
 from executor.schedule import check_runnable
+from executor.support import check_degrees
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.train import RunLog, check_checkpoints, free_port, issues_per_run
 from planner.errors import ShardplanError
@@ -262,10 +263,11 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     that fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`;
     no rank outlives the call (`executor.ranks`)."""
     timeout_s = check_timeout(timeout_s)
-    # Everything the plan states that its own sections imply (cp and ep 1 among them),
-    # before any rank starts (the module's export is not at hand: its ops and layouts are
-    # checked as the ranks build).
+    # Everything the plan states that its own sections imply (ep 1 among them), before
+    # any rank starts (the module's export is not at hand: its ops and layouts are
+    # checked as the ranks build); context parallelism this runner does not run, by name.
     refuse_invalid(plan, None, "")
+    check_degrees(plan.parallel, context=False)
     if plan.pipeline is not None:
         check_runnable(plan.pipeline.schedule)  # a zero-bubble schedule, by name
     saving = checkpoints or Checkpoints()

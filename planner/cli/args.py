@@ -79,7 +79,7 @@ def parallel(text: str) -> dict[str, int | str]:
         if key in pins:
             raise argparse.ArgumentTypeError(f"--parallel {text!r}: {key} is given twice; "
                                              "give each choice once")
-        if key in ("recompute", "schedule", "layout"):
+        if key in ("recompute", "schedule", "layout", "cp_kind"):
             pins[key] = value.strip()
             continue
         try:

@@ -93,6 +93,18 @@ class KernelPlan:
         return frozenset(name for name in self.saved if name in internal)
 
     @property
+    def unmaterialised(self) -> frozenset[str]:
+        """Tensors no kernel writes to memory: a flash core's s² scores and probabilities
+        (they live in on-chip tiles), so they take no workspace."""
+        if self.policy.attention is not AttentionKernel.FLASH:
+            return frozenset()
+        return frozenset().union(*(core.internal for core in self.cores))
+
+    def written_bytes(self, name: str, nbytes: float) -> float:
+        """`nbytes` of tensor `name` as the kernels write it: 0 where none does."""
+        return 0.0 if name in self.unmaterialised else nbytes
+
+    @property
     def core_ops(self) -> frozenset[str]:
         """Ops selective recompute re-runs in the backward pass."""
         return frozenset(op for core in self.cores

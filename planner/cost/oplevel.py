@@ -139,8 +139,9 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         compute_forward += forward
         compute_backward += backward
         saved_total += saved
-        output_bytes = sum(tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh)
-                           for o in node.outputs if o)
+        output_bytes = sum(kernels.written_bytes(
+            o, tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh))
+            for o in node.outputs if o)
         workspace = max(workspace, output_bytes)
         if live_peak is not None:
             live_peak.step(node, sharded.layouts, mesh)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from costmodels.communication import ring_overlap_exposed_s
 from planner.cost.oplevel import PricedGraph
 from planner.cost.pricing import saved_bytes, weight_gradient_seconds
-from planner.kinds import Phase, Recompute
+from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.layers import Units
 from planner.sharding.derive import fraction_of_layout
 from planner.sharding.mesh import DeviceMesh
@@ -128,18 +129,22 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         dropped[u] += saved_bytes(node, priced.kernels, graph.tensors,
                                   [sharded.layouts.get(o) if o else None
                                    for o in node.outputs], sharded.mesh, recomputed)
+    exposed = _ring_exposure(priced)
     for collective in priced.collectives:
         op_index = index_of.get(collective.op)
         if op_index is None or collective.phase == Phase.GRADIENT:
             continue
         u = unit_of[op_index]
+        ring = exposed.get((collective.op, collective.phase))
+        seconds = collective.time_s * (1.0 if ring is None else ring[0])
+        held = 1.0 if ring is None else ring[1]
         if collective.phase == Phase.FORWARD:
-            forward_comm[u] += collective.time_s
+            forward_comm[u] += seconds
             if collective.op in core_ops:
-                selective[u] += collective.time_s
+                selective[u] += seconds
         else:
-            backward_comm[u] += collective.time_s
-        workspace[u] = max(workspace[u], float(collective.bytes))
+            backward_comm[u] += seconds
+        workspace[u] = max(workspace[u], float(collective.bytes) * held)
     crossings, leaving = _crossings(priced, unit_of)
     keep_selective = saved_all - dropped
     saved = {Recompute.NONE: saved_all, Recompute.SELECTIVE: keep_selective,
@@ -149,6 +154,45 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                  Recompute.FULL: saved_all - saved[Recompute.FULL]}
     return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
                        transient, workspace, _params(priced, unit_of), crossings, weight)
+
+
+def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, float]]:
+    """Ring attention over the context axis: of the K/V blocks an attention core gathers
+    over "cp" (all-gathers into its ops in the forward pass, the reduce-scatters of their
+    gradients in the backward), the share of their time that shows and the share of the
+    gathered buffer a rank holds at once (two blocks: the one it computes with and the
+    one arriving), per (core op, phase). The core's
+    compute on this device hides them step by step
+    (`costmodels.communication.ring_overlap_exposed_s`); a core split by heads (Ulysses)
+    gathers nothing over "cp" and pays its all-to-alls whole. A causal core is priced as
+    the balanced split (each rank two mirrored blocks, "zig-zag": every ring step the same
+    work), which is what its compute share already is."""
+    sharded = priced.sharded
+    mesh = sharded.mesh
+    if AxisRole.CONTEXT not in mesh.axis_names:
+        return {}
+    steps = mesh.axis_size(AxisRole.CONTEXT) - 1
+    ring = {Phase.FORWARD: CollectiveKind.ALL_GATHER,
+            Phase.BACKWARD: CollectiveKind.REDUCE_SCATTER}
+    graph = sharded.analysis.graph
+    index_of = {node.name: k for k, node in enumerate(graph.ops)}
+    found: dict[tuple[str, Phase], tuple[float, float]] = {}
+    held = min(1.0, 2.0 / (steps + 1))
+    for core in priced.kernels.cores:
+        ops = (core.first, *core.between, core.last)
+        costs = [priced.costs[index_of[op]] for op in ops]
+        compute = {Phase.FORWARD: sum(c.forward_s for c in costs),
+                   Phase.BACKWARD: sum(c.backward_s for c in costs)}
+        for phase, kind in ring.items():
+            passes = [c for c in priced.collectives if c.op in ops and c.phase == phase
+                      and c.kind == kind and tuple(c.axes) == (str(AxisRole.CONTEXT),)]
+            transfer = sum(c.time_s for c in passes)
+            if transfer <= 0.0:
+                continue
+            share = ring_overlap_exposed_s(transfer, compute[phase], steps) / transfer
+            for c in passes:
+                found[(c.op, phase)] = (share, held)
+    return found
 
 
 def _crossings(priced: PricedGraph,

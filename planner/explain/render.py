@@ -68,10 +68,14 @@ def _header(ex: Explanation) -> list[str]:
 
 
 def _degrees_beyond(parallel: dict[str, Any]) -> str:
-    """sp always (Megatron's sequence parallelism, 0 or 1), cp and ep where not 1 (nothing
-    plans them yet: only a hand-made file has another value, which validate refuses)."""
+    """sp always (Megatron's sequence parallelism, 0 or 1), cp where not 1 with how
+    attention runs over it (cp=4 ring), ep where not 1 (nothing plans it yet: only a
+    hand-made file has another value, which validate refuses)."""
     extra = [f"sp={parallel.get('sp', 0)}"]
-    extra += [f"{key}={parallel[key]}" for key in ("cp", "ep") if parallel.get(key, 1) != 1]
+    if parallel.get("cp", 1) != 1:
+        kind = parallel.get("cp_kind")
+        extra.append(f"cp={parallel['cp']}" + (f" {kind}" if kind else ""))
+    extra += [f"ep={parallel['ep']}"] if parallel.get("ep", 1) != 1 else []
     return "".join(f" {item}" for item in extra)
 
 

@@ -21,12 +21,14 @@ BindingKey = tuple[tuple[str, str, int], ...]
 
 class Bound(NamedTuple):
     """What binding fixed: the dims bound (those the inputs use), the batch size (None
-    without a batch axis), each batch input's batch dim, and the batch dim's symbol."""
+    without a batch axis), each batch input's batch dim, the batch dim's symbol, and each
+    sequence input's sequence dim (`sequence_dims`)."""
 
     dims: dict[str, int]
     batch: int | None
     batch_inputs: dict[str, int]
     batch_symbol: str | None
+    sequence_inputs: dict[str, int]
 
     @property
     def key(self) -> BindingKey:
@@ -76,6 +78,7 @@ def bind_dims(
     used = {d.dim_param for v in inputs for d in _shape_dims(v) if not d.HasField("dim_value")}
     batch_inputs = {v.name: 0 for v in inputs if _leading_dim(v) in (batch_symbol, static_batch)
                     and _leading_dim(v) is not None}
+    sequence_inputs = sequence_dims(inputs, batch_inputs, batch_symbol)
     bound = dict(dims)
     if batch is not None:
         if batch_symbol is not None:
@@ -119,7 +122,30 @@ def bind_dims(
         _forget_symbolic_dims(value)
     del model.graph.value_info[:]
     return Bound({k: v for k, v in bound.items() if k in used}, batch_size, batch_inputs,
-                 batch_symbol)
+                 batch_symbol, sequence_inputs)
+
+
+def sequence_dims(inputs: list[onnx.ValueInfoProto], batch_inputs: Mapping[str, int],
+                  batch_symbol: str | None) -> dict[str, int]:
+    """The sequence dim of each batch input that has one: the dim right after the batch
+    dim when it is symbolic (token ids `[batch, seq]`, a padding mask `[batch, seq]`),
+    the symbol of the first such input standing for all (a `[batch, seq]` mask and
+    `[batch, seq]` ids share it; an image's channels are static and have none). What
+    context parallelism splits."""
+    symbol = None
+    found: dict[str, int] = {}
+    for value in inputs:
+        dim = batch_inputs.get(value.name)
+        shape = _shape_dims(value)
+        if dim is None or len(shape) <= dim + 1:
+            continue
+        after = shape[dim + 1]
+        if after.HasField("dim_value") or not after.dim_param or after.dim_param == batch_symbol:
+            continue
+        symbol = symbol or after.dim_param
+        if after.dim_param == symbol:
+            found[value.name] = dim + 1
+    return found
 
 
 def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:

@@ -112,6 +112,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         warnings=[_merged_warning(tensor, parameters)
                   for tensor, parameters in recovered.merged.items() if tensor in tensors],
         routed=folded.routed, capacity_factor=capacity_factor,
+        sequence_inputs=bound.sequence_inputs,
     )
     return planning
 

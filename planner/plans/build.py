@@ -49,6 +49,7 @@ from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import choice_mesh, pipeline_config
 from planner.sharding.analysis import Analyses, GraphAnalysis
+from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import (
@@ -195,7 +196,9 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
-        optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units))
+        optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
+        cp=choice.cp, cp_kind=context_kind(analysis, decision.strategies)
+        if choice.cp > 1 else None)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp)
     sends = _sends(analysis, profile, stages, pricer.prices)

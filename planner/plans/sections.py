@@ -16,6 +16,7 @@ from planner.graph import DEFAULT_CAPACITY_FACTOR, RoutedSelection, SourceName, 
 from planner.kinds import (
     AttentionKernel,
     CollectiveKind,
+    ContextKind,
     Fusion,
     Phase,
     Precision,
@@ -80,9 +81,11 @@ class ParallelConfig:
 
     `sp` is 1 when the plan runs sequence parallelism (its activations between blocks are
     split along the sequence over tp: `planner.plans.sequence`), else 0, the meaning of the
-    `--parallel sp` pin. `cp` and `ep` are the context- and expert-parallel degrees:
-    nothing plans either yet, so every plan has 1 (`validate` refuses another value).
-    Files written before these keys read as 0, 1 and 1: no plan had them then."""
+    `--parallel sp` pin. `cp` is the context-parallel degree (the mesh's "cp" axis splits
+    the sequence; 1 when unused) and `cp_kind` how attention runs over it, ring or Ulysses
+    (`ContextKind`; written only where cp > 1). `ep` is the expert-parallel degree: nothing
+    plans it yet, so every plan has 1 (`validate` refuses another value). Files written
+    before these keys read as 0, 1 and 1: no plan had them then."""
 
     dp: int = 1
     tp: int = 1
@@ -94,18 +97,24 @@ class ParallelConfig:
     sp: int = 0
     cp: int = 1
     ep: int = 1
+    cp_kind: ContextKind | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
-                "micro_batches": self.micro_batches, "zero": self.zero,
-                "recompute": str(self.recompute), "optimizer": self.optimizer,
-                "sp": self.sp, "cp": self.cp, "ep": self.ep}
+        found: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+                                 "micro_batches": self.micro_batches, "zero": self.zero,
+                                 "recompute": str(self.recompute), "optimizer": self.optimizer,
+                                 "sp": self.sp, "cp": self.cp, "ep": self.ep}
+        if self.cp_kind is not None:
+            found["cp_kind"] = str(self.cp_kind)
+        return found
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ParallelConfig:
         known = _known(cls, data)
         if "recompute" in known:
             known["recompute"] = _enum(Recompute, known["recompute"], "parallel.recompute")
+        if "cp_kind" in known:
+            known["cp_kind"] = _enum(ContextKind, known["cp_kind"], "parallel.cp_kind")
         return cls(**known)
 
 

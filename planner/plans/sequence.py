@@ -14,7 +14,9 @@ sequence of a [batch, sequence, hidden] activation (the convention Megatron's sp
 `planner.search.megatron`, splits by). In the joint search's plans the data axis splits
 the batch alone, so the axis is the tensor axis; in an op-level plan over generic axes it
 is an axis `parallel.tp` counts. A plan without repeated layers has no activations between
-blocks and says 0. The builder writes `parallel.sp` from this function and `validate`
+blocks and says 0. The context-parallel axis ("cp") splits the sequence of every
+activation too; that is context parallelism (`parallel.cp`), not sp, so a split over it
+alone does not count. The builder writes `parallel.sp` from this function and `validate`
 checks a plan file against it, so the two cannot drift apart.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from planner.graph import FLOAT_DTYPES
+from planner.kinds import AxisRole
 from planner.plans.sections import OpEntry, TensorEntry, UnitEntry
 
 #: The sequence dim of a [batch, sequence, hidden] activation.
@@ -64,4 +67,5 @@ def _sequence_split(entry: TensorEntry | None) -> bool:
     """Whether `entry` is a [batch, sequence, hidden] float activation stored split along
     its sequence."""
     return (entry is not None and entry.kind == "activation" and len(entry.shape) == 3
-            and entry.dtype in FLOAT_DTYPES and bool(entry.layout.dims[SEQUENCE_DIM]))
+            and entry.dtype in FLOAT_DTYPES
+            and any(axis != AxisRole.CONTEXT for axis in entry.layout.dims[SEQUENCE_DIM]))

@@ -47,12 +47,17 @@ class Choice:
     #: Megatron's sequence parallelism over tp (`planner.search.megatron`): the joint
     #: search tries it beside the plain split when the layout is Megatron's
     sequence_parallel: bool = False
+    #: context parallelism: the sequence split over a "cp" axis between dp and tp
+    #: (`planner.sharding.batch.sequence_labels`); attention as a ring or Ulysses' head
+    #: re-partitioning, whichever the op-level solve finds faster
+    cp: int = 1
 
     def describe(self) -> str:
         sched = self.schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
         rep = f" rep={self.replicas}" if self.replicas > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp}{sp} mb={self.micro_batches} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"pp={self.pp} dp={self.dp}{cp} tp={self.tp}{sp} mb={self.micro_batches} "
                 f"zero={self.zero} {sched}{rep}")
 
 

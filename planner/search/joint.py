@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -39,7 +39,7 @@ from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
-from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, AxisRole, ContextKind, Recompute, Schedule
 from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import Choice, PipelineDecision
@@ -56,6 +56,7 @@ from planner.search.solve import Engine, solve
 from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
+from planner.sharding.context import context_allows, head_labels, whole_allowed
 from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
@@ -68,6 +69,13 @@ SCHEDULES_SEARCHED = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1
 # Interleaved chunks per device searched: 2 up to this, while every chunk
 # keeps at least one layer (Megatron-LM SC'21 ran up to 4; more adds sends, little bubble).
 MAX_INTERLEAVE_CHUNKS = 8
+#: Context parallelism is searched only while every rank keeps a block of at least this
+#: many tokens of each sequence (pinned cp is not bound by it). Below it a block's
+#: attention no longer dominates its layer and splitting the batch (dp, no K/V traffic)
+#: or the heads (tp) serves as well: Llama 3 (Dubey et al. 2024, Table 4) trained 8k-token
+#: sequences with cp=1 and 128k-token ones with cp=16, blocks of 8k tokens. It keeps the
+#: search of ordinary sequence lengths as it was (no cp configurations at all below 16k).
+MIN_CONTEXT_BLOCK = 8192
 
 
 @dataclass(frozen=True)
@@ -124,19 +132,22 @@ class JointResult:
         return tuple(found)
 
 
-def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1, replicas: int = 1) -> DeviceMesh:
-    """(pp, rep, dp, tp) with axes of size 1 dropped (at least one axis kept). pp stays
-    outermost, so a stage's ranks are one block of the mesh (the plan's pipeline section
-    says so); the replica axis comes next, so dp and tp keep the fastest links."""
+def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1, replicas: int = 1,
+               cp: int = 1) -> DeviceMesh:
+    """(pp, rep, dp, cp, tp) with axes of size 1 dropped (at least one axis kept). pp
+    stays outermost, so a stage's ranks are one block of the mesh (the plan's pipeline
+    section says so); the replica axis comes next, so dp, cp and tp keep the fastest
+    links; cp sits inside dp (its K/V traffic runs every layer, dp's once a step) and
+    outside tp (tp's all-reduces are the largest and most frequent)."""
     axes = {str(name): size for name, size in (
         (AxisRole.PIPELINE, pp), (AxisRole.REPLICA, replicas), (AxisRole.DATA, dp),
-        (AxisRole.TENSOR, tp)) if size > 1}
+        (AxisRole.CONTEXT, cp), (AxisRole.TENSOR, tp)) if size > 1}
     return DeviceMesh.build(axes or {str(AxisRole.DATA): 1}, per_node)
 
 
 def choice_mesh(choice: Choice, per_node: int) -> DeviceMesh:
     """The whole mesh a configuration runs on, its replicas included."""
-    return stage_mesh(choice.dp, choice.tp, per_node, choice.pp, choice.replicas)
+    return stage_mesh(choice.dp, choice.tp, per_node, choice.pp, choice.replicas, choice.cp)
 
 
 def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -146,6 +157,7 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
                               budget: MemoryBudget | None = None,
                               layout: str | None = None, sequence_parallel: bool = False,
                               micro_batches: int = 1,
+                              context_kind: ContextKind | None = None,
                               ) -> tuple[dict[str, OpStrategy], SolverRecord,
                                          tuple[float, float] | None]:
     """The fastest op-level plan on `mesh` where "dp" splits exactly the batch and "tp"
@@ -157,7 +169,9 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     `--parallel layout=megatron` pin) takes Megatron-LM's split instead of searching one
     (`planner.search.megatron`), with its sequence parallelism when `sequence_parallel`
     (`sp=1`); no budget can change it. `micro_batches`: how many the step runs, so the
-    op-level problem weighs per-step costs against per-micro-batch ones as the step does."""
+    op-level problem weighs per-step costs against per-micro-batch ones as the step does.
+    A "cp" axis splits exactly the sequence (`context_allows`; `context_kind` pins how
+    attention runs over it)."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
@@ -166,14 +180,20 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
                             tie_classes(analysis.graph, analysis.blocks), micro_batches)
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
+    context = AxisRole.CONTEXT in mesh.axis_names
+    heads = head_labels(analysis) if context else {}
     for index, group in enumerate(problem.groups):
         wanted = batch.get(group.ops[0], frozenset()) if dp > 1 else frozenset()
+        sequence = analysis.sequence_labels.get(group.ops[0], frozenset())
         keep = []
         for position, candidate in enumerate(group.candidates):
             assigned = dict(candidate.strategy.assignment)
             tp_on_batch = any(AxisRole.TENSOR in axes and label in batch.get(group.ops[0], ())
                               for label, axes in assigned.items())
-            if dp_splits_exactly(assigned, wanted) and not tp_on_batch:
+            if dp_splits_exactly(assigned, wanted) and not tp_on_batch and (
+                    not context or context_allows(
+                        assigned, sequence, heads.get(group.ops[0], frozenset()),
+                        context_kind, whole_allowed(analysis, group.ops[0]))):
                 keep.append(position)
         if keep:
             restrict_candidates(problem, index, keep)
@@ -230,8 +250,20 @@ def _micro_sizes(per_rank: int, granule: int = 1) -> list[int]:
     return sorted(s for s in sizes if s <= most) or [granule]
 
 
+def context_degrees(sequence: int | None, pins: Pins) -> list[int]:
+    """The context-parallel degrees searched: the pinned one, else 1 and every power of
+    two that leaves each rank a block of at least MIN_CONTEXT_BLOCK tokens of a sequence
+    of `sequence` tokens (None: the graph has no sequence input, so 1)."""
+    if pins.cp is not None:
+        return [pins.cp]
+    found = [c for c in (1 << k for k in range(1, 12))
+             if sequence and sequence % c == 0 and sequence // c >= MIN_CONTEXT_BLOCK]
+    return found if pins.cp_kind is not None else [1, *found]
+
+
 def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
-                      pins: Pins, granule: int = 1) -> list[Choice]:
+                      pins: Pins, granule: int = 1,
+                      context: Sequence[int] = (1,)) -> list[Choice]:
     """Every configuration the pins allow: tp a power of two inside a node, dp dividing the
     batch, pp up to the number of layers, at least pp micro-batches when pipelined; local
     micro-batches of `granule` rows or multiples of it. dp may leave devices over, which
@@ -239,7 +271,9 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
     traffic, and a small model can be faster on fewer of them. Such configurations cost
     little to consider: their lower bound (their compute over fewer devices) is higher,
     so the search prices them only when they could win. A replica axis takes one of the
-    mesh's MAX_MESH_AXES, so pp, dp and tp cannot all be above 1 beside it."""
+    mesh's MAX_MESH_AXES, so pp, dp and tp cannot all be above 1 beside it. `context`:
+    the context-parallel degrees (`context_degrees`), each an axis of its own between dp
+    and tp, within the same MAX_MESH_AXES."""
     choices = []
     tps = [t for t in (1 << k for k in range(12)) if t <= per_node and devices % t == 0]
     if pins.tp is not None:
@@ -248,19 +282,21 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
         if pp > max(1, layers) or (pins.pp is not None and pp != pins.pp):
             continue
         for tp in tps:
-            if devices % (pp * tp):
-                continue
-            rest = devices // (pp * tp)
-            for dp in [pins.dp] if pins.dp is not None else _divisors(rest):
-                replicas = rest // dp if rest % dp == 0 else 0
-                axes = sum(size > 1 for size in (pp, replicas, dp, tp))
-                if not replicas or batch % dp or (batch // dp) % granule \
-                        or axes > MAX_MESH_AXES:
+            for cp in context:
+                if devices % (pp * tp * cp):
                     continue
-                choices += _configurations(pp, dp, tp, replicas, batch // dp, layers,
-                                           pins, granule)
+                rest = devices // (pp * tp * cp)
+                for dp in [pins.dp] if pins.dp is not None else _divisors(rest):
+                    replicas = rest // dp if rest % dp == 0 else 0
+                    axes = sum(size > 1 for size in (pp, replicas, dp, cp, tp))
+                    if not replicas or batch % dp or (batch // dp) % granule \
+                            or axes > MAX_MESH_AXES:
+                        continue
+                    choices += [replace(c, cp=cp) for c in _configurations(
+                        pp, dp, tp, replicas, batch // dp, layers, pins, granule)]
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
-                                               c.schedule, c.replicas, c.sequence_parallel))
+                                               c.schedule, c.replicas, c.sequence_parallel,
+                                               c.cp))
 
 
 def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, layers: int,
@@ -335,6 +371,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.path}: --parallel pp={pins.pp}: the graph has {too_many} units (layers), "
             f"more than the stage search takes ({MAX_PIPELINE_UNITS}: its tables grow with "
             f"the square of the units); plan it with pp=1")
+    if pins.cp is not None and pins.cp > 1 and (not graph.sequence or graph.sequence % pins.cp):
+        what = (f"the sequence of {graph.sequence} tokens does not split into {pins.cp} equal "
+                "blocks; pin a cp that divides it" if graph.sequence else
+                "the model has no sequence input to split (a batch input whose next dim is "
+                "symbolic: [batch, seq] token ids); drop the cp pin")
+        raise ShardplanError(f"{graph.path}: --parallel cp={pins.cp}: {what}")
     skipped: dict[int, str] = {}
     bindable: dict[int, bool] = {}
 
@@ -352,7 +394,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
 
     granule = next(d for d in _divisors(graph.batch) if binds(d))
     choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
-                                            granule)
+                                            granule, context_degrees(graph.sequence, pins))
                if binds(graph.batch // (c.dp * c.micro_batches))
                and binds(graph.batch // c.micro_batches) and not (too_many and c.pp > 1)]
     modes = recompute_modes(pins)
@@ -364,20 +406,20 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
     Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
-    profiles: dict[tuple[int, int, bool, MemoryBudget | None], Layout] = {}
+    profiles: dict[tuple[int, int, bool, MemoryBudget | None, int], Layout] = {}
 
-    def layout_of(tp: int, local: int, sp: bool,
+    def layout_of(tp: int, cp: int, local: int, sp: bool,
                   budget: MemoryBudget | None = None) -> Layout:
         """The unit profile of the fastest layout (within `budget`, when given) at tp and
         the local micro-batch (Megatron's, with sequence parallelism when `sp`, under the
         layout pin), its units and its op-level memory; None: no layout fits."""
-        key = (tp, local, sp, budget)
+        key = (tp, local, sp, budget, cp)
         if key not in profiles:
             small = graphs.at(local)
-            mesh = stage_mesh(1, tp, per_node)
+            mesh = stage_mesh(1, tp, per_node, cp=cp)
             strategies, _, memory = model_parallel_strategies(
                 small, mesh, hardware, training, batch, time_limit, budget=budget,
-                layout=pins.layout, sequence_parallel=sp)
+                layout=pins.layout, sequence_parallel=sp, context_kind=pins.cp_kind)
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
@@ -385,9 +427,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 profiles[key] = (unit_profile(priced, small.units), small.units, memory)
         return profiles[key]
 
-    def profile_of(tp: int, local: int,
+    def profile_of(tp: int, cp: int, local: int,
                    sp: bool) -> tuple[UnitProfile, Units, tuple[float, float]]:
-        profile, units, memory = layout_of(tp, local, sp)
+        profile, units, memory = layout_of(tp, cp, local, sp)
         assert profile is not None and memory is not None  # unbudgeted: it raises instead
         return profile, units, memory
 
@@ -408,14 +450,15 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     def bound_of(choice: Choice, solve: bool) -> tuple[float, bool]:
         """The configuration's bound, and whether it is the layout's (exact) or the floor."""
         local = rows // (choice.dp * choice.micro_batches)
-        exact = solve or (choice.tp, local, choice.sequence_parallel, None) in profiles
+        exact = solve or (choice.tp, local, choice.sequence_parallel, None,
+                          choice.cp) in profiles
         if exact:
-            profile, _, _ = profile_of(choice.tp, local, choice.sequence_parallel)
+            profile, _, _ = profile_of(choice.tp, choice.cp, local, choice.sequence_parallel)
             work = float((profile.forward + profile.backward).sum())
         else:
             if local not in floors:
                 floors[local] = gemm_floor_s(graphs.at(local), hardware, training)
-            work = floors[local] / choice.tp
+            work = floors[local] / (choice.tp * choice.cp)
         bound = pipeline_time([work / choice.pp] * choice.pp, choice.micro_batches,
                               choice.schedule, choice.virtual_stages)
         return bound, exact
@@ -428,7 +471,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
-    with_dp: dict[tuple[int, int, bool, bool], UnitProfile] = {}
+    with_dp: dict[tuple[int, int, bool, bool, int], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
@@ -442,8 +485,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         sp = choice.sequence_parallel
-        profile, small_units, layout_memory = profile_of(choice.tp, local, sp)
-        key = (choice.tp, local, sp, choice.dp > 1)
+        profile, small_units, layout_memory = profile_of(choice.tp, choice.cp, local, sp)
+        key = (choice.tp, local, sp, choice.dp > 1, choice.cp)
         if key not in with_dp:
             with_dp[key] = profile.with_gradient_axes(
                 (str(AxisRole.DATA),) if choice.dp > 1 else ())
@@ -454,11 +497,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         tried += 1
         found = partitioner.solve(limit, modes)
         budget = None
-        if found is None and retries < MAX_MEMORY_AWARE and choice.tp > 1:
+        if found is None and retries < MAX_MEMORY_AWARE and choice.tp * choice.cp > 1:
             retries += 1
             found, budget = _memory_aware(choice, limit, modes, layout_memory,
                                           partitioner.solve(math.inf, [Recompute.FULL]),
-                                          partial(layout_of, choice.tp, local, sp),
+                                          partial(layout_of, choice.tp, choice.cp, local, sp),
                                           partitioner_of)
         if found is None:
             least = partitioner.solve(math.inf, [Recompute.FULL])
@@ -542,7 +585,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
                    tp_pinned: bool, record: SolverRecord,
                    budget: MemoryBudget | None = None,
-                   layout: str | None = None) -> PipelineDecision | None:
+                   layout: str | None = None,
+                   context_kind: ContextKind | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
     under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
@@ -562,7 +606,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     per_node = int(hardware.devices_per_node.value)
     micro_size = graph.batch // choice.micro_batches
     micro = graphs.at(micro_size)
-    inner = stage_mesh(choice.dp, choice.tp, per_node)
+    inner = stage_mesh(choice.dp, choice.tp, per_node, cp=choice.cp)
     mesh = choice_mesh(choice, per_node)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     best: tuple[dict[str, OpStrategy], Partition] | None = None
@@ -571,7 +615,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
         strategies, _, memory = model_parallel_strategies(
             micro, inner, hardware, training, micro.batch_labels, time_limit, budget=budget,
             layout=layout, sequence_parallel=choice.sequence_parallel,
-            micro_batches=weighed)
+            micro_batches=weighed, context_kind=context_kind)
         if memory is None or strategies in seen:
             continue
         seen.append(strategies)
@@ -611,7 +655,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout)
+                                  pins.layout, pins.cp_kind)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

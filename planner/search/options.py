@@ -7,14 +7,14 @@ from dataclasses import dataclass, field, fields, replace
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
-from planner.kinds import RECOMPUTE_MODES, UNPLANNED_DEGREES, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, UNPLANNED_DEGREES, ContextKind, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "layout", "sp", "cp", "ep")
+                 "layout", "sp", "cp", "cp_kind", "ep")
 #: Schedules of several stages only (one stage has no bubble to fill).
 PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-              "layout", "sp")  # joint only
+              "layout", "sp", "cp_kind")  # joint only (and cp above 1)
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
 #: instead of the fastest layout the op-level search finds.
 LAYOUTS = ("megatron",)
@@ -48,7 +48,9 @@ class Pins:
     vpp: int | None = None  # interleaved model chunks per device
     layout: str | None = None  # "megatron": Megatron-LM's tensor-parallel split (LAYOUTS)
     sp: int | None = None  # 1: Megatron's sequence parallelism (implies layout=megatron)
-    cp: int | None = None  # context parallel degree: only 1 (UNPLANNED_DEGREES)
+    cp: int | None = None  # context parallel degree (an axis "cp" between dp and tp)
+    #: how attention runs over cp (ring or ulysses); None: the faster, per configuration
+    cp_kind: ContextKind | None = None
     ep: int | None = None  # expert parallel degree: only 1 (UNPLANNED_DEGREES)
 
     def given(self) -> dict[str, int | str]:
@@ -60,7 +62,8 @@ class Pins:
     def joint_only(self) -> tuple[str, ...]:
         """The pinned choices only the joint search makes (pipeline, micro-batches, ZeRO,
         recompute, schedule)."""
-        return tuple(key for key in JOINT_KEYS if getattr(self, key) is not None)
+        found = tuple(key for key in JOINT_KEYS if getattr(self, key) is not None)
+        return (*found, "cp") if self.cp not in (None, 1) else found
 
     @property
     def admits_op_level(self) -> bool:
@@ -70,7 +73,8 @@ class Pins:
         return (self.pp in (None, 1) and self.micro_batches in (None, 1)
                 and self.zero in (None, 0) and self.recompute in (None, Recompute.NONE)
                 and self.schedule in (None, Schedule.ONE_F_ONE_B) and self.vpp is None
-                and self.layout is None and self.sp in (None, 0))
+                and self.layout is None and self.sp in (None, 0) and self.cp in (None, 1)
+                and self.cp_kind is None)
 
     def admit(self, dp: int, tp: int, layout: str | None = None) -> bool:
         """Whether an op-level plan of these degrees (with Megatron's layout when `layout`
@@ -103,9 +107,9 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
     pins: dict[str, int | str] = {}
     for key, value in parallel.items():
-        if key in ("recompute", "schedule", "layout"):
+        if key in ("recompute", "schedule", "layout", "cp_kind"):
             allowed = {"recompute": [str(m) for m in RECOMPUTE_MODES], "schedule": SCHEDULES,
-                       "layout": list(LAYOUTS)}[key]
+                       "layout": list(LAYOUTS), "cp_kind": [str(k) for k in ContextKind]}[key]
             if value not in allowed:
                 raise ShardplanError(f"--parallel {key}={value}: choose one of "
                                      f"{', '.join(allowed)}")
@@ -133,6 +137,11 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         typed["recompute"] = Recompute(str(pins["recompute"]))
     if "schedule" in pins:
         typed["schedule"] = Schedule(str(pins["schedule"]))
+    if "cp_kind" in pins:
+        typed["cp_kind"] = ContextKind(str(pins["cp_kind"]))
+        if pins.get("cp") == 1:
+            raise ShardplanError(f"--parallel cp_kind={pins['cp_kind']}: a kind of context "
+                                 "parallelism needs cp of 2 or more, not cp=1")
     if pins.get("sp") == 1:
         typed.setdefault("layout", "megatron")
     if pins.get("pp") == 1 and typed.get("schedule") in PIPELINED_ONLY:

@@ -270,7 +270,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if name and layout is not None:
-            largest += tensors[name].nbytes * fraction_of_layout(layout, mesh)
+            largest += kernels.written_bytes(
+                name, tensors[name].nbytes * fraction_of_layout(layout, mesh))
     saved = 0.0 if options.inference else saved_bytes(node, kernels, tensors,
                                                        candidate.outputs, mesh)
     return seconds, owned, saved, largest

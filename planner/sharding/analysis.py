@@ -21,7 +21,7 @@ from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, find_blocks, find_units
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
-from planner.sharding.batch import data_parallel_strategies
+from planner.sharding.batch import data_parallel_strategies, sequence_labels
 from planner.sharding.mesh import DeviceMesh
 
 _REGIONS = "recompute regions"  # memo keys
@@ -39,6 +39,9 @@ class GraphAnalysis:
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
     constant_ops: frozenset[str]  # ops computed from constants and buffers alone
+    #: op -> the labels carrying the sequence (`planner.sharding.batch.sequence_labels`):
+    #: what the context-parallel axis may split
+    sequence_labels: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # Derivations of choices on this graph, kept by `planner.cost.oplevel.priced_choice` so
     # that the search and the plan builder derive and price each choice once.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -83,6 +86,7 @@ class GraphAnalysis:
             blocks=blocks, units=find_units(graph, blocks),
             batch_labels=_batch_labels(graph, labels),
             constant_ops=constant_ops_of(graph),
+            sequence_labels=sequence_labels(graph, labels),
         )
 
 

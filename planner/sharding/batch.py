@@ -1,4 +1,5 @@
-"""Which label of each op carries the batch: the batch split followed through the graph.
+"""Which label of each op carries the batch (or the sequence): a split of some input dims
+followed through the graph.
 
 The batch dim of each graph input is split over one mesh axis; each op then splits
 whichever of its labels carries an already-split input dim, so the split follows the
@@ -6,14 +7,21 @@ batch through reshapes and transposes. An op that cannot keep it (a rule says th
 must stay whole, or no rule exists) runs replicated and its inputs are gathered. This one
 trace is the data-parallel baseline, the meaning of a pinned dp axis, and (at the whole
 batch) the graph analysis's batch labels.
+
+The same trace from the sequence dims of the sequence inputs (`PlanningGraph.
+sequence_inputs`) gives the labels that carry the sequence (`sequence_labels`): what the
+context-parallel axis may split. There an op can carry the sequence in several labels at
+once (q kᵀ has the queries' and the keys' positions): every label that carries a split
+input dim and can be split alone is one, and each is followed to the outputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from collections.abc import Set as AbstractSet
 
 from planner.errors import StrategyError
-from planner.graph import PlanningGraph
+from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AxisRole
 from planner.ops import DimLabels
 from planner.sharding.mesh import DeviceMesh
@@ -35,9 +43,9 @@ def data_parallel_strategies(
             f"{graph.path}: batch {graph.batch} cannot be split into {degree} equal parts "
             f"for data parallelism; use a batch that is a multiple of {degree}"
         )
-    split_dim: dict[str, int] = {}
+    split_dim: dict[str, set[int]] = {}
     if degree > 1:
-        split_dim = {name: dim for name, dim in graph.batch_inputs.items()
+        split_dim = {name: {dim} for name, dim in graph.batch_inputs.items()
                      if graph.tensors[name].shape[dim] % degree == 0}
     strategies: dict[str, OpStrategy] = {}
     for node in graph.ops:
@@ -45,12 +53,7 @@ def data_parallel_strategies(
         if op_labels is None:
             strategies[node.name] = REPLICATED
             continue
-        weight: dict[str, int] = {}
-        for index, name in enumerate(node.inputs):
-            names = op_labels.inputs[index] if index < len(op_labels.inputs) else None
-            if name in split_dim and names is not None:
-                label = names[split_dim[name]]
-                weight[label] = weight.get(label, 0) + graph.tensors[name].nbytes
+        weight = _carried(graph, node, op_labels, split_dim)
         chosen = REPLICATED
         for label in sorted(weight, key=lambda k: (-weight[k], k)):
             candidate = OpStrategy.of({label: (axis,)})
@@ -60,11 +63,56 @@ def data_parallel_strategies(
         strategies[node.name] = chosen
         if chosen is REPLICATED:
             continue
-        label = chosen.assignment[0][0]
-        for name, names in zip(node.outputs, op_labels.outputs, strict=True):
-            if name and names is not None and label in names:
-                split_dim[name] = names.index(label)
+        _follow(node, op_labels, {chosen.assignment[0][0]}, split_dim)
     return strategies
+
+
+def _carried(graph: PlanningGraph, node: OpNode, op_labels: DimLabels,
+             carried: Mapping[str, set[int]]) -> dict[str, int]:
+    """The labels of `node` that label a carried dim of one of its inputs, each with the
+    bytes of the inputs it carries (the step of the trace both splits share)."""
+    weight: dict[str, int] = {}
+    for index, name in enumerate(node.inputs):
+        names = op_labels.inputs[index] if index < len(op_labels.inputs) else None
+        if name in carried and names is not None:
+            for dim in carried[name]:
+                weight[names[dim]] = weight.get(names[dim], 0) + graph.tensors[name].nbytes
+    return weight
+
+
+def _follow(node: OpNode, op_labels: DimLabels, kept: AbstractSet[str],
+            carried: dict[str, set[int]]) -> None:
+    """Mark the dims of `node`'s outputs labelled by a `kept` label as carried."""
+    for name, names in zip(node.outputs, op_labels.outputs, strict=True):
+        if name and names is not None:
+            dims = {k for k, label in enumerate(names) if label in kept}
+            if dims:
+                carried[name] = dims
+
+
+def sequence_labels(graph: PlanningGraph,
+                    labels: Mapping[str, DimLabels | None]) -> dict[str, frozenset[str]]:
+    """Per op, the labels that carry the whole sequence: the sequence dims of the sequence
+    inputs followed through the graph (every label of an op that reads a carried dim and
+    may be split over an axis of the sequence's length, as the batch trace does)."""
+    length = graph.sequence
+    if length is None:
+        return {}
+    mesh = DeviceMesh.build({AxisRole.CONTEXT: length}, 1)
+    carried: dict[str, set[int]] = {name: {dim} for name, dim in graph.sequence_inputs.items()}
+    found: dict[str, frozenset[str]] = {}
+    for node in graph.ops:
+        op_labels = labels.get(node.name)
+        if op_labels is None:
+            continue
+        kept = frozenset(label for label in _carried(graph, node, op_labels, carried) if is_valid(
+            node, op_labels, OpStrategy.of({label: (str(AxisRole.CONTEXT),)}),
+            graph.tensors, mesh))
+        if not kept:
+            continue
+        found[node.name] = kept
+        _follow(node, op_labels, kept, carried)
+    return found
 
 
 def dp_splits_exactly(assigned: Mapping[str, tuple[str, ...]], batch: Collection[str],
