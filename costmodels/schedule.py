@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from costmodels.orders import (
     SPLIT_BACKWARD,
+    Pass,
     chunk_device,
     chunks_per_device,
     device_chunks,
@@ -194,9 +195,9 @@ def _passes(schedule: str, p: int, v: int, micro_batches: int) -> _Passes:
                          f"multiple of {p} stages")
     last = p * v - 1
     slot_of = {c: k for d in range(p) for k, c in enumerate(device_chunks(schedule, p, v, d))}
-    listed = [(d, tuple(step)) for d in range(p)
-              for step in schedule_order(schedule, p, micro_batches, d, v)]
-    position = {step: i for i, (_, step) in enumerate(listed)}
+    listed: list[tuple[int, Pass]] = [
+        (d, step) for d in range(p) for step in schedule_order(schedule, p, micro_batches, d, v)]
+    position: dict[tuple[str, int, int], int] = {step: i for i, (_, step) in enumerate(listed)}
     waits: list[list[int]] = []
     for i, (d, (kind, micro, chunk)) in enumerate(listed):
         inputs = ([("F", micro, chunk - 1)] if chunk else []) if kind == "F" else \

@@ -161,12 +161,11 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, 
     over "cp" (all-gathers into its ops in the forward pass, the reduce-scatters of their
     gradients in the backward), the share of their time that shows and the share of the
     gathered buffer a rank holds at once (two blocks: the one it computes with and the
-    one arriving), per (core op, phase). The core's
-    compute on this device hides them step by step
-    (`costmodels.communication.ring_overlap_exposed_s`); a core split by heads (Ulysses)
-    gathers nothing over "cp" and pays its all-to-alls whole. A causal core is priced as
-    the balanced split (each rank two mirrored blocks, "zig-zag": every ring step the same
-    work), which is what its compute share already is."""
+    one arriving), per (core op, phase). The core's compute on this device hides them
+    step by step (`costmodels.communication.ring_overlap_exposed_s`); a core split by
+    heads (Ulysses) gathers nothing over "cp" and pays its all-to-alls whole. A causal
+    core is priced as the balanced split (each rank two mirrored blocks, "zig-zag":
+    every ring step the same work), which is what its compute share already is."""
     sharded = priced.sharded
     mesh = sharded.mesh
     if AxisRole.CONTEXT not in mesh.axis_names:

@@ -62,8 +62,6 @@ def head_labels(analysis: GraphAnalysis) -> dict[str, frozenset[str]]:
     return found
 
 
-
-
 def whole_allowed(analysis: GraphAnalysis, op: str) -> bool:
     """Whether an op carrying the sequence may run whole on every context rank: any op but
     a GEMM (the work context parallelism is there to split)."""
