@@ -39,6 +39,7 @@ the W (torch's `stage_backward_input` retains it, as the executor would).
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 from collections.abc import Sequence
@@ -165,24 +166,33 @@ def timeline(schedule: str, chunks: ChunkTimes,
     graph = _passes(str(schedule), len(times), len(times[0]), micro_batches)
     finish = _finish(graph, times, split)
     lengths = _lengths(times, split)
-    return [(device, step, finish[i] - lengths[graph.rows[i][0]], finish[i])
-            for i, (device, step) in enumerate(graph.steps)]
+    orders = [schedule_order(schedule, len(times), micro_batches, d, len(times[0]))
+              for d in range(len(times))]
+    return [(device, tuple(orders[device][at]), finish[i] - lengths[length], finish[i])
+            for i, (device, at, length) in enumerate(zip(graph.devices, graph.at,
+                                                         graph.length, strict=True))]
 
 
 class _Passes(NamedTuple):
-    """A schedule's passes in an order where every pass comes after what it waits for:
-    `steps[i]` = (device, pass); `rows[i]` = (its length's index into `_lengths`, and the
-    positions of the passes it waits for: the device's previous pass and its inputs,
-    `len(steps)` where there is none)."""
+    """A schedule's passes in an order where every pass comes after what it waits for,
+    as flat int arrays (a step of 768 micro-batches through 32 stages has 70,000 passes,
+    and the stage search keeps a few hundred such steps): pass i ran on device
+    `devices[i]` as `order[devices[i]][at[i]]`; its length is `_lengths(...)[length[i]]`;
+    it waits for the passes at `first[i]`, `second[i]`, `third[i]` (its device's
+    previous pass and its inputs; `len(at)` where there is none)."""
 
-    steps: tuple[tuple[int, tuple[str, int, int]], ...]
-    rows: tuple[tuple[int, int, int, int], ...]
+    devices: array.array
+    at: array.array
+    length: array.array
+    first: array.array
+    second: array.array
+    third: array.array
 
 
 _KIND_INDEX = {"F": 0, "B": 1, "W": 2}
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _passes(schedule: str, p: int, v: int, micro_batches: int) -> _Passes:
     """The dependency graph of one schedule's step, sorted once (Kahn's algorithm) so
     that each pricing is one pass over it: the stage search prices thousands of chunk
@@ -226,12 +236,17 @@ def _passes(schedule: str, p: int, v: int, micro_batches: int) -> _Passes:
         raise ValueError(f"pipeline schedule {schedule} cannot proceed")
     sorted_at = {i: k for k, i in enumerate(order)}
     none = len(order)
-    rows = []
+    starts = [0] * p  # each device's first index in `listed`
+    for i in range(len(listed) - 1, -1, -1):
+        starts[listed[i][0]] = i
+    columns: list[list[int]] = [[], [], [], [], [], []]
     for i in order:
         d, (kind, _, chunk) = listed[i]
-        at = [sorted_at[j] for j in waits[i]] + [none] * (3 - len(waits[i]))
-        rows.append(((d * v + slot_of[chunk]) * 3 + _KIND_INDEX[kind], at[0], at[1], at[2]))
-    return _Passes(tuple(listed[i] for i in order), tuple(rows))
+        waited = [sorted_at[j] for j in waits[i]] + [none] * (3 - len(waits[i]))
+        for column, value in zip(columns, (d, i - starts[d], (d * v + slot_of[chunk]) * 3
+                                           + _KIND_INDEX[kind], *waited), strict=True):
+            column.append(value)
+    return _Passes(*(array.array("i", column) for column in columns))
 
 
 def _lengths(times: Triples, split: bool) -> list[float]:
@@ -250,8 +265,9 @@ def _finish(graph: _Passes, times: Triples, split: bool) -> list[float]:
     if any(len(device) != len(times[0]) for device in times):
         raise ValueError("pipeline schedule: every device needs the same number of chunks")
     lengths = _lengths(times, split)
-    finish = [0.0] * (len(graph.rows) + 1)
-    for i, (length, a, b, c) in enumerate(graph.rows):
+    finish = [0.0] * (len(graph.at) + 1)
+    for i, (length, a, b, c) in enumerate(zip(graph.length, graph.first, graph.second,
+                                              graph.third, strict=True)):
         finish[i] = lengths[length] + max(finish[a], finish[b], finish[c])
     return finish
 
