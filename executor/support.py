@@ -12,7 +12,6 @@ from __future__ import annotations
 from executor.ops import TORCH_OPS
 from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import UNPLANNED_DEGREES
 from planner.ops import SHARDPLAN_DOMAIN, record_for
 from planner.plans.sections import ParallelConfig
 
@@ -60,21 +59,19 @@ def check_supported(graph: PlanningGraph) -> None:
                          f"torch implementation{also}; {_ADVICE}")
 
 
-def check_degrees(parallel: ParallelConfig, context: bool = True) -> None:
-    """Refuse, by the plan file's key, a degree the executor cannot run: ep above 1
-    (nothing plans it yet, so only a hand-made plan has one), and cp above 1 where the
-    runner does not run context parallelism (`context` False: the module executor). The
-    ONNX-graph executor runs a context-parallel plan as it runs any layout: the ring's K/V
-    all-gathers and their reduce-scatters, or Ulysses' all-to-alls, are the plan's
-    collectives (`tests/test_context_parallel.py` checks a run on two ranks against one).
-    Sequence parallelism needs no check: it is in the plan's layouts, which the executor
-    runs as they are."""
-    for key, what in UNPLANNED_DEGREES.items():
+def check_degrees(parallel: ParallelConfig, graph: bool = True) -> None:
+    """Refuse, by the plan file's key, a degree the runner cannot run: cp or ep above 1
+    for the module executor (`graph` False). The ONNX-graph executor runs context- and
+    expert-parallel plans as it runs any layout: the ring's K/V all-gathers and their
+    reduce-scatters, Ulysses' all-to-alls, the experts' dispatch and combine all-to-alls
+    are the plan's collectives (`tests/test_context_parallel.py` and
+    `tests/test_expert_parallel.py` check runs on two ranks against one). Sequence
+    parallelism needs no check: it is in the plan's layouts, which the executor runs as
+    they are."""
+    if graph:
+        return
+    for key, what in (("cp", "context"), ("ep", "expert")):
         if getattr(parallel, key) != 1:
-            raise ShardplanError(f"parallel.{key} is {getattr(parallel, key)}: the executor "
-                                 f"does not run {what} (and nothing plans it yet); re-plan "
-                                 "with shardplan plan")
-    if not context and parallel.cp != 1:
-        raise ShardplanError(f"parallel.cp is {parallel.cp}: the module executor (--module) "
-                             "does not run context parallelism yet; re-plan with --parallel "
-                             "cp=1")
+            raise ShardplanError(f"parallel.{key} is {getattr(parallel, key)}: the module "
+                                 f"executor (--module) does not run {what} parallelism yet; "
+                                 f"re-plan with --parallel {key}=1")

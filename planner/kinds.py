@@ -92,6 +92,10 @@ class AxisRole(StrEnum):
     #: of the sequence inputs); attention reads K and V over it as a ring or re-partitions
     #: heads (`ContextKind`)
     CONTEXT = "cp"
+    #: expert parallelism: splits the batch with dp outside expert layers and the stacked
+    #: experts inside them, tokens moved between the two by all-to-alls
+    #: (`planner.sharding.experts`)
+    EXPERT = "ep"
 
 
 class ContextKind(StrEnum):
@@ -135,10 +139,3 @@ class Fusion(StrEnum):
 
     ELEMENTWISE = "elementwise"
     NONE = "none"
-
-
-#: Degrees the plan file names (`parallel.ep`) but nothing plans yet: a pin of 1 says what
-#: every plan does; any other value is refused by name by the pins, `validate` and the
-#: executor. (Context parallelism, `parallel.cp`, is planned: the executor alone refuses
-#: it, `executor.support.check_degrees`.)
-UNPLANNED_DEGREES = {"ep": "expert parallelism"}

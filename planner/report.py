@@ -49,7 +49,8 @@ def summary(plan: Plan) -> str:
         f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
         f"mesh       {mesh}",
         f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
-        + (f"cp={parallel.cp} {parallel.cp_kind} " if parallel.cp > 1 else "") +
+        + (f"cp={parallel.cp} {parallel.cp_kind} " if parallel.cp > 1 else "")
+        + (f"ep={parallel.ep} " if parallel.ep > 1 else "") +
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",
         *_kernels(plan),
@@ -90,7 +91,8 @@ def summary(plan: Plan) -> str:
                 par = alt.brief.parallel
                 axes = ",".join(f"{a}={n}" for a, n in zip(alt.axes, alt.mesh, strict=True))
                 shape = (f"mesh {axes}: dp={par.dp} "
-                         + (f"cp={par.cp} " if par.cp > 1 else "") + f"tp={par.tp} pp={par.pp} "
+                         + (f"cp={par.cp} " if par.cp > 1 else "")
+                         + (f"ep={par.ep} " if par.ep > 1 else "") + f"tp={par.tp} pp={par.pp} "
                          f"mb={par.micro_batches} zero={par.zero} "
                          f"recompute={par.recompute}")
                 if alt.brief.schedule and par.pp > 1:

@@ -31,7 +31,7 @@ from typing import Any
 from costmodels.orders import chunks_per_device, misplaced
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
-from planner.kinds import UNPLANNED_DEGREES, AxisRole, CollectiveKind, Phase, StepKind
+from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection
@@ -113,7 +113,8 @@ def _parallel(plan: Plan, report: Report) -> None:
     """The parallel section states the mesh's degrees: pp the pipeline axis, dp and tp
     (and pp) groups of its devices; a pipeline plan's dp is its data axis and its tp its
     tensor axis or 1 (nothing split over it); sp what its layouts do; cp the mesh's
-    context axis (1 without one), with its kind exactly when above 1; ep 1."""
+    context axis (1 without one), with its kind exactly when above 1; ep the mesh's expert
+    axis (1 without one)."""
     parallel, mesh = plan.parallel, plan.mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     axes = ", ".join(f"{a}={n}" for a, n in sizes.items())
@@ -121,16 +122,18 @@ def _parallel(plan: Plan, report: Report) -> None:
     if parallel.pp != pp:
         report.add(f"parallel.pp is {parallel.pp} but the mesh ({axes}) has {pp} pipeline "
                    "stages")
-    cp = sizes.get(str(AxisRole.CONTEXT), 1)
-    if parallel.cp != cp:
-        report.add(f"parallel.cp is {parallel.cp} but the mesh ({axes}) has cp={cp}")
+    for role, given in ((AxisRole.CONTEXT, parallel.cp), (AxisRole.EXPERT, parallel.ep)):
+        size = sizes.get(str(role), 1)
+        if given != size:
+            report.add(f"parallel.{role} is {given} but the mesh ({axes}) has {role}={size}")
     if (parallel.cp_kind is not None) != (parallel.cp > 1):
         report.add(f"parallel.cp_kind is {parallel.cp_kind or 'absent'} with cp="
                    f"{parallel.cp}: a plan names how attention runs over cp (ring or "
                    "ulysses) exactly when cp is above 1")
-    degrees = parallel.dp * parallel.tp * parallel.pp * parallel.cp
+    degrees = parallel.dp * parallel.tp * parallel.pp * parallel.cp * parallel.ep
     if degrees < 1 or mesh.size % degrees:
-        cp_part = f" cp={parallel.cp}" if parallel.cp != 1 else ""
+        cp_part = "".join(f" {key}={getattr(parallel, key)}" for key in ("ep", "cp")
+                          if getattr(parallel, key) != 1)
         report.add(f"parallel dp={parallel.dp}{cp_part} tp={parallel.tp} pp={parallel.pp} is "
                    f"{degrees} devices, not a grouping of the mesh's {mesh.size} ({axes}; "
                    f"cluster.devices {plan.cluster.devices})")
@@ -141,10 +144,6 @@ def _parallel(plan: Plan, report: Report) -> None:
         if parallel.tp not in (1, tp):
             report.add(f"parallel.tp is {parallel.tp} but the mesh ({axes}) has tp={tp}")
     _sequence(plan, report)
-    for key, what in UNPLANNED_DEGREES.items():
-        if getattr(parallel, key) != 1:
-            report.add(f"parallel.{key} is {getattr(parallel, key)}: {what} is not planned "
-                       f"yet, so no plan runs it; shardplan writes {key}=1")
 
 
 def _sequence(plan: Plan, report: Report) -> None:

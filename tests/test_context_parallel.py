@@ -111,10 +111,10 @@ def test_two_ranks_match_one_process(tiny: Path, plans: dict[str, Plan], kind: s
 def test_the_module_executor_refuses_cp_by_name() -> None:
     check_degrees(ParallelConfig(cp=2, cp_kind=ContextKind.RING))  # the graph executor runs it
     with pytest.raises(ShardplanError, match=r"parallel.cp is 2: .*--parallel cp=1"):
-        check_degrees(ParallelConfig(cp=2, cp_kind=ContextKind.RING), context=False)
+        check_degrees(ParallelConfig(cp=2, cp_kind=ContextKind.RING), graph=False)
 
 
-def test_pins() -> None:
+def test_pins(tiny: Path) -> None:
     assert check_pins({"cp": 4, "cp_kind": "ulysses"}) == Pins(cp=4,
                                                                cp_kind=ContextKind.ULYSSES)
     assert check_pins({"cp": 4}).joint_only == ("cp",)
@@ -123,8 +123,10 @@ def test_pins() -> None:
         check_pins({"cp": 1, "cp_kind": "ring"})
     with pytest.raises(ShardplanError, match=r"cp_kind=zig: choose one of ring, ulysses"):
         check_pins({"cp_kind": "zig"})
-    with pytest.raises(ShardplanError, match="ep=2"):
-        check_pins({"ep": 2})
+    with pytest.raises(ShardplanError, match=r"ep=2 cp=2: expert and context parallelism "
+                                             "are not planned together"):
+        joint_search(Analyses(GraphAnalysis.of(load_graph(tiny, batch=4, dims={"seq": SEQ}))),
+                     load_profile("cpu"), 4, TrainingOptions(), Pins(ep=2, cp=2))
 
 
 def test_a_cp_pin_the_sequence_cannot_take_is_refused(tiny: Path) -> None:

@@ -3,7 +3,7 @@
 Under `layout=megatron` the joint search prices each tensor-parallel configuration with and
 without Megatron's sequence parallelism and keeps the faster that fits; the plan's
 `parallel.sp` says which it runs (read off its layouts), the plan file carries it, validate
-holds it to the layouts, and cp/ep (nothing plans them) are 1 everywhere.
+holds it to the layouts, and cp/ep are 1 where nothing splits the sequence or the experts.
 """
 
 from __future__ import annotations
@@ -140,16 +140,14 @@ def test_explain_and_the_exports_read_the_plan(saved: Path, tmp_path: Path,
                      "-o", str(tmp_path / f"{form}.json")]) == 0
 
 
-@pytest.mark.parametrize("key", ["ep"])
-def test_cp_and_ep_pins_take_one_only(gpt: Path, key: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """ep is not planned yet (cp is: tests/test_context_parallel.py)."""
-    assert check_pins({key: 1}).given() == {key: 1}  # 1: what every plan has
+def test_an_ep_pin_needs_experts(gpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dense model has no experts to split (tests/test_expert_parallel.py plans them)."""
+    assert check_pins({"ep": 1}).given() == {"ep": 1}  # 1: what a dense plan has
     code = main(["plan", str(gpt), "--devices", "4", "--batch", "8", "--dim", "seq=128",
-                 "--parallel", f"tp=2,{key}=2"])
+                 "--parallel", "tp=2,ep=2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
-    assert f"--parallel {key}=2" in err and "not planned yet" in err
+    assert "--parallel ep=2: the model has no experts to split" in err
 
 
 @pytest.mark.slow

@@ -267,7 +267,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     # any rank starts (the module's export is not at hand: its ops and layouts are
     # checked as the ranks build); context parallelism this runner does not run, by name.
     refuse_invalid(plan, None, "")
-    check_degrees(plan.parallel, context=False)
+    check_degrees(plan.parallel, graph=False)
     if plan.pipeline is not None:
         check_runnable(plan.pipeline.schedule)  # a zero-bubble schedule, by name
     saving = checkpoints or Checkpoints()

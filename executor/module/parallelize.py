@@ -448,7 +448,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if not dist.is_initialized():
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
-    check_degrees(plan.parallel, context=False)
+    check_degrees(plan.parallel, graph=False)
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")

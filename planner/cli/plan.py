@@ -61,7 +61,9 @@ def add_parser(verbs: Verbs) -> None:
                            "micro_batches, zero (0-3), recompute (none|selective|full), "
                            "schedule (1f1b|gpipe|interleaved), vpp (interleaved model "
                            "chunks per device, >= 2), cp (context parallelism: the "
-                           "sequence split), cp_kind (ring|ulysses)")
+                           "sequence split), cp_kind (ring|ulysses), ep (expert "
+                           "parallelism: the stacked experts split, tokens moved by "
+                           "all-to-all)")
     plan.add_argument("--mesh", type=mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
     plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
                       help="largest number of mesh axes searched")

@@ -69,8 +69,7 @@ def _header(ex: Explanation) -> list[str]:
 
 def _degrees_beyond(parallel: dict[str, Any]) -> str:
     """sp always (Megatron's sequence parallelism, 0 or 1), cp where not 1 with how
-    attention runs over it (cp=4 ring), ep where not 1 (nothing plans it yet: only a
-    hand-made file has another value, which validate refuses)."""
+    attention runs over it (cp=4 ring), ep where not 1 (the experts split over it)."""
     extra = [f"sp={parallel.get('sp', 0)}"]
     if parallel.get("cp", 1) != 1:
         kind = parallel.get("cp_kind")

@@ -197,7 +197,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
         optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
-        cp=choice.cp, cp_kind=context_kind(analysis, decision.strategies)
+        cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp)

@@ -83,8 +83,9 @@ class ParallelConfig:
     split along the sequence over tp: `planner.plans.sequence`), else 0, the meaning of the
     `--parallel sp` pin. `cp` is the context-parallel degree (the mesh's "cp" axis splits
     the sequence; 1 when unused) and `cp_kind` how attention runs over it, ring or Ulysses
-    (`ContextKind`; written only where cp > 1). `ep` is the expert-parallel degree: nothing
-    plans it yet, so every plan has 1 (`validate` refuses another value). Files written
+    (`ContextKind`; written only where cp > 1). `ep` is the expert-parallel degree (the mesh's
+    "ep" axis splits the batch with dp outside expert layers and the stacked experts
+    inside them, `planner.sharding.experts`; 1 when unused). Files written
     before these keys read as 0, 1 and 1: no plan had them then."""
 
     dp: int = 1

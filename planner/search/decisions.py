@@ -51,12 +51,16 @@ class Choice:
     #: (`planner.sharding.batch.sequence_labels`); attention as a ring or Ulysses' head
     #: re-partitioning, whichever the op-level solve finds faster
     cp: int = 1
+    #: expert parallelism: an "ep" axis inside dp splitting the batch with it outside expert
+    #: layers and the stacked experts inside them (`planner.sharding.experts`)
+    ep: int = 1
 
     def describe(self) -> str:
         sched = self.schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
         rep = f" rep={self.replicas}" if self.replicas > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" ep={self.ep}" if self.ep > 1 else ""
+        cp += f" cp={self.cp}" if self.cp > 1 else ""
         return (f"pp={self.pp} dp={self.dp}{cp} tp={self.tp}{sp} mb={self.micro_batches} "
                 f"zero={self.zero} {sched}{rep}")
 

@@ -57,6 +57,7 @@ from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
 from planner.sharding.context import context_allows, head_labels, whole_allowed
+from planner.sharding.experts import Experts, expert_allows
 from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
 from planner.sharding.strategy import OpStrategy
 
@@ -133,21 +134,24 @@ class JointResult:
 
 
 def stage_mesh(dp: int, tp: int, per_node: int, pp: int = 1, replicas: int = 1,
-               cp: int = 1) -> DeviceMesh:
-    """(pp, rep, dp, cp, tp) with axes of size 1 dropped (at least one axis kept). pp
+               cp: int = 1, ep: int = 1) -> DeviceMesh:
+    """(pp, rep, dp, ep, cp, tp) with axes of size 1 dropped (at least one axis kept). pp
     stays outermost, so a stage's ranks are one block of the mesh (the plan's pipeline
     section says so); the replica axis comes next, so dp, cp and tp keep the fastest
     links; cp sits inside dp (its K/V traffic runs every layer, dp's once a step) and
-    outside tp (tp's all-reduces are the largest and most frequent)."""
+    outside tp (tp's all-reduces are the largest and most frequent); ep sits inside dp,
+    as Megatron-LM's expert-data-parallel groups do (its all-to-alls run every expert
+    layer, on links faster than dp's)."""
     axes = {str(name): size for name, size in (
         (AxisRole.PIPELINE, pp), (AxisRole.REPLICA, replicas), (AxisRole.DATA, dp),
-        (AxisRole.CONTEXT, cp), (AxisRole.TENSOR, tp)) if size > 1}
+        (AxisRole.EXPERT, ep), (AxisRole.CONTEXT, cp), (AxisRole.TENSOR, tp)) if size > 1}
     return DeviceMesh.build(axes or {str(AxisRole.DATA): 1}, per_node)
 
 
 def choice_mesh(choice: Choice, per_node: int) -> DeviceMesh:
     """The whole mesh a configuration runs on, its replicas included."""
-    return stage_mesh(choice.dp, choice.tp, per_node, choice.pp, choice.replicas, choice.cp)
+    return stage_mesh(choice.dp, choice.tp, per_node, choice.pp, choice.replicas, choice.cp,
+                      choice.ep)
 
 
 def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
@@ -171,7 +175,8 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     (`sp=1`); no budget can change it. `micro_batches`: how many the step runs, so the
     op-level problem weighs per-step costs against per-micro-batch ones as the step does.
     A "cp" axis splits exactly the sequence (`context_allows`; `context_kind` pins how
-    attention runs over it)."""
+    attention runs over it); an "ep" axis splits the batch with "dp" or the experts
+    (`expert_allows`)."""
     from planner.search.oplevel import record_of
 
     if mesh.size == 1:
@@ -182,15 +187,23 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
     context = AxisRole.CONTEXT in mesh.axis_names
     heads = head_labels(analysis) if context else {}
+    expert = AxisRole.EXPERT in mesh.axis_names
     for index, group in enumerate(problem.groups):
-        wanted = batch.get(group.ops[0], frozenset()) if dp > 1 else frozenset()
-        sequence = analysis.sequence_labels.get(group.ops[0], frozenset())
+        op = group.ops[0]
+        wanted = batch.get(op, frozenset()) if dp > 1 else frozenset()
+        sequence = analysis.sequence_labels.get(op, frozenset())
+        experts = analysis.experts.labels.get(op, frozenset())
+        free = all(name in analysis.weight_roots for name in analysis.graph.op(op).outputs
+                   if name)
         keep = []
         for position, candidate in enumerate(group.candidates):
             assigned = dict(candidate.strategy.assignment)
-            tp_on_batch = any(AxisRole.TENSOR in axes and label in batch.get(group.ops[0], ())
+            tp_on_batch = any(AxisRole.TENSOR in axes and label in batch.get(op, ())
                               for label, axes in assigned.items())
-            if dp_splits_exactly(assigned, wanted) and not tp_on_batch and (
+            splits = (expert_allows(assigned, batch.get(op, frozenset()), experts, free,
+                                    dp > 1, op in analysis.experts.gemms) if expert
+                      else dp_splits_exactly(assigned, wanted))
+            if splits and not tp_on_batch and (
                     not context or context_allows(
                         assigned, sequence, heads.get(group.ops[0], frozenset()),
                         context_kind, whole_allowed(analysis, group.ops[0]))):
@@ -261,9 +274,18 @@ def context_degrees(sequence: int | None, pins: Pins) -> list[int]:
     return found if pins.cp_kind is not None else [1, *found]
 
 
+def expert_degrees(experts: Experts, devices: int, pins: Pins) -> list[int]:
+    """The expert-parallel degrees searched: the pinned one, else 1 and every power of two
+    up to `devices` that divides the graph's expert count (none without experts)."""
+    if pins.ep is not None:
+        return [pins.ep]
+    return [1, *experts.degrees(devices)]
+
+
 def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
                       pins: Pins, granule: int = 1,
-                      context: Sequence[int] = (1,)) -> list[Choice]:
+                      context: Sequence[int] = (1,),
+                      experts: Sequence[int] = (1,)) -> list[Choice]:
     """Every configuration the pins allow: tp a power of two inside a node, dp dividing the
     batch, pp up to the number of layers, at least pp micro-batches when pipelined; local
     micro-batches of `granule` rows or multiples of it. dp may leave devices over, which
@@ -273,7 +295,9 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
     so the search prices them only when they could win. A replica axis takes one of the
     mesh's MAX_MESH_AXES, so pp, dp and tp cannot all be above 1 beside it. `context`:
     the context-parallel degrees (`context_degrees`), each an axis of its own between dp
-    and tp, within the same MAX_MESH_AXES."""
+    and tp, within the same MAX_MESH_AXES. `experts`: the expert-parallel degrees
+    (`expert_degrees`), an axis inside dp that splits the batch with it (dp·ep divides the
+    batch); not combined with cp above 1."""
     choices = []
     tps = [t for t in (1 << k for k in range(12)) if t <= per_node and devices % t == 0]
     if pins.tp is not None:
@@ -282,21 +306,21 @@ def enumerate_choices(devices: int, batch: int, layers: int, per_node: int,
         if pp > max(1, layers) or (pins.pp is not None and pp != pins.pp):
             continue
         for tp in tps:
-            for cp in context:
-                if devices % (pp * tp * cp):
+            for cp, ep in ((c, e) for c in context for e in experts if c == 1 or e == 1):
+                if devices % (pp * tp * cp * ep):
                     continue
-                rest = devices // (pp * tp * cp)
+                rest = devices // (pp * tp * cp * ep)
                 for dp in [pins.dp] if pins.dp is not None else _divisors(rest):
                     replicas = rest // dp if rest % dp == 0 else 0
-                    axes = sum(size > 1 for size in (pp, replicas, dp, cp, tp))
-                    if not replicas or batch % dp or (batch // dp) % granule \
+                    axes = sum(size > 1 for size in (pp, replicas, dp, ep, cp, tp))
+                    if not replicas or batch % (dp * ep) or (batch // (dp * ep)) % granule \
                             or axes > MAX_MESH_AXES:
                         continue
-                    choices += [replace(c, cp=cp) for c in _configurations(
-                        pp, dp, tp, replicas, batch // dp, layers, pins, granule)]
+                    choices += [replace(c, cp=cp, ep=ep) for c in _configurations(
+                        pp, dp, tp, replicas, batch // (dp * ep), layers, pins, granule)]
     return sorted(set(choices), key=lambda c: (c.pp, c.tp, c.dp, c.micro_batches, c.zero,
                                                c.schedule, c.replicas, c.sequence_parallel,
-                                               c.cp))
+                                               c.cp, c.ep))
 
 
 def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, layers: int,
@@ -371,12 +395,22 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.path}: --parallel pp={pins.pp}: the graph has {too_many} units (layers), "
             f"more than the stage search takes ({MAX_PIPELINE_UNITS}: its tables grow with "
             f"the square of the units); plan it with pp=1")
+    if pins.ep not in (None, 1) and pins.cp not in (None, 1):
+        raise ShardplanError(f"{graph.path}: --parallel ep={pins.ep} cp={pins.cp}: expert and "
+                             "context parallelism are not planned together; pin one of them")
     if pins.cp is not None and pins.cp > 1 and (not graph.sequence or graph.sequence % pins.cp):
         what = (f"the sequence of {graph.sequence} tokens does not split into {pins.cp} equal "
                 "blocks; pin a cp that divides it" if graph.sequence else
                 "the model has no sequence input to split (a batch input whose next dim is "
                 "symbolic: [batch, seq] token ids); drop the cp pin")
         raise ShardplanError(f"{graph.path}: --parallel cp={pins.cp}: {what}")
+    experts = root.experts
+    if pins.ep is not None and pins.ep > 1 and (not experts.count or experts.count % pins.ep):
+        what = (f"its {experts.count} experts do not split into {pins.ep} equal groups; pin "
+                "an ep that divides them" if experts.count else
+                "the model has no experts to split (stacked expert weights [E, in, out] read "
+                "by a batched MatMul); drop the ep pin")
+        raise ShardplanError(f"{graph.path}: --parallel ep={pins.ep}: {what}")
     skipped: dict[int, str] = {}
     bindable: dict[int, bool] = {}
 
@@ -394,7 +428,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
 
     granule = next(d for d in _divisors(graph.batch) if binds(d))
     choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
-                                            granule, context_degrees(graph.sequence, pins))
+                                            granule, context_degrees(graph.sequence, pins),
+                                            expert_degrees(experts, devices, pins))
                if binds(graph.batch // (c.dp * c.micro_batches))
                and binds(graph.batch // c.micro_batches) and not (too_many and c.pp > 1)]
     modes = recompute_modes(pins)
@@ -406,17 +441,17 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
     Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
-    profiles: dict[tuple[int, int, bool, MemoryBudget | None, int], Layout] = {}
+    profiles: dict[tuple[int, int, bool, MemoryBudget | None, int, int], Layout] = {}
 
-    def layout_of(tp: int, cp: int, local: int, sp: bool,
+    def layout_of(tp: int, cp: int, ep: int, local: int, sp: bool,
                   budget: MemoryBudget | None = None) -> Layout:
         """The unit profile of the fastest layout (within `budget`, when given) at tp and
         the local micro-batch (Megatron's, with sequence parallelism when `sp`, under the
         layout pin), its units and its op-level memory; None: no layout fits."""
-        key = (tp, local, sp, budget, cp)
+        key = (tp, local, sp, budget, cp, ep)
         if key not in profiles:
             small = graphs.at(local)
-            mesh = stage_mesh(1, tp, per_node, cp=cp)
+            mesh = stage_mesh(1, tp, per_node, cp=cp, ep=ep)
             strategies, _, memory = model_parallel_strategies(
                 small, mesh, hardware, training, batch, time_limit, budget=budget,
                 layout=pins.layout, sequence_parallel=sp, context_kind=pins.cp_kind)
@@ -427,9 +462,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 profiles[key] = (unit_profile(priced, small.units), small.units, memory)
         return profiles[key]
 
-    def profile_of(tp: int, cp: int, local: int,
+    def profile_of(tp: int, cp: int, ep: int, local: int,
                    sp: bool) -> tuple[UnitProfile, Units, tuple[float, float]]:
-        profile, units, memory = layout_of(tp, cp, local, sp)
+        profile, units, memory = layout_of(tp, cp, ep, local, sp)
         assert profile is not None and memory is not None  # unbudgeted: it raises instead
         return profile, units, memory
 
@@ -451,14 +486,15 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         """The configuration's bound, and whether it is the layout's (exact) or the floor."""
         local = rows // (choice.dp * choice.micro_batches)
         exact = solve or (choice.tp, local, choice.sequence_parallel, None,
-                          choice.cp) in profiles
+                          choice.cp, choice.ep) in profiles
         if exact:
-            profile, _, _ = profile_of(choice.tp, choice.cp, local, choice.sequence_parallel)
+            profile, _, _ = profile_of(choice.tp, choice.cp, choice.ep, local,
+                                       choice.sequence_parallel)
             work = float((profile.forward + profile.backward).sum())
         else:
             if local not in floors:
                 floors[local] = gemm_floor_s(graphs.at(local), hardware, training)
-            work = floors[local] / (choice.tp * choice.cp)
+            work = floors[local] / (choice.tp * choice.cp * choice.ep)
         bound = pipeline_time([work / choice.pp] * choice.pp, choice.micro_batches,
                               choice.schedule, choice.virtual_stages)
         return bound, exact
@@ -471,7 +507,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
-    with_dp: dict[tuple[int, int, bool, bool, int], UnitProfile] = {}
+    with_dp: dict[tuple[int, int, bool, bool, int, int], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
@@ -485,8 +521,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         sp = choice.sequence_parallel
-        profile, small_units, layout_memory = profile_of(choice.tp, choice.cp, local, sp)
-        key = (choice.tp, local, sp, choice.dp > 1, choice.cp)
+        profile, small_units, layout_memory = profile_of(choice.tp, choice.cp, choice.ep, local,
+                                                         sp)
+        key = (choice.tp, local, sp, choice.dp > 1, choice.cp, choice.ep)
         if key not in with_dp:
             with_dp[key] = profile.with_gradient_axes(
                 (str(AxisRole.DATA),) if choice.dp > 1 else ())
@@ -497,11 +534,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         tried += 1
         found = partitioner.solve(limit, modes)
         budget = None
-        if found is None and retries < MAX_MEMORY_AWARE and choice.tp * choice.cp > 1:
+        if found is None and retries < MAX_MEMORY_AWARE and choice.tp * choice.cp * choice.ep > 1:
             retries += 1
             found, budget = _memory_aware(choice, limit, modes, layout_memory,
                                           partitioner.solve(math.inf, [Recompute.FULL]),
-                                          partial(layout_of, choice.tp, choice.cp, local, sp),
+                                          partial(layout_of, choice.tp, choice.cp, choice.ep, local,
+                                                  sp),
                                           partitioner_of)
         if found is None:
             least = partitioner.solve(math.inf, [Recompute.FULL])
@@ -606,7 +644,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     per_node = int(hardware.devices_per_node.value)
     micro_size = graph.batch // choice.micro_batches
     micro = graphs.at(micro_size)
-    inner = stage_mesh(choice.dp, choice.tp, per_node, cp=choice.cp)
+    inner = stage_mesh(choice.dp, choice.tp, per_node, cp=choice.cp, ep=choice.ep)
     mesh = choice_mesh(choice, per_node)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     best: tuple[dict[str, OpStrategy], Partition] | None = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
-from planner.kinds import RECOMPUTE_MODES, UNPLANNED_DEGREES, ContextKind, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, ContextKind, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
                  "layout", "sp", "cp", "cp_kind", "ep")
@@ -51,7 +51,7 @@ class Pins:
     cp: int | None = None  # context parallel degree (an axis "cp" between dp and tp)
     #: how attention runs over cp (ring or ulysses); None: the faster, per configuration
     cp_kind: ContextKind | None = None
-    ep: int | None = None  # expert parallel degree: only 1 (UNPLANNED_DEGREES)
+    ep: int | None = None  # expert parallel degree (an axis "ep" inside dp)
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -63,7 +63,8 @@ class Pins:
         """The pinned choices only the joint search makes (pipeline, micro-batches, ZeRO,
         recompute, schedule)."""
         found = tuple(key for key in JOINT_KEYS if getattr(self, key) is not None)
-        return (*found, "cp") if self.cp not in (None, 1) else found
+        found += ("cp",) if self.cp not in (None, 1) else ()
+        return (*found, "ep") if self.ep not in (None, 1) else found
 
     @property
     def admits_op_level(self) -> bool:
@@ -74,7 +75,7 @@ class Pins:
                 and self.zero in (None, 0) and self.recompute in (None, Recompute.NONE)
                 and self.schedule in (None, Schedule.ONE_F_ONE_B) and self.vpp is None
                 and self.layout is None and self.sp in (None, 0) and self.cp in (None, 1)
-                and self.cp_kind is None)
+                and self.cp_kind is None and self.ep in (None, 1))
 
     def admit(self, dp: int, tp: int, layout: str | None = None) -> bool:
         """Whether an op-level plan of these degrees (with Megatron's layout when `layout`
@@ -120,10 +121,6 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         if key == "sp" and value not in (0, 1):
             raise ShardplanError(f"--parallel sp={value}: 1 turns Megatron's sequence "
                                  "parallelism on (with layout=megatron), 0 off")
-        if key in UNPLANNED_DEGREES and value != 1:
-            raise ShardplanError(f"--parallel {key}={value}: {UNPLANNED_DEGREES[key]} (split "
-                                 f"over an axis of its own) is not planned yet; every plan "
-                                 f"has {key}=1")
         if key == "vpp" and value < 2:
             raise ShardplanError(f"--parallel vpp={value}: interleaving needs at least 2 "
                                  "model chunks per device")

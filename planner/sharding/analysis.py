@@ -22,6 +22,7 @@ from planner.layers import Repeats, Units, find_blocks, find_units
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
 from planner.sharding.batch import data_parallel_strategies, sequence_labels
+from planner.sharding.experts import Experts, find_experts
 from planner.sharding.mesh import DeviceMesh
 
 _REGIONS = "recompute regions"  # memo keys
@@ -42,6 +43,9 @@ class GraphAnalysis:
     #: op -> the labels carrying the sequence (`planner.sharding.batch.sequence_labels`):
     #: what the context-parallel axis may split
     sequence_labels: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    #: the stacked experts and the labels carrying them (`planner.sharding.experts`): what
+    #: the expert-parallel axis splits inside expert layers
+    experts: Experts = field(default_factory=lambda: Experts({}))
     # Derivations of choices on this graph, kept by `planner.cost.oplevel.priced_choice` so
     # that the search and the plan builder derive and price each choice once.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -80,13 +84,15 @@ class GraphAnalysis:
     def of(cls, graph: PlanningGraph) -> GraphAnalysis:
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
         blocks = find_blocks(graph)
+        roots = weight_roots_map(graph)
         return cls(
             graph=graph, labels=labels, needs_grad=needs_grad_map(graph),
-            weight_roots=weight_roots_map(graph), first_consumers=first_consumers(graph),
+            weight_roots=roots, first_consumers=first_consumers(graph),
             blocks=blocks, units=find_units(graph, blocks),
             batch_labels=_batch_labels(graph, labels),
             constant_ops=constant_ops_of(graph),
             sequence_labels=sequence_labels(graph, labels),
+            experts=find_experts(graph, labels, roots),
         )
 
 

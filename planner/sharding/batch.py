@@ -98,16 +98,25 @@ def sequence_labels(graph: PlanningGraph,
     length = graph.sequence
     if length is None:
         return {}
-    mesh = DeviceMesh.build({AxisRole.CONTEXT: length}, 1)
     carried: dict[str, set[int]] = {name: {dim} for name, dim in graph.sequence_inputs.items()}
+    return trace_labels(graph, labels, carried, str(AxisRole.CONTEXT), length)
+
+
+def trace_labels(graph: PlanningGraph, labels: Mapping[str, DimLabels | None],
+                 carried: dict[str, set[int]], axis: str,
+                 size: int) -> dict[str, frozenset[str]]:
+    """Per op, the labels that carry a `carried` dim (tensor -> dims) followed through the
+    graph: every label of an op that reads a carried dim and may be split alone over an
+    `axis` of `size` (the whole dim), each followed to the outputs. The sequence's trace
+    (`sequence_labels`) and the experts' (`planner.sharding.experts`)."""
+    mesh = DeviceMesh.build({axis: size}, 1)
     found: dict[str, frozenset[str]] = {}
     for node in graph.ops:
         op_labels = labels.get(node.name)
         if op_labels is None:
             continue
         kept = frozenset(label for label in _carried(graph, node, op_labels, carried) if is_valid(
-            node, op_labels, OpStrategy.of({label: (str(AxisRole.CONTEXT),)}),
-            graph.tensors, mesh))
+            node, op_labels, OpStrategy.of({label: (axis,)}), graph.tensors, mesh))
         if not kept:
             continue
         found[node.name] = kept
@@ -116,8 +125,11 @@ def sequence_labels(graph: PlanningGraph,
 
 
 def dp_splits_exactly(assigned: Mapping[str, tuple[str, ...]], batch: Collection[str],
-                      axis: str = DP_AXIS) -> bool:
+                      axis: str = DP_AXIS, together: tuple[str, ...] | None = None) -> bool:
     """Whether an op's assignment puts `axis` on exactly its batch labels, alone: what
-    pinning dp means (the axis splits the batch and nothing else)."""
-    on_axis = {label for label, axes in assigned.items() if axis in axes}
-    return on_axis == set(batch) and all(assigned[label] == (axis,) for label in batch)
+    pinning dp means (the axis splits the batch and nothing else). `together`: the axes
+    that split the batch as one, outermost first (("dp", "ep") outside expert layers:
+    `planner.sharding.experts`); each label of the batch then has exactly those."""
+    axes = together or (axis,)
+    on_axis = {label for label, given in assigned.items() if any(a in given for a in axes)}
+    return on_axis == set(batch) and all(assigned[label] == axes for label in batch)
