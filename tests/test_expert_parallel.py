@@ -135,7 +135,7 @@ def test_the_module_executor_refuses_ep_by_name() -> None:
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tiny: Path, plans: dict[str, Plan]) -> None:
     """The ONNX-graph executor runs the dispatch and combine all-to-alls as planned, and
-    two gloo ranks train as one process does (about 30 s: slow)."""
+    two gloo ranks train as one process does (about 10 s: slow)."""
     from executor.train import planned_counts, train, train_reference
 
     chosen = plans["ep"]
