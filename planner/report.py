@@ -49,7 +49,8 @@ def summary(plan: Plan) -> str:
         f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
         f"mesh       {mesh}",
         f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
-        + (f"cp={parallel.cp} {parallel.cp_kind} " if parallel.cp > 1 else "")
+        + (f"cp={parallel.cp} " + (f"{parallel.cp_kind} " if parallel.cp_kind else "")
+           if parallel.cp > 1 else "")
         + (f"ep={parallel.ep} " if parallel.ep > 1 else "") +
         f"micro_batches={parallel.micro_batches} zero={parallel.zero} "
         f"recompute={parallel.recompute} optimizer={parallel.optimizer}",

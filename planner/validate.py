@@ -38,6 +38,7 @@ from planner.plans.sections import PipelineSection
 from planner.plans.sequence import sequence_split
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout
 from planner.sharding.pipeline import (
@@ -113,8 +114,8 @@ def _parallel(plan: Plan, report: Report) -> None:
     """The parallel section states the mesh's degrees: pp the pipeline axis, dp and tp
     (and pp) groups of its devices; a pipeline plan's dp is its data axis and its tp its
     tensor axis or 1 (nothing split over it); sp what its layouts do; cp the mesh's
-    context axis (1 without one), with its kind exactly when above 1; ep the mesh's expert
-    axis (1 without one)."""
+    context axis (1 without one), with a kind only when above 1 (which kind, the model's
+    check: `_context_kind`); ep the mesh's expert axis (1 without one)."""
     parallel, mesh = plan.parallel, plan.mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
     axes = ", ".join(f"{a}={n}" for a, n in sizes.items())
@@ -126,10 +127,9 @@ def _parallel(plan: Plan, report: Report) -> None:
         size = sizes.get(str(role), 1)
         if given != size:
             report.add(f"parallel.{role} is {given} but the mesh ({axes}) has {role}={size}")
-    if (parallel.cp_kind is not None) != (parallel.cp > 1):
-        report.add(f"parallel.cp_kind is {parallel.cp_kind or 'absent'} with cp="
-                   f"{parallel.cp}: a plan names how attention runs over cp (ring or "
-                   "ulysses) exactly when cp is above 1")
+    if parallel.cp_kind is not None and parallel.cp == 1:
+        report.add(f"parallel.cp_kind is {parallel.cp_kind} with cp=1: a plan names how "
+                   "attention runs over cp (ring or ulysses) only when cp is above 1")
     degrees = parallel.dp * parallel.tp * parallel.pp * parallel.cp * parallel.ep
     if degrees < 1 or mesh.size % degrees:
         cp_part = "".join(f" {key}={getattr(parallel, key)}" for key in ("ep", "cp")
@@ -462,6 +462,18 @@ def check_model_digest(plan: Plan, sha256: str, path: str) -> None:
             f"{sha256}; re-plan this model")
 
 
+def _context_kind(plan: Plan, analysis: GraphAnalysis, strategies: Mapping[str, OpStrategy],
+                  report: Report) -> None:
+    """`parallel.cp_kind` is what the builder writes: how the plan's attention cores split
+    over cp (`planner.sharding.context.context_kind`), absent when none does (a cp axis
+    no core splits over: the cores run whole on every context rank)."""
+    derived = context_kind(analysis, strategies) if plan.parallel.cp > 1 else None
+    if plan.parallel.cp_kind != derived:
+        runs = derived or "no attention core split over it"
+        report.add(f"parallel.cp_kind is {plan.parallel.cp_kind or 'absent'} but the plan's "
+                   f"layouts run attention over cp as {runs}")
+
+
 def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
 
     try:
@@ -509,6 +521,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
                                f"says {binding.layout.to_json()}, its assignment implies "
                                f"{layout.to_json()}")
     report.checked["ops"] = len(graph.ops)
+    _context_kind(plan, analysis, strategies, report)
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
     again = derive(analysis, plan.mesh, strategies,

@@ -93,6 +93,15 @@ def test_validate_and_explain_read_cp(tiny: Path, plans: dict[str, Plan]) -> Non
     data["parallel"]["cp"] = 1
     problems = validate(Plan.from_json(data), graph).problems
     assert any("parallel.cp is 1 but the mesh" in p for p in problems)
+    for given, says in (("ulysses", "ulysses"), (None, "absent")):
+        data = ring.to_json()
+        if given is None:
+            del data["parallel"]["cp_kind"]
+        else:
+            data["parallel"]["cp_kind"] = given
+        problems = validate(Plan.from_json(data), graph).problems
+        assert f"parallel.cp_kind is {says} but the plan's layouts run attention over cp as " \
+               "ring" in problems
 
 
 @pytest.mark.parametrize("kind", ["ring", pytest.param("ulysses", marks=pytest.mark.slow)])
