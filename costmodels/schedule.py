@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import array
 import functools
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -109,22 +108,17 @@ def _equal_stages_time(schedule: str, stages: int, micro_batches: int,
     longest path scales with its passes' times, so stages of t seconds take t times this
     (the joint search bounds thousands of configurations this way).
 
-    Once the pipeline is full every further micro-batch adds one stage time: where the
-    simulated steps at 2p, 3p and 4p micro-batches show that steady state (each p more
-    adds exactly p), a longer run is extrapolated from 4p instead of simulated pass by
-    pass (768 micro-batches through 32 stages are some 70,000 passes)."""
+    Once a zero-bubble pipeline is full every further micro-batch adds one stage time
+    and the bubble is what the warm-up and cool-down leave: from 2p micro-batches on the
+    step is m + (p − 1)(F + B − W) with F, B, W one chunk's passes (Qi et al. 2023 §3.1's
+    ZB-H1 bubble; ZB-V's chunks are half a stage, so its bubble is half ZB-H1's).
+    `tests/test_schedules.py` checks this against the longest path pass by pass; below
+    2p micro-batches (and for any other schedule) the longest path is taken."""
     v = chunks_per_device(schedule, virtual_stages)
-    unit = tuple(share / v for share in DEFAULT_SPLIT)
-
-    def simulated(m: int) -> float:
-        return simulate(schedule, [[unit] * v] * stages, m)
-
-    steady = 4 * stages
-    if micro_batches > steady and schedule != Schedule.INTERLEAVED:
-        points = [simulated(k * stages) for k in (2, 3, 4)]
-        if all(abs(b - a - stages) <= 1e-9 * b for a, b in itertools.pairwise(points)):
-            return points[-1] + (micro_batches - steady)
-    return simulated(micro_batches)
+    forward, backward, weight = (share / v for share in DEFAULT_SPLIT)
+    if schedule in (Schedule.ZB_H1, Schedule.ZBV) and micro_batches >= 2 * stages:
+        return micro_batches + (stages - 1) * (forward + backward - weight)
+    return simulate(schedule, [[(forward, backward, weight)] * v] * stages, micro_batches)
 
 
 def _equal_chunks(chunks: ChunkTimes) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch.fx import GraphModule
 
 from examples.hf_models import megatron_strategies
-from executor.module.launch import export_builder, load_builder
+from executor.module.launch import export_builder, load_builder, shared_trace
 from executor.module.layouts import read_layouts
 from executor.module.local import LocalPlan, is_size
 from executor.module.parallelize import _Trace, parameter_names
@@ -27,9 +27,9 @@ BATCH = 4
 def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[GraphModule, dict, Path]:
     module, make_batch, _ = load_builder(LLAMA)()
     module.train()
-    trace = _Trace.of(module, make_batch(0, BATCH))
-    reads = {name: name for names in parameter_names(module) for name in names}
     path = export_builder(LLAMA, BATCH, tmp_path_factory.mktemp("local") / "llama.onnx")
+    trace = _Trace.of(module, make_batch(0, BATCH), shared_trace(LLAMA, BATCH))
+    reads = {name: name for names in parameter_names(module) for name in names}
     return trace.graph, reads, path
 
 

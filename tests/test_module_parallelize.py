@@ -21,7 +21,6 @@ from executor.module.launch import (
 )
 from executor.module.layouts import check_parameters
 from executor.module.parallelize import parallelize, parameter_names
-from executor.module.trace import export_program, save_model
 from planner.api import load_graph, plan
 from planner.cli import main
 from planner.errors import ShardplanError
@@ -36,10 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llama_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    module, make_batch, _ = load_builder(LLAMA)()
-    module.train()
-    path = tmp_path_factory.mktemp("module") / "llama.onnx"
-    return save_model(export_program(module, make_batch(0, BATCH)), path)
+    return export_builder(LLAMA, BATCH, tmp_path_factory.mktemp("module") / "llama.onnx")
 
 
 def _megatron_strategies(path: Path) -> dict[str, list[list[int]]]:
@@ -309,3 +305,30 @@ def test_interleaved_pipeline_with_recompute_trains_as_one_device(tmp_path: Path
                                        optimizer="adamw", lr=0.01)
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert run.differences == [] and run.recomputed > 0
+
+
+def test_a_module_is_exported_once_per_process_until_its_builder_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's export, the reference run and every rank read one saved trace; editing
+    the builder's file exports it anew; a module over the size limit is not written."""
+    from executor.module import launch
+
+    source = tmp_path / "tiny_builder.py"
+    text = ("import torch\n\ndef build():\n    torch.manual_seed(0)\n"
+            "    model = torch.nn.Sequential(torch.nn.Linear(4, {width}), torch.nn.ReLU())\n"
+            "    batch = lambda step, rows: {{'input': torch.randn(rows, 4)}}\n"
+            "    return model, batch, lambda out, batch: out.sum()\n")
+    source.write_text(text.format(width=3))
+    spec = f"{source}:build"
+    first = launch.shared_trace(spec, 2)
+    assert first is not None and first.program.is_file() and first.model.is_file()
+    assert launch.shared_trace(spec, 2) is first
+    assert launch.shared_trace(spec, 3) is not first  # another example batch
+    source.write_text(text.format(width=5) + "# edited\n")
+    second = launch.shared_trace(spec, 2)
+    assert second is not None and second is not first
+    weights = [tuple(t.shape) for t in second.load().state_dict.values()]
+    assert (5, 4) in weights
+    monkeypatch.setattr(launch, "MAX_SHARED_TRACE_BYTES", 0)
+    source.write_text(text.format(width=6) + "# over the limit\n")
+    assert launch.shared_trace(spec, 2) is None

@@ -414,17 +414,18 @@ def test_the_weight_gradient_share_is_the_gemms_dw(gpt8: Path) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
-def test_the_bound_of_equal_stages_extrapolates_the_steady_state_exactly(
-        schedule: str) -> None:
-    """The joint search's bound prices equal stages past 4p micro-batches from the steady
-    state: it must equal the pass-by-pass simulation."""
+def test_the_bound_of_equal_stages_is_the_longest_path(schedule: str) -> None:
+    """The joint search's bound prices equal stages past 2p micro-batches by the steady
+    state's closed form, m + (p − 1)(F + B − W) of a chunk: it must equal the pass-by-pass
+    longest path, below and past 2p, for any number of stages."""
     from costmodels.orders import chunks_per_device
     from costmodels.schedule import DEFAULT_SPLIT, simulate
 
-    for stages in (2, 3, 5, 8):
-        for micro in (4 * stages + 1, 5 * stages + 3, 9 * stages):
-            v = chunks_per_device(schedule, 2)
-            unit = tuple(share / v for share in DEFAULT_SPLIT)
+    v = chunks_per_device(schedule, 2)
+    unit = tuple(share / v for share in DEFAULT_SPLIT)
+    for stages in (*range(1, 13), 16, 24, 32):
+        for micro in sorted({stages, 2 * stages - 1, 2 * stages, 2 * stages + 1,
+                             3 * stages + 2, 5 * stages}):
             direct = 2.5 * simulate(schedule, [[unit] * v] * stages, micro)
             assert pipeline_time([2.5] * stages, micro, schedule, 2) == pytest.approx(
-                direct, rel=1e-12)
+                direct, rel=1e-12), (stages, micro)

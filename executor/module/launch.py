@@ -13,11 +13,13 @@ what the ranks must equal.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,7 +35,13 @@ from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import marker_for, writing
 from executor.module.layouts import weight_buckets
-from executor.module.trace import export_program, save_model
+from executor.module.trace import (
+    MAX_SHARED_TRACE_BYTES,
+    SavedTrace,
+    export_program,
+    save_model,
+    state_bytes,
+)
 from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import MeshComm
 from executor.schedule import check_runnable
@@ -78,9 +86,39 @@ def load_builder(spec: str) -> Builder:
 def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
     """The builder's module exported to `path` as the planner reads it (training mode, the
     example batch `make_batch(0, batch_size)`, the batch dim symbolic)."""
+    saved = shared_trace(spec, batch_size)
+    if saved is not None:
+        shutil.copyfile(saved.model, path)
+        return Path(path)
     module, make_batch, _ = load_builder(spec)()
     module.train()
     return save_model(export_program(module, make_batch(0, batch_size)), Path(path))
+
+
+_saved_traces: dict[tuple[object, ...], SavedTrace | None] = {}
+
+
+def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
+    """The builder's module exported once in this process at (spec, batch) and written
+    for every process that needs it: the plan's export, the reference run and every rank
+    read it instead of exporting again. The key holds the builder's file, its size and
+    modification time, so an edited builder is exported anew. None: the module is too
+    large to write twice (`MAX_SHARED_TRACE_BYTES`); each rank exports it as before."""
+    builder = load_builder(spec)
+    source = Path(builder.__code__.co_filename)
+    stamp = source.stat() if source.is_file() else None
+    key = (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
+    if key not in _saved_traces:
+        module, make_batch, _ = builder()
+        module.train()
+        if state_bytes(module) > MAX_SHARED_TRACE_BYTES:
+            _saved_traces[key] = None
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="shardplan-trace-"))
+            atexit.register(shutil.rmtree, folder, True)
+            _saved_traces[key] = SavedTrace.write(
+                export_program(module, make_batch(0, batch_size)), folder)
+    return _saved_traces[key]
 
 
 @dataclass
@@ -163,6 +201,7 @@ class ModuleRun:
     local: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S  # a dead or stopped rank ends the run within this
     launcher: int = 0  # the pid ranks follow (executor.ranks.follow_launcher); 0 = none
+    trace: SavedTrace | None = None  # the module's export, written once for every rank
 
 
 def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
@@ -184,7 +223,8 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
         plan = Plan.from_json(json.loads(run.plan_json))
         module, make_batch, loss_fn = load_builder(run.spec)()
         module.train()
-        module = parallelize(module, plan, make_batch(0, run.batch_size), local=run.local)
+        module = parallelize(module, plan, make_batch(0, run.batch_size), local=run.local,
+                             saved=run.trace)
         state = state_of(module)
         optimizer = make_optimizer(run.optimizer, module, run.lr)
         axes = group_axes(state.mesh)
@@ -261,7 +301,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     (`steps` more steps, the batches continuing from its step) and saves its own.
     `local=False` runs every op on DTensors (`executor.parallelize`'s `local`). A rank
     that fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`;
-    no rank outlives the call (`executor.ranks`)."""
+    no rank outlives the call (`executor.ranks`). The module is exported once, here
+    (`shared_trace`), and every rank reads that export."""
     timeout_s = check_timeout(timeout_s)
     # Everything the plan states that its own sections imply (ep 1 among them), before
     # any rank starts (the module's export is not at hand: its ops and layouts are
@@ -291,7 +332,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     with writing(saving.save), tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
-                        backend, optimizer, saving, local, timeout_s, os.getpid())
+                        backend, optimizer, saving, local, timeout_s, os.getpid(),
+                        shared_trace(spec, batch_size))
         run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
                   start_method="spawn", timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())
@@ -309,7 +351,8 @@ def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,
     module, make_batch, loss_fn = load_builder(spec)()
     module.train()
     if traced:
-        module = unsplit(module, make_batch(0, batch_size))
+        module = unsplit(module, make_batch(0, batch_size),
+                         saved=shared_trace(spec, batch_size))
     update = make_optimizer(optimizer, module, lr)
     losses = []
     for step in range(steps):

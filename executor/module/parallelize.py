@@ -67,7 +67,7 @@ from executor.module.run import (
     run_planned,
     run_unsplit,
 )
-from executor.module.trace import export_program, save_model
+from executor.module.trace import SavedTrace, export_program, save_model
 from executor.module.weights import WeightSync
 from executor.pipeline import ScheduleEngine, wire_of
 from executor.runtime import Counters, MeshComm
@@ -304,9 +304,12 @@ def _planning_graph(trace: _Trace, plan: Plan) -> PlanningGraph:
     the weights are distributed: the model's initializers are the module's own tensors,
     whose storage ZeRO 3 frees."""
     assert trace.onnx is not None
-    with tempfile.TemporaryDirectory() as folder:
-        graph = import_model(save_model(trace.onnx, Path(folder) / "module.onnx"),
-                             batch=plan.model.batch, dims=plan.model.bound_dims)
+    if isinstance(trace.onnx, Path):  # a saved trace's model
+        graph = import_model(trace.onnx, batch=plan.model.batch, dims=plan.model.bound_dims)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            graph = import_model(save_model(trace.onnx, Path(folder) / "module.onnx"),
+                                 batch=plan.model.batch, dims=plan.model.bound_dims)
     trace.onnx = None  # not needed again
     return graph
 
@@ -384,15 +387,25 @@ class _Trace:
     graph: GraphModule
     user_inputs: list[str]
     out_spec: Any
-    onnx: torch.onnx.ONNXProgram | None = None  # what the planner read (a pipeline's graph)
+    #: what the planner read (a pipeline's graph): the export's, or a saved trace's file
+    onnx: torch.onnx.ONNXProgram | Path | None = None
 
     @classmethod
-    def of(cls, module: nn.Module, example: Mapping[str, torch.Tensor]) -> _Trace:
+    def of(cls, module: nn.Module, example: Mapping[str, torch.Tensor],
+           saved: SavedTrace | None = None) -> _Trace:
+        """The module's trace: exported here, or read from `saved` (an export of the same
+        module at the same example, written once for every rank)."""
+        if saved is not None:
+            return cls.read(saved.load(), saved.model)
         exported = export_program(module, example)
-        program = exported.exported_program
-        assert program is not None  # export_program checked it
+        assert exported.exported_program is not None  # export_program checked it
+        return cls.read(exported.exported_program, exported)
+
+    @classmethod
+    def read(cls, program: torch.export.ExportedProgram,
+             onnx: torch.onnx.ONNXProgram | Path) -> _Trace:
         return cls(program.module(), list(program.graph_signature.user_inputs),
-                   program.call_spec.out_spec, exported)
+                   program.call_spec.out_spec, onnx)
 
     def inputs(self, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         if args:
@@ -422,11 +435,12 @@ class _Trace:
             setattr(holder, leaf, value)
 
 
-def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0
-            ) -> nn.Module:
+def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0,
+            saved: SavedTrace | None = None) -> nn.Module:
     """`module` running its trace on one device, dropout drawn as a split run draws it:
-    the reference a parallelized run must equal (plain torch draws other masks)."""
-    trace = _Trace.of(module, example)
+    the reference a parallelized run must equal (plain torch draws other masks). `saved`:
+    its export, already written (`executor.module.trace.SavedTrace`)."""
+    trace = _Trace.of(module, example, saved)
     trace.share_parameters(dict(module.named_parameters(remove_duplicate=False)))
     steps = [0]
 
@@ -440,11 +454,14 @@ def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 
 
 
 def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tensor],
-                seed: int = 0, local: bool = True) -> nn.Module:
+                seed: int = 0, local: bool = True, saved: SavedTrace | None = None
+                ) -> nn.Module:
     """`module`, trained from now on as `plan` says (module docstring). `example` is one
     global batch as the keyword inputs of `module`'s forward; `seed` the dropout draws'
     (the same on every rank, and in `unsplit`). `local=False` runs every op on DTensors,
-    also those the plan leaves as data parallelism would (`executor.module.local`)."""
+    also those the plan leaves as data parallelism would (`executor.module.local`).
+    `saved`: the module's export at `example`, written once for every rank
+    (`executor.module.trace.SavedTrace`); without it each rank exports the module."""
     if not dist.is_initialized():
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
@@ -453,7 +470,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
     check_parameters(plan, parameter_names(module))
-    trace = _Trace.of(module, example)
+    trace = _Trace.of(module, example, saved)
     graph, user_inputs = trace.graph, trace.user_inputs
     traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]
     values = {n.name for n in graph.graph.nodes}
