@@ -19,6 +19,9 @@ def add_parser(verbs: Verbs) -> None:
                            help="ranks to start (one per core or GPU; default 2)")
     calibrate.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                            help="torch.distributed backend (gloo: CPU, nccl: CUDA GPUs)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="fewer sizes and shorter repeats: a rough profile in seconds, "
+                                "for trying the flow (the full run takes about a minute)")
     calibrate.add_argument("-o", "--output", type=Path, required=True,
                            help="where to write the profile JSON")
 
@@ -28,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from costmodels.calibrate import calibrate
 
     calibrate(args.nproc, args.backend, args.output,
-              progress=lambda text: print(f"calibrate: {text}", file=sys.stderr, flush=True))
+              progress=lambda text: print(f"calibrate: {text}", file=sys.stderr, flush=True),
+              quick=args.quick)
     return 0
 
 
