@@ -1,12 +1,16 @@
-"""Plans for GPT models from 1.3B to 1T parameters on 8 to 3072 devices.
+"""Plans for GPT models from 1.3B to 1T parameters on 8 to 3072 devices, and for the
+models that need the newer dimensions: a LLaMA-8B-class model at 131,072 tokens (context
+parallelism) and a Mixtral-8x7B-class mixture of experts (expert parallelism).
 
 For each (model, devices, profile) the full automatic search runs (op-level meshes and the
-joint search over pipeline stages, micro-batches, ZeRO and recompute) and the table prints
-the chosen configuration, the predicted step time, the memory per device and the search
-time a user waits for (import included). bf16 weights, sequence 2048, Adam.
+joint search over pipeline stages, micro-batches, ZeRO and recompute, context and expert
+parallelism) and the table prints the chosen configuration, the predicted step time, the
+memory per device and the search time a user waits for (import included). bf16 weights,
+sequence 2048 (the GPT rows), Adam.
 
-    python bench/large_models.py                       # the whole table
+    python bench/large_models.py                       # the GPT table
     python bench/large_models.py --models gpt-1t --devices 3072 --profiles a100-80g
+    python bench/large_models.py --new                 # the long-context and MoE rows
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from planner import zoo
 from planner.api import plan
@@ -34,6 +40,37 @@ CASES = [
     ("gpt-1t", 3072, 3072),
 ]
 PROFILES = ("a100-80g", "ascend-910b")
+
+
+@dataclass(frozen=True)
+class NewCase:
+    """A row for a dimension the GPT table does not need: a zoo family with its sizes,
+    planned at `dims` on `devices` of `profile` (bf16-mixed, Adam)."""
+
+    name: str
+    model: str  # the file's name: rows of one model share it
+    family: str
+    sizes: dict[str, Any] = field(hash=False)
+    devices: int
+    batch: int
+    dims: dict[str, int] = field(hash=False)
+    profile: str
+
+
+# LLaMA 3 8B's shape (Dubey et al. 2024, Table 3) at 128k tokens on 8 nodes of H100s, the
+# setting issue 17 names; the zoo's MoE at Mixtral 8x7B's sizes (docs/benchmarks.md).
+NEW_CASES = [
+    NewCase("llama8b-131k", "llama8b", "llama",
+            {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+             "vocab": 128256, "max_positions": 131072}, 64, 8, {"seq": 131072}, "h100-sxm"),
+    NewCase("llama8b-4k", "llama8b", "llama",
+            {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+             "vocab": 128256, "max_positions": 131072}, 64, 256, {"seq": 4096}, "h100-sxm"),
+    NewCase("mixtral-8x7b", "mixtral", "moe",
+            {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000,
+             "max_positions": 4096, "ffn": 21504, "experts": 8, "top_k": 2,
+             "moe_every": 1}, 64, 256, {"seq": 4096}, "h100-sxm"),
+]
 
 
 def run_case(folder: Path, model: str, devices: int, batch: int, profile: str) -> str:
@@ -56,12 +93,55 @@ def run_case(folder: Path, model: str, devices: int, batch: int, profile: str) -
             f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
 
 
+def run_new_case(folder: Path, case: NewCase) -> str:
+    path = folder / f"{case.model}.onnx"
+    if not path.exists():
+        zoo.save(zoo.build(case.family, dtype="bfloat16", **case.sizes), path)
+    started = time.perf_counter()
+    try:
+        result = plan(path, devices=case.devices, batch=case.batch, dims=case.dims,
+                      profile=case.profile, precision="bf16-mixed")
+    except NoPlanFits as exc:
+        return (f"{case.name:<14}{case.devices:>5}{case.batch:>6}  no plan fits "
+                f"({time.perf_counter() - started:.1f} s): {str(exc)[:60]}")
+    elapsed = time.perf_counter() - started
+    par = result.parallel
+    schedule = str(result.pipeline.schedule) if result.pipeline else "-"
+    kind = f" {par.cp_kind}" if par.cp > 1 and par.cp_kind else ""
+    return (f"{case.name:<14}{case.devices:>5}{case.batch:>6}  {case.profile:<10}"
+            f"{par.dp:>4}{par.tp:>4}{par.pp:>4}{par.cp:>4}{par.ep:>4}{par.micro_batches:>5}"
+            f"{par.zero:>5}  {par.recompute:<10}{schedule:<8}{kind:<9}"
+            f"{human_seconds(result.predicted.step_time_s):>11}"
+            f"{human_bytes(result.predicted.memory['peak']):>11}"
+            f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
+
+
+def main_new(names: list[str] | None) -> None:
+    header = (f"{'model':<14}{'devs':>5}{'batch':>6}  {'profile':<10}{'dp':>4}{'tp':>4}"
+              f"{'pp':>4}{'cp':>4}{'ep':>4}{'mb':>5}{'zero':>5}  {'recompute':<10}"
+              f"{'schedule':<8}{'cp kind':<9}{'step time':>11}{'memory':>11}{'fits':>5}"
+              f"{'search s':>9}")
+    print("automatic search with context and expert parallelism, bf16-mixed, Adam")
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as folder:
+        for case in NEW_CASES:
+            if not names or case.name in names:
+                print(run_new_case(Path(folder), case), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="only these presets")
     parser.add_argument("--devices", nargs="*", type=int, help="only these device counts")
     parser.add_argument("--profiles", nargs="*", default=list(PROFILES))
+    parser.add_argument("--new", nargs="*", metavar="NAME",
+                        help="the long-context and MoE rows instead (all, or these: "
+                             f"{', '.join(c.name for c in NEW_CASES)})")
     args = parser.parse_args()
+    if args.new is not None:
+        main_new(args.new)
+        return
     cases = [c for c in CASES if (not args.models or c[0] in args.models)
              and (not args.devices or c[1] in args.devices)]
     header = (f"{'model':<11}{'devs':>6}{'batch':>6}  {'profile':<12}{'dp':>5}{'tp':>4}{'pp':>4}"
