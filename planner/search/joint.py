@@ -50,12 +50,12 @@ from planner.search.problem import (
     StrategyProblem,
     build_problem,
     prune_dominated,
-    restrict_candidates,
 )
 from planner.search.solve import Engine, solve
 from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
+from planner.sharding.candidates import Candidate
 from planner.sharding.context import context_allows, head_labels, whole_allowed
 from planner.sharding.experts import Experts, expert_allows
 from planner.sharding.mesh import MAX_MESH_AXES, DeviceMesh
@@ -182,34 +182,35 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     if mesh.size == 1:
         return {}, SolverRecord("none", "optimal", 0.0, 0.0, 0.0), (0.0, 0.0)
     unlimited = replace(training, memory_limit_bytes=int(budget.limit) if budget else UNLIMITED)
-    problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
-                            tie_classes(analysis.graph, analysis.blocks), micro_batches)
     dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
     context = AxisRole.CONTEXT in mesh.axis_names
     heads = head_labels(analysis) if context else {}
     expert = AxisRole.EXPERT in mesh.axis_names
-    for index, group in enumerate(problem.groups):
-        op = group.ops[0]
+
+    def allowed(op: str, candidate: Candidate) -> bool:
+        """dp splits exactly the batch, tp never does, cp the sequence, ep the batch with
+        dp or the experts."""
+        assigned = dict(candidate.strategy.assignment)
         wanted = batch.get(op, frozenset()) if dp > 1 else frozenset()
-        sequence = analysis.sequence_labels.get(op, frozenset())
-        experts = analysis.experts.labels.get(op, frozenset())
-        free = all(name in analysis.weight_roots for name in analysis.graph.op(op).outputs
-                   if name)
-        keep = []
-        for position, candidate in enumerate(group.candidates):
-            assigned = dict(candidate.strategy.assignment)
-            tp_on_batch = any(AxisRole.TENSOR in axes and label in batch.get(op, ())
-                              for label, axes in assigned.items())
-            splits = (expert_allows(assigned, batch.get(op, frozenset()), experts, free,
-                                    dp > 1, op in analysis.experts.gemms) if expert
-                      else dp_splits_exactly(assigned, wanted))
-            if splits and not tp_on_batch and (
-                    not context or context_allows(
-                        assigned, sequence, heads.get(group.ops[0], frozenset()),
-                        context_kind, whole_allowed(analysis, group.ops[0]))):
-                keep.append(position)
-        if keep:
-            restrict_candidates(problem, index, keep)
+        tp_on_batch = any(AxisRole.TENSOR in axes and label in batch.get(op, ())
+                          for label, axes in assigned.items())
+        if tp_on_batch:
+            return False
+        if expert:
+            free = all(name in analysis.weight_roots for name in analysis.graph.op(op).outputs
+                       if name)
+            splits = expert_allows(assigned, batch.get(op, frozenset()),
+                                   analysis.experts.labels.get(op, frozenset()), free,
+                                   dp > 1, op in analysis.experts.gemms)
+        else:
+            splits = dp_splits_exactly(assigned, wanted)
+        return splits and (not context or context_allows(
+            assigned, analysis.sequence_labels.get(op, frozenset()),
+            heads.get(op, frozenset()), context_kind, whole_allowed(analysis, op)))
+
+    problem = build_problem(analysis, mesh, hardware, unlimited, fixed,
+                            tie_classes(analysis.graph, analysis.blocks), micro_batches,
+                            allowed)
     if layout is not None:
         if budget is not None:
             return {}, SolverRecord(layout, "infeasible", 0.0, 0.0, 0.0), None

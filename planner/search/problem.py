@@ -17,7 +17,7 @@ of the same tensor get an edge from that first consumer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,6 +125,7 @@ def build_problem(
     fixed: Mapping[str, OpStrategy] | None = None,
     classes: Sequence[Sequence[str]] | None = None,
     micro_batches: int = 1,
+    allowed: Callable[[str, Candidate], bool] | None = None,
 ) -> StrategyProblem:
     """Tabulate every candidate's cost and every edge's cost matrix.
 
@@ -133,6 +134,11 @@ def build_problem(
     micro-batch: what a step pays once (the gradient synchronisation, the optimizer pass)
     counts 1 / `micro_batches` of itself, so that a layout gathering a weight every
     micro-batch is weighed against a reduction paid once per step as the step pays them.
+    `allowed(op, candidate)` keeps, for each group (named by its first op), only the
+    candidates it accepts (all of them where it accepts none) before anything is priced:
+    the edge matrices grow with the product of two groups' candidates, so a search that
+    restricts what an axis may split (dp the batch, cp the sequence) filters here rather
+    than after tabulating.
     """
     once = 1.0 / max(1, micro_batches)
     fixed = dict(fixed or {})
@@ -152,6 +158,13 @@ def build_problem(
         for member in members:
             candidates[member] = found
     _resolve_outputs(graph, groups_ops, candidates, fixed)
+    if allowed is not None:
+        for members in groups_ops:
+            found = candidates[members[0]]
+            kept = [c for c in found if allowed(members[0], c)]
+            if kept and len(kept) < len(found):
+                for member in members:
+                    candidates[member] = kept
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
