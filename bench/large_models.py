@@ -110,7 +110,7 @@ def run_new_case(folder: Path, case: NewCase) -> str:
     kind = f" {par.cp_kind}" if par.cp > 1 and par.cp_kind else ""
     return (f"{case.name:<14}{case.devices:>5}{case.batch:>6}  {case.profile:<10}"
             f"{par.dp:>4}{par.tp:>4}{par.pp:>4}{par.cp:>4}{par.ep:>4}{par.micro_batches:>5}"
-            f"{par.zero:>5}  {par.recompute:<10}{schedule:<8}{kind:<9}"
+            f"{par.zero:>5}  {par.recompute:<10}{schedule:<10}{kind:<9}"
             f"{human_seconds(result.predicted.step_time_s):>11}"
             f"{human_bytes(result.predicted.memory['peak']):>11}"
             f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
@@ -119,7 +119,7 @@ def run_new_case(folder: Path, case: NewCase) -> str:
 def main_new(names: list[str] | None) -> None:
     header = (f"{'model':<14}{'devs':>5}{'batch':>6}  {'profile':<10}{'dp':>4}{'tp':>4}"
               f"{'pp':>4}{'cp':>4}{'ep':>4}{'mb':>5}{'zero':>5}  {'recompute':<10}"
-              f"{'schedule':<8}{'cp kind':<9}{'step time':>11}{'memory':>11}{'fits':>5}"
+              f"{'schedule':<10}{'cp kind':<9}{'step time':>11}{'memory':>11}{'fits':>5}"
               f"{'search s':>9}")
     print("automatic search with context and expert parallelism, bf16-mixed, Adam")
     print(header)
