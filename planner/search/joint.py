@@ -29,7 +29,7 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cache, partial
 
 from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
@@ -187,6 +187,11 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
     heads = head_labels(analysis) if context else {}
     expert = AxisRole.EXPERT in mesh.axis_names
 
+    @cache
+    def writes_weights_only(op: str) -> bool:  # once per op, not per candidate
+        return all(name in analysis.weight_roots for name in analysis.graph.op(op).outputs
+                   if name)
+
     def allowed(op: str, candidate: Candidate) -> bool:
         """dp splits exactly the batch, tp never does, cp the sequence, ep the batch with
         dp or the experts."""
@@ -197,11 +202,10 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
         if tp_on_batch:
             return False
         if expert:
-            free = all(name in analysis.weight_roots for name in analysis.graph.op(op).outputs
-                       if name)
             splits = expert_allows(assigned, batch.get(op, frozenset()),
-                                   analysis.experts.labels.get(op, frozenset()), free,
-                                   dp > 1, op in analysis.experts.gemms)
+                                   analysis.experts.labels.get(op, frozenset()),
+                                   writes_weights_only(op), dp > 1,
+                                   op in analysis.experts.gemms)
         else:
             splits = dp_splits_exactly(assigned, wanted)
         return splits and (not context or context_allows(
