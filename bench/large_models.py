@@ -26,6 +26,7 @@ from planner import zoo
 from planner.api import plan
 from planner.errors import NoPlanFits
 from planner.humanize import human_bytes, human_seconds
+from planner.plans.model import Plan
 
 # (model, devices, global batch in sequences of 2048): GPT-3 and Megatron-LM batch sizes
 # scaled to the device count (GPT-3 175B: 1536 sequences; Megatron 1T: 3072 on 3072 GPUs).
@@ -73,47 +74,54 @@ NEW_CASES = [
 ]
 
 
+def _timed(path: Path, **options: Any) -> tuple[Plan | str, float]:
+    """The plan (or why none fits) and the seconds a user waits for it, import included."""
+    started = time.perf_counter()
+    try:
+        return plan(path, **options), time.perf_counter() - started
+    except NoPlanFits as exc:
+        return f"no plan fits: {str(exc)[:60]}", time.perf_counter() - started
+
+
+def _outcome(result: Plan, elapsed: float) -> str:
+    """The columns every row ends with: step time, peak memory, fits, search seconds."""
+    return (f"{human_seconds(result.predicted.step_time_s):>11}"
+            f"{human_bytes(result.predicted.memory['peak']):>11}"
+            f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
+
+
+def _schedule(result: Plan) -> str:
+    return str(result.pipeline.schedule) if result.pipeline else "-"
+
+
 def run_case(folder: Path, model: str, devices: int, batch: int, profile: str) -> str:
     path = folder / f"{model}.onnx"
     if not path.exists():
         zoo.save(zoo.build(model, dtype="bfloat16"), path)
-    started = time.perf_counter()
-    try:
-        result = plan(path, devices=devices, batch=batch, dims={"seq": 2048}, profile=profile)
-    except NoPlanFits as exc:
-        return (f"{model:<11}{devices:>6}{batch:>6}  {profile:<12} no plan fits "
-                f"({time.perf_counter() - started:.1f} s): {str(exc)[:60]}")
-    elapsed = time.perf_counter() - started
+    result, elapsed = _timed(path, devices=devices, batch=batch, dims={"seq": 2048},
+                             profile=profile)
+    if isinstance(result, str):
+        return f"{model:<11}{devices:>6}{batch:>6}  {profile:<12} {result} ({elapsed:.1f} s)"
     par = result.parallel
-    schedule = str(result.pipeline.schedule) if result.pipeline else "-"
     return (f"{model:<11}{devices:>6}{batch:>6}  {profile:<12}{par.dp:>5}{par.tp:>4}{par.pp:>4}"
-            f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}{schedule:<12}"
-            f"{human_seconds(result.predicted.step_time_s):>11}"
-            f"{human_bytes(result.predicted.memory['peak']):>11}"
-            f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
+            f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}{_schedule(result):<12}"
+            + _outcome(result, elapsed))
 
 
 def run_new_case(folder: Path, case: NewCase) -> str:
     path = folder / f"{case.model}.onnx"
     if not path.exists():
         zoo.save(zoo.build(case.family, dtype="bfloat16", **case.sizes), path)
-    started = time.perf_counter()
-    try:
-        result = plan(path, devices=case.devices, batch=case.batch, dims=case.dims,
-                      profile=case.profile, precision="bf16-mixed")
-    except NoPlanFits as exc:
-        return (f"{case.name:<14}{case.devices:>5}{case.batch:>6}  no plan fits "
-                f"({time.perf_counter() - started:.1f} s): {str(exc)[:60]}")
-    elapsed = time.perf_counter() - started
+    result, elapsed = _timed(path, devices=case.devices, batch=case.batch, dims=case.dims,
+                             profile=case.profile, precision="bf16-mixed")
+    if isinstance(result, str):
+        return f"{case.name:<14}{case.devices:>5}{case.batch:>6}  {result} ({elapsed:.1f} s)"
     par = result.parallel
-    schedule = str(result.pipeline.schedule) if result.pipeline else "-"
     kind = f" {par.cp_kind}" if par.cp > 1 and par.cp_kind else ""
     return (f"{case.name:<14}{case.devices:>5}{case.batch:>6}  {case.profile:<10}"
             f"{par.dp:>4}{par.tp:>4}{par.pp:>4}{par.cp:>4}{par.ep:>4}{par.micro_batches:>5}"
-            f"{par.zero:>5}  {par.recompute:<10}{schedule:<10}{kind:<9}"
-            f"{human_seconds(result.predicted.step_time_s):>11}"
-            f"{human_bytes(result.predicted.memory['peak']):>11}"
-            f"{'yes' if result.predicted.fits else 'NO':>5}{elapsed:>9.1f}")
+            f"{par.zero:>5}  {par.recompute:<10}{_schedule(result):<10}{kind:<9}"
+            + _outcome(result, elapsed))
 
 
 def main_new(names: list[str] | None) -> None:
