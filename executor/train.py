@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import socket
 import sys
@@ -354,16 +353,6 @@ def whole_batch_graph(plan: Plan, micro: PlanningGraph) -> PlanningGraph:
     return rebind(micro, batch=micro.batch * count, dims=dims)
 
 
-def _start_ranks(world: int, settings: RunSettings) -> None:
-    """Start the ranks from a fork server that has imported torch and the executor once,
-    so that ranks do not each pay seconds of imports (fresh interpreters, not forks of
-    this process, whose thread pools may be running)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["executor.train", "torch._dynamo"])
-    run_ranks(_worker, (world, free_port(), settings), world, start_method="forkserver",
-              timeout_s=settings.timeout_s)
-
-
 def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: str = ""
               ) -> str:
     """Refuse, before any rank starts, a plan for another model or one this executor
@@ -422,7 +411,8 @@ def train(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr: float = 0
                                data=str(data), fault=os.environ.get("SHARDPLAN_FAULT", ""),
                                checkpoint_every=checkpoint_every,
                                timeout_s=check_timeout(timeout_s), launcher=os.getpid())
-        _start_ranks(plan.mesh.size, settings)
+        run_ranks(_worker, (plan.mesh.size, free_port(), settings), plan.mesh.size,
+                  timeout_s=settings.timeout_s)
         logged = json.loads(out.read_text())
     logged["weights"] = weights_note
     return RunLog(**logged)

@@ -335,7 +335,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                         backend, optimizer, saving, local, timeout_s, os.getpid(),
                         shared_trace(spec, batch_size))
         run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
-                  start_method="spawn", timeout_s=timeout_s)
+                  timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())
     return ModuleRunLog(**data)
 
