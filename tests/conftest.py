@@ -18,6 +18,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: test takes more than 5 s (e.g. a dynamo export)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first (stable otherwise): pytest-xdist hands tests out in this order, so
+    the minute-long ones (the guide's pages, the notebooks) start early instead of leaving
+    one worker busy while the other has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shardplan_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The module executor's kept traces (`executor.module.cache`) go to this session's
+    folder, shared by its xdist workers and the commands the tests start: a session
+    neither reads the user's cache nor one left by an earlier session."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "shardplan-cache"
+    path.mkdir(exist_ok=True)
+    os.environ["SHARDPLAN_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def export_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Directory holding exported models for this session, shared by its xdist workers.

@@ -332,3 +332,55 @@ def test_a_module_is_exported_once_per_process_until_its_builder_changes(
     monkeypatch.setattr(launch, "MAX_SHARED_TRACE_BYTES", 0)
     source.write_text(text.format(width=6) + "# over the limit\n")
     assert launch.shared_trace(spec, 2) is None
+
+
+def test_a_kept_trace_serves_later_processes_until_the_module_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later process (this one with its memo cleared) reads the trace an earlier one
+    kept instead of exporting; other weights, another batch shape or the cache turned
+    off export anew."""
+    from executor.module import cache, launch
+
+    monkeypatch.setenv("SHARDPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kept_builder.py"
+    seed = tmp_path / "seed.txt"  # the weights change, the builder's file does not
+    seed.write_text("0")
+    source.write_text("import pathlib, torch\n\ndef build():\n"
+                      f"    torch.manual_seed(int(pathlib.Path({str(seed)!r}).read_text()))\n"
+                      "    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())\n"
+                      "    batch = lambda step, rows: {'input': torch.randn(rows, 4)}\n"
+                      "    return model, batch, lambda out, batch: out.sum()\n")
+    spec = f"{source}:build"
+    exports: list[int] = []
+    real_export = launch.export_program
+
+    def counted(*args: object, **kwargs: object) -> object:
+        exports.append(1)
+        return real_export(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(launch, "export_program", counted)
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    first = launch.shared_trace(spec, 2)
+    assert first is not None and len(exports) == 1
+    assert first.program.parent.parent == tmp_path / "cache" / "traces"
+    monkeypatch.setattr(launch, "_saved_traces", {})  # a later process
+    again = launch.shared_trace(spec, 2)
+    assert again == first and len(exports) == 1
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    launch.shared_trace(spec, 5)  # the example's shape is traced
+    assert len(exports) == 2
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    seed.write_text("1")
+    other = launch.shared_trace(spec, 2)
+    assert other is not None and other != first and len(exports) == 3
+    monkeypatch.setenv("SHARDPLAN_CACHE_DIR", "")
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    off = launch.shared_trace(spec, 2)
+    assert off is not None and len(exports) == 4
+    assert not off.program.is_relative_to(tmp_path / "cache")
+    monkeypatch.setenv("SHARDPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "KEPT_TRACES", 1)
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    launch.shared_trace(spec, 3)
+    assert len([p for p in (tmp_path / "cache" / "traces").iterdir()
+                if not p.name.startswith(".")]) == 1

@@ -13,7 +13,6 @@ what the ranks must equal.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import importlib
 import importlib.util
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import marker_for, writing
+from executor.module.cache import keep_trace, kept_trace, trace_digest
 from executor.module.layouts import weight_buckets
 from executor.module.trace import (
     MAX_SHARED_TRACE_BYTES,
@@ -99,11 +99,13 @@ _saved_traces: dict[tuple[object, ...], SavedTrace | None] = {}
 
 
 def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
-    """The builder's module exported once in this process at (spec, batch) and written
-    for every process that needs it: the plan's export, the reference run and every rank
-    read it instead of exporting again. The key holds the builder's file, its size and
-    modification time, so an edited builder is exported anew. None: the module is too
-    large to write twice (`MAX_SHARED_TRACE_BYTES`); each rank exports it as before."""
+    """The builder's module exported once at (spec, batch) and written for every process
+    that needs it: the plan's export, the reference run and every rank read it instead of
+    exporting again, and so do later processes (`executor.module.cache`: kept under a
+    digest of everything the trace depends on). In this process the key holds the
+    builder's file, its size and modification time, so an edited builder is looked up
+    anew. None: the module is too large to write twice (`MAX_SHARED_TRACE_BYTES`); each
+    rank exports it as before."""
     builder = load_builder(spec)
     source = Path(builder.__code__.co_filename)
     stamp = source.stat() if source.is_file() else None
@@ -114,10 +116,10 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
         if state_bytes(module) > MAX_SHARED_TRACE_BYTES:
             _saved_traces[key] = None
         else:
-            folder = Path(tempfile.mkdtemp(prefix="shardplan-trace-"))
-            atexit.register(shutil.rmtree, folder, True)
-            _saved_traces[key] = SavedTrace.write(
-                export_program(module, make_batch(0, batch_size)), folder)
+            example = make_batch(0, batch_size)
+            digest = trace_digest(source if source.is_file() else None, spec, module, example)
+            _saved_traces[key] = kept_trace(digest) or keep_trace(
+                digest, export_program(module, example))
     return _saved_traces[key]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -56,11 +57,6 @@ def run(args: argparse.Namespace) -> int:
     """Check the request before any rank starts, train, then print losses and collectives."""
     from planner.plans.model import Plan
 
-    try:
-        from executor.train import planned_counts, train, train_reference
-    except ImportError:
-        raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'"
-                             ) from None
     check_output(args.log_json, "--log-json", [args.model, args.plan, args.module and
                                                args.module.rpartition(":")[0]])
     loaded = Plan.load(args.plan)
@@ -68,17 +64,17 @@ def run(args: argparse.Namespace) -> int:
         raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
     if args.nproc == 1 and (args.checkpoint or args.resume):
         raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
+    if not args.module:
+        _check_graph_run(args, loaded)
+    _need_torch()
+    if args.nproc > 1:
+        from executor.ranks import start_fork_server
+
+        start_fork_server()  # its imports run while this process imports and checks
     if args.module:
         return _run_module(args, loaded)
-    if args.model is None:
-        raise ShardplanError("give the .onnx file the plan was made for, or --module "
-                             "FILE.py:FN")
-    if args.backend == "nccl":
-        raise ShardplanError("--backend nccl: the ONNX-graph runner runs gloo ranks on CPU "
-                             "only; train a torch module with --module")
-    if args.nproc not in (1, loaded.mesh.size):
-        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
-                             "devices; use that many ranks, or 1 for the unsplit reference")
+    from executor.train import planned_counts, train, train_reference
+
     if args.nproc > 1:
         log = train(args.model, loaded, steps=args.steps, lr=args.lr, seed=args.seed,
                     optimizer=args.optimizer, resume=args.resume, checkpoint=args.checkpoint,
@@ -95,6 +91,26 @@ def run(args: argparse.Namespace) -> int:
     log.collectives = {"planned": planned, "issued": issued}
     _report(log, loaded, args.log_json, compared=args.nproc > 1)
     return 0
+
+
+def _check_graph_run(args: argparse.Namespace, loaded: Plan) -> None:
+    """What an ONNX-graph run is refused for that needs neither torch nor the model: a
+    fraction of a second rather than the seconds torch takes to import."""
+    if args.model is None:
+        raise ShardplanError("give the .onnx file the plan was made for, or --module "
+                             "FILE.py:FN")
+    if args.backend == "nccl":
+        raise ShardplanError("--backend nccl: the ONNX-graph runner runs gloo ranks on CPU "
+                             "only; train a torch module with --module")
+    if args.nproc not in (1, loaded.mesh.size):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+                             "devices; use that many ranks, or 1 for the unsplit reference")
+
+
+def _need_torch() -> None:
+    """torch is installed (found, not imported), or the one-line answer of how to get it."""
+    if importlib.util.find_spec("torch") is None:
+        raise ShardplanError("shardplan run needs torch: pip install 'shardplan[executor]'")
 
 
 def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> None:
