@@ -90,8 +90,10 @@ def _graph(rank: int, world: int, args: argparse.Namespace) -> RunLog:
 
 
 def _module(rank: int, world: int, args: argparse.Namespace) -> RunLog:
-    """The module path's run on this rank (`executor.module.launch.run_module_rank`)."""
-    from executor.module.launch import Checkpoints, ModuleRun, run_module_rank
+    """The module path's run on this rank (`executor.module.launch.run_module_rank`),
+    from the module's kept export when there is one (`executor.module.cache`: after
+    `shardplan plan --module`, say); ranks that find none export it each."""
+    from executor.module.launch import Checkpoints, ModuleRun, run_module_rank, shared_trace
     from planner.plans.model import Plan
 
     plan = Plan.load(args.plan)
@@ -99,7 +101,8 @@ def _module(rank: int, world: int, args: argparse.Namespace) -> RunLog:
         raise ShardplanError(f"{args.plan} names no global batch")
     run = ModuleRun(args.module, json.dumps(plan.to_json()), args.steps, args.lr,
                     plan.global_batch, args.backend, args.optimizer,
-                    Checkpoints(args.resume, args.checkpoint, args.checkpoint_every))
+                    Checkpoints(args.resume, args.checkpoint, args.checkpoint_every),
+                    trace=shared_trace(args.module, plan.global_batch))
     return run_module_rank(rank, world, "env://", run)
 
 
