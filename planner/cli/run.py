@@ -67,10 +67,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.module:
         _check_graph_run(args, loaded)
     _need_torch()
-    if args.nproc > 1:
-        from executor.ranks import start_fork_server
-
-        start_fork_server()  # its imports run while this process imports and checks
     if args.module:
         return _run_module(args, loaded)
     from executor.train import planned_counts, train, train_reference
