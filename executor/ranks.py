@@ -32,12 +32,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch.multiprocessing as mp
 
 from planner.errors import RunFailed, SignalInterrupt
-
-if TYPE_CHECKING:
-    import torch.multiprocessing as mp
 
 GRACE_S = 2.0  # between SIGTERM and SIGKILL
 POLL_S = 0.25  # how often the launcher looks at its ranks
@@ -54,9 +53,8 @@ def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, *,
     for all of them; on any failure or signal, stop every one of them first, then raise
     `RunFailed` (a rank failed, died or was stopped) or `SignalInterrupt`/
     `KeyboardInterrupt`."""
-    import torch.multiprocessing as mp
-
-    start_fork_server()
+    # Read only when this process starts its server: later runs reuse the running one.
+    multiprocessing.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
     with _signals_raise():
         context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
                                      start_method="forkserver")
@@ -72,15 +70,6 @@ def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, *,
         finally:
             with _signals_ignored():  # a second Ctrl-C must not cut the cleanup short
                 stop(context.processes)
-
-
-def start_fork_server() -> None:
-    """Start this process's fork server with its preloads, if it is not running yet."""
-    # Read only when the server starts: later runs reuse the running one.
-    multiprocessing.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
 
 
 def stop(processes: list[Any]) -> None:

@@ -25,14 +25,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def _session_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The session's temporary folder that all its xdist workers share (each worker's
+    base temp is a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shardplan_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The module executor's kept traces (`executor.module.cache`) go to this session's
     folder, shared by its xdist workers and the commands the tests start: a session
     neither reads the user's cache nor one left by an earlier session."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    path = root / "shardplan-cache"
+    path = _session_folder(tmp_path_factory) / "shardplan-cache"
     path.mkdir(exist_ok=True)
     os.environ["SHARDPLAN_CACHE_DIR"] = str(path)
     return path
@@ -47,12 +52,9 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """
     env = os.environ.get("SHARDPLAN_EXPORT_CACHE")
     if not env:
-        # Under xdist each worker's base temp is a folder of the session's: exports go
-        # beside them, so the workers share one cache (exports appear atomically, and a
-        # lock per file stops two workers exporting the same model twice).
-        base = tmp_path_factory.getbasetemp()
-        root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-        path = root / "onnx-exports"
+        # Exports appear atomically, and a lock per file stops two workers exporting the
+        # same model twice.
+        path = _session_folder(tmp_path_factory) / "onnx-exports"
         path.mkdir(exist_ok=True)
         return path
     import torch

@@ -32,8 +32,7 @@ from torch import nn
 from executor.module import trace as trace_code
 from executor.module.trace import SavedTrace
 
-KEPT_TRACES = 8  # the most recently written traces kept; older ones are removed
-ENTRY = "program.pt2"  # a finished entry holds it (written last, then the folder renamed)
+KEPT_TRACES = 8  # the most recently used traces kept; older ones are removed
 
 
 def cache_folder() -> Path | None:
@@ -76,12 +75,11 @@ def kept_trace(digest: str) -> SavedTrace | None:
     folder = cache_folder()
     if folder is None:
         return None
-    entry = folder / digest
-    saved = SavedTrace(entry / ENTRY, entry / "model.onnx")
+    saved = SavedTrace.at(folder / digest)  # an entry appears whole (a renamed folder)
     if not (saved.program.is_file() and saved.model.is_file()):
         return None
     with contextlib.suppress(OSError):
-        os.utime(entry)  # recently used: kept longer
+        os.utime(folder / digest)  # recently used: kept longer
     return saved
 
 

@@ -101,11 +101,15 @@ class SavedTrace:
     model: Path
 
     @classmethod
+    def at(cls, folder: str | Path) -> SavedTrace:
+        """The trace a folder holds (or will hold once written)."""
+        return cls(Path(folder) / "program.pt2", Path(folder) / "model.onnx")
+
+    @classmethod
     def write(cls, program: torch.onnx.ONNXProgram, folder: str | Path) -> SavedTrace:
-        target = Path(folder)
         exported = program.exported_program
         assert exported is not None  # export_program checked it
-        saved = cls(target / "program.pt2", target / "model.onnx")
+        saved = cls.at(folder)
         with _quiet():
             torch.export.save(exported, str(saved.program))
         save_model(program, saved.model)
