@@ -180,6 +180,14 @@ def best_algorithm(profile: HardwareProfile, kind: str, nbytes: float, group: Co
     return min(applicable, key=lambda item: item[1])
 
 
+def level_send_seconds(level: LinkLevel, nbytes: float) -> float:
+    """One direct send of `nbytes` over `level` (the link between a mixed cluster's
+    groups): n/B + a, the `direct` send_recv formula."""
+    if nbytes <= 0:
+        return 0.0
+    return _ring("send_recv", float(nbytes), 2, _level_link(level, 2, "send_recv"))
+
+
 def ring_terms(kind: str, p: int) -> tuple[float, float]:
     """(latency steps, byte factor) of the ring formula: t = steps * a + factor * n / B."""
     if kind == "all_reduce":

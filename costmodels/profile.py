@@ -260,12 +260,14 @@ def _read_json(path: Path) -> Any:
 class _Reader:
     """Validates one parsed profile; every failure names the file and the field path."""
 
+    hint = FORMAT_HINT  # where the format is described: the last words of every refusal
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.sources: dict[str, str] = {}
 
     def fail(self, field: str, problem: str) -> NoReturn:
-        raise ProfileError(f"{self.path}: {field} {problem}; {FORMAT_HINT}")
+        raise ProfileError(f"{self.path}: {field} {problem}; {self.hint}")
 
     # -- structure -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import TypeVar
 
+from costmodels.cluster import Cluster, load_cluster
 from costmodels.precision import default_precision, policy
 from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.buckets import DEFAULT_BUCKET_MB
@@ -78,8 +79,12 @@ def plan(
     overlap_grad_reduce: bool = True,
     capacity_factor: float | None = None,
     progress: Callable[[str], None] | None = None,
+    cluster: str | os.PathLike | Cluster | None = None,
 ) -> Plan:
-    """Plan a training step of `model` on `devices` devices of `profile`.
+    """Plan a training step of `model` on `devices` devices of `profile`, or on a
+    `cluster` (a cluster file or `costmodels.cluster.Cluster`), which takes the place of
+    both: groups of devices of different kinds, planned by the pipeline search with each
+    stage on one kind (`--mode auto`, training with a batch).
 
     `mode`: "data" (data-parallel baseline), "semi" (the ops named in `strategies`, by
     name or glob pattern, keep their MindSpore-style tuples; the solver fills the rest) or
@@ -104,8 +109,20 @@ def plan(
         raise ShardplanError("--mode semi needs strategies (--strategies FILE) for some ops")
     if mode != "semi" and strategies:
         raise ShardplanError("strategies are only used with --mode semi")
+    mixed = None
+    if cluster is not None:
+        mixed = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        profile, devices = mixed.lead.profile, mixed.devices
+        if not mixed.mixed:  # one group: its profile's plain cluster
+            devices, mixed = mixed.groups[0].devices, None
+        elif mode != "auto" or inference or mesh:
+            raise ShardplanError(
+                f"--cluster {mixed.path or mixed.name}: a mixed cluster is planned by the "
+                "pipeline search, each stage on one kind of device: plan training in "
+                "--mode auto without --mesh")
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    hardware.check_device_count(devices)
+    if mixed is None:  # each group of a cluster file was checked as it was read
+        hardware.check_device_count(devices)
     if memory_limit_gib is not None and not (
             MEMORY_LIMIT_GIB[0] <= memory_limit_gib <= MEMORY_LIMIT_GIB[1]):
         raise ShardplanError(f"--memory-limit {memory_limit_gib}: a device memory in GiB, "
@@ -147,7 +164,7 @@ def plan(
         mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
-    return plan_search(graph, hardware, devices, options, training, progress)
+    return plan_search(graph, hardware, devices, options, training, progress, mixed)
 
 
 def _check_baseline_pins(baseline: Plan, pins: Mapping[str, int | str]) -> None:

@@ -45,8 +45,7 @@ def summary(plan: Plan) -> str:
     lines = [
         f"model      {plan.model.path}  ({human_count(plan.model.parameters)} parameters, "
         f"batch {plan.model.batch}, dims {plan.model.bound_dims})",
-        f"cluster    {plan.cluster.devices} × {plan.cluster.profile} "
-        f"({plan.cluster.nodes} node(s) of {plan.cluster.devices_per_node})",
+        f"cluster    {_cluster(plan)}",
         f"mesh       {mesh}",
         f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
         + (f"cp={parallel.cp} " + (f"{parallel.cp_kind} " if parallel.cp_kind else "")
@@ -149,21 +148,38 @@ def _weight_storage(plan: Plan) -> list[str]:
     return [f"weights    {len(weights)}: " + "; ".join(parts)] if weights else []
 
 
+def _cluster(plan: Plan) -> str:
+    """`8 × a100-80g (1 node(s) of 8)`; a mixed cluster's groups in rank order, with the
+    link between them."""
+    cluster = plan.cluster
+    if not cluster.groups:
+        return (f"{cluster.devices} × {cluster.profile} ({cluster.nodes} node(s) of "
+                f"{cluster.devices_per_node})")
+    groups = " + ".join(f"{g.name}: {g.devices} × {g.profile} (ranks {g.first_rank}-"
+                        f"{g.first_rank + g.devices - 1})" for g in cluster.groups)
+    link = cluster.link
+    between = (f"; between groups {link.name} {link.bandwidth_Bps / 1e9:.0f} GB/s"
+               if link is not None else "")
+    return f"{groups}{between}"
+
+
 def _pipeline(plan: Plan) -> str:
     """The stages: which units each device stage holds, its time per micro-batch, memory."""
     pipe = plan.pipeline
     assert pipe is not None
+    placed = any(row.groups for row in pipe.stages)
     lines = [f"pipeline   {len(pipe.stages)} stage(s), schedule {pipe.schedule}"
              + (f" ×{pipe.virtual_stages} chunks" if pipe.virtual_stages > 1 else "")
              + f", {pipe.micro_batches} micro-batch(es) of {pipe.micro_batch_size}"
              + f", bubble {100 * pipe.bubble_fraction:.1f} %",
              f"  {'stage':<7}{'units':<34}{'recompute':<11}{'per micro-batch':>16}"
-             f"{'memory':>12}"]
+             f"{'memory':>12}" + ("  on" if placed else "")]
     for row in pipe.stages:
         units = " + ".join(_unit_span(a, b) for a, b in row.units)
         lines.append(f"  {row.device_stage:<7}{units[:33]:<34}{row.recompute:<11}"
                      f"{human_seconds(row.per_micro_batch_s):>16}"
-                     f"{human_bytes(row.memory.peak):>12}")
+                     f"{human_bytes(row.memory.peak):>12}"
+                     + (f"  {' + '.join(row.groups)}" if placed else ""))
     return "\n".join(lines)
 
 
@@ -182,7 +198,7 @@ def memory_shortfall(plan: Plan) -> str:
     parts = ", ".join(f"{key} {human_bytes(p.memory.get(key, 0))}" for key in MEMORY_ORDER)
     return (
         f"the {plan.solver.name} plan needs {human_bytes(p.memory['peak'])} per device but "
-        f"{plan.cluster.profile} has {human_bytes(p.memory_limit_bytes)}: {parts}. "
+        f"{_fullest_kind(plan)} has {human_bytes(p.memory_limit_bytes)}: {parts}. "
         "Use more devices, a smaller batch, or plan with model parallelism"
     )
 
@@ -209,3 +225,15 @@ def _tied(plan: Plan) -> str:
     if plan.solver.detail.tied_layers and plan.solver.status == "optimal":
         return " (among plans splitting every repeated layer alike; --no-tie-layers: each)"
     return ""
+
+
+def _fullest_kind(plan: Plan) -> str:
+    """The device kind whose memory the plan's figure is measured against: the profile, or
+    on a mixed cluster the group(s) of the stage nearest its limit."""
+    pipe = plan.pipeline
+    if not plan.cluster.groups or pipe is None:
+        return plan.cluster.profile
+    peak = plan.predicted.memory.peak
+    stage = next((row for row in pipe.stages if row.memory.peak == peak), pipe.stages[0])
+    kinds = {g.name: g.profile for g in plan.cluster.groups}
+    return " + ".join(kinds.get(name, name) for name in stage.groups)

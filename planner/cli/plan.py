@@ -18,7 +18,7 @@ from planner.cli.args import (
     positive_number,
     unique_dims,
 )
-from planner.errors import NoPlanFits
+from planner.errors import NoPlanFits, ShardplanError
 from planner.kinds import AttentionKernel, Fusion, Precision
 
 DEMO_PRESET = "gpt2-small"
@@ -33,9 +33,14 @@ def add_parser(verbs: Verbs) -> None:
                       help="plan a torch module instead: FN() returns (module, make_batch, "
                            "loss_fn); it is exported with torch's default exporter at the "
                            "global batch --batch (needs torch)")
-    plan.add_argument("--profile", default="a100-80g",
-                      help="hardware profile name or JSON file (see `shardplan profiles`)")
-    plan.add_argument("--devices", type=positive_int, default=8, help="number of devices")
+    plan.add_argument("--profile",
+                      help="hardware profile name or JSON file (see `shardplan profiles`; "
+                           "default a100-80g)")
+    plan.add_argument("--devices", type=positive_int, help="number of devices (default 8)")
+    plan.add_argument("--cluster", metavar="FILE",
+                      help="a mixed cluster instead of --profile and --devices: groups of "
+                           "devices of different kinds and the link between them "
+                           "(docs/hardware-profiles.md \"Mixed clusters\")")
     plan.add_argument("--batch", type=positive_int, help="global batch size (binds dim 0)")
     plan.add_argument("--dim", type=dim, action="append", default=[], metavar="NAME=N",
                       help="bind a symbolic input dim, e.g. --dim seq=2048 (repeatable)")
@@ -106,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import memory_shortfall, summary
 
     dims = unique_dims(args.dim)
-    check_output(args.output, "-o", [args.model, args.strategies])
+    check_output(args.output, "-o", [args.model, args.strategies, args.cluster])
+    if args.cluster and (args.profile or args.devices):
+        raise ShardplanError(f"--cluster {args.cluster} names the devices: give it without "
+                             "--profile and --devices")
     # Not given: the API's default (planner.cost.buckets.DEFAULT_BUCKET_MB).
     buckets = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
@@ -123,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         strategies = load_strategies(args.strategies) if args.strategies else None
         progress = Progress(sys.stderr) if not args.json else None
         try:
-            result = plan(model, profile=args.profile, devices=args.devices, batch=batch,
+            result = plan(model, profile=args.profile or "a100-80g",
+                          devices=args.devices or 8, cluster=args.cluster, batch=batch,
                           dims=dims, mode=args.mode, strategies=strategies, solver=args.solver,
                           time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
                           max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
@@ -158,8 +167,6 @@ def bucket_mb(text: str) -> float:
 
 def _export_module(spec: str, model: str | None, batch: int | None, folder: Path) -> Path:
     """The builder's module exported for planning (`executor.module.launch`)."""
-    from planner.errors import ShardplanError
-
     if model is not None:
         raise ShardplanError(f"give a model file or --module, not both ({model}, {spec})")
     if batch is None:

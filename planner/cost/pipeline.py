@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from costmodels.cluster import Placement
+from costmodels.communication import level_send_seconds
 from costmodels.memory import optimizer_state_bytes, training_memory
-from costmodels.profile import HardwareProfile
+from costmodels.profile import HardwareProfile, LinkLevel
 from costmodels.schedule import in_flight
 from planner.cost.buckets import (
     backward_prefetch_exposed,
@@ -39,11 +41,14 @@ PIPELINE_AXIS: str = AxisRole.PIPELINE
 
 
 class Prices:
-    """Collective times on one mesh (`collective_seconds` memoises them per profile)."""
+    """Collective times on one mesh (`collective_seconds` memoises them per profile).
+
+    `link`: the link the sends between stages cross instead of the mesh's own (a mixed
+    cluster's link between device groups, `costmodels.cluster`); None: the mesh's."""
 
     def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh,
-                 bucket_mb: float = 0.0) -> None:
-        self.hardware, self.mesh = hardware, mesh
+                 bucket_mb: float = 0.0, link: LinkLevel | None = None) -> None:
+        self.hardware, self.mesh, self.link = hardware, mesh, link
         self.bucket = bucket_bytes(bucket_mb)  # weight collectives' bucket, bytes (0: none)
         self._sends: dict[tuple[float, SendSplit | None], Send] = {}  # layers repeat them
 
@@ -58,6 +63,8 @@ class Prices:
         """One send between neighbouring stages (nothing without a pipeline axis)."""
         if PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
             return 0.0
+        if self.link is not None:
+            return level_send_seconds(self.link, nbytes)
         return self(CollectiveKind.SEND_RECV, nbytes, (PIPELINE_AXIS,))
 
     def send(self, nbytes: float, split: SendSplit | None) -> Send:
@@ -248,12 +255,13 @@ class Arrivals:
 
 
 class Pricer:
-    """Prices devices of a pipeline (one configuration on one mesh)."""
+    """Prices devices of a pipeline (one configuration on one mesh); `link`: what the
+    sends into the devices it prices cross (`Prices`)."""
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
-                 mesh: DeviceMesh) -> None:
+                 mesh: DeviceMesh, link: LinkLevel | None = None) -> None:
         self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
-        self.prices = Prices(hardware, mesh, config.bucket_mb)
+        self.prices = Prices(hardware, mesh, config.bucket_mb, link)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
         self.arrivals = Arrivals(profile, self.prices)
         # A device's price depends on its own ranges, its place in the pipeline and which
@@ -376,3 +384,65 @@ class Pricer:
               recompute: Sequence[Recompute]) -> StepPrice:
         stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
         return step_price(stages, self.config)
+
+    def stage_pricer(self, stage: int) -> Pricer:
+        """The pricer of device stage `stage`: this one, every stage on one kind."""
+        return self
+
+    def limit_ratio(self, stage: int) -> float:
+        """Stage `stage`'s memory limit over the pipeline's: 1, every device alike."""
+        return 1.0
+
+
+class PlacedPricer:
+    """Prices a pipeline whose device stages run on different device kinds (a mixed
+    cluster's `Placement`): each stage by the `Pricer` of its kind, with the unit profile
+    its hardware prices (`profiles[group]`) and the sends into it over the link between
+    groups where they cross it. A stage whose ranks span kinds runs at the slowest one's
+    pace, within the smallest one's memory. Memory limits are relative: a stage's limit is
+    the pipeline's times its kind's memory over the lead kind's (all 1 under a
+    `--memory-limit`, which holds for every device)."""
+
+    def __init__(self, profiles: Sequence[UnitProfile], config: PipelineConfig,
+                 placement: Placement, mesh: DeviceMesh, uniform_limit: bool) -> None:
+        cluster = placement.cluster
+        self.placement, self.config, self.mesh = placement, config, mesh
+        work = [float((p.forward + p.backward).sum()) for p in profiles]
+        lead = cluster.lead.memory_bytes
+        self._pricers: dict[tuple[int, bool], Pricer] = {}
+        self._stages: list[Pricer] = []
+        self._ratios: list[float] = []
+        self.groups: list[int] = []  # the kind each stage is priced on
+        for stage in range(config.pp):
+            spanned = placement.stage_groups(stage)
+            group = placement.slowest(spanned, work)
+            crosses = placement.crosses_into(stage)
+            key = (group, crosses)
+            if key not in self._pricers:
+                self._pricers[key] = Pricer(profiles[group], config,
+                                            cluster.groups[group].profile, mesh,
+                                            cluster.link if crosses else None)
+            self._stages.append(self._pricers[key])
+            self.groups.append(group)
+            self._ratios.append(1.0 if uniform_limit
+                                else placement.memory_bytes(spanned) / lead)
+        self.profile = self._stages[0].profile
+
+    def stage_pricer(self, stage: int) -> Pricer:
+        return self._stages[stage]
+
+    def limit_ratio(self, stage: int) -> float:
+        return self._ratios[stage]
+
+    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
+               mode: Recompute) -> StagePrice:
+        return self._stages[index].device(index, devices, mode)
+
+    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
+              recompute: Sequence[Recompute]) -> StepPrice:
+        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
+        return step_price(stages, self.config)
+
+
+#: What prices a pipeline: one kind of device, or a mixed cluster's placement.
+AnyPricer = Pricer | PlacedPricer

@@ -125,9 +125,12 @@ def step_price(stages: Sequence[StagePrice], config: PipelineConfig) -> StepPric
     return StepPrice(config, tuple(stages), pipeline + tail, pipeline)
 
 
-def predicted(price: StepPrice, limit: int) -> Predicted:
+def predicted(price: StepPrice, limit: int,
+              stage_limits: Sequence[int] | None = None) -> Predicted:
     """The plan's figures: the busiest device's compute and communication over the step,
-    the pipeline bubble as the rest, the fullest device's memory."""
+    the pipeline bubble as the rest, the fullest device's memory. With `stage_limits` (a
+    mixed cluster's stages, each within its own kind's memory) the fullest is the stage
+    nearest its own limit, and the plan fits when every stage does."""
     m = price.config.micro_batches
     busiest = price.busiest
     compute = m * (busiest.forward_compute_s + busiest.backward_compute_s
@@ -138,9 +141,16 @@ def predicted(price: StepPrice, limit: int) -> Predicted:
     bubble = max(0.0, price.step_time_s - compute - communication) if len(
         price.stages) > 1 else 0.0
     memory = price.fullest.memory
+    fits = memory.peak <= limit
+    if stage_limits is not None:
+        fullest = max(range(len(price.stages)),
+                      key=lambda k: price.stages[k].memory.peak / stage_limits[k])
+        memory, limit = price.stages[fullest].memory, stage_limits[fullest]
+        fits = all(s.memory.peak <= lim
+                   for s, lim in zip(price.stages, stage_limits, strict=True))
     return Predicted(
         step_time_s=price.step_time_s, compute_s=compute, communication_s=communication,
-        memory=memory, memory_limit_bytes=int(limit), fits=memory.peak <= limit,
+        memory=memory, memory_limit_bytes=int(limit), fits=fits,
         breakdown=StepBreakdown(
             forward_s=m * busiest.forward_compute_s, backward_s=m * busiest.backward_compute_s,
             recompute_s=m * busiest.recompute_s, optimizer_s=busiest.optimizer_s,

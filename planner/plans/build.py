@@ -13,15 +13,16 @@ baselines) and returns the Plan. Nothing patches a Plan afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from costmodels.cluster import Cluster, Placement
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
 from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
-from planner.cost.pipeline import Pricer, Prices
+from planner.cost.pipeline import PlacedPricer, Pricer, Prices
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
@@ -32,6 +33,8 @@ from planner.plans.sections import (
     Alternative,
     Brief,
     ClusterRef,
+    GroupRef,
+    LinkRef,
     ModelRef,
     OpEntry,
     ParallelConfig,
@@ -47,7 +50,7 @@ from planner.plans.sections import (
 from planner.plans.sequence import sequence_parallel
 from planner.records import Collective, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
-from planner.search.joint import choice_mesh, pipeline_config
+from planner.search.joint import choice_mesh, kinds_of, pipeline_config
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
@@ -69,8 +72,9 @@ class BuildContext:
     what a step is."""
 
     graphs: Analyses
-    hardware: HardwareProfile
+    hardware: HardwareProfile  # a mixed cluster's lead kind
     training: TrainingOptions
+    cluster: Cluster | None = None  # a mixed cluster (`costmodels.cluster`)
 
     @property
     def limit(self) -> int:
@@ -177,12 +181,32 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     training = context.training
     per_node = int(context.hardware.devices_per_node.value)
     mesh = choice_mesh(choice, per_node)
-    priced = priced_choice(analysis, mesh, decision.strategies, context.hardware, training)
+    kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
+        context.hardware,)
+    priceds = [priced_choice(analysis, mesh, decision.strategies, kind, training)
+               for kind in kinds]
+    priced = priceds[0] if len(kinds) == 1 else priceds[kinds.index(context.hardware)]
     sharded = priced.sharded
-    profile = unit_profile(priced, analysis.units)
+    profiles = [unit_profile(p, analysis.units) for p in priceds]
+    profile = profiles[0]
     config = pipeline_config(choice, training)
-    pricer = Pricer(profile, config, context.hardware, mesh)
+    pricer: Pricer | PlacedPricer
+    placement = None
+    if decision.order:
+        assert context.cluster is not None, "a placed decision comes from a mixed cluster"
+        placement = Placement(context.cluster, decision.order, mesh.size // choice.pp)
+        pricer = PlacedPricer(profiles, config, placement, mesh,
+                              training.memory_limit_bytes is not None)
+    else:
+        pricer = Pricer(profile, config, context.hardware, mesh)
     price = pricer.price(decision.devices, decision.recompute)
+    stage_of_op = _stage_of_op(decision, analysis.units, len(graph.ops))
+    kind_of_stage = [pricer.groups[d] if isinstance(pricer, PlacedPricer) else 0
+                     for d in range(choice.pp)]
+
+    def prices_of(stage: int) -> Prices:
+        return pricer.stage_pricer(stage).prices
+
     warnings = list(_warnings(graph, sharded, context.hardware))
     tp = choice.tp
     if choice.tp > 1 and AxisRole.TENSOR not in sharded.used_axes:
@@ -190,8 +214,9 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         # what `parallel.tp` = 1 says unless the user pinned tp; the mesh keeps the axis.
         tp = choice.tp if decision.tp_pinned else 1
     modes = set(decision.recompute)
-    ops, tensors, units = _op_entries(priced), _tensor_entries(sharded), \
-        _layer_units(analysis.units)
+    kind_of_op = [kind_of_stage[s] for s in stage_of_op]
+    ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(priceds, kind_of_op)
+    tensors, units = _tensor_entries(sharded), _layer_units(analysis.units)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
@@ -200,8 +225,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
-                            mesh.size // choice.pp)
-    sends = _sends(analysis, profile, stages, pricer.prices)
+                            mesh.size // choice.pp, placement)
+    sends = _sends(analysis, profile, stages, prices_of)
     global_batch = decision.micro_batch_size * choice.micro_batches
     section = PipelineSection(
         schedule=config.schedule, micro_batches=config.micro_batches,
@@ -210,19 +235,50 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         bubble_fraction=bubble_fraction(choice.pp, config.micro_batches, config.schedule,
                                         config.virtual_stages, _split(price.busiest)),
         units=_unit_entries(analysis.units), stages=stages, sends=sends)
-    collectives = (*(c for c in priced.collectives if c.phase != Phase.GRADIENT),
-                   *_weight_collectives(profile, stages, choice.zero, pricer.prices),
-                   *_send_collectives(sends, stages, graph, pricer.prices))
+    op_collectives = priced.collectives if len(priceds) == 1 else _placed_collectives(
+        priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op, strict=True)})
+    collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
+                   *_weight_collectives(profile, stages, choice.zero, prices_of),
+                   *_send_collectives(sends, stages, graph, prices_of))
+    limits = None
+    if placement is not None:
+        limits = [int(context.limit * pricer.limit_ratio(d)) for d in range(choice.pp)]
     return Derived(decision, Plan(
-        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh), mesh=mesh,
-        parallel=parallel, ops=ops, tensors=tensors,
-        collectives=collectives, predicted=predicted(price, context.limit), solver=UNREPORTED,
-        warnings=tuple(warnings), step=_step(training), pipeline=section, units=units), price)
+        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement),
+        mesh=mesh, parallel=parallel, ops=ops, tensors=tensors,
+        collectives=collectives, predicted=predicted(price, context.limit, limits),
+        solver=UNREPORTED, warnings=tuple(warnings), step=_step(training), pipeline=section,
+        units=units), price)
+
+
+def _stage_of_op(decision: PipelineDecision, units: Units, ops: int) -> list[int]:
+    """The device stage running each op (ops outside every unit: the first stage)."""
+    found = [0] * ops
+    for d, ranges in enumerate(decision.devices):
+        for a, b in ranges:
+            for k in range(units.bounds[a], units.bounds[b]):
+                found[k] = d
+    return found
+
+
+def _placed_op_entries(priceds: Sequence[PricedGraph],
+                       kind_of_op: Sequence[int]) -> tuple[OpEntry, ...]:
+    """A mixed cluster's op entries: each op's cost as the kind running it prices it (the
+    layouts are one: every kind was priced on the same strategies)."""
+    every = [_op_entries(p) for p in priceds]
+    return tuple(every[kind][k] for k, kind in enumerate(kind_of_op))
+
+
+def _placed_collectives(priceds: Sequence[PricedGraph],
+                        kind_of: Mapping[str, int]) -> tuple[Collective, ...]:
+    """A mixed cluster's op-level collectives, each priced on the kind running its op."""
+    every = [p.collectives for p in priceds]
+    return tuple(every[kind_of.get(c.op, 0)][k] for k, c in enumerate(every[0]))
 
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,
                    price: StepPrice, decision: PipelineDecision,
-                   stage_size: int) -> tuple[StageEntry, ...]:
+                   stage_size: int, placement: Placement | None) -> tuple[StageEntry, ...]:
     units = analysis.units
     rows = []
     for d, (stage, ranges, mode) in enumerate(zip(price.stages, decision.devices,
@@ -237,7 +293,9 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: Kern
             forward_s=stage.forward_s, backward_s=stage.backward_s,
             recompute_s=stage.recompute_s, p2p_s=stage.p2p_s, zero_s=stage.zero_s,
             gradient_sync_s=stage.sync_s, optimizer_s=stage.optimizer_s,
-            in_flight=stage.in_flight, weight_gradient_s=stage.weight_s))
+            in_flight=stage.in_flight, weight_gradient_s=stage.weight_s,
+            groups=tuple(placement.cluster.groups[g].name for g in placement.stage_groups(d))
+            if placement is not None else ()))
     return tuple(rows)
 
 
@@ -270,7 +328,8 @@ def _op_names(graph: PlanningGraph) -> list[tuple[tuple[str, ...], tuple[str, ..
 
 
 def _sends(analysis: GraphAnalysis, profile: UnitProfile,
-           stages: Sequence[StageEntry], prices: Prices) -> tuple[SendEntry, ...]:
+           stages: Sequence[StageEntry],
+           prices_of: Callable[[int], Prices]) -> tuple[SendEntry, ...]:
     """Every activation a device stage receives from another, chunk to chunk, scattered
     over the axes it is replicated on where that is faster (`Prices.send`).
 
@@ -286,7 +345,7 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
                                           crossing.consumers),
                              crossing.grad, chunk_of_unit, chunks)
         for source, target in routes:
-            split = prices.send(crossing.bytes, crossing.split).split
+            split = prices_of(chunks[target][1]).send(crossing.bytes, crossing.split).split
             sends.append(SendEntry(crossing.tensor, chunks[source][1], chunks[target][1],
                                    round(crossing.bytes), crossing.grad, source, target,
                                    split.axes if split else (), split.dim if split else -1))
@@ -294,7 +353,7 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
 
 
 def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
-                        prices: Prices) -> list[Collective]:
+                        prices_of: Callable[[int], Prices]) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
     holding it, each priced as its share of its bucket and numbered with it (buckets of
     one stage, kind, phase and group fill in the order the step issues them), and the sum
@@ -307,9 +366,10 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
     result: list[Collective] = []
     issues: list[tuple[tuple, int, Issue]] = []  # (issue order, record index, bucket key)
     for param in profile.params:
-        axes = param.synced_axes(prices.mesh)
+        axes = param.synced_axes(prices_of(0).mesh)
         first = param.units[0] if param.units else 0
         for step in weight_steps(axes, tuple(holders.get(param.name, [0])), zero):
+            prices = prices_of(step.holder)
             if step.number < 0:  # the sum between two holders: one exchange with the other
                 seconds = prices.p2p(param.bytes)
             else:
@@ -321,14 +381,15 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
             result.append(Collective(step.kind, param.name, step.axes, round(param.bytes),
                                      step.phase, OPTIMIZER_OP, seconds))
     issues.sort(key=lambda item: item[0])
-    buckets = assign_buckets((issue for _, _, issue in issues), prices.bucket)
+    buckets = assign_buckets((issue for _, _, issue in issues), prices_of(0).bucket)
     for (_, index, _), bucket in zip(issues, buckets, strict=True):
         result[index] = replace(result[index], bucket=bucket)
     return result
 
 
 def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
-                      graph: PlanningGraph, prices: Prices) -> list[Collective]:
+                      graph: PlanningGraph,
+                      prices_of: Callable[[int], Prices]) -> list[Collective]:
     """Each send's point-to-point transfer every micro-batch (its gradient back too), and
     for a scattered send the all-gather of the slices where it arrives; named after the
     first op of the receiving chunk that reads it."""
@@ -337,7 +398,7 @@ def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
     result = []
     for send in sends:
         split = SendSplit(send.scatter_axes, send.scatter_dim) if send.scatter_axes else None
-        priced = prices.send(send.bytes, split)
+        priced = prices_of(send.to_stage).send(send.bytes, split)
         assert priced.split == split, "a send's split is decided by Prices.send alone"
         (first, end), _ = chunks[send.to_chunk]
         for step in send_steps(send.tensor, send.grad, split, names[first:end],
@@ -405,10 +466,26 @@ def _model_ref(graph: PlanningGraph) -> ModelRef:
                     tuple(graph.routed.values()))
 
 
-def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh) -> ClusterRef:
+def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh,
+                 placement: Placement | None = None) -> ClusterRef:
+    """The plan's devices; on a mixed cluster its groups in the order placed on the ranks,
+    their nodes summed, and the link between them."""
     nodes = max(1, mesh.size // mesh.devices_per_node) if mesh.size > mesh.devices_per_node \
         else 1
-    return ClusterRef(hardware.name, mesh.size, nodes, int(hardware.devices_per_node.value))
+    if placement is None:
+        return ClusterRef(hardware.name, mesh.size, nodes,
+                          int(hardware.devices_per_node.value))
+    cluster = placement.cluster
+    groups = tuple(GroupRef(
+        group.name, group.profile.name, group.devices,
+        int(group.profile.devices_per_node.value), placement.first_rank(g),
+        group.memory_bytes) for g in placement.order for group in [cluster.groups[g]])
+    link = LinkRef(cluster.link.name, cluster.link.bus_bandwidth_Bps,
+                   float(cluster.link.latency_s.value))
+    return ClusterRef(hardware.name, mesh.size,
+                      sum(group.profile.check_device_count(group.devices)
+                          for group in cluster.groups),
+                      int(hardware.devices_per_node.value), groups, link)
 
 
 def _step(training: TrainingOptions) -> StepSpec:

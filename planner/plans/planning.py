@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from costmodels.cluster import Cluster
 from costmodels.profile import HardwareProfile
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError
@@ -80,20 +81,30 @@ def plan_baseline(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
 
 def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                 options: SearchOptions, training: TrainingOptions,
-                progress: Progress | None = None) -> Plan:
+                progress: Progress | None = None, cluster: Cluster | None = None) -> Plan:
     """Op-level plans over mesh shapes, and (for training with a batch) the joint search
-    over pipeline stages, micro-batches, ZeRO and recompute; the fastest plan that fits."""
+    over pipeline stages, micro-batches, ZeRO and recompute; the fastest plan that fits.
+
+    On a mixed `cluster` (`hardware` its lead kind) only the joint search runs: an
+    op-level plan, like the baselines, runs every op on every device, at the slowest
+    kind's pace within the smallest kind's memory, which a pipeline of one stage prices
+    as well."""
     if options.solver not in SOLVERS:
         raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
     pins = check_pins(options.parallel)
     analysis = GraphAnalysis.of(graph)
-    context = BuildContext(Analyses(analysis), hardware, training)
+    mixed = cluster if cluster is not None and cluster.mixed else None
+    context = BuildContext(Analyses(analysis), hardware, training, mixed)
     # a typo or two globs at odds are the same on every mesh: say it once
     resolve_patterns(analysis, options.strategies)
     started = time.perf_counter()
     joint_only = pins.joint_only
     joint_wanted = (options.mode == "auto" and not training.inference and bool(graph.batch)
                     and options.mesh is None)
+    if mixed is not None and not joint_wanted:
+        raise ShardplanError(
+            f"--cluster {mixed.path or mixed.name}: a mixed cluster is planned by the pipeline "
+            f"search; {graph.path} needs a batch dimension (--batch) for it")
     if joint_only and not joint_wanted:
         raise ShardplanError(
             f"--parallel {', '.join(joint_only)}: pipeline stages, "
@@ -108,7 +119,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if skip_op_level and progress is not None:
         progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
                  "per device (weights, gradients, states and activations spread evenly)")
-    if pins.admits_op_level and not skip_op_level:
+    if pins.admits_op_level and not skip_op_level and mixed is None:
         candidates = candidate_meshes(devices, hardware, options, pins)
         results = search_meshes(analysis, hardware, candidates, options, training, pins,
                                 progress)
@@ -123,7 +134,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     joint = None
     if joint_wanted:
         decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
-                                           options.time_limit, options.top_k, progress)
+                                           options.time_limit, options.top_k, progress, mixed)
         for decision in decisions:
             derived = derive(context, decision)
             # the joint search ties repeated layers always: its stages are layer units
@@ -144,7 +155,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
                                                                          pins=pins.given()))
     briefs = {}
-    for name, baseline_decision in baselines(analysis, hardware, devices).items():
+    for name, baseline_decision in (baselines(analysis, hardware, devices)
+                                    if mixed is None else {}).items():
         baseline = derive(context, baseline_decision)
         briefs[name] = baseline.brief()
         if _eligible(name, baseline, options, pins) and baseline.predicted.fits and \

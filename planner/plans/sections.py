@@ -61,18 +61,81 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
-class ClusterRef:
+class GroupRef:
+    """A mixed cluster's device group as the plan placed it: ranks `first_rank` to
+    `first_rank + devices - 1` are `profile` devices with `memory_bytes` each."""
+
+    name: str
     profile: str
     devices: int
-    nodes: int
     devices_per_node: int
+    first_rank: int
+    memory_bytes: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.devices)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ClusterRef:
+    def from_json(cls, data: Mapping[str, Any]) -> GroupRef:
         return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True)
+class LinkRef:
+    """The link between a mixed cluster's groups: what the sends crossing it are priced
+    on (per-device bus bandwidth, line rate times efficiency, and latency)."""
+
+    name: str
+    bandwidth_Bps: float
+    latency_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LinkRef:
+        return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    """The devices a plan is for: `devices` of `profile`, or on a mixed cluster (`groups`,
+    in rank order, and the `link` between them) the lead group's profile, whose hardware
+    the op layout was solved on."""
+
+    profile: str
+    devices: int
+    nodes: int
+    devices_per_node: int
+    groups: tuple[GroupRef, ...] = ()
+    link: LinkRef | None = None
+
+    def describe(self) -> str:
+        """`8 × a100-80g`, or a mixed cluster's groups: `16 × a100-80g + 16 × h100-sxm`."""
+        if self.groups:
+            return " + ".join(f"{g.devices} × {g.profile}" for g in self.groups)
+        return f"{self.devices} × {self.profile}"
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"profile": self.profile, "devices": self.devices,
+                                "nodes": self.nodes, "devices_per_node": self.devices_per_node}
+        if self.groups:
+            data["groups"] = [g.to_json() for g in self.groups]
+        if self.link is not None:
+            data["link"] = self.link.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ClusterRef:
+        known = _known(cls, data)
+        known["groups"] = tuple(GroupRef.from_json(g) for g in known.get("groups", ()))
+        link = known.get("link")
+        known["link"] = LinkRef.from_json(link) if link is not None else None
+        return cls(**known)
 
 
 @dataclass(frozen=True)
@@ -386,6 +449,8 @@ class StageEntry:
     in_flight: float = 0.0
     #: of `backward_s`, the weights' gradients: the W passes of the zero-bubble schedules
     weight_gradient_s: float = 0.0
+    #: on a mixed cluster, the device groups its ranks are on (`cluster.groups`' names)
+    groups: tuple[str, ...] = ()
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -405,6 +470,7 @@ class StageEntry:
             "p2p_s": self.p2p_s, "zero_s": self.zero_s,
             "gradient_sync_s": self.gradient_sync_s, "optimizer_s": self.optimizer_s,
             "in_flight": self.in_flight, "weight_gradient_s": self.weight_gradient_s,
+            **({"groups": list(self.groups)} if self.groups else {}),
         }
 
     @classmethod
@@ -419,6 +485,7 @@ class StageEntry:
             holds=tuple(str(h) for h in data.get("holds", ())),
             units=tuple((str(a), str(b)) for a, b in data.get("units", ())),
             **{key: float(data.get(key, 0.0)) for key in _STAGE_FIGURES},
+            groups=tuple(str(g) for g in data.get("groups", ())),
         )
 
 

@@ -77,6 +77,9 @@ class PipelineDecision:
     recompute: tuple[Recompute, ...]
     solver: SolverRecord
     tp_pinned: bool = False  # the user named tp: report it as given
+    #: on a mixed cluster, the order of its device groups on the ranks
+    #: (`costmodels.cluster.Placement`); empty on one kind of device
+    order: tuple[int, ...] = ()
 
 
 Decision = OpLevelDecision | PipelineDecision

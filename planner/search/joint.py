@@ -31,11 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
 
+import numpy as np
+
+from costmodels.cluster import Cluster
 from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
 from planner.cost.oplevel import gemm_floor_s, priced_choice
-from planner.cost.pipeline import Pricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
@@ -52,7 +54,13 @@ from planner.search.problem import (
     prune_dominated,
 )
 from planner.search.solve import Engine, solve
-from planner.search.stages import MAX_PIPELINE_UNITS, Partition, Partitioner
+from planner.search.stages import (
+    MAX_PIPELINE_UNITS,
+    OrderedPartitioner,
+    Partition,
+    Partitioner,
+    partitioner_for,
+)
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
 from planner.sharding.candidates import Candidate
@@ -376,6 +384,14 @@ def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig
                           overlap_grad_reduce=training.overlap_grad_reduce)
 
 
+def kinds_of(hardware: HardwareProfile, cluster: Cluster | None) -> tuple[HardwareProfile, ...]:
+    """The device kinds configurations are priced on: each group's of a mixed cluster (by
+    group index), else `hardware` alone."""
+    if cluster is None or not cluster.mixed:
+        return (hardware,)
+    return tuple(group.profile for group in cluster.groups)
+
+
 def recompute_modes(pins: Pins) -> list[Recompute]:
     return [pins.recompute] if pins.recompute is not None else list(RECOMPUTE_MODES)
 
@@ -383,8 +399,16 @@ def recompute_modes(pins: Pins) -> list[Recompute]:
 def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                  training: TrainingOptions, pins: Pins,
                  time_limit: float = 60.0, top_k: int = 3,
-                 progress: Callable[[str], None] | None = None) -> JointResult:
-    """Rank the configurations that fit, by the surrogate prices (see the module doc)."""
+                 progress: Callable[[str], None] | None = None,
+                 cluster: Cluster | None = None) -> JointResult:
+    """Rank the configurations that fit, by the surrogate prices (see the module doc).
+
+    On a mixed `cluster` (`hardware` its lead kind, `devices` all of its devices) each
+    layout is solved once on the lead kind and priced on every kind; each configuration is
+    partitioned over every order of the groups on the ranks (`partitioner_for`), and its
+    bound is its work on the fastest kind."""
+    kinds = kinds_of(hardware, cluster)
+    uniform = training.memory_limit_bytes is not None  # a --memory-limit holds for all kinds
     root = graphs.root
     graph = root.graph
     if not graph.batch:
@@ -445,7 +469,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
-    Layout = tuple[UnitProfile | None, Units, tuple[float, float] | None]
+    Layout = tuple[tuple[UnitProfile, ...] | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, bool, MemoryBudget | None, int, int], Layout] = {}
 
     def layout_of(tp: int, cp: int, ep: int, local: int, sp: bool,
@@ -463,20 +487,23 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
-                priced = priced_choice(small, mesh, strategies, hardware, training)
-                profiles[key] = (unit_profile(priced, small.units), small.units, memory)
+                profiles[key] = (tuple(
+                    unit_profile(priced_choice(small, mesh, strategies, kind, training),
+                                 small.units) for kind in kinds), small.units, memory)
         return profiles[key]
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
-                   sp: bool) -> tuple[UnitProfile, Units, tuple[float, float]]:
-        profile, units, memory = layout_of(tp, cp, ep, local, sp)
-        assert profile is not None and memory is not None  # unbudgeted: it raises instead
-        return profile, units, memory
+                   sp: bool) -> tuple[tuple[UnitProfile, ...], Units, tuple[float, float]]:
+        found, units, memory = layout_of(tp, cp, ep, local, sp)
+        assert found is not None and memory is not None  # unbudgeted: it raises instead
+        return found, units, memory
 
-    def partitioner_of(choice: Choice, profile: UnitProfile) -> Partitioner:
-        profile = profile.with_gradient_axes((str(AxisRole.DATA),) if choice.dp > 1 else ())
-        mesh = choice_mesh(choice, per_node)
-        return Partitioner(Pricer(profile, pipeline_config(choice, training), hardware, mesh))
+    def partitioner_of(choice: Choice,
+                       found: Sequence[UnitProfile]) -> Partitioner | OrderedPartitioner:
+        axes = (str(AxisRole.DATA),) if choice.dp > 1 else ()
+        return partitioner_for([p.with_gradient_axes(axes) for p in found],
+                               pipeline_config(choice, training), hardware,
+                               choice_mesh(choice, per_node), cluster, uniform)
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync. The
@@ -484,8 +511,32 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     # GEMMs' FLOPs at their peak (`planner.cost.oplevel.gemm_floor_s`); such a bound is made
     # exact when it comes first, so a layout is solved only for configurations that could
     # still win.
-    floors: dict[int, float] = {}
+    floors: dict[int, list[float]] = {}
     rows = graph.batch
+    counts = [g.devices for g in cluster.groups] if cluster is not None and len(kinds) > 1 \
+        else [devices]
+    shares: dict[int, tuple[float, ...]] = {}  # per layout (by id): its work per kind
+
+    def stage_floor(works: Sequence[float], share: float, pp: int) -> float:
+        """The least time of a stage's share of the work when the stages are balanced:
+        with W_g the work on kind g and n_g its devices, each stage of S = devices / pp
+        ranks holds at least `share` · S / Σ n_g / W_g (W / pp on one kind); `share` is
+        the least fraction of its own kind's work the units add up to (1 on one kind, or
+        for work that scales alike on every kind)."""
+        if len(works) == 1:
+            return works[0] / pp
+        speed = sum(n / w for n, w in zip(counts, works, strict=True) if w > 0)
+        return share * (devices / pp) / speed if speed > 0 else 0.0
+
+    def profile_share(found: Sequence[UnitProfile]) -> tuple[float, ...]:
+        if id(found) not in shares:
+            per_unit = [p.forward + p.backward for p in found]
+            totals = [float(w.sum()) for w in per_unit]
+            fractions = np.array([w / t if t > 0 else w * 0 for w, t in
+                                  zip(per_unit, totals, strict=True)])
+            shares[id(found)] = (*totals, float(fractions.min(axis=0).sum())
+                                 if len(found) > 1 else 1.0)
+        return shares[id(found)]
 
     def bound_of(choice: Choice, solve: bool) -> tuple[float, bool]:
         """The configuration's bound, and whether it is the layout's (exact) or the floor."""
@@ -493,14 +544,17 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         exact = solve or (choice.tp, local, choice.sequence_parallel, None,
                           choice.cp, choice.ep) in profiles
         if exact:
-            profile, _, _ = profile_of(choice.tp, choice.cp, choice.ep, local,
-                                       choice.sequence_parallel)
-            work = float((profile.forward + profile.backward).sum())
+            found, _, _ = profile_of(choice.tp, choice.cp, choice.ep, local,
+                                     choice.sequence_parallel)
+            *works, share = profile_share(found)
+            stage = stage_floor(works, share, choice.pp)
         else:
             if local not in floors:
-                floors[local] = gemm_floor_s(graphs.at(local), hardware, training)
-            work = floors[local] / (choice.tp * choice.cp * choice.ep)
-        bound = pipeline_time([work / choice.pp] * choice.pp, choice.micro_batches,
+                floors[local] = [gemm_floor_s(graphs.at(local), kind, training)
+                                 for kind in kinds]
+            split = choice.tp * choice.cp * choice.ep
+            stage = stage_floor([f / split for f in floors[local]], 1.0, choice.pp)
+        bound = pipeline_time([stage] * choice.pp, choice.micro_batches,
                               choice.schedule, choice.virtual_stages)
         return bound, exact
 
@@ -512,7 +566,6 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     ranked: list[Scored] = []
     smallest, where = math.inf, ""
     tried = 0
-    with_dp: dict[tuple[int, int, bool, bool, int, int], UnitProfile] = {}
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
@@ -526,16 +579,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         sp = choice.sequence_parallel
-        profile, small_units, layout_memory = profile_of(choice.tp, choice.cp, choice.ep, local,
-                                                         sp)
-        key = (choice.tp, local, sp, choice.dp > 1, choice.cp, choice.ep)
-        if key not in with_dp:
-            with_dp[key] = profile.with_gradient_axes(
-                (str(AxisRole.DATA),) if choice.dp > 1 else ())
-        profile = with_dp[key]
-        mesh = choice_mesh(choice, per_node)
-        partitioner = Partitioner(Pricer(profile, pipeline_config(choice, training), hardware,
-                                         mesh))
+        found_profiles, small_units, layout_memory = profile_of(
+            choice.tp, choice.cp, choice.ep, local, sp)
+        partitioner = partitioner_of(choice, found_profiles)
         tried += 1
         found = partitioner.solve(limit, modes)
         budget = None
@@ -569,9 +615,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
 
 def _memory_aware(choice: Choice, limit: float, modes: list[Recompute],
                   layout_memory: tuple[float, float], least: Partition | None,
-                  profile_at: Callable[[MemoryBudget], tuple[UnitProfile | None, Units,
-                                                             tuple[float, float] | None]],
-                  partitioner_of: Callable[[Choice, UnitProfile], Partitioner],
+                  profile_at: Callable[[MemoryBudget],
+                                       tuple[tuple[UnitProfile, ...] | None, Units,
+                                             tuple[float, float] | None]],
+                  partitioner_of: Callable[[Choice, Sequence[UnitProfile]],
+                                           Partitioner | OrderedPartitioner],
                   ) -> tuple[Partition | None, MemoryBudget | None]:
     """A configuration the fastest layout does not fit: re-solve the op-level layout with
     the memory constraint of this configuration, and partition again.
@@ -629,7 +677,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    tp_pinned: bool, record: SolverRecord,
                    budget: MemoryBudget | None = None,
                    layout: str | None = None,
-                   context_kind: ContextKind | None = None) -> PipelineDecision | None:
+                   context_kind: ContextKind | None = None,
+                   cluster: Cluster | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
     under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
@@ -662,10 +711,11 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
         if memory is None or strategies in seen:
             continue
         seen.append(strategies)
-        priced = priced_choice(micro, mesh, strategies, hardware, training)
-        pricer = Pricer(unit_profile(priced, micro.units), pipeline_config(choice, training),
-                        hardware, mesh)
-        found = Partitioner(pricer).solve(limit, modes)
+        found = partitioner_for(
+            [unit_profile(priced_choice(micro, mesh, strategies, kind, training), micro.units)
+             for kind in kinds_of(hardware, cluster)], pipeline_config(choice, training),
+            hardware, mesh, cluster, training.memory_limit_bytes is not None
+        ).solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
                                   < best[1].price.step_time_s):
             best = (strategies, found)
@@ -676,17 +726,18 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     return PipelineDecision(choice, micro_size, strategies,
                             tuple(tuple(ranges) for ranges in found.devices),
                             tuple(found.recompute), replace(record, objective=step, bound=step),
-                            tp_pinned)
+                            tp_pinned, found.order)
 
 
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     training: TrainingOptions, pins: Pins,
                     time_limit: float = 60.0, top_k: int = 3,
                     progress: Callable[[str], None] | None = None,
+                    cluster: Cluster | None = None,
                     ) -> tuple[list[PipelineDecision], JointResult]:
     """Exact decisions of the top-k configurations, in the surrogate's order."""
     result = joint_search(graphs, hardware, devices, training, pins, time_limit, top_k,
-                          progress)
+                          progress, cluster)
     modes = recompute_modes(pins)
     decisions = []
     for scored in result.ranked[:top_k]:
@@ -698,7 +749,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout, pins.cp_kind)
+                                  pins.layout, pins.cp_kind, cluster)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

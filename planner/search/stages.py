@@ -18,18 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from costmodels.cluster import Cluster, Placement
 from costmodels.memory import training_memory
 from costmodels.orders import chunk_device, chunks_per_device
+from costmodels.profile import HardwareProfile
 from costmodels.schedule import in_flight
-from planner.cost.pipeline import Pricer, WeightTerms
-from planner.cost.step import StepPrice, step_price
+from planner.cost.pipeline import AnyPricer, PlacedPricer, Pricer, WeightTerms
+from planner.cost.step import PipelineConfig, StepPrice, step_price
+from planner.cost.units import UnitProfile
 from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
 from planner.layers import Units
+from planner.sharding.mesh import DeviceMesh
 
 # The stage DP's tables of a pipeline hold (units + 1)² entries each, some thirty of them:
 # at 1,024 units about 250 MiB in all, at 20,000 units more than any machine has. Graphs
@@ -109,22 +112,32 @@ class Partition:
     devices: list[list[tuple[int, int]]]
     recompute: list[Recompute]
     price: StepPrice
+    #: on a mixed cluster, the order its device groups take on the ranks (`Placement`)
+    order: tuple[int, ...] = ()
 
 
 class Partitioner:
     """Partitions of one configuration (one pricer) under any limit and modes; the DP's
-    tables are built on first use and serve every later call."""
+    tables are built on first use and serve every later call. A mixed cluster's pricer
+    (`PlacedPricer`) prices each stage on its own kind: the DP takes each stage's tables
+    and memory limit from it."""
 
-    def __init__(self, pricer: Pricer) -> None:
+    def __init__(self, pricer: AnyPricer) -> None:
         self.pricer = pricer
+        self._tables: dict[int, StageTables] = {}
 
-    @cached_property
-    def tables(self) -> StageTables:
-        return StageTables(self.pricer)
+    def tables(self, stage: int) -> StageTables:
+        """The DP's tables of stage `stage`'s pricer (one set per distinct pricer)."""
+        pricer = self.pricer.stage_pricer(stage)
+        found = self._tables.get(id(pricer))
+        if found is None:
+            found = self._tables[id(pricer)] = StageTables(pricer)
+        return found
 
     def solve(self, limit: float,
               modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
-        """The cheapest partition that fits `limit` bytes per device, or None.
+        """The cheapest partition that fits `limit` bytes per device (scaled per stage by
+        its kind's memory on a mixed cluster), or None.
 
         Interleaved and ZB-V schedules use the even chunking; otherwise a DP over cut points
         minimises the largest stage load m·t_s + e_s (its time through the pipeline),
@@ -133,19 +146,21 @@ class Partitioner:
         """
         pricer = self.pricer
         profile, config = pricer.profile, pricer.config
+        limits = [limit * pricer.limit_ratio(stage) for stage in range(config.pp)]
         if config.schedule in (Schedule.INTERLEAVED, Schedule.ZBV):
             best: Partition | None = None
             v = chunks_per_device(config.schedule, config.virtual_stages)
             for counts in chunk_layer_counts(len(profile.units.layer_units), config.pp * v):
                 devices = interleaved(profile.units, config.pp, v, counts, config.schedule)
-                laid = _best_modes(pricer, devices, limit, modes) if devices else None
+                laid = _best_modes(pricer, devices, limits, modes) if devices else None
                 if laid is not None and (best is None or laid.price.step_time_s
                                          < best.price.step_time_s):
                     best = laid
             return best
         if config.pp > profile.count:
             return None
-        found = self.tables.solve(limit, modes)
+        found = solve_stages([self.tables(stage) for stage in range(config.pp)], limits,
+                             modes)
         if found is None:
             return None
         cuts, chosen = found
@@ -153,19 +168,56 @@ class Partitioner:
         return Partition(devices, list(chosen), pricer.price(devices, chosen))
 
 
-def partition(pricer: Pricer, limit: float,
+class OrderedPartitioner:
+    """A mixed cluster's partitions: every order of its device groups on the ranks
+    (Metis-style: which kind runs the first stages, whose activations stay longest in
+    flight, and which the last), each partitioned on its own; the fastest is kept."""
+
+    def __init__(self, partitioners: Sequence[tuple[tuple[int, ...], Partitioner]]) -> None:
+        self.partitioners = list(partitioners)
+
+    def solve(self, limit: float,
+              modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
+        best: Partition | None = None
+        for order, partitioner in self.partitioners:
+            found = partitioner.solve(limit, modes)
+            if found is not None and (best is None or found.price.step_time_s
+                                      < best.price.step_time_s):
+                best = replace(found, order=order)
+        return best
+
+
+def partitioner_for(profiles: Sequence[UnitProfile], config: PipelineConfig,
+                    hardware: HardwareProfile, mesh: DeviceMesh,
+                    cluster: Cluster | None = None,
+                    uniform_limit: bool = True) -> Partitioner | OrderedPartitioner:
+    """The partitioner of one configuration: on `hardware` (`profiles[0]`), or on a mixed
+    `cluster` with `profiles[g]` priced by group g's hardware, over every order of its
+    groups whose stages fit on them (`uniform_limit`: one memory limit for every kind,
+    the user's `--memory-limit`)."""
+    if cluster is None or not cluster.mixed:
+        return Partitioner(Pricer(profiles[0], config, hardware, mesh))
+    stage_size = mesh.size // config.pp
+    return OrderedPartitioner([
+        (order, Partitioner(PlacedPricer(profiles, config,
+                                         Placement(cluster, order, stage_size), mesh,
+                                         uniform_limit)))
+        for order in cluster.orders()])
+
+
+def partition(pricer: AnyPricer, limit: float,
               modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
     """`Partitioner(pricer).solve(limit, modes)`: one partition of one configuration."""
     return Partitioner(pricer).solve(limit, modes)
 
 
-def _best_modes(pricer: Pricer, devices: list[list[tuple[int, int]]], limit: float,
-                modes: Sequence[Recompute]) -> Partition | None:
+def _best_modes(pricer: AnyPricer, devices: list[list[tuple[int, int]]],
+                limits: Sequence[float], modes: Sequence[Recompute]) -> Partition | None:
     """Per device, the fastest recompute mode that fits (devices are priced apart)."""
     stages = []
     for d in range(len(devices)):
         fitting = [stage for stage in (pricer.device(d, devices, mode) for mode in modes)
-                   if stage.memory.peak <= limit]
+                   if stage.memory.peak <= limits[d]]
         if not fitting:
             return None
         stages.append(min(fitting, key=lambda s: s.per_micro_batch_s))
@@ -260,38 +312,49 @@ class StageTables:
 
     def solve(self, limit: float,
               modes: Sequence[Recompute]) -> tuple[list[int], list[Recompute]] | None:
-        config, n = self.config, self.n
-        m = config.micro_batches
-        starts, rows = self.starts, len(self.starts)
-        valid = starts[:, None] < np.arange(n + 1)[None, :]
-        best = np.full(rows, np.inf)
-        best[0] = 0.0
-        back: list[tuple[np.ndarray, np.ndarray]] = []
-        ending = np.full(n + 1, np.inf)
-        for stage in range(config.pp):
-            load = np.full((rows, n + 1), np.inf)
-            mode_of = np.zeros((rows, n + 1), dtype=np.int64)
-            for index, mode in enumerate(RECOMPUTE_MODES):
-                if mode not in modes:
-                    continue
-                per_micro = self.time[mode] + self.p2p + self.totals.micro
-                cost = m * per_micro + self.totals.end + self.totals.optimizer
-                fits = valid & (self.memory(mode, stage) <= limit)
-                better = fits & (cost < load)
-                load = np.where(better, cost, load)
-                mode_of = np.where(better, index, mode_of)
-            through = np.maximum(best[:, None], load)
-            choice = np.argmin(through, axis=0)
-            ending = through[choice, np.arange(n + 1)]  # the best load of units [0, i)
-            best = ending[starts]
-            back.append((starts[choice], mode_of[choice, np.arange(n + 1)]))
-        if not np.isfinite(ending[n]):
-            return None
-        cuts, chosen = [n], []
-        end = n
-        for choice, mode_index in reversed(back):
-            start = int(choice[end])
-            chosen.append(RECOMPUTE_MODES[int(mode_index[end])])
-            cuts.append(start)
-            end = start
-        return cuts[::-1], chosen[::-1]
+        """`solve_stages` with every stage on these tables and within `limit`."""
+        return solve_stages([self] * self.config.pp, [limit] * self.config.pp, modes)
+
+
+def solve_stages(tables: Sequence[StageTables], limits: Sequence[float],
+                 modes: Sequence[Recompute]) -> tuple[list[int], list[Recompute]] | None:
+    """The DP over cut points: stage k takes its times and memory from `tables[k]` and
+    fits `limits[k]`; the cuts and each stage's recompute mode that minimise the largest
+    stage load, or None when no partition fits."""
+    first = tables[0]
+    config, n = first.config, first.n
+    m = config.micro_batches
+    starts, rows = first.starts, len(first.starts)
+    valid = starts[:, None] < np.arange(n + 1)[None, :]
+    best = np.full(rows, np.inf)
+    best[0] = 0.0
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    ending = np.full(n + 1, np.inf)
+    for stage in range(config.pp):
+        table = tables[stage]
+        load = np.full((rows, n + 1), np.inf)
+        mode_of = np.zeros((rows, n + 1), dtype=np.int64)
+        for index, mode in enumerate(RECOMPUTE_MODES):
+            if mode not in modes:
+                continue
+            per_micro = table.time[mode] + table.p2p + table.totals.micro
+            cost = m * per_micro + table.totals.end + table.totals.optimizer
+            fits = valid & (table.memory(mode, stage) <= limits[stage])
+            better = fits & (cost < load)
+            load = np.where(better, cost, load)
+            mode_of = np.where(better, index, mode_of)
+        through = np.maximum(best[:, None], load)
+        choice = np.argmin(through, axis=0)
+        ending = through[choice, np.arange(n + 1)]  # the best load of units [0, i)
+        best = ending[starts]
+        back.append((starts[choice], mode_of[choice, np.arange(n + 1)]))
+    if not np.isfinite(ending[n]):
+        return None
+    cuts, chosen = [n], []
+    end = n
+    for choice, mode_index in reversed(back):
+        start = int(choice[end])
+        chosen.append(RECOMPUTE_MODES[int(mode_index[end])])
+        cuts.append(start)
+        end = start
+    return cuts[::-1], chosen[::-1]
