@@ -85,7 +85,7 @@ def _byte_scale(value: float) -> tuple[float, str]:
 def _title(ex: Explanation) -> str:
     p = ex.parallel
     model = ex.model["path"].replace("\\", "/").rsplit("/", 1)[-1]
-    return (f"{model} on {ex.cluster['devices']} × {ex.cluster['profile']}: "
+    return (f"{model} on {ex.cluster['described']}: "
             f"dp={p['dp']} tp={p['tp']} pp={p['pp']}, step {human_seconds(ex.step_time_s)}")
 
 

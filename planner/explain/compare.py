@@ -24,7 +24,7 @@ def compare_rows(plans: Sequence[tuple[str, Plan]]) -> dict[str, Any]:
             "source": source,
             "model": {"path": plan.model.path, "sha256": plan.model.sha256,
                       "parameters": plan.model.parameters},
-            "cluster": asdict(plan.cluster),
+            "cluster": {**asdict(plan.cluster), "described": plan.cluster.describe()},
             "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
             "parallel": degrees(plan), "global_batch": plan.global_batch,
             "step_time_s": plan.predicted.step_time_s,
@@ -43,8 +43,7 @@ def _compare_notes(entries: list[dict[str, Any]]) -> list[str]:
     notes = []
     for label, key in (("models", lambda e: e["model"]["sha256"]),
                        ("global batches", lambda e: e["global_batch"]),
-                       ("clusters", lambda e: (e["cluster"]["profile"],
-                                               e["cluster"]["devices"]))):
+                       ("clusters", lambda e: e["cluster"]["described"])):
         values = {str(key(e)) for e in entries}
         if len(values) > 1:
             listed = ", ".join(f"{e['source']}: {_note_value(label, e)}" for e in entries)
@@ -58,15 +57,14 @@ def _note_value(label: str, entry: dict[str, Any]) -> str:
         return f"{entry['model']['path']} ({entry['model']['sha256'][:8]})"
     if label == "global batches":
         return str(entry["global_batch"])
-    return f"{entry['cluster']['devices']} × {entry['cluster']['profile']}"
+    return str(entry["cluster"]["described"])
 
 
 def render_compare(data: dict[str, Any]) -> str:
     entries = data["plans"]
     rows: list[tuple[str, list[str]]] = [
         ("model", [e["model"]["path"].rsplit("/", 1)[-1] for e in entries]),
-        ("cluster", [f"{e['cluster']['devices']} × {e['cluster']['profile']}"
-                     for e in entries]),
+        ("cluster", [str(e["cluster"]["described"]) for e in entries]),
         ("mesh", ["x".join(map(str, e["mesh"])) + f" ({','.join(e['axes'])})"
                   for e in entries]),
         ("global batch", [str(e["global_batch"]) for e in entries]),

@@ -31,7 +31,7 @@ def explain(plan: Plan, source: str = "plan", top: int = 5) -> Explanation:
         model={"path": plan.model.path, "sha256": plan.model.sha256,
                "parameters": plan.model.parameters, "batch": plan.model.batch,
                "bound_dims": dict(plan.model.bound_dims)},
-        cluster=asdict(plan.cluster),
+        cluster={**asdict(plan.cluster), "described": plan.cluster.describe()},
         mesh={"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
               "intra_node": [plan.mesh.intra_node(a) for a in plan.mesh.axis_names]},
         parallel={**degrees(plan), "global_batch": plan.global_batch},

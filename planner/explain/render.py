@@ -57,7 +57,7 @@ def _header(ex: Explanation) -> list[str]:
     return [
         f"plan       {ex.source}: {ex.model['path']} ({ex.model['parameters'] / 1e6:,.1f} M "
         f"parameters, global batch {p.get('global_batch')})",
-        f"cluster    {ex.cluster['devices']} × {ex.cluster['profile']}, mesh {mesh}",
+        f"cluster    {ex.cluster['described']}, mesh {mesh}",
         f"strategy   dp={p['dp']} tp={p['tp']} pp={p['pp']}{_degrees_beyond(p)} "
         f"micro_batches={p['micro_batches']} zero={p['zero']} recompute={p['recompute']}{pipe}",
         f"step time  {human_seconds(ex.step_time_s)}; peak memory "
