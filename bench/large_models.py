@@ -11,6 +11,11 @@ sequence 2048 (the GPT rows), Adam.
     python bench/large_models.py                       # the GPT table
     python bench/large_models.py --models gpt-1t --devices 3072 --profiles a100-80g
     python bench/large_models.py --new                 # the long-context and MoE rows
+    python bench/large_models.py --mixed               # the mixed-cluster rows
+
+The mixed-cluster rows plan each model on a cluster of two device kinds
+(`examples/clusters/`) and, in the same run, on as many devices of each kind alone, so
+the three step times stand side by side.
 """
 
 from __future__ import annotations
@@ -71,6 +76,27 @@ NEW_CASES = [
             {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000,
              "max_positions": 4096, "ffn": 21504, "experts": 8, "top_k": 2,
              "moe_every": 1}, 64, 256, {"seq": 4096}, "h100-sxm"),
+]
+
+
+CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+
+
+@dataclass(frozen=True)
+class MixedCase:
+    """A model on a mixed cluster file, beside the same device count of each of its
+    kinds alone (`precision`: one every kind has a peak for)."""
+
+    name: str
+    preset: str
+    cluster: str  # a file of examples/clusters
+    batch: int
+    precision: str
+
+
+MIXED_CASES = [
+    MixedCase("gpt3-13b a100+h100", "gpt3-13b", "a100-h100.json", 256, "bf16-mixed"),
+    MixedCase("gpt3-13b 910a+910b", "gpt3-13b", "910a-910b.json", 256, "fp16-mixed"),
 ]
 
 
@@ -138,6 +164,62 @@ def main_new(names: list[str] | None) -> None:
                 print(run_new_case(Path(folder), case), flush=True)
 
 
+def _stages(result: Plan) -> str:
+    """Where the units (prefix, layers, suffix) went: `h100:30 a100:12`, a stage's groups
+    and its unit count, one entry per stage."""
+    if result.pipeline is None:
+        return "-"
+    return " ".join(f"{'+'.join(stage.groups) or '-'}:{_unit_count(result, stage.ops)}"
+                    for stage in result.pipeline.stages)
+
+
+def _unit_count(result: Plan, ops: Any) -> int:
+    assert result.pipeline is not None
+    return sum(1 for unit in result.pipeline.units
+               if any(a <= unit.ops[0] and unit.ops[1] <= b for a, b in ops))
+
+
+def run_mixed_case(folder: Path, case: MixedCase) -> list[str]:
+    """Three rows: the mixed cluster, then each of its kinds alone on as many devices."""
+    from costmodels.cluster import load_cluster
+
+    path = folder / f"{case.preset}.onnx"
+    if not path.exists():
+        zoo.save(zoo.build(case.preset, dtype="bfloat16"), path)
+    cluster = load_cluster(CLUSTERS / case.cluster)
+    runs: list[tuple[str, dict[str, Any]]] = [
+        (cluster.describe(), {"cluster": cluster}),
+        *((f"{cluster.devices} × {group.profile.name}",
+           {"profile": group.profile, "devices": cluster.devices})
+          for group in cluster.groups)]
+    rows = []
+    for label, where in runs:
+        result, elapsed = _timed(path, batch=case.batch, dims={"seq": 2048},
+                                 precision=case.precision, **where)
+        if isinstance(result, str):
+            rows.append(f"{case.preset:<10}{label:<30} {result} ({elapsed:.1f} s)")
+            continue
+        par = result.parallel
+        rows.append(f"{case.preset:<10}{label:<30}{par.dp:>4}{par.tp:>4}{par.pp:>4}"
+                    f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}"
+                    f"{_schedule(result):<8}{_stages(result):<24}" + _outcome(result, elapsed))
+    return rows
+
+
+def main_mixed(names: list[str] | None) -> None:
+    header = (f"{'model':<10}{'devices':<30}{'dp':>4}{'tp':>4}{'pp':>4}{'mb':>5}{'zero':>5}  "
+              f"{'recompute':<10}{'schedule':<8}{'units per stage':<24}{'step time':>11}"
+              f"{'memory':>11}{'fits':>5}{'search s':>9}")
+    print("mixed clusters beside each of their kinds alone, seq 2048, Adam")
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as folder:
+        for case in MIXED_CASES:
+            if not names or case.name in names:
+                for row in run_mixed_case(Path(folder), case):
+                    print(row, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="only these presets")
@@ -146,9 +228,15 @@ def main() -> None:
     parser.add_argument("--new", nargs="*", metavar="NAME",
                         help="the long-context and MoE rows instead (all, or these: "
                              f"{', '.join(c.name for c in NEW_CASES)})")
+    parser.add_argument("--mixed", nargs="*", metavar="NAME",
+                        help="the mixed-cluster rows instead (all, or these: "
+                             f"{', '.join(c.name for c in MIXED_CASES)})")
     args = parser.parse_args()
     if args.new is not None:
         main_new(args.new)
+        return
+    if args.mixed is not None:
+        main_mixed(args.mixed)
         return
     cases = [c for c in CASES if (not args.models or c[0] in args.models)
              and (not args.devices or c[1] in args.devices)]
