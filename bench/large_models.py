@@ -14,8 +14,8 @@ sequence 2048 (the GPT rows), Adam.
     python bench/large_models.py --mixed               # the mixed-cluster rows
 
 The mixed-cluster rows plan each model on a cluster of two device kinds
-(`examples/clusters/`) and, in the same run, on as many devices of each kind alone, so
-the three step times stand side by side.
+(`examples/clusters/`) and, in the same run, on as many devices of each kind alone and on
+each group's own devices, so the step times stand side by side.
 """
 
 from __future__ import annotations
@@ -180,7 +180,9 @@ def _unit_count(result: Plan, ops: Any) -> int:
 
 
 def run_mixed_case(folder: Path, case: MixedCase) -> list[str]:
-    """Three rows: the mixed cluster, then each of its kinds alone on as many devices."""
+    """The mixed cluster; each of its kinds alone on as many devices (the cluster were it
+    all of one kind); each group alone on its own devices (the cluster without the other
+    kinds)."""
     from costmodels.cluster import load_cluster
 
     path = folder / f"{case.preset}.onnx"
@@ -191,24 +193,27 @@ def run_mixed_case(folder: Path, case: MixedCase) -> list[str]:
         (cluster.describe(), {"cluster": cluster}),
         *((f"{cluster.devices} × {group.profile.name}",
            {"profile": group.profile, "devices": cluster.devices})
+          for group in cluster.groups),
+        *((f"{group.devices} × {group.profile.name}",
+           {"profile": group.profile, "devices": group.devices})
           for group in cluster.groups)]
     rows = []
     for label, where in runs:
         result, elapsed = _timed(path, batch=case.batch, dims={"seq": 2048},
                                  precision=case.precision, **where)
         if isinstance(result, str):
-            rows.append(f"{case.preset:<10}{label:<30} {result} ({elapsed:.1f} s)")
+            rows.append(f"{case.preset:<10}{label:<37} {result} ({elapsed:.1f} s)")
             continue
         par = result.parallel
-        rows.append(f"{case.preset:<10}{label:<30}{par.dp:>4}{par.tp:>4}{par.pp:>4}"
+        rows.append(f"{case.preset:<10}{label:<37}{par.dp:>4}{par.tp:>4}{par.pp:>4}"
                     f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}"
-                    f"{_schedule(result):<8}{_stages(result):<24}" + _outcome(result, elapsed))
+                    f"{_schedule(result):<9}{_stages(result):<24}" + _outcome(result, elapsed))
     return rows
 
 
 def main_mixed(names: list[str] | None) -> None:
-    header = (f"{'model':<10}{'devices':<30}{'dp':>4}{'tp':>4}{'pp':>4}{'mb':>5}{'zero':>5}  "
-              f"{'recompute':<10}{'schedule':<8}{'units per stage':<24}{'step time':>11}"
+    header = (f"{'model':<10}{'devices':<37}{'dp':>4}{'tp':>4}{'pp':>4}{'mb':>5}{'zero':>5}  "
+              f"{'recompute':<10}{'schedule':<9}{'units per stage':<24}{'step time':>11}"
               f"{'memory':>11}{'fits':>5}{'search s':>9}")
     print("mixed clusters beside each of their kinds alone, seq 2048, Adam")
     print(header)

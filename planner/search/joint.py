@@ -498,11 +498,15 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         assert found is not None and memory is not None  # unbudgeted: it raises instead
         return found, units, memory
 
+    with_dp: dict[tuple[int, bool], list[UnitProfile]] = {}  # the profiles stay alive
+
     def partitioner_of(choice: Choice,
                        found: Sequence[UnitProfile]) -> Partitioner | OrderedPartitioner:
-        axes = (str(AxisRole.DATA),) if choice.dp > 1 else ()
-        return partitioner_for([p.with_gradient_axes(axes) for p in found],
-                               pipeline_config(choice, training), hardware,
+        key = (id(found), choice.dp > 1)
+        if key not in with_dp:
+            axes = (str(AxisRole.DATA),) if choice.dp > 1 else ()
+            with_dp[key] = [p.with_gradient_axes(axes) for p in found]
+        return partitioner_for(with_dp[key], pipeline_config(choice, training), hardware,
                                choice_mesh(choice, per_node), cluster, uniform)
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
