@@ -222,3 +222,28 @@ def test_a_mixed_cluster_plan_runs_with_one_process_losses(folder: Path) -> None
 def test_a_mixed_cluster_needs_the_pipeline_search(model: Path, a100_h100: Path) -> None:
     with pytest.raises(ShardplanError, match="--cluster"):
         plan(model, cluster=a100_h100, batch=BATCH, dims=DIMS, mode="auto", inference=True)
+
+
+@pytest.mark.parametrize(("edit", "where"), [
+    (lambda d: d["cluster"]["groups"][1].update(first_rank=3), "cluster.groups[1].first_rank"),
+    (lambda d: d["cluster"]["groups"][1].update(devices=4), "cluster.groups hold"),
+    (lambda d: d["pipeline"]["stages"][0].update(groups=["tpu"]), "pipeline.stages[0].groups"),
+    (lambda d: d["pipeline"]["stages"][0].update(groups=d["pipeline"]["stages"][1]["groups"]),
+     "pipeline.stages[0].groups: its ranks are on"),
+])
+def test_a_plan_file_whose_groups_do_not_tile_its_ranks_is_refused(
+        mixed_plan: Plan, folder: Path, edit: Any, where: str) -> None:
+    from planner.errors import PlanFileError
+
+    data = mixed_plan.to_json()
+    edit(data)
+    path = folder / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=re_escape(where)):
+        Plan.load(path)
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)

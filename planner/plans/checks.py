@@ -90,3 +90,36 @@ def check_op_ranges(units: Sequence[UnitEntry], pipeline: PipelineSection | None
         if not 0 <= first <= end <= ops:
             raise PlanFileError(f"{source}: {where}: op range [{first}, {end}) lies outside "
                                 f"the plan's {ops} ops; {REMEDY}")
+
+
+def check_groups(cluster: ClusterRef, pipeline: PipelineSection | None, source: str) -> None:
+    """A mixed cluster's groups tile the ranks 0 .. devices-1 in order, and each pipeline
+    stage names the groups its ranks are on (readers place and price stages by them)."""
+    if not cluster.groups:
+        if pipeline is not None and any(stage.groups for stage in pipeline.stages):
+            raise PlanFileError(f"{source}: pipeline.stages name device groups but cluster "
+                                f"has none; {REMEDY}")
+        return
+    first = 0
+    for index, group in enumerate(cluster.groups):
+        if group.first_rank != first:
+            raise PlanFileError(f"{source}: cluster.groups[{index}].first_rank is "
+                                f"{group.first_rank}, expected {first} (groups lie on the "
+                                f"ranks one after the other); {REMEDY}")
+        first += group.devices
+    if first != cluster.devices:
+        raise PlanFileError(f"{source}: cluster.groups hold {first} devices but "
+                            f"cluster.devices is {cluster.devices}; {REMEDY}")
+    if pipeline is None:
+        return
+    by_name = {group.name: group for group in cluster.groups}
+    for s, stage in enumerate(pipeline.stages):
+        on = [by_name[name] for name in stage.groups if name in by_name]
+        if len(on) != len(stage.groups) or not on:
+            raise PlanFileError(f"{source}: pipeline.stages[{s}].groups {list(stage.groups)} "
+                                f"are not the cluster's groups {list(by_name)}; {REMEDY}")
+        wanted = {g.name for g in cluster.groups
+                  if any(rank in g.ranks for rank in stage.ranks)}
+        if wanted != set(stage.groups):
+            raise PlanFileError(f"{source}: pipeline.stages[{s}].groups: its ranks are on "
+                                f"{sorted(wanted)}, not {list(stage.groups)}; {REMEDY}")

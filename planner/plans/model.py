@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlanFileError, StrategyError
-from planner.plans.checks import check_op_ranges, check_plan_fits
+from planner.plans.checks import check_groups, check_op_ranges, check_plan_fits
 from planner.plans.schema import check_plan_json
 from planner.plans.sections import (
     SCHEMA,
@@ -144,6 +144,7 @@ class Plan:
         check_plan_fits(plan.cluster, plan.mesh, plan.tensors, plan.ops, plan.collectives,
                         source)
         check_op_ranges(plan.units, plan.pipeline, len(plan.ops), plan.mesh.size, source)
+        check_groups(plan.cluster, plan.pipeline, source)
         return plan
 
     @classmethod
