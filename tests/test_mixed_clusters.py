@@ -178,10 +178,18 @@ def test_the_cli_plans_on_a_cluster_file_and_refuses_mixed_flags(
         capsys: pytest.CaptureFixture[str]) -> None:
     common = [str(model), "--batch", str(BATCH), "--dim", "seq=512",
               "--parallel", "pp=2,schedule=1f1b"]
-    assert main(["plan", *common, "--cluster", str(a100_h100), "--json"]) == 0
+    saved = folder / "cli-plan.json"
+    assert main(["plan", *common, "--cluster", str(a100_h100), "--json", "-o",
+                 str(saved)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [g["profile"] for g in data["cluster"]["groups"]] and data["cluster"]["link"]
     assert all(stage["groups"] for stage in data["pipeline"]["stages"])
+    assert main(["explain", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert "8 × h100-sxm + 8 × a100-80g" in text or "8 × a100-80g + 8 × h100-sxm" in text
+    stage_lines = text.split("stages (time per micro-batch)")[1].splitlines()[1:4]
+    assert stage_lines[0].endswith("  on")
+    assert {line.rsplit(" ", 1)[-1] for line in stage_lines[1:]} == {"a100", "h100"}
     for extra in (["--profile", "h100-sxm"], ["--devices", "16"], ["--mode", "data"],
                   ["--inference"]):
         assert main(["plan", *common, "--cluster", str(a100_h100), *extra]) == 2

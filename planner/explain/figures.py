@@ -281,5 +281,5 @@ def stage_rows(plan: Plan) -> list[StageRow]:
         backward_s=stage.backward_s, recompute_s=stage.recompute_s, p2p_s=stage.p2p_s,
         zero_s=stage.zero_s, gradient_sync_s=stage.gradient_sync_s,
         optimizer_s=stage.optimizer_s, per_micro_batch_s=stage.per_micro_batch_s,
-        in_flight=stage.in_flight, memory=dict(stage.memory))
+        in_flight=stage.in_flight, memory=dict(stage.memory), groups=list(stage.groups))
         for stage in _stages(plan)]

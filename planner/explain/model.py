@@ -54,6 +54,7 @@ class StageRow:
     per_micro_batch_s: float
     in_flight: float  # micro-batches whose activations it holds at its peak
     memory: dict[str, int]
+    groups: list[str] = field(default_factory=list)  # a mixed cluster's groups it runs on
 
 
 @dataclass

@@ -157,8 +157,10 @@ def _alike(a: UnitReport, b: UnitReport) -> bool:
 
 
 def _stage_table(ex: Explanation) -> list[str]:
+    placed = any(row.groups for row in ex.stages)
     lines = [f"  {'stage':<7}{'units':<42}{'recompute':<11}{'forward':>11}{'backward':>11}"
-             f"{'recompute':>11}{'p2p':>11}{'total':>11}{'peak memory':>13}"]
+             f"{'recompute':>11}{'p2p':>11}{'total':>11}{'peak memory':>13}"
+             + ("  on" if placed else "")]
     for row in ex.stages:
         units = ", ".join(a if a == b else f"{a} … {b}" for a, b in row.units)
         lines.append(
@@ -166,5 +168,6 @@ def _stage_table(ex: Explanation) -> list[str]:
             f"{human_seconds(row.forward_s):>11}{human_seconds(row.backward_s):>11}"
             f"{human_seconds(row.recompute_s):>11}{human_seconds(row.p2p_s):>11}"
             f"{human_seconds(row.per_micro_batch_s):>11}"
-            f"{human_bytes(row.memory.get('peak', 0)):>13}")
+            f"{human_bytes(row.memory.get('peak', 0)):>13}"
+            + (f"  {' + '.join(row.groups)}" if placed else ""))
     return lines
