@@ -255,3 +255,23 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_each_kind_prices_collectives_on_its_own_nodes(folder: Path, model: Path) -> None:
+    """A kind with 4-device nodes: its 8-rank stage spans two of them, so its data-parallel
+    gradient reduction crosses the network, where an 8-device node keeps it on NVSwitch."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "hardware_profiles"
+                       / "h100-sxm.json").read_text())
+    data["name"] = "h100-4"
+    data["topology"]["devices_per_node"]["value"] = 4
+    data["topology"]["levels"][0]["group_size"] = 4
+    data["topology"].pop("allowed_devices_within_node", None)
+    (folder / "h100-4.json").write_text(json.dumps(data))
+    sync = {}
+    for name in ("h100-sxm", "h100-4.json"):
+        cluster = cluster_file(folder, [group("a100", "a100-80g", 8), group("h100", name, 8)])
+        chosen = plan(model, cluster=cluster, batch=BATCH, dims=DIMS,
+                      parallel={**PINS, "dp": 8, "zero": 0})
+        stage = next(s for s in chosen.pipeline.stages if s.groups == ("h100",))
+        sync[name] = stage.gradient_sync_s
+    assert sync["h100-4.json"] > sync["h100-sxm"]

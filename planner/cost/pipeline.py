@@ -40,6 +40,16 @@ from planner.sharding.weights import sync_steps
 PIPELINE_AXIS: str = AxisRole.PIPELINE
 
 
+def mesh_on(mesh: DeviceMesh, hardware: HardwareProfile) -> DeviceMesh:
+    """The mesh as `hardware`'s nodes hold it: the same axes, its devices per node (a
+    mixed cluster's kinds may have 4-device and 8-device nodes: which axes cross nodes,
+    and so which links a collective takes, is each kind's own)."""
+    per_node = int(hardware.devices_per_node.value)
+    if per_node == mesh.devices_per_node:
+        return mesh
+    return DeviceMesh(mesh.shape, mesh.axis_names, per_node)
+
+
 class Prices:
     """Collective times on one mesh (`collective_seconds` memoises them per profile).
 
@@ -419,8 +429,8 @@ class PlacedPricer:
             crosses = placement.crosses_into(stage)
             key = (group, crosses)
             if key not in self._pricers:
-                self._pricers[key] = Pricer(profiles[group], config,
-                                            cluster.groups[group].profile, mesh,
+                kind = cluster.groups[group].profile
+                self._pricers[key] = Pricer(profiles[group], config, kind, mesh_on(mesh, kind),
                                             cluster.link if crosses else None)
             self._stages.append(self._pricers[key])
             self.groups.append(group)

@@ -22,7 +22,7 @@ from costmodels.schedule import bubble_fraction
 from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice
-from planner.cost.pipeline import PlacedPricer, Pricer, Prices
+from planner.cost.pipeline import PlacedPricer, Pricer, Prices, mesh_on
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
@@ -183,7 +183,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     mesh = choice_mesh(choice, per_node)
     kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
         context.hardware,)
-    priceds = [priced_choice(analysis, mesh, decision.strategies, kind, training)
+    priceds = [priced_choice(analysis, mesh_on(mesh, kind), decision.strategies, kind, training)
                for kind in kinds]
     priced = priceds[0] if len(kinds) == 1 else priceds[kinds.index(context.hardware)]
     sharded = priced.sharded
@@ -271,9 +271,16 @@ def _placed_op_entries(priceds: Sequence[PricedGraph],
 
 def _placed_collectives(priceds: Sequence[PricedGraph],
                         kind_of: Mapping[str, int]) -> tuple[Collective, ...]:
-    """A mixed cluster's op-level collectives, each priced on the kind running its op."""
-    every = [p.collectives for p in priceds]
-    return tuple(every[kind_of.get(c.op, 0)][k] for k, c in enumerate(every[0]))
+    """A mixed cluster's op-level collectives, each op's as the kind running it derives and
+    prices them (grouped by op, in the order ops first issue one)."""
+    by_op: list[dict[str, list[Collective]]] = []
+    for priced in priceds:
+        grouped: dict[str, list[Collective]] = {}
+        for collective in priced.collectives:
+            grouped.setdefault(collective.op, []).append(collective)
+        by_op.append(grouped)
+    ops = dict.fromkeys(c.op for p in priceds for c in p.collectives)
+    return tuple(c for op in ops for c in by_op[kind_of.get(op, 0)].get(op, ()))
 
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,

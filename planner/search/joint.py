@@ -38,6 +38,7 @@ from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
 from planner.cost.oplevel import gemm_floor_s, priced_choice
+from planner.cost.pipeline import mesh_on
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
@@ -488,8 +489,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 profiles[key] = (None, small.units, memory)
             else:
                 profiles[key] = (tuple(
-                    unit_profile(priced_choice(small, mesh, strategies, kind, training),
-                                 small.units) for kind in kinds), small.units, memory)
+                    unit_profile(priced_choice(small, mesh_on(mesh, kind), strategies, kind,
+                                               training), small.units)
+                    for kind in kinds), small.units, memory)
         return profiles[key]
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
@@ -716,8 +718,9 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
             continue
         seen.append(strategies)
         found = partitioner_for(
-            [unit_profile(priced_choice(micro, mesh, strategies, kind, training), micro.units)
-             for kind in kinds_of(hardware, cluster)], pipeline_config(choice, training),
+            [unit_profile(priced_choice(micro, mesh_on(mesh, kind), strategies, kind, training),
+                          micro.units) for kind in kinds_of(hardware, cluster)],
+            pipeline_config(choice, training),
             hardware, mesh, cluster, training.memory_limit_bytes is not None
         ).solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
