@@ -275,3 +275,12 @@ def test_each_kind_prices_collectives_on_its_own_nodes(folder: Path, model: Path
         stage = next(s for s in chosen.pipeline.stages if s.groups == ("h100",))
         sync[name] = stage.gradient_sync_s
     assert sync["h100-4.json"] > sync["h100-sxm"]
+
+
+def test_no_fitting_plan_names_the_mixed_cluster(folder: Path, model: Path) -> None:
+    from planner.errors import NoPlanFits
+
+    cluster = cluster_file(folder, [group("a100", "a100-80g", 8), group("h100", "h100-sxm", 8)])
+    with pytest.raises(NoPlanFits, match=r"on 8 × a100-80g \+ 8 × h100-sxm: the smallest"):
+        plan(model, cluster=cluster, batch=BATCH, dims=DIMS, parallel=PINS,
+             memory_limit_gib=0.01)

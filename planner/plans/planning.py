@@ -150,7 +150,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                and pins.sp in (None, f.derived.sections.parallel.sp)]
     if not fitting:
         raise no_plan(analysis, hardware, devices, options.strategies, options.time_limit,
-                      training, meshes, reasons, joint)
+                      training, meshes, reasons, joint,
+                      mixed.describe() if mixed is not None else "")
     best = min(fitting, key=lambda f: f.derived.predicted.step_time_s)
     winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
                                                                          pins=pins.given()))

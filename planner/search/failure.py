@@ -44,8 +44,10 @@ def op_level_memory_floor(analysis: GraphAnalysis, training: TrainingOptions,
 def no_plan(analysis: GraphAnalysis, profile: HardwareProfile, devices: int,
             strategies: Mapping[str, Sequence[Sequence[int]]], time_limit: float,
             training: TrainingOptions, meshes: Sequence[DeviceMesh], reasons: str,
-            joint: JointResult | None) -> ShardplanError:
-    """The smallest memory any plan needs, and what would make one fit.
+            joint: JointResult | None, where_devices: str = "") -> ShardplanError:
+    """The smallest memory any plan needs, and what would make one fit (`where_devices`:
+    how the devices are named, `devices × profile` unless given: a mixed cluster's
+    groups).
 
     With the joint search, its least-memory configuration (most stages, ZeRO-3, full
     recompute) answers; otherwise a minimum-memory ILP per mesh does.
@@ -80,7 +82,8 @@ def no_plan(analysis: GraphAnalysis, profile: HardwareProfile, devices: int,
         parts = " = " + ", ".join(f"{k} {human_bytes(v)}" for k, v in shown.items())
     more = f"about {max(2, int(factor + 0.999))}× more devices, or "
     return NoPlanFits(
-        f"no plan fits {human_bytes(limit)} per device on {devices} × {profile.name}: the "
+        f"no plan fits {human_bytes(limit)} per device on "
+        f"{where_devices or f'{devices} × {profile.name}'}: the "
         f"smallest any plan needs is {human_bytes(smallest)}{parts} ({where}). To fit: "
         f"{more}{levers}"
     )
