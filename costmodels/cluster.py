@@ -115,13 +115,14 @@ class Placement:
         return tuple(dict.fromkeys(self.group_of_rank(r) for r in ranks))
 
     def crosses_into(self, stage: int) -> bool:
-        """Whether a rank of stage `stage - 1` sends to its peer in `stage` (the same
-        offset one stage on) over the link between groups."""
-        if stage < 1:
-            return False
-        start = stage * self.stage_size
-        return any(self.group_of_rank(r - self.stage_size) != self.group_of_rank(r)
-                   for r in range(start, start + self.stage_size))
+        """Whether a rank of the stage before `stage` sends to its peer in `stage` (the
+        same offset) over the link between groups; stage 0's is the last stage, from
+        which the interleaved and V schedules' later chunks come round."""
+        stages = self.cluster.devices // self.stage_size
+        before = (stage - 1) % stages
+        return any(self.group_of_rank(before * self.stage_size + offset)
+                   != self.group_of_rank(stage * self.stage_size + offset)
+                   for offset in range(self.stage_size))
 
     def slowest(self, groups: Sequence[int], work: Sequence[float]) -> int:
         """Of `groups`, the one whose hardware takes longest for `work` (seconds per

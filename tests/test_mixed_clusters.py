@@ -109,7 +109,8 @@ def test_a_placement_puts_each_stage_on_the_groups_under_its_ranks(folder: Path)
     assert isinstance(cluster, Cluster) and cluster.mixed and cluster.lead.name == "a"
     stages = Placement(cluster, (1, 0), 8)  # h100s on ranks 0-7, then the a100s
     assert [stages.stage_groups(s) for s in range(3)] == [(1,), (0,), (0,)]
-    assert [stages.crosses_into(s) for s in range(3)] == [False, True, False]
+    # into stage 1 from the h100s; into stage 0 from the last stage (interleaved chunks)
+    assert [stages.crosses_into(s) for s in range(3)] == [True, True, False]
     whole = Placement(cluster, (0, 1), 24)  # one stage spans both kinds
     assert whole.stage_groups(0) == (0, 1)
     assert whole.memory_bytes((0, 1)) == min(g.memory_bytes for g in cluster.groups)
