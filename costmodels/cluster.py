@@ -20,7 +20,7 @@ from itertools import permutations
 from pathlib import Path
 from typing import Any
 
-from costmodels.profile import HardwareProfile, LinkLevel, _Reader, load_profile
+from costmodels.profile import MAX_DEVICES, HardwareProfile, LinkLevel, _Reader, load_profile
 from planner.errors import ProfileError
 from planner.userfiles import read_json
 
@@ -149,6 +149,10 @@ class _ClusterReader(_Reader):
             self.fail("groups", f"must be a list of 1 to {MAX_GROUPS} device groups")
         groups = tuple(self.group(g, f"groups[{i}]", folder)
                        for i, g in enumerate(groups_data))
+        total = sum(g.devices for g in groups)
+        if total > MAX_DEVICES:
+            self.fail("groups", f"hold {total} devices, more than any cluster shardplan plans "
+                      f"for (at most {MAX_DEVICES})")
         names = [g.name for g in groups]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:

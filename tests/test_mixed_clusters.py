@@ -68,6 +68,7 @@ def layers_of(stage: Any) -> int:
     ({"groups": [group("a", "a100-80g", 12)]}, "groups[0].devices"),
     ({"groups": [{"name": "a", "profile": "a100-80g"}]}, "groups[0].devices"),
     ({"colour": "red"}, "colour"),
+    ({"groups": [group(str(k), "a100-80g", 1 << 19) for k in range(4)]}, "groups"),
     ({"link": {"name": "ib", "group_size": None, "bandwidth_Bps": {"value": 1e10,
                                                                    "source": "x"},
                "efficiency": {"value": 0.9, "source": "x"},
