@@ -264,6 +264,27 @@ class Arrivals:
         return kept, seconds
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A device's figures that do not depend on its recompute mode (`Pricer._held`)."""
+
+    chosen: np.ndarray  # its units
+    forward_compute: float
+    backward_compute: float
+    weight: float
+    forward_comm: float
+    backward_comm: float
+    kept: float  # bytes of activations received from other stages
+    p2p: float
+    weights: WeightTerms
+    end: float
+    hidden: float
+    zero: float
+    flight: float
+    any_unit: bool
+    workspace: float
+
+
 class Pricer:
     """Prices devices of a pipeline (one configuration on one mesh); `link`: what the
     sends into the devices it prices cross (`Prices`)."""
@@ -278,6 +299,7 @@ class Pricer:
         # shared weights another device also holds: partitions that differ elsewhere (the
         # interleaved search's uneven chunkings) reuse it.
         self._devices: dict[tuple, StagePrice] = {}
+        self._helds: dict[tuple, _Held] = {}  # the mode-independent part of each
 
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: Recompute) -> StagePrice:
@@ -297,43 +319,58 @@ class Pricer:
         """`device` priced: `shared[k]` says whether another device holds a unit of the
         k-th shared weight (then this one pays the exchange)."""
         profile, config = self.profile, self.config
+        held = self._held(index, count, tuple((a, b) for a, b in ranges), shared)
+        chosen, weights = held.chosen, held.weights
+        extra = {Recompute.NONE: 0.0,
+                 Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
+                 Recompute.FULL: held.forward_compute + held.forward_comm}[mode]
+        transient = float(profile.transient[mode][chosen].max()) if held.any_unit else 0.0
+        memory = training_memory(
+            parameter_bytes=weights.bytes, parameter_elements=weights.elements,
+            parameter_itemsize=self.weights.itemsize,
+            activation_bytes=held.flight * (float(profile.saved[mode][chosen].sum())
+                                            + held.kept) + transient,
+            workspace_bytes=held.workspace, optimizer=config.optimizer, zero=config.zero,
+            sharded_bytes=weights.sharded_bytes, sharded_elements=weights.sharded_elements,
+            precision=config.precision,
+        )
+        return StagePrice(tuple(ranges), mode, held.forward_compute, held.backward_compute,
+                          held.forward_comm, held.backward_comm, extra, held.p2p, held.zero,
+                          held.end, held.hidden, weights.optimizer, held.flight, memory,
+                          self._chunks(ranges, mode, held.p2p + held.zero), held.weight)
+
+    def _held(self, index: int, count: int, ranges: tuple[tuple[int, int], ...],
+              shared: tuple[bool, ...]) -> _Held:
+        """What a device's price is whatever its recompute mode (its units' compute and
+        collectives, arrivals, weights and their synchronisation): worked out once for
+        the modes the partition search tries on it."""
+        key = (index, count, ranges, shared)
+        found = self._helds.get(key)
+        if found is not None:
+            return found
+        profile, config = self.profile, self.config
         chosen = np.zeros(profile.count, dtype=bool)
         for a, b in ranges:
             chosen[a:b] = True
-        forward_compute = float(profile.forward_compute[chosen].sum())
-        backward_compute = float(profile.backward_compute[chosen].sum())
-        weight = float(profile.weight_compute[chosen].sum())
-        forward_comm = float(profile.forward_communication[chosen].sum())
-        backward_comm = float(profile.backward_communication[chosen].sum())
-        extra = {Recompute.NONE: 0.0,
-                 Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
-                 Recompute.FULL: forward_compute + forward_comm}[mode]
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
         end, hidden, zero = self._overlap(chosen, weights)
         for (param, _, exchange), elsewhere in zip(self.weights.shared, shared, strict=True):
             if elsewhere and chosen[list(param.units)].any():
                 end += exchange
-        flight = in_flight(index, count, config.micro_batches, config.schedule,
-                           config.virtual_stages)
         any_unit = bool(chosen.any())
         workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
         if config.zero >= 3:
             workspace = max(workspace, weights.largest)
-        transient = float(profile.transient[mode][chosen].max()) if any_unit else 0.0
-        memory = training_memory(
-            parameter_bytes=weights.bytes, parameter_elements=weights.elements,
-            parameter_itemsize=self.weights.itemsize,
-            activation_bytes=flight * (float(profile.saved[mode][chosen].sum()) + kept)
-            + transient,
-            workspace_bytes=workspace, optimizer=config.optimizer, zero=config.zero,
-            sharded_bytes=weights.sharded_bytes, sharded_elements=weights.sharded_elements,
-            precision=config.precision,
-        )
-        return StagePrice(tuple(ranges), mode, forward_compute, backward_compute, forward_comm,
-                          backward_comm, extra, p2p, zero, end, hidden,
-                          weights.optimizer, flight, memory,
-                          self._chunks(ranges, mode, p2p + zero), weight)
+        found = self._helds[key] = _Held(
+            chosen, float(profile.forward_compute[chosen].sum()),
+            float(profile.backward_compute[chosen].sum()),
+            float(profile.weight_compute[chosen].sum()),
+            float(profile.forward_communication[chosen].sum()),
+            float(profile.backward_communication[chosen].sum()), kept, p2p, weights, end,
+            hidden, zero, in_flight(index, count, config.micro_batches, config.schedule,
+                                    config.virtual_stages), any_unit, workspace)
+        return found
 
     def _chunks(self, ranges: Sequence[tuple[int, int]], mode: Recompute,
                 shared: float) -> tuple[tuple[float, float, float], ...]:
