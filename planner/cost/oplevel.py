@@ -68,8 +68,9 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
                   options: TrainingOptions) -> PricedGraph:
     """`strategies` on `mesh` derived (`planner.sharding.derive`) and priced, once per graph:
     the joint search prices a finalist's exact choice and the plan builder builds the same
-    choice from the same derivation (kept on the analysis)."""
-    key = (mesh, frozenset(strategies.items()), options)
+    choice from the same derivation (kept on the analysis; one per device kind, so the
+    kinds of a mixed cluster do not evict each other's)."""
+    key = (mesh, frozenset(strategies.items()), options, profile)
     found = analysis.memo.get(key)
     if found is not None and found[0] is profile:
         return found[1]
@@ -82,6 +83,24 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
 
 
 MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
+
+
+def mesh_on(mesh: DeviceMesh, hardware: HardwareProfile) -> DeviceMesh:
+    """The mesh as `hardware`'s nodes hold it: the same axes, its devices per node (a
+    mixed cluster's kinds may have 4-device and 8-device nodes: which axes cross nodes,
+    and so which links a collective takes, is each kind's own)."""
+    per_node = int(hardware.devices_per_node.value)
+    if per_node == mesh.devices_per_node:
+        return mesh
+    return DeviceMesh(mesh.shape, mesh.axis_names, per_node)
+
+
+def priced_on_kinds(analysis: GraphAnalysis, mesh: DeviceMesh,
+                    strategies: Mapping[str, OpStrategy], kinds: Sequence[HardwareProfile],
+                    options: TrainingOptions) -> list[PricedGraph]:
+    """One layout priced by each device kind, on that kind's nodes (`mesh_on`)."""
+    return [priced_choice(analysis, mesh_on(mesh, kind), strategies, kind, options)
+            for kind in kinds]
 
 
 def gemm_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,

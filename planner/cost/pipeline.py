@@ -29,6 +29,7 @@ from planner.cost.buckets import (
     prefetch_exposed,
     schedule_overlap,
 )
+from planner.cost.oplevel import mesh_on
 from planner.cost.pricing import collective_seconds, exposed, optimizer_seconds
 from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import ParamShare, UnitProfile
@@ -38,16 +39,6 @@ from planner.sharding.sends import SendSplit
 from planner.sharding.weights import sync_steps
 
 PIPELINE_AXIS: str = AxisRole.PIPELINE
-
-
-def mesh_on(mesh: DeviceMesh, hardware: HardwareProfile) -> DeviceMesh:
-    """The mesh as `hardware`'s nodes hold it: the same axes, its devices per node (a
-    mixed cluster's kinds may have 4-device and 8-device nodes: which axes cross nodes,
-    and so which links a collective takes, is each kind's own)."""
-    per_node = int(hardware.devices_per_node.value)
-    if per_node == mesh.devices_per_node:
-        return mesh
-    return DeviceMesh(mesh.shape, mesh.axis_names, per_node)
 
 
 class Prices:

@@ -21,8 +21,8 @@ from costmodels.profile import HardwareProfile
 from costmodels.schedule import bubble_fraction
 from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
-from planner.cost.oplevel import PricedGraph, priced_choice
-from planner.cost.pipeline import PlacedPricer, Pricer, Prices, mesh_on
+from planner.cost.oplevel import PricedGraph, priced_choice, priced_on_kinds
+from planner.cost.pipeline import PlacedPricer, Pricer, Prices
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
@@ -183,8 +183,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     mesh = choice_mesh(choice, per_node)
     kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
         context.hardware,)
-    priceds = [priced_choice(analysis, mesh_on(mesh, kind), decision.strategies, kind, training)
-               for kind in kinds]
+    priceds = priced_on_kinds(analysis, mesh, decision.strategies, kinds, training)
     priced = priceds[0] if len(kinds) == 1 else priceds[kinds.index(context.hardware)]
     sharded = priced.sharded
     profiles = [unit_profile(p, analysis.units) for p in priceds]

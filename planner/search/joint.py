@@ -37,8 +37,7 @@ from costmodels.cluster import Cluster
 from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
-from planner.cost.oplevel import gemm_floor_s, priced_choice
-from planner.cost.pipeline import mesh_on
+from planner.cost.oplevel import gemm_floor_s, priced_on_kinds
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
@@ -407,7 +406,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     On a mixed `cluster` (`hardware` its lead kind, `devices` all of its devices) each
     layout is solved once on the lead kind and priced on every kind; each configuration is
     partitioned over every order of the groups on the ranks (`partitioner_for`), and its
-    bound is its work on the fastest kind."""
+    bound weighs each kind's work by its devices (`stage_floor`)."""
     kinds = kinds_of(hardware, cluster)
     uniform = training.memory_limit_bytes is not None  # a --memory-limit holds for all kinds
     root = graphs.root
@@ -489,9 +488,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 profiles[key] = (None, small.units, memory)
             else:
                 profiles[key] = (tuple(
-                    unit_profile(priced_choice(small, mesh_on(mesh, kind), strategies, kind,
-                                               training), small.units)
-                    for kind in kinds), small.units, memory)
+                    unit_profile(priced, small.units) for priced in
+                    priced_on_kinds(small, mesh, strategies, kinds, training)),
+                    small.units, memory)
         return profiles[key]
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
@@ -718,8 +717,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
             continue
         seen.append(strategies)
         found = partitioner_for(
-            [unit_profile(priced_choice(micro, mesh_on(mesh, kind), strategies, kind, training),
-                          micro.units) for kind in kinds_of(hardware, cluster)],
+            [unit_profile(priced, micro.units) for priced in priced_on_kinds(
+                micro, mesh, strategies, kinds_of(hardware, cluster), training)],
             pipeline_config(choice, training),
             hardware, mesh, cluster, training.memory_limit_bytes is not None
         ).solve(limit, modes)
