@@ -114,7 +114,7 @@ def plan(
         mixed = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
         profile, devices = mixed.lead.profile, mixed.devices
         if not mixed.mixed:  # one group: its profile's plain cluster
-            devices, mixed = mixed.groups[0].devices, None
+            mixed = None
         elif mode != "auto" or inference or mesh:
             raise ShardplanError(
                 f"--cluster {mixed.path or mixed.name}: a mixed cluster is planned by the "
