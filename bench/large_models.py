@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,18 +151,25 @@ def run_new_case(folder: Path, case: NewCase) -> str:
             + _outcome(result, elapsed))
 
 
+def print_table(title: str, header: str, rows: Callable[[Path], Iterator[str]]) -> None:
+    """A table's title, header and rule, then each row as it is planned (`rows` is given
+    a scratch folder for the models it writes)."""
+    print(title)
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as folder:
+        for row in rows(Path(folder)):
+            print(row, flush=True)
+
+
 def main_new(names: list[str] | None) -> None:
     header = (f"{'model':<14}{'devs':>5}{'batch':>6}  {'profile':<10}{'dp':>4}{'tp':>4}"
               f"{'pp':>4}{'cp':>4}{'ep':>4}{'mb':>5}{'zero':>5}  {'recompute':<10}"
               f"{'schedule':<10}{'cp kind':<9}{'step time':>11}{'memory':>11}{'fits':>5}"
               f"{'search s':>9}")
-    print("automatic search with context and expert parallelism, bf16-mixed, Adam")
-    print(header)
-    print("-" * len(header))
-    with tempfile.TemporaryDirectory() as folder:
-        for case in NEW_CASES:
-            if not names or case.name in names:
-                print(run_new_case(Path(folder), case), flush=True)
+    print_table("automatic search with context and expert parallelism, bf16-mixed, Adam",
+                header, lambda folder: (run_new_case(folder, case) for case in NEW_CASES
+                                        if not names or case.name in names))
 
 
 def _stages(result: Plan) -> str:
@@ -215,14 +223,9 @@ def main_mixed(names: list[str] | None) -> None:
     header = (f"{'model':<10}{'devices':<37}{'dp':>4}{'tp':>4}{'pp':>4}{'mb':>5}{'zero':>5}  "
               f"{'recompute':<10}{'schedule':<9}{'units per stage':<24}{'step time':>11}"
               f"{'memory':>11}{'fits':>5}{'search s':>9}")
-    print("mixed clusters beside each of their kinds alone, seq 2048, Adam")
-    print(header)
-    print("-" * len(header))
-    with tempfile.TemporaryDirectory() as folder:
-        for case in MIXED_CASES:
-            if not names or case.name in names:
-                for row in run_mixed_case(Path(folder), case):
-                    print(row, flush=True)
+    print_table("mixed clusters beside each of their kinds alone, seq 2048, Adam", header,
+                lambda folder: (row for case in MIXED_CASES if not names or case.name in names
+                                for row in run_mixed_case(folder, case)))
 
 
 def main() -> None:
@@ -248,13 +251,11 @@ def main() -> None:
     header = (f"{'model':<11}{'devs':>6}{'batch':>6}  {'profile':<12}{'dp':>5}{'tp':>4}{'pp':>4}"
               f"{'mb':>5}{'zero':>5}  {'recompute':<10}{'schedule':<12}{'step time':>11}"
               f"{'memory':>11}{'fits':>5}{'search s':>9}")
-    print("automatic search (op-level meshes + pipeline/ZeRO/recompute), bf16, seq 2048, Adam")
-    print(header)
-    print("-" * len(header))
-    with tempfile.TemporaryDirectory() as folder:
-        for profile in args.profiles:
-            for model, devices, batch in cases:
-                print(run_case(Path(folder), model, devices, batch, profile), flush=True)
+    print_table("automatic search (op-level meshes + pipeline/ZeRO/recompute), bf16, seq 2048, "
+                "Adam", header,
+                lambda folder: (run_case(folder, model, devices, batch, profile)
+                                for profile in args.profiles
+                                for model, devices, batch in cases))
 
 
 if __name__ == "__main__":
