@@ -116,8 +116,9 @@ def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> 
         print(log.weights, file=sys.stderr)
     for step, (loss, seconds) in enumerate(zip(log.losses, log.step_time_s, strict=True)):
         print(f"step {step + 1}: loss {loss:.6f}  {seconds * 1e3:.1f} ms")
+    cluster = loaded.cluster
     print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
-          f"{loaded.cluster.profile}")
+          f"{cluster.describe() if cluster.groups else cluster.profile}")
     if compared:
         print(log.verdict)
     if log_json:
