@@ -7,10 +7,15 @@ side of a whole wave) with CUDA events, median of repeats after warm-up, against
 `op_time(..., shape=GemmShape(...))` of the profile; (b) times forward + backward of a
 few LLaMA layers (GQA, SwiGLU, RMSNorm, rotary, scaled_dot_product_attention, bf16)
 built in plain torch, against the one-device forward + backward compute that
-`planner.api.plan` predicts for the same graph built by `planner.zoo`. Each part prints
-predicted, measured and their ratio per row. Without a CUDA device it exits with code 2;
-`--predict-only` prints the predictions alone, on any machine (tests/test_gpu_check.py).
-The whole run is sized to finish in under 5 minutes on one H100/H200/A100.
+`planner.api.plan` predicts for the same graph built by `planner.zoo`; (c) plans a
+transformers LLaMA (`examples/hf_models.py:llama_gpu`, bf16) exported as `shardplan plan
+--module` exports it, on one device with micro-batches and full recompute, trains it with
+`executor.module` over NCCL on one process (what `shardplan run --module ... --backend nccl
+--nproc 1` runs) and compares the measured step with the plan's predicted step. Each part
+prints predicted, measured and their ratio per row. Without a CUDA device it exits with
+code 2; `--predict-only` prints the predictions alone, on any machine
+(tests/test_gpu_check.py). The whole run is sized to finish in under 5 minutes on one
+H100/H200/A100.
 """
 
 from __future__ import annotations
@@ -30,11 +35,18 @@ from costmodels.compute import op_time
 from costmodels.gemm import GemmShape
 from costmodels.profile import HardwareProfile, load_profile
 
-#: API options the lead engineer is adding to planner.api.plan; passed only if it has them.
-#: What the plain-torch stack runs: SDPA's flash kernel, every other op its own eager
-#: kernel (no torch.compile), bf16 weights and activations.
+#: `planner.api.plan` options for what the plain-torch stack and the executor run: SDPA's
+#: flash kernel, every other op its own eager kernel (no torch.compile), bf16 weights and
+#: activations.
 PLAN_OPTIONS = {"attention": "flash", "fusion": "none", "precision": "bf16"}
 NO_CUDA = 2
+#: (c)'s module: the builder `shardplan plan/run --module` take, by size
+MODULES = {"gpu": "examples/hf_models.py:llama_gpu",
+           "tiny": "examples/hf_models.py:llama_gpu_tiny"}
+#: (c)'s plan: one device, the batch in micro-batches, every layer recomputed
+MODULE_PARALLEL: dict[str, int | str] = {"dp": 1, "micro_batches": 2, "recompute": "full"}
+#: (c)'s first steps (CUDA context, cuBLAS handles, the allocator's first blocks) are not timed
+WARM_UP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                      args.seq, args.batch)
     _table("LLaMA-like stack, forward + backward, bf16",
            _stack_rows(profile, size, torch if measure else None, args.repeats))
+    if args.module != "none":
+        _table("transformers LLaMA through executor.module, NCCL, 1 process, training step",
+               _module_rows(profile, MODULES[args.module], args.module_batch,
+                            args.module_steps, "nccl" if measure else None))
     print(f"(gpu_check wall time {time.perf_counter() - start:.1f} s)")
     return 0
 
@@ -100,6 +116,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--module", choices=[*MODULES, "none"], default="gpu",
+                        help="(c)'s module size (tiny: for tests; none: skip (c))")
+    parser.add_argument("--module-batch", type=int, default=8, help="(c)'s global batch")
+    parser.add_argument("--module-steps", type=int, default=6,
+                        help=f"(c)'s training steps (the first {WARM_UP_STEPS} not timed)")
     return parser
 
 
@@ -288,6 +309,48 @@ def _torch_llama(torch, size: StackSize):  # type: ignore[no-untyped-def]
             return self.head(self.norm(x))
 
     return Llama()
+
+
+# -- (c) the user's module, planned and run by shardplan ------------------------------------
+
+
+def planned_module(profile: HardwareProfile, spec: str, batch: int):  # type: ignore[no-untyped-def]
+    """The builder's module exported as `shardplan plan --module` exports it and planned
+    on one device of `profile` with `MODULE_PARALLEL` and what the executor runs
+    (`PLAN_OPTIONS`, SGD)."""
+    from executor.module.launch import export_builder
+    from planner.api import plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_builder(spec, batch, Path(tmp) / "module.onnx")
+        return plan(path, profile=profile, devices=1, batch=batch, parallel=MODULE_PARALLEL,
+                    optimizer="sgd", **PLAN_OPTIONS)
+
+
+def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
+                 backend: str | None) -> list[Row]:
+    """(c): the plan's predicted step against the measured median of the timed steps;
+    `backend` None: the prediction alone."""
+    from executor.module.launch import train_module
+
+    planned = planned_module(profile, spec, batch)
+    recompute = planned.parallel.recompute if planned.parallel is not None else "none"
+    label = (f"{spec.rpartition(':')[2]}, batch {batch}, {planned.micro_batches} "
+             f"micro-batches, recompute {recompute}")
+    print(f"\nplanned {spec}: predicted step {planned.predicted.step_time_s * 1e3:,.3f} ms "
+          f"on {profile.name}")
+    if backend is None:
+        return [Row(label, planned.predicted.step_time_s)]
+    log = train_module(spec, planned, steps=max(steps, WARM_UP_STEPS + 1), backend=backend,
+                       optimizer="sgd", lr=1e-3)
+    timed = log.step_time_s[WARM_UP_STEPS:]
+    print(f"recompute segments re-run by the last steps: {log.recomputed}")
+    print(f"losses: {', '.join(f'{v:.4f}' for v in log.losses)}")
+    print(f"step times ms: {', '.join(f'{v * 1e3:,.1f}' for v in log.step_time_s)}")
+    print(log.verdict)
+    if log.unplanned:
+        print(f"results moved to the plan's layouts: {dict(log.unplanned)}")
+    return [Row(label, planned.predicted.step_time_s, statistics.median(timed))]
 
 
 # -- output ----------------------------------------------------------------------------------

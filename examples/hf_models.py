@@ -83,6 +83,37 @@ def llama_medium() -> Example:
     return LogitsOnly(transformers.LlamaForCausalLM(config)), batch, next_token_loss
 
 
+def _bf16_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                seq: int) -> Example:
+    """A transformers LLaMA in bf16 (weights and activations) on `seq`-token rows."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
+        use_cache=False)
+    model = LogitsOnly(transformers.LlamaForCausalLM(config)).to(torch.bfloat16)
+
+    def batch(step: int, batch_size: int) -> Batch:
+        generator = torch.Generator().manual_seed(1000 + step)
+        return {"input_ids": torch.randint(0, vocab, (batch_size, seq), generator=generator)}
+
+    return model, batch, next_token_loss
+
+
+def llama_gpu() -> Example:
+    """A bf16 LLaMA sized for one GPU (`bench/gpu_check.py`): 6 layers, hidden 2048, GQA
+    16/4 heads, SwiGLU 5632, vocab 32000, 2048-token rows; 403 M parameters, so its export
+    (weights inside the ONNX file) stays under protobuf's 2 GB and its GEMMs, not per-op
+    overheads, are most of a step on the GPU."""
+    return _bf16_llama(layers=6, hidden=2048, heads=16, kv_heads=4, ffn=5632, vocab=32000,
+                       seq=2048)
+
+
+def llama_gpu_tiny() -> Example:
+    """`llama_gpu`'s shape at a size a CPU trains in seconds (tests of the GPU script)."""
+    return _bf16_llama(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
+
+
 def gpt2() -> Example:
     """A 2-layer GPT-2 (transformers' Conv1D projections; dropout 0.1 as GPT-2 trains)."""
     torch.manual_seed(0)

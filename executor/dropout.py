@@ -67,21 +67,25 @@ def _fmix32_int(h: int) -> int:
     return int(_fmix32(torch.tensor(h, dtype=torch.int64)).item())
 
 
-def uniform(site: DropoutSite, shape: Sequence[int]) -> torch.Tensor:
+def uniform(site: DropoutSite, shape: Sequence[int],
+            device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform [0, 1) floats for the block of `shape` at `site.offsets` (float32, exact
-    multiples of 2^-24): the same value for the same global element under any split."""
+    multiples of 2^-24): the same value for the same global element under any split,
+    computed on `device` (a GPU draws its masks where they are used)."""
     if len(shape) != len(site.offsets):
         raise ValueError(f"a block of rank {len(shape)} at offsets {site.offsets}")
-    h = torch.full((1,) * len(shape), site.key(), dtype=torch.int64)
+    h = torch.full((1,) * len(shape), site.key(), dtype=torch.int64, device=device)
     for dim, (size, offset) in enumerate(zip(shape, site.offsets, strict=True)):
         view = [1] * len(shape)
         view[dim] = size
-        index = torch.arange(offset, offset + size, dtype=torch.int64).reshape(view)
+        index = torch.arange(offset, offset + size, dtype=torch.int64,
+                             device=device).reshape(view)
         h = _fmix32(((h ^ (index & _MASK32)) + _GOLDEN) & _MASK32)
     h = h.expand(tuple(shape))
     return (h >> (32 - _UNIFORM_BITS)).to(torch.float32) * (2.0 ** -_UNIFORM_BITS)
 
 
-def keep_mask(site: DropoutSite, shape: Sequence[int], ratio: float) -> torch.Tensor:
+def keep_mask(site: DropoutSite, shape: Sequence[int], ratio: float,
+              device: torch.device | str = "cpu") -> torch.Tensor:
     """True where an element is kept: its uniform draw is at least `ratio`."""
-    return uniform(site, shape) >= ratio
+    return uniform(site, shape, device) >= ratio

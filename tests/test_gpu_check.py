@@ -21,17 +21,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           cwd=ROOT, timeout=120, check=False)
 
 
-def test_predict_only_prints_both_tables_without_measurements() -> None:
-    result = _run("--predict-only", "--profile", "a100-80g", *SMALL)
+def test_predict_only_prints_the_three_tables_without_measurements() -> None:
+    result = _run("--predict-only", "--profile", "a100-80g", "--module", "tiny", *SMALL)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "profile: a100-80g; predictions only" in out
     assert "GEMM shape sweep, bf16" in out and "LLaMA-like stack, forward + backward" in out
     assert "| wave edge: 108 tiles" in out and "| wave edge: 109 tiles" in out
     assert "plan options passed:" in out and "gpu_check wall time" in out
+    assert "transformers LLaMA through executor.module, NCCL, 1 process" in out
+    assert "| llama_gpu_tiny, batch 8, 2 micro-batches, recompute full |" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line
             and not line.startswith("| case")]
-    assert len(rows) == 12 and all(line.endswith("| - | - |") for line in rows)
+    assert len(rows) == 13 and all(line.endswith("| - | - |") for line in rows)
 
 
 def test_without_cuda_it_exits_2_with_one_line() -> None:

@@ -56,7 +56,7 @@ def dropout(x: torch.Tensor, p: float, site: DropoutSite, shift: Shift | None = 
     if shift is not None:
         offsets[shift.dim] += shift.offset(x)
     keep = keep_mask(DropoutSite(site.seed, site.step, site.op, tuple(offsets)),
-                     local.shape, p).to(local.device)
+                     local.shape, p, local.device)
     if not isinstance(x, DTensor):
         return x * keep / (1.0 - p), keep
 
@@ -85,7 +85,7 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scores = torch.matmul(query, key.transpose(-2, -1)) * factor
     if is_causal:
         length, source = query.shape[-2], key.shape[-2]
-        causal = torch.ones(length, source, dtype=torch.bool).tril()
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

@@ -33,7 +33,7 @@ import contextlib
 import tempfile
 import types
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -435,6 +435,30 @@ class _Trace:
             setattr(holder, leaf, value)
 
 
+    def place_on(self, device: torch.device, held: Collection[str]) -> None:
+        """The trace on a GPU: what the export made on the CPU moved to `device`, the
+        buffers and constants it reads (rotary frequencies, masks) and the device its
+        factory and copy ops name (`arange(..., device=cpu)`, `.to(x.device)`); the
+        tensors in `held` (the plan's weights) are where the plan put them. Parameters
+        are never moved whole: a split model need not fit one device."""
+        cpu = torch.device("cpu")
+        for node in self.graph.graph.nodes:
+            if node.op == "get_attr" and str(node.target) not in held:
+                holder, leaf = _slot(self.graph, str(node.target))
+                value = getattr(holder, leaf)
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                        and value.device != device:
+                    if leaf in holder._buffers:
+                        holder._buffers[leaf] = value.to(device)
+                    else:
+                        setattr(holder, leaf, value.to(device))
+            elif node.op == "call_function" and "device" in node.kwargs:
+                named = node.kwargs["device"]
+                if named is not None and torch.device(named) == cpu:
+                    node.update_kwarg("device", device)
+        self.graph.recompile()
+
+
 def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0,
             saved: SavedTrace | None = None) -> nn.Module:
     """`module` running its trace on one device, dropout drawn as a split run draws it:
@@ -503,6 +527,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                 _drop(module, alias)
                 shared[alias] = torch.empty(0)
     trace.share_parameters(shared)
+    if mesh.device_type != "cpu":
+        trace.place_on(torch.device(mesh.device_type, torch.cuda.current_device()), shared)
     state = ParallelModule(
         plan, mesh, ModulePlan.of(graph, layouts, stage.mesh, weights, reads,
                                   stage.local_rank, local), comm, trace,

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = Plan.load(args.plan)
     if args.checkpoint_every and not args.checkpoint:
         raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
-    if args.nproc == 1 and (args.checkpoint or args.resume):
+    runs_plan = args.nproc > 1 or bool(args.module and loaded.mesh.size == 1)
+    if not runs_plan and (args.checkpoint or args.resume):
         raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if not args.module:
         _check_graph_run(args, loaded)
@@ -141,7 +142,7 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the module as it is")
-    if args.nproc == 1:
+    if args.nproc == 1 and loaded.mesh.size > 1:  # the module as it is, for comparison
         batch = loaded.global_batch
         if batch is None:
             raise ShardplanError(f"{args.plan} names no global batch")
