@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,7 +351,55 @@ def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
     print(log.verdict)
     if log.unplanned:
         print(f"results moved to the plan's layouts: {dict(log.unplanned)}")
-    return [Row(label, planned.predicted.step_time_s, statistics.median(timed))]
+    executor_s = statistics.median(timed)
+    eager_s = eager_step_s(spec, batch, planned.micro_batches, recompute == "full",
+                           max(steps, WARM_UP_STEPS + 1))
+    print(f"executor / torch eager of the same module: {executor_s / eager_s:.2f}")
+    return [Row(label, planned.predicted.step_time_s, executor_s),
+            Row("the same module and step in torch eager (no shardplan)",
+                planned.predicted.step_time_s, eager_s)]
+
+
+def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
+                 steps: int, device: str = "cuda") -> float:
+    """Median seconds of a training step of the builder's module in plain torch on the GPU
+    (after `WARM_UP_STEPS`): the same micro-batches, every decoder layer checkpointed
+    (transformers' gradient checkpointing) when the plan recomputes, SGD. What the executor
+    adds is the ratio of the two."""
+    import torch
+
+    from executor.module.launch import load_builder
+
+    module, make_batch, loss_fn = load_builder(spec)()
+    module = module.to(device).train()
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    inner = getattr(module, "model", module)
+    if recompute:
+        with warnings.catch_warnings():  # renamed in transformers 5.2x, same behaviour
+            warnings.simplefilter("ignore", FutureWarning)
+            inner.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+    times = []
+    for step in range(steps):
+        whole = {k: v.to(device) for k, v in make_batch(step, batch).items()}
+        synchronize()
+        started = time.perf_counter()
+        for micro in range(micro_batches):
+            part = {k: v.chunk(micro_batches)[micro] for k, v in whole.items()}
+            (loss_fn(module(**part), part) / micro_batches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    del module, optimizer
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times[WARM_UP_STEPS:])
 
 
 # -- output ----------------------------------------------------------------------------------
