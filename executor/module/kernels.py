@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from executor.dropout import DropoutSite, keep_mask
@@ -86,6 +86,10 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if is_causal:
         length, source = query.shape[-2], key.shape[-2]
         causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        if isinstance(scores, DTensor):  # the same on every rank
+            mesh = scores.device_mesh
+            causal = DTensor.from_local(causal, mesh, [Replicate()] * mesh.ndim,
+                                        run_check=False)
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

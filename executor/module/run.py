@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from executor.dropout import DropoutSite
+from executor.module import masks
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout
 from executor.module.layouts import ModuleLayouts
@@ -173,6 +174,7 @@ class TracedRun(Interpreter):
         if n.target is _DROPOUT and len(args) > 2 and args[2] and args[1] > 0:
             return dropout(args[0], float(args[1]), self._site(n), self._shift(n))
         if n.target is _SDPA:
+            args, kwargs = masks.resolved(n, args, kwargs)
             p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             if p or self._fused_unavailable(args):
                 site, shift = self._site(n), self._shift(n)
@@ -562,6 +564,8 @@ class PlannedRun(TracedRun):
         kwargs: Any
         args, kwargs = map_arg((n.args, n.kwargs), self._as_local)
         assert callable(n.target)
+        if n.target is _SDPA:
+            args, kwargs = masks.resolved(n, args, kwargs)
         if n.target is _DROPOUT and len(args) > 2 and args[2] and args[1] > 0:
             result: Any = dropout(args[0], float(args[1]), *self._local_site(n, args[0]))
         elif n.target is _SDPA and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
