@@ -37,6 +37,7 @@ from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import LocalPlan, is_size, symbolic_dim
+from executor.module.regions import Region, regions_of
 from executor.module.weights import WeightSync, in_backward
 from planner.errors import ShardplanError
 from planner.sharding.convert import to_placements
@@ -242,6 +243,7 @@ class ModulePlan:
     batch_index: int  # this rank's block of the batch
     _placements: dict[tuple[str, Layout], tuple[Placement, ...]] = field(
         default_factory=dict)
+    _regions: dict[tuple[Any, ...], Mapping[int, Region]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
@@ -269,6 +271,19 @@ class ModulePlan:
             index = index * mesh.axis_size(axis) + int(coord[axis])
         return cls(layouts, mesh, weights, reads, spans,
                    {k: tuple(v) for k, v in release.items()}, found, index)
+
+    def regions(self, nodes: Sequence[Node], spans: Mapping[str, int],
+                keep: frozenset[Node]) -> Mapping[int, Region]:
+        """The compiled local regions of a run of `nodes` (`executor.module.regions`),
+        cut where its recompute segments (`spans`) start and end; derived once per run."""
+        key = (nodes[0] if nodes else None, len(nodes), keep)
+        if key not in self._regions:
+            cuts: set[int] = set()
+            for k, node in enumerate(nodes):
+                if node.name in spans:
+                    cuts.update((k, k + spans[node.name]))
+            self._regions[key] = regions_of(nodes, self.local.nodes, cuts, keep)
+        return self._regions[key]
 
     def placements(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         key = (name, layout)
@@ -372,18 +387,24 @@ class PlannedRun(TracedRun):
         the values left, the output node's among them when it ran."""
         self.env = env
         self._keep = keep
+        regions = self.plan.regions(nodes, spans, keep)
         k = 0
         while k < len(nodes):
             node = nodes[k]
             span = spans.get(node.name)
-            if span is None:
-                self.env[node] = self.run_node(node)
-                done = [node]
-                k += 1
-            else:
+            region = regions.get(k)
+            if span is not None:
                 done = list(nodes[k:k + span])
                 self._checkpointed(done, nodes[k + span:])
                 k += span
+            elif region is not None:
+                self._run_region(region)
+                done = list(region.nodes)
+                k += len(done)
+            else:
+                self.env[node] = self.run_node(node)
+                done = [node]
+                k += 1
             for finished in done:
                 self.plan.weights.release(self.plan.release.get(finished.name, ()))
                 for dead in dies.get(finished, ()):
@@ -413,8 +434,7 @@ class PlannedRun(TracedRun):
             self.record.recomputed += again
             try:
                 with recomputing(again):
-                    for n in segment:
-                        self.env[n] = self.run_node(n)
+                    self._run_all(segment, frozenset(later))
                 if not again:
                     leaving.append(self.frame.part(produced))
                 return tuple(self.env[n] for n in produced)
@@ -424,6 +444,28 @@ class PlannedRun(TracedRun):
         results = checkpoint(body, *(self.env[a] for a in tensors), use_reentrant=False)
         self.env.update(zip(produced, results, strict=True))
         self.frame.absorb(leaving[0])
+
+    def _run_all(self, nodes: Sequence[Node], keep: frozenset[Node]) -> None:
+        """Run `nodes` (a recompute segment's: no segment inside) into the environment,
+        their local regions compiled; the values read after them (or `keep`) stay."""
+        regions = self.plan.regions(nodes, {}, keep)
+        k = 0
+        while k < len(nodes):
+            region = regions.get(k)
+            if region is not None:
+                self._run_region(region)
+                k += len(region.nodes)
+            else:
+                self.env[nodes[k]] = self.run_node(nodes[k])
+                k += 1
+
+    def _run_region(self, region: Region) -> None:
+        """A compiled run of local ops: its inputs as local ops read them, its outputs
+        local values (`executor.module.regions`)."""
+        results = region.call(*(self._as_local(a) for a in region.inputs))
+        for node, value in zip(region.outputs, results, strict=True):
+            self.env[node] = value
+            self.frame.held_local.add(node)
 
     def run_node(self, n: Node) -> Any:
         if n.op == "output":
