@@ -46,6 +46,11 @@ MODULES = {"gpu": "examples/hf_models.py:llama_gpu",
            "tiny": "examples/hf_models.py:llama_gpu_tiny"}
 #: (c)'s plan: one device, the batch in micro-batches, every layer recomputed
 MODULE_PARALLEL: dict[str, int | str] = {"dp": 1, "micro_batches": 2, "recompute": "full"}
+#: a timing spans back-to-back runs for about this long (at most MAX_BACK_TO_BACK runs)
+TIMED_SPAN_S = 2e-3
+MAX_BACK_TO_BACK = 100
+#: at most this many operand sets to rotate over (L2 overflowed three times)
+MAX_OPERAND_SETS = 32
 #: (c)'s first steps (CUDA context, cuBLAS handles, the allocator's first blocks) are not timed
 WARM_UP_STEPS = 2
 
@@ -179,25 +184,48 @@ def _gemm_rows(profile: HardwareProfile, torch, repeats: int) -> list[Row]:  # t
 
 
 def _time_gemm(torch, shape: GemmShape, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    a = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(shape.k, shape.n, device="cuda", dtype=torch.bfloat16)
-    return _median_cuda_s(torch, lambda: torch.matmul(a, b), repeats)
+    """Seconds of one GEMM of `shape`, its operands read from memory: the runs rotate over
+    enough operand sets to overflow the L2 cache three times (a small GEMM's operands would
+    otherwise stay in L2 from one run to the next, which a training step's do not)."""
+    properties = torch.cuda.get_device_properties(0)
+    cache = int(getattr(properties, "L2_cache_size", 64 << 20))
+    per_set = (shape.m * shape.k + shape.k * shape.n) * 2
+    sets = min(MAX_OPERAND_SETS, max(1, -(-3 * cache // per_set)))
+    operands = [(torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(shape.k, shape.n, device="cuda", dtype=torch.bfloat16))
+                for _ in range(sets)]
+    turn = [0]
+
+    def run() -> object:
+        a, b = operands[turn[0] % sets]
+        turn[0] += 1
+        return torch.matmul(a, b)
+
+    return _median_cuda_s(torch, run, repeats)
 
 
 def _median_cuda_s(torch, run: Callable[[], object], repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of `run` over `repeats` CUDA-event timings after 3 warm-up runs."""
+    """Median seconds of one `run` over `repeats` CUDA-event timings after 3 warm-up runs.
+    Each timing spans enough back-to-back runs to last about `TIMED_SPAN_S`: the host
+    launches the next run while the device works, so a short kernel is timed without the
+    host's launch gap in front of it (one run between two events would include it)."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+    once = _event_seconds(torch, run, 1)
+    back_to_back = max(1, min(MAX_BACK_TO_BACK, int(TIMED_SPAN_S / max(once, 1e-7))))
+    return statistics.median(_event_seconds(torch, run, back_to_back) / back_to_back
+                             for _ in range(repeats))
+
+
+def _event_seconds(torch, run: Callable[[], object], count: int) -> float:  # type: ignore[no-untyped-def]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(count):
         run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    end.record()
+    torch.cuda.synchronize()
+    return float(begin.elapsed_time(end)) / 1e3
 
 
 # -- (b) the LLaMA-like stack ---------------------------------------------------------------
