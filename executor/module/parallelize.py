@@ -156,7 +156,7 @@ class ParallelModule:
         `phases(name)`, when given, is entered around each "forward", "loss" and
         "backward" part (to count collectives by phase)."""
         count = self.plan.micro_batches
-        given = self.trace.inputs((), batch)
+        given = self._on_device(self.trace.inputs((), batch))
         for name, value in zip(self.trace.user_inputs, given, strict=True):
             if value.dim() == 0 or value.shape[0] % count:
                 raise ShardplanError(f"input {name}: {tuple(value.shape)} does not split "
@@ -184,6 +184,15 @@ class ParallelModule:
             total = value if total is None else total + value
         assert total is not None
         return total / count
+
+    def _on_device(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's batch on the mesh's device, copied once for all its micro-batches and
+        their losses, from pinned memory without waiting: a copy from pageable memory
+        would wait for every kernel queued before it, once per micro-batch."""
+        if self.mesh.device_type == "cpu":
+            return list(values)
+        return [v if v.device.type != "cpu" else
+                v.pin_memory().to(self.mesh.device_type, non_blocking=True) for v in values]
 
     def _pipelined(self, loss_fn: Callable[..., torch.Tensor], given: Sequence[torch.Tensor],
                    phases: Phases) -> torch.Tensor:
