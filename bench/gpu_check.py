@@ -380,20 +380,31 @@ def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
     if log.unplanned:
         print(f"results moved to the plan's layouts: {dict(log.unplanned)}")
     executor_s = statistics.median(timed)
-    eager_s = eager_step_s(spec, batch, planned.micro_batches, recompute == "full",
-                           max(steps, WARM_UP_STEPS + 1))
+    eager_s, eager_peak = eager_step_s(spec, batch, planned.micro_batches,
+                                       recompute == "full", max(steps, WARM_UP_STEPS + 1),
+                                       "cuda" if backend == "nccl" else "cpu")
     print(f"executor / torch eager of the same module: {executor_s / eager_s:.2f}")
+    gib = 1 << 30
+    predicted_peak = planned.predicted.memory.peak
+    if not (log.peak_memory_bytes and eager_peak):
+        print(f"peak memory: predicted {predicted_peak / gib:.2f} GiB (not measured off a GPU)")
+    else:
+        print(f"peak memory: predicted {predicted_peak / gib:.2f} GiB; allocated by the "
+              f"executor {log.peak_memory_bytes / gib:.2f} GiB "
+              f"({predicted_peak / log.peak_memory_bytes:.2f} predicted/measured), by torch "
+              f"eager {eager_peak / gib:.2f} GiB ({predicted_peak / eager_peak:.2f})")
     return [Row(label, planned.predicted.step_time_s, executor_s),
             Row("the same module and step in torch eager (no shardplan)",
                 planned.predicted.step_time_s, eager_s)]
 
 
 def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
-                 steps: int, device: str = "cuda") -> float:
+                 steps: int, device: str = "cuda") -> tuple[float, int]:
     """Median seconds of a training step of the builder's module in plain torch on the GPU
     (after `WARM_UP_STEPS`): the same micro-batches, every decoder layer checkpointed
     (transformers' gradient checkpointing) when the plan recomputes, SGD. What the executor
-    adds is the ratio of the two."""
+    adds is the ratio of the two. Also the allocator's peak bytes over the steps (0 on
+    the CPU)."""
     import torch
 
     from executor.module.launch import load_builder
@@ -412,6 +423,8 @@ def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
             inner.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for step in range(steps):
         whole = {k: v.to(device) for k, v in make_batch(step, batch).items()}
@@ -424,10 +437,11 @@ def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
         optimizer.zero_grad()
         synchronize()
         times.append(time.perf_counter() - started)
+    peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
     del module, optimizer
     if device == "cuda":
         torch.cuda.empty_cache()
-    return statistics.median(times[WARM_UP_STEPS:])
+    return statistics.median(times[WARM_UP_STEPS:]), peak
 
 
 # -- output ----------------------------------------------------------------------------------

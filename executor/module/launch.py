@@ -135,12 +135,14 @@ class ModuleRunLog(RunLog):
     recomputed: int = 0
     parameter_elements: int = 0
     resident_weight_elements: int = 0
+    peak_memory_bytes: int = 0  # rank 0's GPU allocator peak over the run; 0 on the CPU
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "unplanned": self.unplanned,
                 "recomputed": self.recomputed,
                 "parameter_elements": self.parameter_elements,
-                "resident_weight_elements": self.resident_weight_elements}
+                "resident_weight_elements": self.resident_weight_elements,
+                "peak_memory_bytes": self.peak_memory_bytes}
 
 
 def planned_calls(plan: Plan, steps: int) -> dict[str, int]:
@@ -260,6 +262,8 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
             log.unplanned = dict(state.record.unplanned)
+            if run.backend == "nccl":  # what the plan's predicted peak is checked against
+                log.peak_memory_bytes = int(torch.cuda.max_memory_allocated())
         # Leave together: a rank that tears its gloo pairs down while a peer still
         # completes a pipeline send can abort it ("terminate called without an active
         # exception", seen once in a loaded CI run of the interleaved schedule).
