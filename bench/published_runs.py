@@ -1,5 +1,5 @@
-"""Predicted against published training runs: Megatron-LM SC'21 Table 1 and Korthikanti
-et al. 2022 Table 5.
+"""Predicted against published training runs: Megatron-LM SC'21 Table 1, Korthikanti et al.
+2022 Table 5, and NVIDIA's DGX Cloud Benchmarking recipes on DGX H100 (NeMo 24.12, BF16).
 
 **Narayanan et al. 2021**, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT models of 1.7B to 1T
@@ -35,8 +35,16 @@ The model is the zoo GPT with separate q, k, v projections (Megatron lays its fu
 weight out per head, which an ONNX Split of a [h, 3h] projection cannot express; the
 FLOPs and parameters are the same).
 
-    python bench/published_runs.py                 # every row
+**NVIDIA DGX Cloud Benchmarking recipes, release 25.02.01** (`NEMO_H100`; see its
+docstring): BF16 pre-training step times of NeMo 24.12 (Megatron-Core, Transformer
+Engine) on DGX H100 nodes (8 H100 SXM 80 GB, NVLink 4, 8 × 400 Gb/s InfiniBand), each with
+its recipe's configuration. NVIDIA's Megatron-Bridge / NeMo performance summaries list no
+dense BF16 run on H100 (every dense H100 row there is FP8), so this is the modern BF16 set.
+
+    python bench/published_runs.py                 # Table 1 and Table 5 (every row)
     python bench/published_runs.py --rows 1.7B 22B-selective
+    python bench/published_runs.py --table nemo-h100   # the DGX H100 rows
+    python bench/published_runs.py --table all
 
 Prints per row the predicted and published step time, the error, the shares of the
 predicted step (compute, communication, bubble), and inside compute the share of the
@@ -50,6 +58,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from planner import zoo
 from planner.api import plan
@@ -57,6 +66,7 @@ from planner.errors import ShardplanError
 from planner.humanize import human_bytes
 from planner.ops import is_matrix_op
 from planner.zoo.gpt import GPTConfig
+from planner.zoo.llama import LlamaConfig
 
 SEQUENCE = 2048
 #: The pipeline schedules Megatron-LM ran in 2021-22, searched where a row does not say
@@ -88,10 +98,27 @@ class Run:
     micro_batch_size: int | None = None
     chunks_per_device: int | None = None
     overlap_grad_reduce: bool = False
+    #: The model and how it ran, where a row is not a 2021-22 Megatron-LM GPT on A100s:
+    #: the zoo family ("gpt" or "llama"), key/value heads (GQA), FFN width, (padded)
+    #: vocabulary, sequence, dropout, context-parallel degree, ZeRO stage (Megatron-Core's
+    #: distributed optimizer: 1), the gradient bucket (MiB; None: the planner's default),
+    #: the profile and the attention kernel.
+    family: str = "gpt"
+    kv_heads: int | None = None
+    ffn: int | None = None
+    vocab: int = VOCAB
+    sequence: int = SEQUENCE
+    dropout: float = 0.1
+    cp: int = 1
+    zero: int = 0
+    bucket_mb: float | None = None
+    profile: str = "a100-80g"
+    attention: str = "eager"
+    dtype: str = "float16"
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     def model_flops(self) -> float:
         """Korthikanti's model FLOPs per step (no recomputation counted)."""
@@ -145,16 +172,108 @@ TABLE_5 = tuple(
                     batch, present, recompute="selective", sequence_parallel=True)))
 RUNS = TABLE_1 + TABLE_5
 
+#: NVIDIA DGX Cloud Benchmarking ("Performance Recipes"), release 25.02.01: NVIDIA/
+#: dgxc-benchmarking commit 0b71cfd (2025-05-21), https://github.com/NVIDIA/dgxc-benchmarking/
+#: tree/0b71cfda5163540778e2a3d2db59858bf62f96f7. "Baseline performance metrics were using
+#: workloads on the NVIDIA DGX H100 Reference Architecture" (README.md: 8 × H100 80 GB HBM3
+#: per node, NVLink 4, 8 × 400 Gbit/s InfiniBand compute links: the `h100-sxm` profile).
+#: Each workload's README gives the BF16 "Training step time (seconds per step)" of the last
+#: of 50 steps at each GPU count, beside tokens per second and MFU computed from it (the
+#: tests recompute both), and its launch files give the configuration that ran:
+#:
+#: - Llama 3.1 8B (`llama3.1/README_8b.md`, `llama3.1_8b.yaml`, `launch.sh`: container
+#:   `nvcr.io/nvidia/nemo:24.12`): 32 layers, hidden 4096, 32 heads, 8 query groups, FFN
+#:   14336 (SwiGLU), RMSNorm, RoPE, untied embeddings, the Llama 3 tokenizer (128,256
+#:   tokens; NeMo pads to a multiple of 128 · tp, 128,256 at tp 1), sequence 8192, no
+#:   dropout; TP 1, PP 1, CP 2, MBS 1, GBS 16 per GPU (GA 32), no activation recompute,
+#:   flash attention (Transformer Engine, `NVTE_FUSED_ATTN=1`), `distributed_fused_adam`
+#:   with `overlap_grad_sync` and `overlap_param_sync`, `bucket_cap_mb` 75. The sizes are
+#:   Meta's (meta-llama/Llama-3.1-8B `config.json`: 32 layers, hidden 4096, 32 heads, 8
+#:   key/value heads, intermediate 14336, vocabulary 128,256).
+#: - GPT-3 175B (`nemo_megatron/README_175b.md`, `gpt3_175b_hydra.yaml`, `configure.sh`:
+#:   `nemo:24.12`): 96 layers, hidden 12288, 96 heads, FFN 49152, NeMo's GPT defaults
+#:   (learned positions, LayerNorm, GELU, biases, tied embeddings), the GPT-2 BPE
+#:   tokenizer (50,257, padded to 50,688 at tp 4), sequence 2048, dropout 0.1; TP 4, PP 8,
+#:   VP 6, MBS 1, GBS 16 per node (GA 64), sequence parallelism, no recompute,
+#:   `distributed_fused_adam` with both overlaps, `bucket_cap_mb` 220. The README's table
+#:   title says VP=12; the yaml the launch reads (no VP override) says 6, as does release
+#:   25.04's configuration table, so 6 (2 layers per chunk) is what ran. Brown et al. 2020,
+#:   Table 2.1: 96 layers, d_model 12288, 96 heads.
+#:
+#: Distributed optimizer as ZeRO-1: the optimizer states are sharded over the
+#: data-parallel (× context-parallel) group, gradients accumulate whole over the
+#: micro-batches and are reduce-scattered behind the last backward pass, the updated
+#: weights all-gathered. Both recipes also set what the planner does not model: the 175B
+#: overlaps its tensor-parallel collectives with the GEMMs (`ub_tp_comm_overlap`,
+#: userbuffers) and its pipeline sends with compute (`overlap_p2p_comm`); the model prices
+#: both exposed.
+#:
+#: Not taken (no plan can express them as they ran): Llama 3.1 70B (TP 4, PP 4, CP 2, VP 5)
+#: and 405B (TP 8, PP 9, CP 2, VP 7) have dp, cp, tp and pp all above 1 at every published
+#: GPU count, four mesh axes against the planner's three (`MAX_MESH_AXES`); the 405B's
+#: 7-layer single-stage proxy on 32 GPUs (TP 8, CP 2, dp 2) has three, but Megatron's
+#: tensor-parallel layout cannot be pinned beside a context-parallel axis
+#: (`layout=megatron` with cp), and searched instead the layout differs from Megatron's;
+#: Nemotron-4 15B and 340B use squared-ReLU MLPs, LayerNorm1p and GQA, which no zoo model
+#: builds. The FP8 rows of every release are left out: `--precision fp8` runs the GEMMs at
+#: the fp8 peak with the bf16 efficiency (the profile notes it is optimistic) and prices
+#: none of Transformer Engine's casts and scaling.
+_NEMO_8B: dict[str, Any] = dict(family="llama", heads=32, hidden=4096, layers=32, kv_heads=8,
+                                ffn=14336, vocab=128256, sequence=8192, dropout=0.0, tp=1,
+                                pp=1, cp=2, bucket_mb=75.0)
+_NEMO_175B: dict[str, Any] = dict(family="gpt", heads=96, hidden=12288, layers=96,
+                                  vocab=50688, sequence=2048, dropout=0.1, tp=4, pp=8,
+                                  sequence_parallel=True, chunks_per_device=6,
+                                  bucket_mb=220.0)
+
+
+def _nemo(name: str, sizes: dict[str, Any], gpus: int, batch: int, step_s: float) -> Run:
+    """A DGX H100 row: one GPU count of a recipe, its published step time (s)."""
+    return Run("DGXC 25.02.01", f"{name}x{gpus}", gpus=gpus, batch=batch,
+               published_s=step_s, recompute="none", micro_batch_size=1,
+               overlap_grad_reduce=True, zero=1, profile="h100-sxm", attention="flash",
+               dtype="bfloat16", **sizes)
+
+
+NEMO_H100 = (
+    *(_nemo("llama3.1-8B", _NEMO_8B, gpus, 16 * gpus, step)
+      for gpus, step in ((8, 12.78), (16, 12.99), (32, 13.00), (64, 13.00), (128, 13.16))),
+    *(_nemo("gpt3-175B", _NEMO_175B, gpus, 2 * gpus, step)
+      for gpus, step in ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453),
+                         (2048, 8.49))),
+)
+TABLES = {"sc21-k22": RUNS, "nemo-h100": NEMO_H100, "all": RUNS + NEMO_H100}
+
+
+def model_path(row: Run, folder: Path) -> Path:
+    """The zoo model of `row` in `folder`, built on first use: the GPT with separate q, k, v
+    projections, or the LLaMA (GQA, SwiGLU, RMSNorm, rotary positions)."""
+    config: GPTConfig | LlamaConfig
+    if row.family == "llama":
+        config = LlamaConfig(layers=row.layers, hidden=row.hidden, heads=row.heads,
+                             kv_heads=row.kv_heads, ffn=row.ffn, vocab=row.vocab,
+                             max_positions=row.sequence, dtype=row.dtype)
+    else:
+        config = GPTConfig(layers=row.layers, hidden=row.hidden, heads=row.heads,
+                           vocab=row.vocab, ffn=row.ffn, max_positions=row.sequence,
+                           dropout=row.dropout, dtype=row.dtype, fused_qkv=False)
+    stem = f"{row.family}-{row.hidden}x{row.layers}"
+    if (row.family, row.vocab, row.sequence, row.dtype) != ("gpt", VOCAB, SEQUENCE, "float16"):
+        stem += f"-v{row.vocab}-s{row.sequence}-{row.dtype}"
+    path = folder / f"{stem}.onnx"
+    if not path.exists():
+        zoo.save(zoo.build(row.family, config), path)
+    return path
+
 
 def predict(row: Run, folder: Path) -> str:
-    config = GPTConfig(layers=row.layers, hidden=row.hidden, heads=row.heads, vocab=VOCAB,
-                       max_positions=SEQUENCE, dropout=0.1, dtype="float16", fused_qkv=False)
-    path = folder / f"gpt-{row.hidden}x{row.layers}.onnx"
-    if not path.exists():
-        zoo.save(zoo.build("gpt", config), path)
-    pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "zero": 0,
-                                  "recompute": row.recompute, "layout": "megatron",
-                                  "sp": int(row.sequence_parallel)}
+    path = model_path(row, folder)
+    pins: dict[str, int | str] = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "zero": row.zero,
+                                  "recompute": row.recompute}
+    if row.cp > 1:  # Megatron-Core's context parallelism: ring attention over "cp"
+        pins.update(cp=row.cp, cp_kind="ring")
+    if row.tp > 1 or row.cp == 1:  # `layout=megatron` cannot be pinned beside a cp axis
+        pins.update(layout="megatron", sp=int(row.sequence_parallel))
     if row.micro_batch_size is not None:
         pins["micro_batches"] = row.batch // (row.dp * row.micro_batch_size)
     if row.chunks_per_device is not None:
@@ -163,14 +282,15 @@ def predict(row: Run, folder: Path) -> str:
     else:  # searched, among the schedules that Megatron-LM had (no zero-bubble then)
         tried = [{"schedule": name} for name in MEGATRON_SCHEDULES if row.pp > 1
                  or name == "1f1b"]
+    bucket = {} if row.bucket_mb is None else {"bucket_mb": row.bucket_mb}
     started = time.perf_counter()
     found, refusal = [], ""
     for schedule in tried:
         try:
-            found.append(plan(path, profile="a100-80g", devices=row.gpus, batch=row.batch,
-                              dims={"seq": SEQUENCE}, parallel={**pins, **schedule},
-                              attention="eager", fusion="elementwise",
-                              overlap_grad_reduce=row.overlap_grad_reduce))
+            found.append(plan(path, profile=row.profile, devices=row.gpus, batch=row.batch,
+                              dims={"seq": row.sequence}, parallel={**pins, **schedule},
+                              attention=row.attention, fusion="elementwise",
+                              overlap_grad_reduce=row.overlap_grad_reduce, **bucket))
         except ShardplanError as error:
             refusal = refusal or str(error).splitlines()[0][:90]
     if not found:
@@ -190,7 +310,8 @@ def predict(row: Run, folder: Path) -> str:
     compute_total = gemm + other or 1.0
     bubble = p.breakdown.get("bubble_s", 0.0)
     fits = "yes" if p.fits else "NO"
-    return (f"| {row.source} | {row.name} | {row.dp}/{row.tp}/{row.pp} "
+    split = f"{row.dp}/{row.tp}/{row.pp}" + (f" cp {row.cp}" if row.cp > 1 else "")
+    return (f"| {row.source} | {row.name} | {split} "
             f"| {result.parallel.micro_batches} "
             f"| {step:.2f} | {published:.2f} | {100 * (step / published - 1):+.1f} % "
             f"| {100 * p.compute_s / step:.0f} / {100 * p.communication_s / step:.0f} / "
@@ -201,9 +322,13 @@ def predict(row: Run, folder: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", nargs="*", help="row names (default: all)")
+    parser.add_argument("--table", choices=sorted(TABLES), default="sc21-k22",
+                        help="sc21-k22: Megatron-LM SC'21 Table 1 and Korthikanti et al. "
+                             "Table 5 (default); nemo-h100: NVIDIA's DGX H100 recipes "
+                             "(NEMO_H100); all: both")
+    parser.add_argument("--rows", nargs="*", help="row names (default: all of the table)")
     args = parser.parse_args()
-    rows = [r for r in RUNS if not args.rows or r.name in args.rows]
+    rows = [r for r in TABLES[args.table] if not args.rows or r.name in args.rows]
     print("| source | model | dp/tp/pp | micro-batches | predicted s | published s | error "
           "| compute / comm / bubble % | GEMM / other % of compute | memory per GPU "
           "| planned in |")

@@ -19,9 +19,17 @@ from costmodels.gemm import REFERENCE, GemmShape, gemm_seconds, has_shape_terms,
 from costmodels.profile import load_profile
 from costmodels.rates import memory_seconds
 from hardware_profiles import PROFILE_DIR
+from planner import zoo
+from planner.cost.kernels import KernelPolicy, kernel_plan
+from planner.cost.pricing import local_gemm_shape, op_times
 from planner.errors import ProfileError
 from planner.graph import OpNode, TensorInfo
+from planner.importer import import_model
+from planner.kinds import AttentionKernel, Fusion
 from planner.ops.work import gemm_dims
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
+from planner.zoo.llama import LlamaConfig
 
 A100 = load_profile("a100-80g")
 H100 = load_profile("h100-sxm")
@@ -139,6 +147,33 @@ def test_without_the_fields_op_time_is_the_flat_model_bit_for_bit() -> None:
     # and a shape on a non-matrix op changes nothing
     assert op_time(A100, "Add", 1e6, 4e6, "float32", shape=GemmShape(1, 1, 1)) == \
         op_time(A100, "Add", 1e6, 4e6, "float32")
+
+
+def test_a_flash_core_is_not_priced_as_a_gemm_writing_its_scores(tmp_path: Path) -> None:
+    """A flash kernel's q kᵀ keeps its s × s scores in on-chip tiles: it is priced by its
+    FLOPs at the GEMM rate and the HBM bytes of q, k, v and the output (Dao 2023,
+    FlashAttention-2, §3.1), not by the shape model's tiles, whose epilogue and roofline
+    write and read the s² scores (3× the time of the kernel's FLOPs at s = 4096, head 128).
+    Under eager attention the same op is a GEMM that writes its scores, shape-priced."""
+    config = LlamaConfig(layers=1, hidden=1024, heads=8, kv_heads=2, ffn=2048, vocab=256,
+                         max_positions=4096, dtype="bfloat16")
+    path = zoo.save(zoo.build("llama", config), tmp_path / "llama.onnx")
+    analysis = GraphAnalysis.of(import_model(path, batch=1, dims={"seq": 4096}))
+    graph, mesh = analysis.graph, DeviceMesh.build({"dp": 1}, 8)
+    flash = kernel_plan(analysis, KernelPolicy(AttentionKernel.FLASH, Fusion.NONE))
+    eager = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    core = flash.cores[0]
+    node, kernel = graph.op(core.first), flash.ops[core.first]
+    whole = [None, None]
+    shape = local_gemm_shape(node, eager.ops[core.first], graph.tensors, whole, mesh)
+    assert shape is not None and (shape.m, shape.n, shape.k) == (4096, 4096, 128)
+    assert local_gemm_shape(node, kernel, graph.tensors, whole, mesh) is None
+    forward, backward = op_times(node, flash, graph.tensors, whole, 1.0, mesh, H100, None,
+                                 True)
+    flat = op_time(H100, "MatMul", kernel.flops, kernel.bytes, "bfloat16")
+    assert forward == pytest.approx(flat) and backward == pytest.approx(3 * flat)
+    assert op_time(H100, "MatMul", kernel.flops, kernel.bytes, "bfloat16",
+                   shape=shape) > 2.5 * flat
 
 
 def test_launch_floor_bounds_a_tiny_gemm() -> None:

@@ -76,6 +76,11 @@ class OpKernel:
     #: of the backward, the weights' gradients' seconds over forward seconds
     #: (`weight_gradient_ratio`); the rest of the backward is the inputs' gradients
     weight_ratio: float = 0.0
+    #: whether its GEMM's local shape prices it (`costmodels.gemm`: tiles, waves and an
+    #: epilogue writing the m × n output): False for a flash core, whose q kᵀ scores
+    #: stay in on-chip tiles, so it is priced by its FLOPs at the GEMM rate and the HBM
+    #: bytes of q, k, v and the output (`_flash`)
+    shaped: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,8 +194,9 @@ def _flash(core: AttentionCore, graph: PlanningGraph, kernels: dict[str, OpKerne
     rows = tensors[last.outputs[0]].numel / max(tensors[last.outputs[0]].shape[-1], 1)
     statistics = 4.0 * rows  # the fp32 log-sum-exp per query row
     moved = tensors[q].nbytes + tensors[k].nbytes + tensors[v].nbytes + tensors[out].nbytes
-    kernels[first.name] = OpKernel(first.flops, moved + statistics, 1, FLASH_BACKWARD_QK, True)
-    kernels[last.name] = OpKernel(last.flops, 0.0, 0, BACKWARD_RATIO, True)
+    kernels[first.name] = OpKernel(first.flops, moved + statistics, 1, FLASH_BACKWARD_QK, True,
+                                   shaped=False)
+    kernels[last.name] = OpKernel(last.flops, 0.0, 0, BACKWARD_RATIO, True, shaped=False)
     for op in absorbed:
         kernels[op] = OpKernel(0.0, 0.0, 0, 0.0, False)
     for name in core.internal:  # no s² tensor; dropout replays its random state
@@ -214,7 +220,7 @@ def _fused_attention_op(node: OpNode, graph: PlanningGraph,
     if out in saved.whole:
         saved.extra[out] = saved.extra.get(out, 0.0) + 4.0 * rows / info.nbytes
     return OpKernel(node.flops, node.bytes_read + node.bytes_written, 1,
-                    (FLASH_BACKWARD_QK + BACKWARD_RATIO) / 2, True)
+                    (FLASH_BACKWARD_QK + BACKWARD_RATIO) / 2, True, shaped=False)
 
 
 # --------------------------------------------------------------------------- elementwise

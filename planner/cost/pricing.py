@@ -44,8 +44,9 @@ def op_seconds(node: OpNode, kernel: OpKernel, dtype: str, fraction: float,
 def local_gemm_shape(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
                      inputs: Sequence[Layout | None], mesh: DeviceMesh) -> GemmShape | None:
     """The (batch, m, n, k) one device's GEMM runs: the op's operands as its input layouts
-    cut them; None for ops that are not a GEMM kernel of their own."""
-    if not kernel.matrix or not kernel.launches:
+    cut them; None for ops that are not a GEMM kernel of their own, and for a flash
+    attention core (its s² scores never leave the chip: no m × n epilogue, no s² bytes)."""
+    if not kernel.matrix or not kernel.launches or not kernel.shaped:
         return None
     local: dict[str, TensorInfo] = {}
     for name, layout in zip(node.inputs[:2], inputs, strict=False):
