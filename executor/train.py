@@ -58,12 +58,13 @@ class RunLog:
     collectives: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)  # per rank: stage, counts, state sizes
     weights: str = ""  # how the weights were had, when not read from the model
+    peak_memory_bytes: int = 0  # rank 0's GPU allocator peak over the run; 0 on the CPU
 
     def to_json(self) -> dict:
         return {"losses": self.losses, "step_time_s": self.step_time_s,
                 "predicted_step_time_s": self.predicted_step_time_s,
                 "collectives": self.collectives, "ranks": self.ranks,
-                "weights": self.weights}
+                "weights": self.weights, "peak_memory_bytes": self.peak_memory_bytes}
 
     @property
     def verdict(self) -> str:

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.module.launch import load_builder, shared_trace, train_module_reference
+from executor.module.launch import (
+    export_builder,
+    load_builder,
+    shared_trace,
+    train_module_reference,
+)
 from executor.module.parallelize import _Trace, parameter_names
 from planner.cli import main
 
@@ -65,3 +70,26 @@ def test_a_one_device_plan_runs_as_planned_on_one_process(
     assert written["recomputed"] > 0  # the recompute segments re-ran in backward
     alone = train_module_reference(LLAMA, steps=3, batch_size=BATCH)
     assert written["losses"] == pytest.approx(alone, rel=1e-4)
+
+
+def test_run_reports_the_gpu_peak_beside_the_predicted_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run that measured its GPU peak (rank 0's allocator) prints it beside the plan's
+    predicted peak per device, and writes it to the log; a CPU run (0) prints no such
+    line."""
+    from executor.train import RunLog
+    from planner.api import plan
+    from planner.cli.run import _report
+    from planner.humanize import human_bytes
+
+    model = export_builder(LLAMA, BATCH, tmp_path / "llama.onnx")
+    chosen = plan(model, devices=1, batch=BATCH, profile="cpu", mode="data")
+    log = RunLog(losses=[1.0], step_time_s=[0.1], peak_memory_bytes=3 << 30)
+    written = tmp_path / "log.json"
+    _report(log, chosen, str(written), compared=False)
+    out = capsys.readouterr().out
+    assert (f"peak memory 3.0 GiB allocated on rank 0; predicted "
+            f"{human_bytes(chosen.predicted.memory.peak)} per device") in out
+    assert json.loads(written.read_text())["peak_memory_bytes"] == 3 << 30
+    _report(RunLog(losses=[1.0], step_time_s=[0.1]), chosen, None, compared=False)
+    assert "peak memory" not in capsys.readouterr().out

@@ -135,14 +135,12 @@ class ModuleRunLog(RunLog):
     recomputed: int = 0
     parameter_elements: int = 0
     resident_weight_elements: int = 0
-    peak_memory_bytes: int = 0  # rank 0's GPU allocator peak over the run; 0 on the CPU
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "unplanned": self.unplanned,
                 "recomputed": self.recomputed,
                 "parameter_elements": self.parameter_elements,
-                "resident_weight_elements": self.resident_weight_elements,
-                "peak_memory_bytes": self.peak_memory_bytes}
+                "resident_weight_elements": self.resident_weight_elements}
 
 
 def planned_calls(plan: Plan, steps: int) -> dict[str, int]:

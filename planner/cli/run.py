@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from executor.timeouts import DEFAULT_TIMEOUT_S, MOST_TIMEOUT_S
 from planner.cli.args import Verbs, check_output, positive_int, positive_number
 from planner.errors import ShardplanError
+from planner.humanize import human_bytes
 
 if TYPE_CHECKING:
     from executor.train import RunLog
@@ -120,6 +121,9 @@ def _report(log: RunLog, loaded: Plan, log_json: str | None, compared: bool) -> 
     cluster = loaded.cluster
     print(f"predicted step time {log.predicted_step_time_s * 1e3:.3f} ms on "
           f"{cluster.describe() if cluster.groups else cluster.profile}")
+    if log.peak_memory_bytes:  # measured on GPUs only
+        print(f"peak memory {human_bytes(log.peak_memory_bytes)} allocated on rank 0; "
+              f"predicted {human_bytes(loaded.predicted.memory.peak)} per device")
     if compared:
         print(log.verdict)
     if log_json:
