@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_check import MODULES, WARM_UP_STEPS, planned_module  # noqa: E402
+from gpu_check import MODULES, WARM_UP_STEPS, eager_training, planned_module  # noqa: E402
 
 from costmodels.profile import load_profile  # noqa: E402
 from executor.module.launch import load_builder, shared_trace  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
         _profile_executor(spec, planned, args.batch, device, args.top)
-        _profile_eager(spec, planned.micro_batches, args.batch, device, args.top)
+        _profile_eager(spec, planned, args.batch, device, args.top)
     finally:
         dist.destroy_process_group()
     return 0
@@ -76,22 +76,10 @@ def _profile_executor(spec: str, planned: Plan, batch: int, device: str, top: in
     _profiled("executor", step, device, top)
 
 
-def _profile_eager(spec: str, count: int, batch: int, device: str, top: int) -> None:
-    module, make_batch, loss_fn = load_builder(spec)()
-    module = module.to(device).train()
-    module.model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-
-    def step(k: int) -> None:
-        whole = {name: v.to(device) for name, v in make_batch(k, batch).items()}
-        for micro in range(count):
-            part = {name: v.chunk(count)[micro] for name, v in whole.items()}
-            (loss_fn(module(**part), part) / count).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    _profiled("torch eager", step, device, top)
+def _profile_eager(spec: str, planned: Plan, batch: int, device: str, top: int) -> None:
+    recompute = planned.parallel.recompute == "full"
+    batch_of, train = eager_training(spec, batch, planned.micro_batches, recompute, device)
+    _profiled("torch eager", lambda k: train(batch_of(k)), device, top)
 
 
 def _profiled(name: str, step: Callable[[int], None], device: str, top: int) -> None:

@@ -363,7 +363,7 @@ def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
     from executor.module.launch import train_module
 
     planned = planned_module(profile, spec, batch)
-    recompute = planned.parallel.recompute if planned.parallel is not None else "none"
+    recompute = planned.parallel.recompute
     label = (f"{spec.rpartition(':')[2]}, batch {batch}, {planned.micro_batches} "
              f"micro-batches, recompute {recompute}")
     print(f"\nplanned {spec}: predicted step {planned.predicted.step_time_s * 1e3:,.3f} ms "
@@ -398,24 +398,21 @@ def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
                 planned.predicted.step_time_s, eager_s)]
 
 
-def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
-                 steps: int, device: str = "cuda") -> tuple[float, int]:
-    """Median seconds of a training step of the builder's module in plain torch on the GPU
-    (after `WARM_UP_STEPS`): the same micro-batches, every decoder layer checkpointed
-    (transformers' gradient checkpointing) when the plan recomputes, SGD. What the executor
-    adds is the ratio of the two. Also the allocator's peak bytes over the steps (0 on
-    the CPU)."""
+EagerStep = tuple[Callable[[int], dict], Callable[[dict], None]]
+
+
+def eager_training(spec: str, batch: int, micro_batches: int, recompute: bool,
+                   device: str = "cuda") -> EagerStep:
+    """The builder's module trained in plain torch on `device` as the plan trains it: the
+    same micro-batches, every decoder layer checkpointed (transformers' gradient
+    checkpointing) when the plan recomputes, SGD. Returns `batch_of(step)`, the step's
+    whole batch on the device, and `train(whole)`, one step on it."""
     import torch
 
     from executor.module.launch import load_builder
 
     module, make_batch, loss_fn = load_builder(spec)()
     module = module.to(device).train()
-
-    def synchronize() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     inner = getattr(module, "model", module)
     if recompute:
         with warnings.catch_warnings():  # renamed in transformers 5.2x, same behaviour
@@ -423,22 +420,44 @@ def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
             inner.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(steps):
-        whole = {k: v.to(device) for k, v in make_batch(step, batch).items()}
-        synchronize()
-        started = time.perf_counter()
+
+    def batch_of(step: int) -> dict:
+        return {k: v.to(device) for k, v in make_batch(step, batch).items()}
+
+    def train(whole: dict) -> None:
         for micro in range(micro_batches):
             part = {k: v.chunk(micro_batches)[micro] for k, v in whole.items()}
             (loss_fn(module(**part), part) / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad()
+
+    return batch_of, train
+
+
+def eager_step_s(spec: str, batch: int, micro_batches: int, recompute: bool,
+                 steps: int, device: str = "cuda") -> tuple[float, int]:
+    """Median seconds of a training step of the builder's module in plain torch
+    (`eager_training`) after `WARM_UP_STEPS`: what the executor adds is the ratio of the
+    two. Also the allocator's peak bytes over the steps (0 off a GPU)."""
+    import torch
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    batch_of, train = eager_training(spec, batch, micro_batches, recompute, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(steps):
+        whole = batch_of(step)
+        synchronize()
+        started = time.perf_counter()
+        train(whole)
         synchronize()
         times.append(time.perf_counter() - started)
     peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
-    del module, optimizer
+    del batch_of, train
     if device == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times[WARM_UP_STEPS:]), peak

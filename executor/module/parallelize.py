@@ -443,7 +443,6 @@ class _Trace:
             holder._parameters.pop(leaf, None)
             setattr(holder, leaf, value)
 
-
     def place_on(self, device: torch.device, held: Collection[str]) -> None:
         """The trace on a GPU: what the export made on the CPU moved to `device`, the
         buffers and constants it reads (rotary frequencies, masks) and the device its
@@ -457,10 +456,7 @@ class _Trace:
                 value = getattr(holder, leaf)
                 if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
                         and value.device != device:
-                    if leaf in holder._buffers:
-                        holder._buffers[leaf] = value.to(device)
-                    else:
-                        setattr(holder, leaf, value.to(device))
+                    setattr(holder, leaf, value.to(device))  # a buffer stays a buffer
             elif node.op == "call_function" and "device" in node.kwargs:
                 named = node.kwargs["device"]
                 if named is not None and torch.device(named) == cpu:

@@ -392,19 +392,13 @@ class PlannedRun(TracedRun):
         while k < len(nodes):
             node = nodes[k]
             span = spans.get(node.name)
-            region = regions.get(k)
             if span is not None:
                 done = list(nodes[k:k + span])
                 self._checkpointed(done, nodes[k + span:])
-                k += span
-            elif region is not None:
-                self._run_region(region)
-                done = list(region.nodes)
-                k += len(done)
             else:
-                self.env[node] = self.run_node(node)
-                done = [node]
-                k += 1
+                span = self._run_at(nodes, k, regions)
+                done = list(nodes[k:k + span])
+            k += span
             for finished in done:
                 self.plan.weights.release(self.plan.release.get(finished.name, ()))
                 for dead in dies.get(finished, ()):
@@ -451,21 +445,21 @@ class PlannedRun(TracedRun):
         regions = self.plan.regions(nodes, {}, keep)
         k = 0
         while k < len(nodes):
-            region = regions.get(k)
-            if region is not None:
-                self._run_region(region)
-                k += len(region.nodes)
-            else:
-                self.env[nodes[k]] = self.run_node(nodes[k])
-                k += 1
+            k += self._run_at(nodes, k, regions)
 
-    def _run_region(self, region: Region) -> None:
-        """A compiled run of local ops: its inputs as local ops read them, its outputs
-        local values (`executor.module.regions`)."""
+    def _run_at(self, nodes: Sequence[Node], k: int, regions: Mapping[int, Region]) -> int:
+        """Run the compiled region starting at `nodes[k]` (its inputs as local ops read
+        them, its outputs local values: `executor.module.regions`), or else that one node;
+        returns how many nodes ran."""
+        region = regions.get(k)
+        if region is None:
+            self.env[nodes[k]] = self.run_node(nodes[k])
+            return 1
         results = region.call(*(self._as_local(a) for a in region.inputs))
         for node, value in zip(region.outputs, results, strict=True):
             self.env[node] = value
             self.frame.held_local.add(node)
+        return len(region.nodes)
 
     def run_node(self, n: Node) -> Any:
         if n.op == "output":
