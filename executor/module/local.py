@@ -70,6 +70,23 @@ class LocalPlan:
             return Layout.replicated(value.dim())
         return Layout.split(value.dim(), dim, self.batch_axes)
 
+    def local_weights(self, graph: GraphModule, reads: Mapping[str, str]) -> frozenset[str]:
+        """The weights (the plan's names; `reads` maps get_attr targets to them) that only
+        local ops read, under every name they are read by: these need no DTensor to be
+        read (`executor.module.weights.WeightSync.leaves`)."""
+        only_local: dict[str, bool] = {}
+        for node in graph.graph.nodes:
+            name = reads.get(str(node.target)) if node.op == "get_attr" else None
+            if name is not None:
+                only_local[name] = only_local.get(name, True) and bool(node.users) and all(
+                    user.name in self.nodes for user in node.users)
+        return frozenset(name for name, local in only_local.items() if local)
+
+    @classmethod
+    def none(cls) -> LocalPlan:
+        """No op runs locally: every op on DTensors."""
+        return cls((), 1, frozenset())
+
     @classmethod
     def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
            weights: Mapping[str, str]) -> LocalPlan:
@@ -79,7 +96,7 @@ class LocalPlan:
         splits_other = any(d for layout in layouts.inputs.values() for d in layout.dims[1:])
         if len(axes) != 1 or splits_other or any(layout.partial for layout in
                                                   layouts.inputs.values()):
-            return cls((), 1, frozenset())
+            return cls.none()
         batch_axes = next(iter(axes))
         plan = cls(batch_axes, mesh.group_size(batch_axes), frozenset())
         held: dict[Node, Layout | None] = {}  # each value's layout, where known

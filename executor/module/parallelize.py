@@ -57,6 +57,7 @@ from executor.module.layouts import (
     check_parameters,
     read_layouts,
 )
+from executor.module.local import LocalPlan
 from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.run import (
     ModulePlan,
@@ -516,9 +517,11 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     placed, aliases = _distribute_parameters(module, layouts, plan, mesh, stage.mesh, held)
     comm = MeshComm(plan.mesh, dist.get_rank(), Counters())
     tied = tied_groups(comm, stage.shared) if plan.pipeline is not None else {}
-    weights = WeightSync(plan.parallel.zero, stage.buckets(layouts.weights), comm,
-                         placed, {name: tied[name] for name in placed if name in tied})
     reads = {alias: name for name, names in aliases.items() for alias in names}
+    found = LocalPlan.of(graph, layouts, stage.mesh, reads) if local else LocalPlan.none()
+    weights = WeightSync(plan.parallel.zero, stage.buckets(layouts.weights), comm,
+                         placed, {name: tied[name] for name in placed if name in tied},
+                         found.local_weights(graph, reads), found.batch_axes)
     for name, param in weights.parameters().items():
         for alias in aliases[name]:
             _assign(module, alias, param)
@@ -536,7 +539,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         trace.place_on(torch.device(mesh.device_type, torch.cuda.current_device()), shared)
     state = ParallelModule(
         plan, mesh, ModulePlan.of(graph, layouts, stage.mesh, weights, reads,
-                                  stage.local_rank, local), comm, trace,
+                                  stage.local_rank, found), comm, trace,
         {name: placements(layouts.inputs[name], stage.mesh, f"input {name}")
          for name in user_inputs}, seed=seed)
     if staged is not None:

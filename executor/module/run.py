@@ -248,9 +248,9 @@ class ModulePlan:
     @classmethod
     def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
            weights: WeightSync, reads: Mapping[str, str], rank: int,
-           local: bool = True) -> ModulePlan:
-        """`local=False` runs every op on DTensors (the path the local ops are checked
-        against)."""
+           found: LocalPlan) -> ModulePlan:
+        """`found`: the ops that run on local tensors (`LocalPlan.none()` runs every op
+        on DTensors, the path the local ops are checked against)."""
         nodes = list(graph.graph.nodes)
         place = {n.name: k for k, n in enumerate(nodes)}
         spans = {seg[0]: place[seg[-1]] - place[seg[0]] + 1 for seg in layouts.recompute}
@@ -263,8 +263,6 @@ class ModulePlan:
         release: dict[str, list[str]] = {}
         for name, index in last.items():
             release.setdefault(nodes[index].name, []).append(name)
-        found = LocalPlan.of(graph, layouts, mesh, reads) if local else LocalPlan((), 1,
-                                                                                  frozenset())
         coord = dict(zip(mesh.axis_names, np.unravel_index(rank, mesh.shape), strict=True))
         index = 0
         for axis in found.batch_axes:
@@ -465,7 +463,11 @@ class PlannedRun(TracedRun):
         if n.op == "output":
             return map_arg(n.args[0], self._as_dtensor)  # the loss sees global values
         if n.op != "call_function":
-            return super().run_node(n)
+            value = super().run_node(n)
+            if n.op == "get_attr" and self.plan.reads.get(str(n.target)) in \
+                    self.plan.weights.leaves:
+                self.frame.held_local.add(n)  # a weight only local ops read: its leaf
+            return value
         if is_size(n):
             return self._size(n)
         if n.name in self.plan.local.nodes:

@@ -21,6 +21,14 @@ issues it:
   keeps its storage object (resized to nothing and back, as FSDP does), so the tensors
   autograd saved see the data again.
 
+A weight that only local ops read (`executor.module.local`: a replicated weight read by ops
+on this rank's rows) is read as a plain leaf tensor sharing its block's storage, as DDP's
+ranks read theirs: no DTensor round trip per read (`to_local` forward, `from_local` and a
+DTensor gradient sum backward, three dispatches through DTensor's Python per weight and
+micro-batch). Its gradient, this rank's share, accumulates on the leaf; the plan's reduction
+sums it, and the parameter's gradient is set from the sum as a DTensor in the parameter's
+placements, once per step.
+
 Collectives go through `executor.runtime.MeshComm`, which counts them by kind, axes and
 phase for the comparison with the plan.
 """
@@ -28,7 +36,7 @@ phase for the comparison with the plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.placement_types import Placement
 
 from executor.module.layouts import WeightBucket
 from executor.runtime import MeshComm
@@ -114,10 +123,15 @@ class WeightSync:
 
     def __init__(self, zero: int, buckets: Sequence[WeightBucket], comm: MeshComm,
                  placed: Mapping[str, nn.Parameter],
-                 tied: Mapping[str, dist.ProcessGroup | None] | None = None) -> None:
+                 tied: Mapping[str, dist.ProcessGroup | None] | None = None,
+                 local_reads: Collection[str] = (), batch_axes: tuple[str, ...] = ()
+                 ) -> None:
         """`tied`: the weights two pipeline stages hold (a tied embedding and head), each
         with the group of its holders; their gradients are summed at the end of the step
-        (`finish_step`), once every stage is done with its backward passes."""
+        (`finish_step`), once every stage is done with its backward passes.
+        `local_reads`: the weights only local ops read, on rows split over `batch_axes`
+        (`executor.module.local.LocalPlan.local_weights`): read as plain leaves where the
+        plan's reduction of their gradient is exactly the sum over `batch_axes`."""
         self.zero, self.comm = zero, comm
         self.tied = dict(tied or {})
         self.micro_batch_last = True  # the backward running ends the step's micro-batches
@@ -141,14 +155,33 @@ class WeightSync:
             for name, param in placed.items():
                 self.weights[name] = self._shard(name, param, axes_of.get(name, ()))
                 self.whole[name] = self.weights[name].whole
+        # weight -> the plain leaf local ops read: its block's storage, and its version
+        # counter (ZeRO 3's refill keeps what autograd saved valid for both)
+        self.leaves: dict[str, torch.Tensor] = {}
+        for name in local_reads:
+            whole = self.whole[name]
+            if isinstance(whole, DTensor) and self._reduced_over(name, batch_axes):
+                self.leaves[name] = whole._local_tensor.detach().requires_grad_(
+                    whole.requires_grad)
         for name, tensor in self.whole.items():
-            if tensor.requires_grad:
-                tensor.register_post_accumulate_grad_hook(self._accumulated(name))
+            target = self.leaves.get(name, tensor)
+            if target.requires_grad:
+                target.register_post_accumulate_grad_hook(self._accumulated(name))
         self._chunks = frozenset(id(w.chunk) for w in self.weights.values())
         if zero == 3:
             for weight in self.weights.values():
                 if weight.ranks > 1:
                     weight.free()
+
+    def _reduced_over(self, name: str, batch_axes: tuple[str, ...]) -> bool:
+        """Whether the plan's reduction of `name`'s gradient sums exactly the shares of the
+        ranks that split the batch (none where the batch is not split): what a leaf's
+        gradient needs. Otherwise the weight stays a DTensor read, whose gradient's
+        placements are checked against the plan (`_pending`)."""
+        bucket = self._by_weight.get((name, *self.reduction))
+        if bucket is None:
+            return not batch_axes or self.comm.mesh.group_size(batch_axes) == 1
+        return set(bucket.plan.axes) == set(batch_axes)
 
     def _shard(self, name: str, param: nn.Parameter, axes: tuple[str, ...]) -> Weight:
         value = param.data
@@ -181,12 +214,13 @@ class WeightSync:
 
     def read(self, name: str) -> torch.Tensor:
         """The whole weight for an op of the forward pass (or of a recompute in the
-        backward pass): gathered with its bucket first where ZeRO 3 freed it."""
+        backward pass): gathered with its bucket first where ZeRO 3 freed it; its plain
+        leaf where only local ops read it (`leaves`)."""
         weight = self.weights.get(name)
         if weight is not None and not weight.present:
             phase = Phase.BACKWARD if in_backward() else Phase.FORWARD
             self._gather(self._bucket(name, CollectiveKind.ALL_GATHER, phase))
-        return self.whole[name]
+        return self.leaves.get(name, self.whole[name])
 
     def release(self, names: Sequence[str]) -> None:
         """ZeRO 3: the forward pass is done with these weights (not in a recompute)."""
@@ -247,26 +281,75 @@ class WeightSync:
 
     def _keep_local_gradient(self, name: str) -> None:
         """A weight no collective synchronises (its gradient group is one rank): under
-        ZeRO its chunk is its whole block, and takes the gradient as it is."""
+        ZeRO its chunk is its whole block, and takes the gradient as it is; a leaf's
+        gradient becomes its parameter's."""
         weight = self.weights.get(name)
-        if weight is None or weight.whole.grad is None:
+        leaf = self.leaves.get(name)
+        if leaf is not None:
+            local = leaf.grad
+            leaf.grad = None
+        elif weight is not None and weight.whole.grad is not None:
+            grad = weight.whole.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            weight.whole.grad = None
+        else:
             return
-        grad = weight.whole.grad
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if local is None:
+            return
+        if weight is None:  # ZeRO 0: the leaf's gradient, summed into the parameter's
+            param = self.whole[name]
+            if param.grad is None:
+                self._set_gradient(name, local, self._placements(param))
+            else:
+                assert isinstance(param.grad, DTensor)
+                with torch.no_grad():
+                    param.grad._local_tensor.add_(local)
+            return
         part = local.reshape(-1)
         weight.chunk.grad = part if weight.chunk.grad is None else weight.chunk.grad + part
-        weight.whole.grad = None
 
     def _reduce(self, bucket: _Bucket) -> None:
         plan = bucket.plan
-        grads = [self._pending(name, plan) for name in plan.tensors]
-        if plan.kind == CollectiveKind.ALL_REDUCE:
-            self._all_reduce(plan, grads)
-        elif plan.kind == CollectiveKind.REDUCE_SCATTER:
-            self._reduce_scatter(plan, grads)
-        else:
+        if plan.kind not in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
             raise ShardplanError(f"{plan.phase} {plan.kind} of {plan.tensors[0]}: not a "
                                  "gradient reduction")
+        taken = [self._take_gradient(name, plan) for name in plan.tensors]
+        if plan.kind == CollectiveKind.ALL_REDUCE:
+            self._all_reduce(plan, taken)
+        else:
+            self._reduce_scatter(plan, [local for local, _ in taken])
+
+    def _take_gradient(self, name: str, plan: WeightBucket
+                       ) -> tuple[torch.Tensor, tuple[Placement, ...]]:
+        """`name`'s gradient block before the bucket's reduction (taken off the leaf or
+        the whole weight), with the placements it has once reduced."""
+        leaf = self.leaves.get(name)
+        whole = self.whole[name]
+        if leaf is not None:
+            local = leaf.grad
+            assert local is not None  # its post-accumulate hook brought us here
+            leaf.grad = None
+            return local, self._placements(whole)
+        grad = self._pending(name, plan)
+        assert isinstance(whole, DTensor)
+        done = tuple(q if isinstance(p, Partial) and axis in plan.axes else p
+                     for axis, p, q in zip(self._axes(grad), grad.placements,
+                                           whole.placements, strict=True))
+        whole.grad = None
+        return grad.to_local(), done
+
+    @staticmethod
+    def _placements(value: torch.Tensor) -> tuple[Placement, ...]:
+        assert isinstance(value, DTensor)
+        return tuple(value.placements)
+
+    def _set_gradient(self, name: str, local: torch.Tensor,
+                      placements: Sequence[Placement]) -> None:
+        """The parameter's gradient: `local`, its block, as a DTensor in `placements`."""
+        param = self.whole[name]
+        assert isinstance(param, DTensor)
+        param.grad = DTensor.from_local(local, param.device_mesh, placements,
+                                        shape=param.shape, stride=param.stride())
 
     def _pending(self, name: str, plan: WeightBucket) -> DTensor:
         grad = self.whole[name].grad
@@ -288,27 +371,24 @@ class WeightSync:
         assert names is not None  # the executor names every mesh dim
         return tuple(names)
 
-    def _all_reduce(self, plan: WeightBucket, grads: Sequence[DTensor]) -> None:
-        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+    def _all_reduce(self, plan: WeightBucket,
+                    taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]) -> None:
+        """One all-reduce for the bucket's flat gradients; each parameter's gradient a
+        view of the sum."""
+        flat = torch.cat([local.reshape(-1) for local, _ in taken])
         summed = self.comm.all_reduce(flat, plan.axes, str(plan.phase))
         offset = 0
-        for name, grad in zip(plan.tensors, grads, strict=True):
-            param = self.whole[name]
-            assert isinstance(param, DTensor)
-            local = grad.to_local()
+        for name, (local, done) in zip(plan.tensors, taken, strict=True):
             piece = summed[offset:offset + local.numel()].view_as(local)
             offset += local.numel()
-            done = [q if isinstance(p, Partial) and axis in plan.axes else p
-                    for axis, p, q in zip(self._axes(grad), grad.placements,
-                                          param.placements, strict=True)]
-            param.grad = DTensor.from_local(piece, grad.device_mesh, done,
-                                            shape=param.shape, stride=param.stride())
+            self._set_gradient(name, piece, done)
 
-    def _reduce_scatter(self, plan: WeightBucket, grads: Sequence[DTensor]) -> None:
-        """One reduce-scatter for the bucket: the flat padded gradients laid out rank by
-        rank, so that each rank receives the summed chunk of every weight."""
+    def _reduce_scatter(self, plan: WeightBucket, grads: Sequence[torch.Tensor]) -> None:
+        """One reduce-scatter for the bucket: the flat padded gradients (local blocks)
+        laid out rank by rank, so that each rank receives the summed chunk of every
+        weight."""
         weights = [self.weights[name] for name in plan.tensors]
-        rows = [w.padded(g.to_local()).view(w.ranks, -1)
+        rows = [w.padded(g).view(w.ranks, -1)
                 for w, g in zip(weights, grads, strict=True)]
         summed = self.comm.reduce_scatter_flat(torch.cat(rows, dim=1).reshape(-1),
                                                plan.axes, str(plan.phase))
@@ -319,7 +399,6 @@ class WeightSync:
             offset += size
             chunk = weight.chunk
             chunk.grad = part.clone() if chunk.grad is None else chunk.grad + part
-            weight.whole.grad = None
             if self.zero == 3:
                 weight.free()
 
