@@ -48,11 +48,14 @@ def wire_of(info: TensorInfo, layout: Layout, mesh: DeviceMesh
 class ChunkResult:
     """A chunk's forward pass: the local tensors it sends on (by tensor name), and on the
     chunk computing the loss, the loss to back-propagate (this rank's part) and its value
-    for the report."""
+    for the report. A runner that took the loss's own backward pass already (in its loss
+    phase, to keep the loss's collectives apart from the model's) gives the gradient of
+    the loss with respect to each output it read instead (`output_grads`)."""
 
     sent: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
     reported: float = 0.0
+    output_grads: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 class ChunkRunner(Protocol):
@@ -87,6 +90,7 @@ class _Pass:
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # transfer -> received
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # sent, with gradients
     loss: torch.Tensor | None = None
+    loss_grads: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (output, d loss/d it)
 
 
 class ScheduleEngine:
@@ -140,8 +144,12 @@ class ScheduleEngine:
             if transfer.grad:
                 record.outputs[transfer.tensor] = value
         if chunk == stages.loss_chunk:
-            assert result.loss is not None
-            record.loss = result.loss / stages.micro_batches
+            if result.output_grads:
+                record.loss_grads = tuple((out, grad / stages.micro_batches)
+                                          for out, grad in result.output_grads)
+            else:
+                assert result.loss is not None
+                record.loss = result.loss / stages.micro_batches
             self._loss += result.reported / stages.micro_batches
         self._passes[(micro, chunk)] = record
 
@@ -155,6 +163,9 @@ class ScheduleEngine:
                 incoming[name] = grad if name not in incoming else incoming[name] + grad
         roots = [record.loss] if record.loss is not None else []
         grads: list[torch.Tensor | None] = [None] * len(roots)
+        for out, grad in record.loss_grads:
+            roots.append(out)
+            grads.append(grad)
         for name, grad in incoming.items():
             if record.outputs[name].requires_grad:
                 roots.append(record.outputs[name])

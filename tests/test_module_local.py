@@ -58,6 +58,8 @@ def test_a_data_parallel_plan_runs_every_op_on_the_batch_locally(traced: tuple) 
             assert not any(isinstance(s, torch.SymInt) for s in value.shape), node.name
     assert "aten.scaled_dot_product_attention.default" not in others
     assert sum(others.values()) < len(found.nodes) / 4
+    # so every weight is read as a plain tensor (WeightSync.leaves), as DDP reads it
+    assert found.local_weights(graph, reads) == set(reads.values())
 
 
 def test_a_tensor_parallel_plan_keeps_its_split_ops_on_dtensors(traced: tuple) -> None:
@@ -70,6 +72,13 @@ def test_a_tensor_parallel_plan_keeps_its_split_ops_on_dtensors(traced: tuple) -
     # the norms and residual adds between the layers are whole on both ranks: local
     norms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.rsqrt.default]
     assert norms and all(n.name in found.nodes for n in norms)
+    # the projections' weights stay DTensors; the norms', the embedding's and the head's,
+    # whole on both ranks (Megatron's pins split only the projections) and read by local
+    # ops only, are plain reads
+    plain = found.local_weights(graph, reads)
+    assert {n for n in plain if "norm" in n} == {n for n in reads.values() if "norm" in n}
+    assert {"model.lm_head.weight", "model.model.embed_tokens.weight"} <= plain
+    assert not any("_proj." in name for name in plain)
 
 
 def test_natural_layouts_follow_the_symbolic_dim(traced: tuple) -> None:

@@ -3,7 +3,8 @@ plan's counts use ("all_gather|tp|forward"), so a run can be compared with its p
 
 DTensor issues its collectives as torch's functional collectives (`_c10d_functional`),
 each naming the process group it runs on; a dispatch mode sees every one (as torch's own
-`CommDebugMode` does) and maps the group back to the mesh axis it belongs to.
+`CommDebugMode` does), those a DTensor op's sharding rule issues inside the op included,
+and maps the group back to the mesh axis it belongs to.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.kinds import CollectiveKind
@@ -59,6 +61,13 @@ class CollectiveCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run the op first: the collectives it issues inside (a
+            # redistribution its sharding rule asks for) then reach this mode as the
+            # plain functional collectives they are. (A mode runs before subclasses, and
+            # is off while its own handler calls the op: a collective issued under
+            # `func(...)` here would go uncounted. torch's CommDebugMode does the same.)
+            return NotImplemented
         kind = _KINDS.get(func._overloadpacket)
         if kind is not None:
             group = args[-1] if args else (kwargs or {}).get("group_name")

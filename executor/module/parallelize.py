@@ -62,6 +62,7 @@ from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.run import (
     ModulePlan,
     RunRecord,
+    output_gradients,
     place_inputs,
     placements,
     replicated,
@@ -176,8 +177,10 @@ class ParallelModule:
                     output = self.forward(rows, micro, self.draws)
                 with part("loss"):
                     loss = self.loss(loss_fn, output, micro_batch)
+                    pairs = output_gradients(loss / count, output)
                 with part("backward"):
-                    (loss / count).backward()
+                    torch.autograd.backward([out for out, _ in pairs],
+                                            [grad for _, grad in pairs])
             finally:
                 self.weights.micro_batch_last = True
             value = loss.detach()

@@ -27,7 +27,14 @@ from torch.fx import GraphModule, Node
 
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import is_size
-from executor.module.run import ModulePlan, PlannedRun, RunRecord, last_uses, place_inputs
+from executor.module.run import (
+    ModulePlan,
+    PlannedRun,
+    RunRecord,
+    last_uses,
+    output_gradients,
+    place_inputs,
+)
 from executor.pipeline import ChunkResult
 from executor.runtime import MeshComm
 from executor.schedule import Chunk, Stages
@@ -189,9 +196,10 @@ class ModuleChunks:
         assert self.loss_of is not None
         with self.phases("loss"):
             loss = self.loss_of(outputs, targets)
+            grads = output_gradients(loss, outputs)
         value = loss.detach()
         value = value.full_tensor() if isinstance(value, DTensor) else value
-        return ChunkResult(sent, loss, float(value))
+        return ChunkResult(sent, reported=float(value), output_grads=grads)
 
     def _arrived(self, node: Node, value: torch.Tensor) -> Any:
         """A received local block as the DTensor it is a block of, or the size it is."""

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from executor.dropout import DropoutSite
-from executor.module import masks
+from executor.module import attention, masks
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout
 from executor.module.layouts import ModuleLayouts
@@ -145,6 +145,21 @@ def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
     others = [p for i, p in enumerate(wanted) if i != axis and isinstance(p, Shard) and
               (p.dim if p.dim >= 0 else p.dim + value.ndim) == dim]
     return None if others else axis
+
+
+def output_gradients(loss: torch.Tensor, outputs: Any
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """The loss's own backward pass: its gradient with respect to each output of the model
+    it reads. Taken apart from the model's backward pass so that the collectives the loss
+    function's DTensor ops issue (a mean's count summed over the batch's ranks) count as
+    the loss's, not as the model's, which the plan prices."""
+    leaves = [v for v in pytree.tree_leaves(outputs)
+              if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not loss.requires_grad or not leaves:
+        raise ShardplanError("the loss does not depend on the model's output: loss_fn "
+                             "must compute it from the output it is given")
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tuple((v, g) for v, g in zip(leaves, grads, strict=True) if g is not None)
 
 
 def _plain(value: Any) -> bool:
@@ -500,7 +515,12 @@ class PlannedRun(TracedRun):
             # split ones: it is the same on every rank, so it is a replicated DTensor,
             # also to the backward pass that saves it.
             args, kwargs = pytree.tree_map(lambda v: replicated(v, self.mesh), (args, kwargs))
-        result = self.call(n, args, kwargs)
+        split = None
+        if n.target is _SDPA:
+            args, kwargs = masks.resolved(n, args, kwargs)
+            split = attention.local_placements(args, kwargs)
+        result = self.call(n, args, kwargs) if split is None else attention.run_local(
+            _SDPA, args, kwargs, split, self._site(n), self.micro)
         if planned is not None and planned.output is not None and isinstance(result, DTensor):
             wanted = self._wanted(n.name, planned.output)
             if not _normalised(result, wanted):

@@ -1,0 +1,100 @@
+"""What the module runner counts and issues on 2 gloo ranks: collectives a DTensor op
+issues inside itself are counted, and attention split over heads runs without any."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from executor.dropout import DropoutSite
+from executor.module import attention
+from executor.module.counting import CollectiveCount, group_axes
+from executor.module.kernels import attention_math, dropout
+from executor.ranks import run_ranks
+from executor.train import free_port
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _checks(rank: int, port: int, result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    found: dict[str, object] = {}
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        torch.manual_seed(0)
+        # a head-split matmul with a whole operand: DTensor's rule gathers the split one
+        # inside the op, where a dispatch mode that ran the op itself saw nothing
+        a = distribute_tensor(torch.randn(2, 4, 8, 8), mesh, [Shard(1)])
+        b = distribute_tensor(torch.randn(2, 4, 8, 8), mesh, [Replicate()])
+        counts: Counter = Counter()
+        reference = CommDebugMode()
+        with reference, CollectiveCount(counts, group_axes(mesh), "forward"):
+            torch.matmul(a, b)
+        found["matmul"] = dict(counts)
+        found["matmul_reference"] = reference.get_total_counts()
+
+        # grouped-query attention split over heads (4 query heads, 2 key/value heads),
+        # the values whole: on the local blocks, no collective, the whole result's block
+        q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+        args = (distribute_tensor(q + 1, mesh, [Shard(1)]),
+                distribute_tensor(k + 1, mesh, [Shard(1)]),
+                distribute_tensor(v + 1, mesh, [Replicate()]))
+        kwargs = {"is_causal": True, "enable_gqa": True}
+        split = attention.local_placements(args, kwargs)
+        found["split"] = str(split)
+        counts = Counter()
+        assert split is not None
+        with CollectiveCount(counts, group_axes(mesh), "forward"):
+            out = attention.run_local(SDPA, args, kwargs, split, DropoutSite(0, 1, 0, ()), 0)
+        found["attention_collectives"] = dict(counts)
+        whole = F.scaled_dot_product_attention(q + 1, k + 1, v + 1, is_causal=True,
+                                               enable_gqa=True)
+        found["attention_error"] = float((out.full_tensor() - whole).abs().max())
+        found["attention_placements"] = str(out.placements)
+        # with attention dropout, each block draws the mask one device draws there, also
+        # for the second micro-batch of a step (its rows 2 to 3 of the step's 4)
+        site = DropoutSite(7, 3, 11, ())
+        drop = {"dropout_p": 0.25, "is_causal": True, "enable_gqa": True}
+        step_q, step_k, step_v = (torch.cat([t, t + 1]) for t in (q, k, v))
+        expected = attention_math(step_q, step_k, step_v, **drop,
+                                  drop=lambda t: dropout(t, 0.25, site)[0])[2:]
+        dropped = attention.run_local(SDPA, args, drop, split, site, 1)
+        found["dropout_error"] = float((dropped.full_tensor() - expected).abs().max())
+        # heads that do not split evenly, a mask, or a split sequence: not local
+        odd = (distribute_tensor(torch.randn(2, 3, 8, 16), mesh, [Shard(1)]),) * 3
+        found["odd_heads"] = attention.local_placements(odd, {}) is None
+        masked = {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}
+        found["masked"] = attention.local_placements(args, masked) is None
+        rows = tuple(distribute_tensor(t, mesh, [Shard(2)]) for t in (q, q, q))
+        found["sequence"] = attention.local_placements(rows, {}) is None
+    finally:
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(found))
+        dist.destroy_process_group()
+
+
+def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issues_none(
+        tmp_path: Path) -> None:
+    out = tmp_path / "found.json"
+    run_ranks(_checks, (free_port(), str(out)), 2, timeout_s=120)
+    found = json.loads(out.read_text())
+    assert found["matmul_reference"] > 0
+    assert sum(found["matmul"].values()) == found["matmul_reference"]
+    assert all(key.endswith("|tp|forward") for key in found["matmul"])
+    assert found["split"] == "(Shard(dim=1),)"
+    assert found["attention_collectives"] == {}
+    assert found["attention_error"] < 1e-5
+    assert found["attention_placements"] == "(Shard(dim=1),)"
+    assert found["dropout_error"] < 1e-5
+    assert found["odd_heads"] and found["masked"] and found["sequence"]
