@@ -371,6 +371,7 @@ def _module_rows(profile: HardwareProfile, spec: str, batch: int, steps: int,
     if backend is None:
         return [Row(label, planned.predicted.step_time_s)]
     log = train_module(spec, planned, steps=max(steps, WARM_UP_STEPS + 1), backend=backend,
+                       count_steps=1,
                        optimizer="sgd", lr=1e-3)
     timed = log.step_time_s[WARM_UP_STEPS:]
     print(f"recompute segments re-run by the last steps: {log.recomputed}")

@@ -3,7 +3,10 @@
 Run: python bench/module_vs_torch.py [--steps 6] [--batch 8]
 Model: `examples.hf_models:llama` (transformers LLaMA, 2 layers, hidden 64, GQA), SGD,
 next-token cross-entropy, CPU (gloo), one thread per rank. One table:
-  the module's trace, 1 process (`unsplit`)        vs  torch eager, 1 process
+  a one-device plan, 1 rank (what `run --nproc 1`  vs  torch eager, 1 process
+    runs: compiled local regions, plain weights)
+  the module's trace, 1 process (`unsplit`, the     vs  torch eager, 1 process
+    reference runs are checked against: op by op)
   data-parallel plan, 2 ranks                       vs  torch DDP, 2 processes
   the same, every op on DTensors (local=False)      vs  torch DDP, 2 processes
   ZeRO 3 plan, 2 ranks                              vs  torch `fully_shard` (FSDP2) on
@@ -11,7 +14,8 @@ next-token cross-entropy, CPU (gloo), one thread per rank. One table:
   tensor-parallel plan (Megatron's split), 2 ranks  vs  torch `parallelize_module`
                                                          (Colwise q/k/v/gate/up, Rowwise
                                                          o/down), 2 processes
-Each figure is the median step time (forward, loss, backward, SGD) after one warm-up step.
+Each figure is the median step time (forward, loss, backward, SGD) after one warm-up step
+(for shardplan's rows the step whose collectives are counted: counting sees every op).
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def main() -> None:
                     args.batch, args.steps)
     with tempfile.TemporaryDirectory() as scratch:
         path = export_builder(LLAMA, args.batch, Path(scratch) / "llama.onnx")
+        one = plan(path, batch=args.batch, devices=1, profile="cpu", mode="data")
         data = plan(path, batch=args.batch, devices=2, profile="cpu", mode="data",
                     parallel={"zero": 0})
         zero3 = plan(path, batch=args.batch, devices=2, profile="cpu", mode="auto",
@@ -128,11 +133,13 @@ def main() -> None:
         tensor = plan(path, batch=args.batch, devices=2, profile="a100-80g", mode="semi",
                       strategies=megatron_strategies(load_graph(path, batch=args.batch)), mesh=(2,))
     def ours(chosen: Plan, local: bool = True) -> list[float]:
+        # the collectives are counted over the first step, which is not timed
         return train_module(LLAMA, chosen, steps=args.steps + 1, batch_size=args.batch,
-                            local=local).step_time_s[1:]
+                            local=local, count_steps=1).step_time_s[1:]
 
     ddp = _torch_ranks("ddp", args.batch, args.steps)
     rows = [
+        ("one-device plan, 1 rank", ours(one), "torch eager, 1 process", eager),
         ("the module's trace, 1 process", traced, "torch eager, 1 process", eager),
         ("data-parallel plan, 2 ranks", ours(data), "torch DDP, 2 processes", ddp),
         ("the same, every op on DTensors", ours(data, local=False),

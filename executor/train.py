@@ -59,19 +59,27 @@ class RunLog:
     ranks: list = field(default_factory=list)  # per rank: stage, counts, state sizes
     weights: str = ""  # how the weights were had, when not read from the model
     peak_memory_bytes: int = 0  # rank 0's GPU allocator peak over the run; 0 on the CPU
+    counted_steps: int | None = None  # the first steps "collectives" covers (None: all)
 
     def to_json(self) -> dict:
         return {"losses": self.losses, "step_time_s": self.step_time_s,
                 "predicted_step_time_s": self.predicted_step_time_s,
                 "collectives": self.collectives, "ranks": self.ranks,
-                "weights": self.weights, "peak_memory_bytes": self.peak_memory_bytes}
+                "weights": self.weights, "peak_memory_bytes": self.peak_memory_bytes,
+                "counted_steps": self.counted_steps}
 
     @property
     def verdict(self) -> str:
         """One line: "collectives: as planned", or each difference from the plan."""
+        counted = self.counted_steps
+        if counted == 0:
+            return "collectives: not counted"
         differences = self.differences
-        return "collectives: as planned" if not differences else \
+        verdict = "collectives: as planned" if not differences else \
             "collectives differ from the plan: " + ", ".join(differences)
+        if counted is not None and counted < len(self.losses):
+            verdict += f" (counted over the first {counted} of {len(self.losses)} steps)"
+        return verdict
 
     @property
     def differences(self) -> list[str]:

@@ -204,6 +204,10 @@ class ModuleRun:
     timeout_s: float = DEFAULT_TIMEOUT_S  # a dead or stopped rank ends the run within this
     launcher: int = 0  # the pid ranks follow (executor.ranks.follow_launcher); 0 = none
     trace: SavedTrace | None = None  # the module's export, written once for every rank
+    # the first steps whose collectives are counted against the plan (None: every step):
+    # a dispatch mode sees every op to catch DTensor's, which costs a few microseconds of
+    # host time per op, and a step issues what the one before it did
+    count_steps: int | None = None
 
 
 def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
@@ -237,25 +241,30 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             check_checkpoints(plan, "module", run.optimizer, resume=saving.resume)
         done = checkpoints.load(saving.resume, state, optimizer).steps \
             if saving.resume else 0
-        for step in range(done, done + run.steps):
+        counted = run.steps if run.count_steps is None else min(run.count_steps, run.steps)
+        weight_calls: Counter = Counter()
+        for k, step in enumerate(range(done, done + run.steps)):
             batch = make_batch(step, run.batch_size)
             started = time.perf_counter()
-            loss = state.train_step(loss_fn, batch,
-                                    lambda phase: CollectiveCount(issued, axes, phase))
+            loss = state.train_step(loss_fn, batch, (
+                lambda phase: CollectiveCount(issued, axes, phase)) if k < counted else None)
             optimizer.step()
             optimizer.zero_grad()
+            if k + 1 == counted:  # (ZeRO 1 and 2 rebuild the whole weights in step())
+                weight_calls = Counter(state.weight_calls)
             log.losses.append(_scalar(loss))
             log.step_time_s.append(time.perf_counter() - started)
             if saving.save and saving.every and (step + 1) % saving.every == 0:
                 checkpoints.save(saving.save, state, optimizer, step + 1, marker)
         if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
             checkpoints.save(saving.save, state, optimizer, done + run.steps, marker)
-        issued.update(state.weight_calls)
+        issued.update(weight_calls)
         issued = _stage_sums(issued, state.comm)
         if rank == 0:
-            log.collectives = {"planned": planned_calls(plan, run.steps),
+            log.collectives = {"planned": planned_calls(plan, counted),
                                "issued": {k: v for k, v in issued.items() if not k.endswith(
                                    ("|loss", "|recompute", f"|{checkpoints.PHASE}"))}}
+            log.counted_steps = counted
             log.recomputed = state.record.recomputed
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
@@ -298,7 +307,8 @@ def _rank(rank: int, world: int, port: int, run: ModuleRun, out: str) -> None:
 def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
                  batch_size: int | None = None, backend: str = "gloo",
                  optimizer: str = "sgd", checkpoints: Checkpoints | None = None,
-                 local: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> ModuleRunLog:
+                 local: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 count_steps: int | None = None) -> ModuleRunLog:
     """Train the builder's module with `plan` on one process per device: gloo on CPU, or
     NCCL with one GPU per process. The global batch is the plan's unless given. With
     `checkpoints`, the run starts from a checkpoint saved under any plan of the module
@@ -306,7 +316,9 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     `local=False` runs every op on DTensors (`executor.parallelize`'s `local`). A rank
     that fails, dies or stops answering for `timeout_s` ends the run with `RunFailed`;
     no rank outlives the call (`executor.ranks`). The module is exported once, here
-    (`shared_trace`), and every rank reads that export."""
+    (`shared_trace`), and every rank reads that export. Collectives are counted over the
+    first `count_steps` steps (None: all; 0: none, to time the run as the Python API
+    runs it)."""
     timeout_s = check_timeout(timeout_s)
     # Everything the plan states that its own sections imply (ep 1 among them), before
     # any rank starts (the module's export is not at hand: its ops and layouts are
@@ -337,7 +349,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
                         backend, optimizer, saving, local, timeout_s, os.getpid(),
-                        shared_trace(spec, batch_size))
+                        shared_trace(spec, batch_size), count_steps)
         run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
                   timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())

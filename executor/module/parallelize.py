@@ -118,7 +118,11 @@ class ParallelModule:
         """`loss_fn(output, *batch)` on the parallelized output: the batch's plain tensors
         count as replicated (each rank reads its own rows of them), so the loss is the
         global batch's, as one device computes it. Call `.backward()` on it; its value is
-        `float(loss.full_tensor())` (or `float(loss)` when it is a plain tensor)."""
+        `float(loss.full_tensor())` (or `float(loss)` when it is a plain tensor). An
+        output that is a plain tensor (the batch not split, so every rank holds all of
+        it) meets the batch as it is."""
+        if not any(isinstance(v, DTensor) for v in pytree.tree_leaves(output)):
+            return loss_fn(output, *batch)
         return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
                                                 list(batch)))
 

@@ -175,15 +175,39 @@ def replicated(value: Any, mesh: TorchMesh) -> Any:
                               run_check=False)
 
 
+_FACTS = "shardplan.graph_facts"
+
+
+def _graph_facts(graph: GraphModule) -> tuple[dict[Node, list[Node]], dict[str, int]]:
+    """For each node, the values whose last reader it is (`Interpreter.user_to_last_uses`),
+    and each node's place in the graph: derived once, kept in the graph's meta (a traced
+    graph's nodes do not change after `parallelize` placed it)."""
+    facts = graph.meta.get(_FACTS)
+    if facts is None:
+        read_last: set[Node] = set()
+        dies: dict[Node, list[Node]] = {}
+        for node in reversed(graph.graph.nodes):
+            for source in node.all_input_nodes:
+                if source not in read_last:
+                    read_last.add(source)
+                    dies.setdefault(node, []).append(source)
+        facts = (dies, {n.name: k for k, n in enumerate(graph.graph.nodes)})
+        graph.meta[_FACTS] = facts
+    return facts
+
+
 class TracedRun(Interpreter):
     """One forward of the traced graph as torch runs it, but for dropout, whose masks are
     drawn by `executor.dropout` (draw `step` of `seed`, each dropout its own op number),
     and attention with dropout, which runs as its definition so that dropout can apply."""
 
     def __init__(self, graph: GraphModule, seed: int, step: int) -> None:
-        super().__init__(graph)
+        # one run per forward (and micro-batch): what `Interpreter` derives from the
+        # graph on each construction is derived once per graph instead
+        super().__init__(graph, garbage_collect_values=False)
+        self.garbage_collect_values = True
+        self.user_to_last_uses, self.index = _graph_facts(graph)
         self.seed, self.step = seed, step
-        self.index = {n.name: k for k, n in enumerate(graph.graph.nodes)}
 
     def call(self, n: Node, args: Any, kwargs: Any) -> Any:
         assert callable(n.target)
@@ -475,8 +499,10 @@ class PlannedRun(TracedRun):
         return len(region.nodes)
 
     def run_node(self, n: Node) -> Any:
-        if n.op == "output":
-            return map_arg(n.args[0], self._as_dtensor)  # the loss sees global values
+        if n.op == "output":  # the loss sees global values
+            if self.plan.local.degree == 1:  # the batch is not split: a local value is
+                return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
+            return map_arg(n.args[0], self._as_dtensor)
         if n.op != "call_function":
             value = super().run_node(n)
             if n.op == "get_attr" and self.plan.reads.get(str(n.target)) in \

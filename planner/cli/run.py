@@ -49,6 +49,10 @@ def add_parser(verbs: Verbs) -> None:
                      type=positive_number("--timeout", most=MOST_TIMEOUT_S),
                      help="a rank that dies or stops answering ends the run within this "
                           f"long, every rank stopped (default {DEFAULT_TIMEOUT_S:g})")
+    run.add_argument("--count-steps", metavar="N", type=positive_int, default=None,
+                     help="with --module: count the collectives of the first N steps only "
+                          "(default: every step). Counting sees every op, a few microseconds "
+                          "of host time each; later steps then run at full speed")
     run.add_argument("--data", metavar="DIR", default="",
                      help="<input>.npy arrays (and targets.npy) of the global batch; each "
                           "data-parallel rank reads its shard (default: synthetic)")
@@ -100,6 +104,9 @@ def _check_graph_run(args: argparse.Namespace, loaded: Plan) -> None:
     if args.backend == "nccl":
         raise ShardplanError("--backend nccl: the ONNX-graph runner runs gloo ranks on CPU "
                              "only; train a torch module with --module")
+    if args.count_steps is not None:
+        raise ShardplanError("--count-steps: with --module only (the ONNX-graph runner "
+                             "issues every collective itself and counts them at no cost)")
     if args.nproc not in (1, loaded.mesh.size):
         raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
@@ -160,7 +167,8 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
     log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
                        backend=args.backend, optimizer=args.optimizer,
                        checkpoints=Checkpoints(args.resume, args.checkpoint,
-                                               args.checkpoint_every or 0), timeout_s=args.timeout)
+                                               args.checkpoint_every or 0), timeout_s=args.timeout,
+                       count_steps=args.count_steps)
     _report(log, loaded, args.log_json, compared=True)
     return 0
 
