@@ -87,6 +87,17 @@ from planner.sharding.mesh import DeviceMesh
 Phases = Callable[[str], AbstractContextManager[Any]]
 
 
+def _loss_roots(loss: torch.Tensor, output: Any
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Where the model's backward pass starts: the loss itself when it is a plain tensor
+    (no collective in it), else its gradient with respect to the outputs it read, taken
+    now (`executor.module.run.output_gradients`)."""
+    if not isinstance(loss, DTensor):
+        return [loss], [None]
+    pairs = output_gradients(loss, output)
+    return [out for out, _ in pairs], [grad for _, grad in pairs]
+
+
 @dataclass
 class ParallelModule:
     """What `parallelize` attached to the module (`module.shardplan`): the plan, the mesh,
@@ -181,10 +192,14 @@ class ParallelModule:
                     output = self.forward(rows, micro, self.draws)
                 with part("loss"):
                     loss = self.loss(loss_fn, output, micro_batch)
-                    pairs = output_gradients(loss / count, output)
+                    # a loss on DTensors may issue collectives in its own backward pass:
+                    # taken apart (output_gradients), so that they count as the loss's
+                    roots, grads = _loss_roots(loss / count, output)
+                del output  # what the backward pass needs, it holds
                 with part("backward"):
-                    torch.autograd.backward([out for out, _ in pairs],
-                                            [grad for _, grad in pairs])
+                    torch.autograd.backward(roots, grads)
+                del roots, grads  # (a gradient as large as the output: not into the next
+                # micro-batch's forward)
             finally:
                 self.weights.micro_batch_last = True
             value = loss.detach()

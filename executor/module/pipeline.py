@@ -196,9 +196,13 @@ class ModuleChunks:
         assert self.loss_of is not None
         with self.phases("loss"):
             loss = self.loss_of(outputs, targets)
-            grads = output_gradients(loss, outputs)
+            # a loss on DTensors may issue collectives in its own backward pass: taken
+            # now, in the loss phase (a plain loss back-propagates from itself)
+            grads = output_gradients(loss, outputs) if isinstance(loss, DTensor) else ()
         value = loss.detach()
         value = value.full_tensor() if isinstance(value, DTensor) else value
+        if not grads:
+            return ChunkResult(sent, loss, float(value))
         return ChunkResult(sent, reported=float(value), output_grads=grads)
 
     def _arrived(self, node: Node, value: torch.Tensor) -> Any:
