@@ -211,12 +211,17 @@ def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
 def _first_use(sharded: ShardedGraph, tensor: str) -> int:
     """Index of the first op reading `tensor` (the order the backward pass reverses)."""
     analysis = sharded.analysis
+    first = analysis.first_consumers.get(tensor)
+    return op_index(analysis)[first[0]] if first is not None else 0
+
+
+def op_index(analysis: GraphAnalysis) -> dict[str, int]:
+    """Op name -> its index in the graph's ops (found once per graph)."""
     found = analysis.memo.get(OP_INDEX)
     if found is None:
         found = analysis.memo[OP_INDEX] = {node.name: k
                                            for k, node in enumerate(analysis.graph.ops)}
-    first = analysis.first_consumers.get(tensor)
-    return found[first[0]] if first is not None else 0
+    return found
 
 
 OP_INDEX = "op index"  # memo key of the analysis: op name -> index
