@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.close()
     if args.output:  # a large plan's file is millions of objects: as `plan` builds them
         fewer_collections(result.save)(args.output)
-    print(fewer_collections(result.dumps)() if args.json else summary(result))
+    print(fewer_collections(result.dumps)() if args.json else fewer_collections(summary)(result))
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0
