@@ -84,9 +84,9 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
 
 
 MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
-#: ops of derivations kept per graph, at most: a 200,000-op graph keeps 5 derivations,
-#: not 64 (each about 60 MB), and derives a finalist again where it has to
-MEMO_OPS = 1_000_000
+#: ops of derivations kept per graph, at most: a 200,000-op graph keeps 2 derivations,
+#: not 64 (each over 100 MB), and derives a finalist again where it has to
+MEMO_OPS = 400_000
 DERIVATIONS = "derivations"  # memo key of the analysis: the kept derivations
 
 
