@@ -139,10 +139,12 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             stored = layout_of.get(name)
             if stored is None:  # inputs and weights are placed as first consumed
                 stored = layout_of[name] = want
-            roots = weight_roots.get(name)
             partial = own.grad_partial[index]
-            info = tensors[name]
             grad = needs_grad.get(name, False)
+            if (stored is want or stored == want) and not (grad and partial):
+                continue  # read as stored, no partial gradient: nothing moves either way
+            roots = weight_roots.get(name)
+            info = tensors[name]
             key = shared_read_key(info, stored, want, partial, region_of[k], mesh, grad,
                                   roots is not None)
             if key is not None and key in moved:
