@@ -68,10 +68,11 @@ def load_graph(
                         else capacity_factor)
 
 
-#: the most ops a graph may have to be planned: planning takes about 45 KiB of memory and
-#: some milliseconds per op, so 50,000 ops take minutes and a few GiB (docs/robustness.md
-#: "Limits"); a graph past it is refused after its import rather than run out of memory
-MAX_PLANNED_OPS = 50_000
+#: the most ops a graph may have to be planned: planning takes about 19 KiB of memory and
+#: a few milliseconds per op (a 200,000-op chain: 3.7 GiB at its peak, minutes;
+#: docs/robustness.md, "Planning large graphs"), so a graph past it is refused after its
+#: import rather than run out of a 6 GiB machine's memory
+MAX_PLANNED_OPS = 250_000
 
 #: the device memories `--memory-limit` accepts, in GiB: outside, a figure is a typo
 MEMORY_LIMIT_GIB = (2.0 ** -20, 2.0 ** 20)
