@@ -181,16 +181,33 @@ def _costs(plan: Plan, report: Report) -> None:
 
 
 def _numbers(value: Any, path: str, found: list[tuple[str, float]]) -> None:
-    """Collect the numbers under `value` that are not finite or are negative."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _numbers(item, f"{path}.{key}", found)
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            _numbers(item, f"{path}[{index}]", found)
-    elif isinstance(value, int | float) and not isinstance(value, bool) \
-            and (not math.isfinite(value) or value < 0):
-        found.append((path, value))
+    """Collect the numbers under `value` that are not finite or are negative, with their
+    JSON paths (spelled only for those: a 200,000-op plan holds millions of numbers)."""
+    def walk(value: Any, where: Where) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, (where, False, key))
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, (where, True, index))
+        elif isinstance(value, int | float) and not isinstance(value, bool) \
+                and (not math.isfinite(value) or value < 0):
+            found.append((_spelled(where), value))
+
+    walk(value, path)
+
+
+#: a JSON path as `_numbers` keeps it: the path's start, or (parent, is an index, key)
+Where = str | tuple[Any, bool, Any]
+
+
+def _spelled(where: Where) -> str:
+    """`where` as text: `ops[3].cost.forward_s`."""
+    parts = []
+    while isinstance(where, tuple):
+        where, index, key = where
+        parts.append(f"[{key}]" if index else f".{key}")
+    return where + "".join(reversed(parts))
 
 
 def _pipeline(plan: Plan, report: Report) -> None:
