@@ -598,7 +598,10 @@ def _weights(plan: Plan, needed: Counter, report: Report) -> None:
     listed_of: dict[str, Counter] = {}
     for found, of in ((needed, needed_of), (listed, listed_of)):
         for key, n in found.items():
-            of.setdefault(key[0], Counter())[key] = n
+            entries = of.get(key[0])
+            if entries is None:
+                entries = of[key[0]] = Counter()
+            entries[key] = n
 
     def axes_of(found: Counter) -> set[str]:
         return {a for (_, _, axes, _), n in found.items() if n
