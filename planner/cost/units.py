@@ -131,7 +131,7 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         forward_s, backward_s = cost.forward_s, cost.backward_s
         forward[u] += forward_s
         backward[u] += backward_s
-        if backward_s > 0.0:  # `weight_gradient_seconds`, inlined: it runs once per op
+        if not backward_s <= 0.0:  # `weight_gradient_seconds` inlined: it runs per op
             weight[u] += min(backward_s, kernel_of[node.name].weight_ratio * forward_s)
         saved_all[u] += cost.saved_bytes
         if cost.output_bytes > workspace[u]:
@@ -160,19 +160,20 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
             backward_comm[u] += seconds
         workspace[u] = max(workspace[u], float(collective.bytes) * held)
     crossings, leaving = _crossings(priced, units)
-    saved_array = np.array(saved_all, dtype=float)
-    keep_selective = saved_array - np.array(dropped, dtype=float)
+    saved_array = _floats(saved_all)
+    keep_selective = saved_array - _floats(dropped)
     saved = {Recompute.NONE: saved_array, Recompute.SELECTIVE: keep_selective,
              Recompute.FULL: np.minimum(saved_array, leaving)}
     transient = {Recompute.NONE: np.zeros(count),
                  Recompute.SELECTIVE: saved_array - saved[Recompute.SELECTIVE],
                  Recompute.FULL: saved_array - saved[Recompute.FULL]}
-    def array(values: list[float]) -> np.ndarray:
-        return np.array(values, dtype=float)
+    return UnitProfile(units, _floats(forward), _floats(backward), _floats(forward_comm),
+                       _floats(backward_comm), _floats(selective), saved, transient,
+                       _floats(workspace), _params(priced, units), crossings, _floats(weight))
 
-    return UnitProfile(units, array(forward), array(backward), array(forward_comm),
-                       array(backward_comm), array(selective), saved, transient,
-                       array(workspace), _params(priced, units), crossings, array(weight))
+
+def _floats(values: list[float]) -> np.ndarray:
+    return np.array(values, dtype=float)
 
 
 def _unit_list(analysis: GraphAnalysis, units: Units) -> list[int]:
@@ -241,7 +242,7 @@ def _crossings(priced: PricedGraph,
                                _send_split(layout, info.shape, sharded.mesh)))
         if grad:
             leaving[crossing.producer] += local
-    return tuple(result), np.array(leaving, dtype=float)
+    return tuple(result), _floats(leaving)
 
 
 def _unit_crossings(analysis: GraphAnalysis, units: Units) -> tuple[UnitCrossing, ...]:
