@@ -60,7 +60,7 @@ import contextlib, io, json, resource, sys, time
 from planner.cli import main
 started = time.perf_counter()
 err = io.StringIO()
-with contextlib.redirect_stderr(err):
+with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
     code = main(["plan", sys.argv[1], "--devices", "8", "--batch", "8", "-o", sys.argv[2]])
 print(json.dumps({"seconds": time.perf_counter() - started, "code": code,
                   "stderr": err.getvalue(),
