@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -32,6 +33,7 @@ class RetainedModel(Protocol):
 TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
 
+@cache  # asked for every tensor of every choice priced; numpy's lookup is slow
 def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name as the importer records it (numpy's names, plus
     bfloat16, which numpy lacks)."""

@@ -181,16 +181,33 @@ def _costs(plan: Plan, report: Report) -> None:
 
 
 def _numbers(value: Any, path: str, found: list[tuple[str, float]]) -> None:
-    """Collect the numbers under `value` that are not finite or are negative."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _numbers(item, f"{path}.{key}", found)
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            _numbers(item, f"{path}[{index}]", found)
-    elif isinstance(value, int | float) and not isinstance(value, bool) \
-            and (not math.isfinite(value) or value < 0):
-        found.append((path, value))
+    """Collect the numbers under `value` that are not finite or are negative, with their
+    JSON paths (spelled only for those: a 200,000-op plan holds millions of numbers)."""
+    def walk(value: Any, where: Where) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, (where, False, key))
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, (where, True, index))
+        elif isinstance(value, int | float) and not isinstance(value, bool) \
+                and (not math.isfinite(value) or value < 0):
+            found.append((_spelled(where), value))
+
+    walk(value, path)
+
+
+#: a JSON path as `_numbers` keeps it: the path's start, or (parent, is an index, key)
+Where = str | tuple[Any, bool, Any]
+
+
+def _spelled(where: Where) -> str:
+    """`where` as text: `ops[3].cost.forward_s`."""
+    parts = []
+    while isinstance(where, tuple):
+        where, index, key = where
+        parts.append(f"[{key}]" if index else f".{key}")
+    return where + "".join(reversed(parts))
 
 
 def _pipeline(plan: Plan, report: Report) -> None:
@@ -442,7 +459,8 @@ def check_plan_matches(plan: Plan, graph: PlanningGraph) -> None:
     if dict(plan.model.bound_dims) != dict(graph.bound_dims):
         raise PlanFileError(f"the plan bound dims {plan.model.bound_dims}, the run binds "
                             f"{graph.bound_dims}; use the same --batch and --dim values")
-    missing = [n.name for n in graph.ops if n.name not in {op.name for op in plan.ops}]
+    planned = {op.name for op in plan.ops}  # once: per op, it took minutes at 50,000 ops
+    missing = [n.name for n in graph.ops if n.name not in planned]
     if missing:
         raise PlanFileError(f"the plan has no entry for op {missing[0]} of {graph.path}")
     # The dims could be edited by hand: the shapes the plan splits must be the model's.
@@ -575,20 +593,28 @@ def _weights(plan: Plan, needed: Counter, report: Report) -> None:
     listed: Counter = Counter((c.tensor, str(c.kind), tuple(c.axes), str(c.phase))
                               for c in plan.collectives if c.op == OPTIMIZER_OP)
     weights = sorted({key[0] for key in (needed | listed)})
+    # each weight's entries, found once (per weight, a scan of all of them was quadratic)
+    needed_of: dict[str, Counter] = {}
+    listed_of: dict[str, Counter] = {}
+    for found, of in ((needed, needed_of), (listed, listed_of)):
+        for key, n in found.items():
+            entries = of.get(key[0])
+            if entries is None:
+                entries = of[key[0]] = Counter()
+            entries[key] = n
 
-    def axes_of(found: Counter, name: str) -> set[str]:
-        return {a for (w, _, axes, _), n in found.items() if w == name and n
+    def axes_of(found: Counter) -> set[str]:
+        return {a for (_, _, axes, _), n in found.items() if n
                 for a in axes if a != AxisRole.PIPELINE}
 
     shown = 0
     for name in weights:
         if shown >= MAX_LISTED:
             break
-        want, got = axes_of(needed, name), axes_of(listed, name)
-        mine = Counter({k: n for k, n in needed.items() if k[0] == name})
-        theirs = Counter({k: n for k, n in listed.items() if k[0] == name})
+        mine, theirs = needed_of.get(name, Counter()), listed_of.get(name, Counter())
         if mine == theirs:
             continue
+        want, got = axes_of(mine), axes_of(theirs)
         shown += 1
         if want and not got:
             report.add(f"weight {name}: its gradient must be summed over {sorted(want)} but "

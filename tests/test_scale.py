@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from test_robustness import _save, chain_model
 
-from planner.api import MAX_PLANNED_OPS, plan
-from planner.errors import ShardplanError
+from planner import api
+from planner.api import plan
+from planner.errors import ModelError, ShardplanError
 from planner.layers import Repeats, _best_run
 from planner.search.stages import MAX_PIPELINE_UNITS
 
@@ -59,7 +60,7 @@ import contextlib, io, json, resource, sys, time
 from planner.cli import main
 started = time.perf_counter()
 err = io.StringIO()
-with contextlib.redirect_stderr(err):
+with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
     code = main(["plan", sys.argv[1], "--devices", "8", "--batch", "8", "-o", sys.argv[2]])
 print(json.dumps({"seconds": time.perf_counter() - started, "code": code,
                   "stderr": err.getvalue(),
@@ -71,23 +72,51 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
 
+VALIDATE = """
+import contextlib, io, json, sys
+from planner.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(["validate", sys.argv[1], sys.argv[2]])
+print(json.dumps({"code": code, "stdout": out.getvalue()}))
+"""
+
+
 @pytest.mark.slow
-def test_a_200k_node_chain_is_answered_in_bounded_time_and_memory(tmp_path: Path) -> None:
-    """Past MAX_PLANNED_OPS a graph is refused after its import, in one line: planning it
-    took quadratic time in repeat detection and quadratic tables in the stage search, and
-    still takes about 45 KiB and milliseconds per op per configuration priced."""
+def test_a_200k_node_chain_plans_in_bounded_time_and_memory(tmp_path: Path) -> None:
+    """A 200,000-op chain is planned (no pipeline: 50,001 units are more than the stage
+    search takes) within 6 GiB, and `validate` accepts the plan against the model. The
+    time is printed; the bound is generous (the issue's target, a minute, is not met:
+    docs/robustness.md, "Planning large graphs")."""
     path = _save(chain_model(200_000, width=16), tmp_path / "chain.onnx")
-    done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(path),
-                           str(tmp_path / "plan.json")], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, check=True, preexec_fn=_limit_memory)
+    plan_file = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(path), str(plan_file)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500, check=True,
+                          preexec_fn=_limit_memory)
     figures = json.loads(done.stdout)
     print(f"\n200,000-node chain: exit {figures['code']} in {figures['seconds']:.1f} s, peak "
           f"RSS {figures['peak_rss_bytes'] / 2**20:.0f} MiB")
-    assert figures["code"] == 2
-    assert figures["stderr"].count("\n") == 1
-    assert f"200,000 ops, more than the planner plans ({MAX_PLANNED_OPS:,}" in figures["stderr"]
-    assert figures["seconds"] < 120
+    assert figures["code"] == 0, figures["stderr"][-2000:]
+    assert figures["seconds"] < 1200
     assert figures["peak_rss_bytes"] < 6 << 30
+    checked = subprocess.run([sys.executable, "-c", VALIDATE, str(plan_file), str(path)],
+                             cwd=REPO, capture_output=True, text=True, timeout=900, check=True,
+                             preexec_fn=_limit_memory)
+    verdict = json.loads(checked.stdout)
+    assert verdict["code"] == 0, verdict["stdout"][-2000:]
+    assert "200000 ops" in verdict["stdout"]
+
+
+def test_a_graph_past_the_planned_ops_is_refused_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_PLANNED_OPS a graph is refused after its import, in one line, rather than
+    run out of memory (a 400-op chain against a limit of 100 stands for a larger one)."""
+    monkeypatch.setattr(api, "MAX_PLANNED_OPS", 100)
+    path = _save(chain_model(400, width=16), tmp_path / "chain.onnx")
+    with pytest.raises(ModelError, match=r"chain.onnx: 400 ops, more than the planner plans "
+                                         r"\(100: ") as refused:
+        plan(path, devices=8, batch=8)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_pipeline_of_more_units_than_the_stage_search_takes_is_refused(

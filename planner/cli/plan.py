@@ -105,7 +105,7 @@ def add_parser(verbs: Verbs) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan (summary or JSON); exit 3 through NoPlanFits when it does not fit."""
-    from planner.api import plan
+    from planner.api import fewer_collections, plan
     from planner.cli.progress import Progress
     from planner.cli.strategies import load_strategies
     from planner.report import memory_shortfall, summary
@@ -145,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.close()
-    if args.output:
-        result.save(args.output)
-    print(result.dumps() if args.json else summary(result))
+    if args.output:  # a large plan's file is millions of objects: as `plan` builds them
+        fewer_collections(result.save)(args.output)
+    print(fewer_collections(result.dumps)() if args.json else fewer_collections(summary)(result))
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0

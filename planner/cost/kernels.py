@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
@@ -91,13 +92,13 @@ class KernelPlan:
     cores: tuple[AttentionCore, ...]
     regions: tuple[tuple[str, ...], ...]  # fused elementwise kernels, ops in order
 
-    @property
+    @cached_property  # asked once per op of every choice priced
     def dropped_by_selective(self) -> frozenset[str]:
         """Saved tensors selective recompute does not keep: the attention cores' own."""
         internal = frozenset().union(*(core.internal for core in self.cores))
         return frozenset(name for name in self.saved if name in internal)
 
-    @property
+    @cached_property  # asked once per op of every choice priced
     def unmaterialised(self) -> frozenset[str]:
         """Tensors no kernel writes to memory: a flash core's s² scores and probabilities
         (they live in on-chip tiles), so they take no workspace."""
@@ -109,7 +110,7 @@ class KernelPlan:
         """`nbytes` of tensor `name` as the kernels write it: 0 where none does."""
         return 0.0 if name in self.unmaterialised else nbytes
 
-    @property
+    @cached_property  # asked once per op of every choice priced
     def core_ops(self) -> frozenset[str]:
         """Ops selective recompute re-runs in the backward pass."""
         return frozenset(op for core in self.cores

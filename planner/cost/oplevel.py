@@ -71,18 +71,28 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
     choice from the same derivation (kept on the analysis; one per device kind, so the
     kinds of a mixed cluster do not evict each other's)."""
     key = (mesh, frozenset(strategies.items()), options, profile)
-    found = analysis.memo.get(key)
+    kept = analysis.memo.setdefault(DERIVATIONS, {})
+    found = kept.get(key)
     if found is not None and found[0] is profile:
         return found[1]
     priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference),
                          profile, options)
-    if len(analysis.memo) > MEMO_LIMIT:
-        analysis.memo.clear()
-    analysis.memo[key] = (profile, priced)
+    if len(kept) > memo_limit(len(analysis.graph.ops)):
+        kept.clear()
+    kept[key] = (profile, priced)
     return priced
 
 
 MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
+#: ops of derivations kept per graph, at most: a 200,000-op graph keeps 2 derivations,
+#: not 64 (each over 100 MB), and derives a finalist again where it has to
+MEMO_OPS = 400_000
+DERIVATIONS = "derivations"  # memo key of the analysis: the kept derivations
+
+
+def memo_limit(ops: int) -> int:
+    """How many derivations of a graph of `ops` ops `priced_choice` keeps."""
+    return max(2, min(MEMO_LIMIT, MEMO_OPS // max(1, ops)))
 
 
 def mesh_on(mesh: DeviceMesh, hardware: HardwareProfile) -> DeviceMesh:
@@ -136,6 +146,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     costs: list[OpCost] = []
     compute_forward = compute_backward = saved_total = workspace = 0.0
     seconds_of: dict[tuple, tuple[float, float]] = {}
+    shared: dict[tuple, OpCost] = {}
     for op in sharded.ops:
         node = op.node
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
@@ -164,7 +175,13 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         workspace = max(workspace, output_bytes)
         if live_peak is not None:
             live_peak.step(node, sharded.layouts, mesh)
-        costs.append(OpCost(forward, backward, saved, output_bytes))
+        # every layer's ops cost alike: they share one record (of the same figures, of
+        # the same types: an op without outputs writes int 0 bytes)
+        cost_key = (id(found), saved, output_bytes, output_bytes.__class__)
+        cost = shared.get(cost_key)
+        if cost is None:
+            cost = shared[cost_key] = OpCost(forward, backward, saved, output_bytes)
+        costs.append(cost)
     collectives = (*(price(spec, mesh, profile) for op in sharded.ops
                      for spec in op.collectives),
                    *gradient_collectives(sharded, profile, options.bucket_mb))
@@ -211,12 +228,17 @@ def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
 def _first_use(sharded: ShardedGraph, tensor: str) -> int:
     """Index of the first op reading `tensor` (the order the backward pass reverses)."""
     analysis = sharded.analysis
+    first = analysis.first_consumers.get(tensor)
+    return op_index(analysis)[first[0]] if first is not None else 0
+
+
+def op_index(analysis: GraphAnalysis) -> dict[str, int]:
+    """Op name -> its index in the graph's ops (found once per graph)."""
     found = analysis.memo.get(OP_INDEX)
     if found is None:
         found = analysis.memo[OP_INDEX] = {node.name: k
                                            for k, node in enumerate(analysis.graph.ops)}
-    first = analysis.first_consumers.get(tensor)
-    return found[first[0]] if first is not None else 0
+    return found
 
 
 OP_INDEX = "op index"  # memo key of the analysis: op name -> index

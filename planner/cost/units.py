@@ -19,17 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
 from costmodels.communication import ring_overlap_exposed_s
-from planner.cost.oplevel import PricedGraph
-from planner.cost.pricing import saved_bytes, weight_gradient_seconds
+from planner.cost.oplevel import PricedGraph, op_index
+from planner.cost.pricing import saved_bytes
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.layers import Units
+from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import fraction_of_layout
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.pipeline import unit_crossings
+from planner.sharding.pipeline import UnitCrossing, unit_crossings
 from planner.sharding.sends import SendSplit, send_split
 from planner.sharding.weights import synced_axes
 
@@ -103,38 +106,49 @@ class UnitProfile:
 
 
 def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
-    """Per-unit prices of one op-level choice."""
+    """Per-unit prices of one op-level choice.
+
+    Each unit's figures are added up in op order, as floats, exactly as the per-op costs
+    say; what depends on the graph and the units alone (which ops read which weight, the
+    tensors crossing units) is found once per graph (`GraphAnalysis.memo`), not once per
+    choice priced."""
     sharded = priced.sharded
     analysis = sharded.analysis
     graph = analysis.graph
     count = units.count
-    unit_of = units.unit_of_ops()
-    index_of = {node.name: k for k, node in enumerate(graph.ops)}
-    forward, backward, weight = np.zeros(count), np.zeros(count), np.zeros(count)
-    forward_comm, backward_comm = np.zeros(count), np.zeros(count)
-    selective = np.zeros(count)
-    saved_all, dropped = np.zeros(count), np.zeros(count)
-    workspace = np.zeros(count)
-    core_ops = priced.kernels.core_ops
-    recomputed = priced.kernels.dropped_by_selective
+    unit_of = _unit_list(analysis, units)
+    index_of = op_index(analysis)
+    forward, backward, weight = [0.0] * count, [0.0] * count, [0.0] * count
+    selective = [0.0] * count
+    saved_all, dropped = [0.0] * count, [0.0] * count
+    workspace = [0.0] * count
+    kernels = priced.kernels
+    core_ops = kernels.core_ops
+    recomputed = kernels.dropped_by_selective
+    kernel_of = kernels.ops
     for k, (node, cost) in enumerate(zip(graph.ops, priced.costs, strict=True)):
         u = unit_of[k]
-        forward[u] += cost.forward_s
-        backward[u] += cost.backward_s
-        weight[u] += weight_gradient_seconds(node, priced.kernels, cost)
+        forward_s, backward_s = cost.forward_s, cost.backward_s
+        forward[u] += forward_s
+        backward[u] += backward_s
+        if not backward_s <= 0.0:  # `weight_gradient_seconds` inlined: it runs per op
+            weight[u] += min(backward_s, kernel_of[node.name].weight_ratio * forward_s)
         saved_all[u] += cost.saved_bytes
-        workspace[u] = max(workspace[u], cost.output_bytes)
-        if node.name in core_ops:
-            selective[u] += cost.forward_s
-        dropped[u] += saved_bytes(node, priced.kernels, graph.tensors,
-                                  [sharded.layouts.get(o) if o else None
-                                   for o in node.outputs], sharded.mesh, recomputed)
+        if cost.output_bytes > workspace[u]:
+            workspace[u] = cost.output_bytes
+        if core_ops and node.name in core_ops:
+            selective[u] += forward_s
+        if recomputed and not recomputed.isdisjoint(node.outputs):
+            dropped[u] += saved_bytes(node, kernels, graph.tensors,
+                                      [sharded.layouts.get(o) if o else None
+                                       for o in node.outputs], sharded.mesh, recomputed)
+    forward_comm, backward_comm = [0.0] * count, [0.0] * count
     exposed = _ring_exposure(priced)
     for collective in priced.collectives:
-        op_index = index_of.get(collective.op)
-        if op_index is None or collective.phase == Phase.GRADIENT:
+        op_index_ = index_of.get(collective.op)
+        if op_index_ is None or collective.phase == Phase.GRADIENT:
             continue
-        u = unit_of[op_index]
+        u = unit_of[op_index_]
         ring = exposed.get((collective.op, collective.phase))
         seconds = collective.time_s * (1.0 if ring is None else ring[0])
         held = 1.0 if ring is None else ring[1]
@@ -145,15 +159,30 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         else:
             backward_comm[u] += seconds
         workspace[u] = max(workspace[u], float(collective.bytes) * held)
-    crossings, leaving = _crossings(priced, unit_of)
-    keep_selective = saved_all - dropped
-    saved = {Recompute.NONE: saved_all, Recompute.SELECTIVE: keep_selective,
-             Recompute.FULL: np.minimum(saved_all, leaving)}
+    crossings, leaving = _crossings(priced, units)
+    saved_array = _floats(saved_all)
+    keep_selective = saved_array - _floats(dropped)
+    saved = {Recompute.NONE: saved_array, Recompute.SELECTIVE: keep_selective,
+             Recompute.FULL: np.minimum(saved_array, leaving)}
     transient = {Recompute.NONE: np.zeros(count),
-                 Recompute.SELECTIVE: saved_all - saved[Recompute.SELECTIVE],
-                 Recompute.FULL: saved_all - saved[Recompute.FULL]}
-    return UnitProfile(units, forward, backward, forward_comm, backward_comm, selective, saved,
-                       transient, workspace, _params(priced, unit_of), crossings, weight)
+                 Recompute.SELECTIVE: saved_array - saved[Recompute.SELECTIVE],
+                 Recompute.FULL: saved_array - saved[Recompute.FULL]}
+    return UnitProfile(units, _floats(forward), _floats(backward), _floats(forward_comm),
+                       _floats(backward_comm), _floats(selective), saved, transient,
+                       _floats(workspace), _params(priced, units), crossings, _floats(weight))
+
+
+def _floats(values: list[float]) -> np.ndarray:
+    return np.array(values, dtype=float)
+
+
+def _unit_list(analysis: GraphAnalysis, units: Units) -> list[int]:
+    """The unit of every op, as Python ints (found once per graph and units)."""
+    key = ("unit of ops", units)
+    found = analysis.memo.get(key)
+    if found is None:
+        found = analysis.memo[key] = units.unit_of_ops().tolist()
+    return found
 
 
 def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, float]]:
@@ -173,8 +202,7 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, 
     steps = mesh.axis_size(AxisRole.CONTEXT) - 1
     ring = {Phase.FORWARD: CollectiveKind.ALL_GATHER,
             Phase.BACKWARD: CollectiveKind.REDUCE_SCATTER}
-    graph = sharded.analysis.graph
-    index_of = {node.name: k for k, node in enumerate(graph.ops)}
+    index_of = op_index(sharded.analysis)
     found: dict[tuple[str, Phase], tuple[float, float]] = {}
     held = min(1.0, 2.0 / (steps + 1))
     for core in priced.kernels.cores:
@@ -195,40 +223,71 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, 
 
 
 def _crossings(priced: PricedGraph,
-               unit_of: np.ndarray) -> tuple[tuple[Crossing, ...], np.ndarray]:
+               units: Units) -> tuple[tuple[Crossing, ...], np.ndarray]:
     """Activations consumed outside their producing unit, and the saved bytes leaving each
     unit (kept under every recompute mode: the next unit, or a recompute, needs them)."""
     sharded = priced.sharded
-    graph = sharded.analysis.graph
-    needs_grad = sharded.analysis.needs_grad
-    ops = [(node.inputs, node.outputs) for node in graph.ops]
-    leaving = np.zeros(int(unit_of.max()) + 1 if len(unit_of) else 0)
+    analysis = sharded.analysis
+    graph = analysis.graph
+    needs_grad = analysis.needs_grad
+    leaving = [0.0] * units.count
     result = []
-    for crossing in unit_crossings(ops, [int(u) for u in unit_of]):
+    for crossing in _unit_crossings(analysis, units):
         name = crossing.tensor
         info = graph.tensors[name]
-        local = info.nbytes * fraction_of_layout(sharded.layouts[name], sharded.mesh)
+        layout = sharded.layouts[name]
+        local = info.nbytes * fraction_of_layout(layout, sharded.mesh)
         grad = needs_grad.get(name, False)
         result.append(Crossing(name, local, crossing.producer, crossing.consumers, grad,
-                               send_split(sharded.layouts[name], info.shape, sharded.mesh)))
+                               _send_split(layout, info.shape, sharded.mesh)))
         if grad:
             leaving[crossing.producer] += local
-    return tuple(result), leaving
+    return tuple(result), _floats(leaving)
 
 
-def _params(priced: PricedGraph, unit_of: np.ndarray) -> tuple[ParamShare, ...]:
+def _unit_crossings(analysis: GraphAnalysis, units: Units) -> tuple[UnitCrossing, ...]:
+    """`unit_crossings` of the graph's ops: the same for every choice, found once."""
+    key = ("unit crossings", units)
+    found = analysis.memo.get(key)
+    if found is None:
+        ops = [(node.inputs, node.outputs) for node in analysis.graph.ops]
+        found = analysis.memo[key] = unit_crossings(ops, _unit_list(analysis, units))
+    return found
+
+
+@lru_cache(maxsize=1 << 12)
+def _send_split(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> SendSplit | None:
+    """`send_split`, once per layout, shape and mesh (every layer's crossing asks alike)."""
+    return send_split(layout, shape, mesh)
+
+
+def _params(priced: PricedGraph, units: Units) -> tuple[ParamShare, ...]:
     sharded = priced.sharded
-    graph, mesh = sharded.analysis.graph, sharded.mesh
-    readers: dict[str, set[int]] = {}
-    for k, node in enumerate(graph.ops):
-        for name in node.inputs:
-            if name and graph.tensors[name].kind == "parameter":
-                readers.setdefault(name, set()).add(int(unit_of[k]))
+    analysis = sharded.analysis
+    graph, mesh = analysis.graph, sharded.mesh
     result = []
-    for name in sorted(readers):
+    for name, readers in _param_readers(analysis, units):
         info = graph.tensors[name]
         share = fraction_of_layout(sharded.layouts[name], mesh)
         result.append(ParamShare(name, info.nbytes * share, info.numel * share, info.itemsize,
-                                 sharded.gradient_axes.get(name, ()),
-                                 tuple(sorted(readers[name]))))
+                                 sharded.gradient_axes.get(name, ()), readers))
     return tuple(result)
+
+
+def _param_readers(analysis: GraphAnalysis,
+                   units: Units) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every parameter some op reads (by name) and the units reading it, ascending: the
+    same for every choice, found once per graph and units."""
+    key = ("parameter readers", units)
+    found = analysis.memo.get(key)
+    if found is None:
+        graph = analysis.graph
+        unit_of = _unit_list(analysis, units)
+        readers: dict[str, set[int]] = {}
+        for k, node in enumerate(graph.ops):
+            for name in node.inputs:
+                if name and graph.tensors[name].kind == "parameter":
+                    readers.setdefault(name, set()).add(unit_of[k])
+        found = analysis.memo[key] = tuple((name, tuple(sorted(readers[name])))
+                                           for name in sorted(readers))
+    return found

@@ -107,6 +107,8 @@ def _check_declared_shapes(model: onnx.ModelProto, declared: Mapping[str, tuple[
     """Refuse a file whose declared output shape contradicts what its ops compute (a plan
     priced on either would be wrong); where inference found none, the declaration
     stands."""
+    if not declared:
+        return
     producers = {out: node for node in model.graph.node for out in node.output if out}
     for output, dims in declared.items():
         computed, elem = shapes.get(output, (None, 0))

@@ -51,6 +51,30 @@ class Finalist:
     record: SolverRecord
 
 
+class Finalists:
+    """The finalists' alternative rows, in the order they were built, and the fastest that
+    fits (the first of equals) with its sections: only that one may become the plan, so
+    the others' sections (every op and tensor of the graph) are not kept: at 200,000 ops
+    each holds hundreds of MB."""
+
+    def __init__(self, sp: int | None) -> None:
+        self.sp = sp  # the `sp` pin: a finalist fits the request only with that split
+        self.rows: list[tuple[Alternative, int | None]] = []  # row, finalist number
+        self.best: Finalist | None = None
+        self.best_number: int | None = None
+
+    def add(self, derived: Derived, record: SolverRecord) -> None:
+        number = sum(1 for _, n in self.rows if n is not None)
+        self.rows.append((_alternative(derived, record), number))
+        if (derived.predicted.fits and self.sp in (None, derived.sections.parallel.sp)
+                and (self.best is None or derived.predicted.step_time_s
+                     < self.best.derived.predicted.step_time_s)):
+            self.best, self.best_number = Finalist(derived, record), number
+
+    def unplanned(self, row: Alternative) -> None:
+        self.rows.append((row, None))
+
+
 def plan_data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                        training: TrainingOptions) -> Plan:
     """The data-parallel baseline as the plan (`--mode data`): one candidate, no search."""
@@ -110,8 +134,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
             f"--parallel {', '.join(joint_only)}: pipeline stages, "
             "micro-batches, ZeRO and recompute are planned for training in --mode auto, for "
             "a model with a batch dimension (--batch) and without --mesh")
-    finalists: list[Finalist] = []
-    alternatives: list[tuple[Alternative, Derived | None]] = []
+    finalists = Finalists(pins.sp)
     meshes: list[DeviceMesh] = []
     reasons = ""
     floor = op_level_memory_floor(analysis, training, hardware) / devices
@@ -128,9 +151,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                                  progress)
         meshes = [c.mesh for c in (*candidates, *replicated)]
         reasons = _reasons(results)
-        found, rows = _op_level(context, results, options, started)
-        finalists += found
-        alternatives += rows
+        _op_level(context, results, options, started, finalists)
     joint = None
     if joint_wanted:
         decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
@@ -142,19 +163,17 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                              detail=replace(decision.solver.detail, mode=options.mode,
                                             tied_layers=ties_layers(
                                                 context.graphs.root.blocks)))
-            finalists.append(Finalist(derived, record))
-            alternatives.append((_alternative(derived, record), derived))
+            finalists.add(derived, record)
     # `sp=0` pins the plan's sequence split off: a searched layout could still split the
     # activations between blocks along the sequence, which the plan would then name
-    fitting = [f for f in finalists if f.derived.predicted.fits
-               and pins.sp in (None, f.derived.sections.parallel.sp)]
-    if not fitting:
+    best = finalists.best
+    if best is None:
         raise no_plan(analysis, hardware, devices, options.strategies, options.time_limit,
                       training, meshes, reasons, joint,
                       mixed.describe() if mixed is not None else "")
-    best = min(fitting, key=lambda f: f.derived.predicted.step_time_s)
     winner, record = best.derived, replace(best.record, detail=replace(best.record.detail,
                                                                          pins=pins.given()))
+    chosen = finalists.best_number
     briefs = {}
     for name, baseline_decision in (baselines(analysis, hardware, devices)
                                     if mixed is None else {}).items():
@@ -162,12 +181,12 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
         briefs[name] = baseline.brief()
         if _eligible(name, baseline, options, pins) and baseline.predicted.fits and \
                 baseline.predicted.step_time_s < winner.predicted.step_time_s:
-            winner = baseline
+            winner, chosen = baseline, None
             record = replace(record, detail=replace(
                 record.detail, chosen=f"the {name} baseline: cheaper under exact pricing"))
-    alternatives.sort(key=lambda row: row[0].objective)
-    listed = tuple(replace(alt, chosen=derived is winner)
-                   for alt, derived in alternatives[: max(1, options.top_k)])
+    rows = sorted(finalists.rows, key=lambda row: row[0].objective)
+    listed = tuple(replace(alt, chosen=number is not None and number == chosen)
+                   for alt, number in rows[: max(1, options.top_k)])
     return build(winner, record, listed, briefs, joint.warnings() if joint else ())
 
 
@@ -183,14 +202,12 @@ def _eligible(name: str, baseline: Derived, options: SearchOptions, pins: Pins) 
 
 
 def _op_level(context: BuildContext, results: list[MeshResult], options: SearchOptions,
-              started: float) -> tuple[list[Finalist], list[tuple[Alternative, Derived | None]]]:
+              started: float, finalists: Finalists) -> None:
     """Per mesh shape with a plan, its decision built and exactly priced; a row for every
     mesh (the priced plan, or the reason there is none)."""
     feasible = [r for r in results if r.decision is not None and r.solution is not None
                 and r.solution.status in ("optimal", "feasible")]
     feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
-    finalists: list[Finalist] = []
-    rows: list[tuple[Alternative, Derived | None]] = []
     # The ILP prices a weight used twice (a tied embedding) once per use; the built plan
     # sums its gradient once. Compare the candidates by the built, exact price.
     for result in feasible:
@@ -199,11 +216,10 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
         record = replace(solver, time_s=time.perf_counter() - started, detail=replace(
             solver.detail, mode=options.mode, meshes_tried=len(results),
             tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
-        derived = derive(context, result.decision)
-        finalists.append(Finalist(derived, record))
-        rows.append((_alternative(derived, record), derived))
-    rows += [(_unplanned(r), None) for r in results if r not in feasible]
-    return finalists, rows
+        finalists.add(derive(context, result.decision), record)
+    for r in results:
+        if r not in feasible:
+            finalists.unplanned(_unplanned(r))
 
 
 def _alternative(derived: Derived, record: SolverRecord) -> Alternative:

@@ -219,6 +219,7 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
     # Members of a tied group are the same op in repeated layers: equal signatures give
     # equal prices, provided each owns the weights at the same input slots.
     priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    terms: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
@@ -232,12 +233,25 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
                            values[:, 2])
-        seconds, held, largest, saved = priced[key]
-        cost += seconds
-        memory += held
-        saved_total += saved
+        terms.append(priced[key])
+    cost = added_in_order(cost, [seconds for seconds, _, _, _ in terms])
+    memory = added_in_order(memory, [held for _, held, _, _ in terms])
+    saved_total = added_in_order(saved_total, [saved for _, _, _, saved in terms])
+    for _, _, largest, _ in priced.values():  # a maximum: in any order
         workspace = np.maximum(workspace, largest)
     return Group(members, list(candidates[members[0]]), cost, memory, workspace, saved_total)
+
+
+def added_in_order(start: np.ndarray, terms: Sequence[np.ndarray]) -> np.ndarray:
+    """`start + terms[0] + terms[1] + ...`, added left to right, as a loop of `+=` adds
+    them (the same roundings; `np.sum` adds pairwise), in one numpy call: a tied group of
+    a long chain has tens of thousands of members."""
+    if not terms:
+        return start
+    stacked = np.empty((len(terms) + 1, *start.shape))
+    stacked[0] = start
+    stacked[1:] = terms
+    return np.add.accumulate(stacked, axis=0)[-1]
 
 
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
@@ -298,7 +312,13 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
     tensors = graph.tensors
     merged: dict[tuple[int, int], EdgeCost] = {}
     cache: dict[tuple, tuple[float, float]] = {}
-    matrices: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # repeated layers recur
+    # repeated layers recur: per signature its matrices, whether they hold anything, and
+    # their diagonals (a tied group's edge to itself)
+    matrices: dict[tuple, tuple[np.ndarray, np.ndarray, bool, np.ndarray, np.ndarray]] = {}
+    own: dict[int, list[np.ndarray]] = {}  # group -> its diagonals, in op order
+    terms: dict[tuple[int, int], list[np.ndarray]] = {}  # edge -> its matrices, in op order
+    # edge (a group's own: (v, v)) -> its distinct buffers
+    buffers: dict[tuple[int, int], dict[int, np.ndarray]] = {}
     for node in graph.ops:
         v = group_of[node.name]
         for slot, name in enumerate(node.inputs):
@@ -322,23 +342,35 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             signature = (u, v, source_slot, slot, info.shape, info.dtype, grad, derived)
             found = matrices.get(signature)
             if found is None:
-                found = _edge_matrix(candidates[source_op], source_slot, candidates[node.name],
-                                     slot, info, node, mesh, profile, grad, derived,
-                                     options.overlap, cache, bucket_bytes(options.bucket_mb),
-                                     once)
-                matrices[signature] = found
-            matrix, buffer = found
-            if not matrix.any() and not buffer.any():
+                matrix, buffer = _edge_matrix(
+                    candidates[source_op], source_slot, candidates[node.name], slot, info, node,
+                    mesh, profile, grad, derived, options.overlap, cache,
+                    bucket_bytes(options.bucket_mb), once)
+                found = matrices[signature] = (
+                    matrix, buffer, bool(matrix.any() or buffer.any()),
+                    *((np.diag(matrix), np.diag(buffer)) if u == v else (matrix, buffer)))
+            matrix, buffer, moves, diagonal, diagonal_buffer = found
+            if not moves:
                 continue
             if u == v:  # the same op position across layers: only equal choices co-occur
-                groups[v].cost += np.diag(matrix)
-                groups[v].workspace = np.maximum(groups[v].workspace, np.diag(buffer))
+                own.setdefault(v, []).append(diagonal)
+                buffers.setdefault((v, v), {})[id(diagonal_buffer)] = diagonal_buffer
                 continue
-            edge = merged.setdefault((u, v), EdgeCost(u, v, np.zeros_like(matrix),
-                                                      np.zeros_like(buffer)))
-            edge.cost += matrix
-            edge.buffer = np.maximum(edge.buffer, buffer)
+            edge = merged.get((u, v))
+            if edge is None:
+                edge = merged[(u, v)] = EdgeCost(u, v, np.zeros_like(matrix),
+                                                 np.zeros_like(buffer))
+            terms.setdefault((u, v), []).append(matrix)
+            buffers.setdefault((u, v), {})[id(buffer)] = buffer
             edge.tensors.append(name)
+    for v, diagonals in own.items():
+        groups[v].cost = added_in_order(groups[v].cost, diagonals)
+        for buffer in buffers[(v, v)].values():  # a maximum: in any order
+            groups[v].workspace = np.maximum(groups[v].workspace, buffer)
+    for key, edge in merged.items():
+        edge.cost = added_in_order(edge.cost, terms[key])
+        for buffer in buffers[key].values():  # a maximum: in any order
+            edge.buffer = np.maximum(edge.buffer, buffer)
     return list(merged.values())
 
 

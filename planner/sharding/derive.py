@@ -110,9 +110,10 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     layout_of: dict[str, Layout] = {}
     deferred_axes: dict[str, set[str]] = {}
     ops: list[OpSharding] = []
-    region_of = analysis.recompute_regions()
+    region_of = analysis.recompute_regions().tolist()
+    weight_roots = analysis.weight_roots
     moved: set[tuple] = set()
-    described: dict[tuple, Candidate] = {}
+    described: dict[tuple, tuple[Candidate, float, tuple]] = {}
     for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
@@ -121,41 +122,52 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
         shape_key = (labels, strategy, node.flops, node.bytes_read, node.bytes_written,
                      tuple(tensors[t].shape if t else None for t in node.inputs),
                      tuple(len(tensors[t].shape) if t else -1 for t in node.outputs))
-        own = described.get(shape_key)
-        if own is None:
-            own = described[shape_key] = describe(node, labels, strategy, tensors, mesh)
+        found = described.get(shape_key)
+        if found is None:
+            own = describe(node, labels, strategy, tensors, mesh)
+            found = described[shape_key] = (own, work_fraction(strategy, mesh), tuple(
+                CollectiveSpec(CollectiveKind(kind), "", tuple(axes), nbytes, phase, "")
+                for phase, steps in ((Phase.FORWARD, own.forward_collectives),
+                                     (Phase.BACKWARD, own.backward_collectives))
+                for kind, axes, nbytes in steps))
+        own, fraction, own_specs = found
         wanted, produced = own.inputs, own.outputs
         specs: list[CollectiveSpec] = []
         for index, (name, want) in enumerate(zip(node.inputs, wanted, strict=True)):
             if not name or want is None:
                 continue
-            if name not in layout_of:  # inputs and weights are placed as first consumed
-                layout_of[name] = want
-            roots = analysis.weight_roots.get(name)
+            stored = layout_of.get(name)
+            if stored is None:  # inputs and weights are placed as first consumed
+                stored = layout_of[name] = want
             partial = own.grad_partial[index]
-            key = shared_read_key(tensors[name], layout_of[name], want, partial,
-                                  int(region_of[k]), mesh, needs_grad.get(name, False),
+            grad = needs_grad.get(name, False)
+            if (stored is want or stored == want) and not (grad and partial):
+                continue  # read as stored, no partial gradient: nothing moves either way
+            roots = weight_roots.get(name)
+            info = tensors[name]
+            key = shared_read_key(info, stored, want, partial, region_of[k], mesh, grad,
                                   roots is not None)
             if key is not None and key in moved:
                 continue  # an earlier read's move serves this one, both ways
             if key is not None:
                 moved.add(key)
-            found, deferred = edge_steps(tensors[name], layout_of[name], want, node.name, mesh,
-                                         needs_grad.get(name, False), partial,
-                                         weight_derived=roots is not None)
-            specs += found
-            for root in roots or ():
-                if deferred:
+            moves, deferred = _edge_moves(info.shape, info.itemsize, stored, want, mesh, grad,
+                                          tuple(partial), roots is not None)
+            if moves:  # `edge_steps`, named: most reads move nothing
+                specs += [CollectiveSpec(kind, name, axes, nbytes, phase, node.name)
+                          for kind, axes, nbytes, phase in moves]
+            if deferred:
+                for root in roots or ():
                     deferred_axes.setdefault(root, set()).update(deferred)
-        for phase, steps in ((Phase.FORWARD, own.forward_collectives),
-                             (Phase.BACKWARD, own.backward_collectives)):
-            specs += [CollectiveSpec(CollectiveKind(kind), node.outputs[0], tuple(axes), nbytes,
-                                     phase, node.name) for kind, axes, nbytes in steps]
+        if own_specs:
+            output = node.outputs[0]
+            specs += [CollectiveSpec(c.kind, output, c.axes, c.nbytes, c.phase, node.name)
+                      for c in own_specs]
         for name, layout in zip(node.outputs, produced, strict=True):
             if name and layout is not None:
                 layout_of[name] = layout
         ops.append(OpSharding(node, labels, rule is not None, strategy, wanted, produced,
-                              work_fraction(strategy, mesh), tuple(specs)))
+                              fraction, tuple(specs)))
     gradient_axes = {name: tuple(a for a in mesh.axis_names if a in deferred_axes[name])
                      for name in sorted(deferred_axes)}
     gradients = tuple(
@@ -187,7 +199,7 @@ def shared_read_key(info: TensorInfo, src: Layout, dst: Layout,
     if weight_derived:
         return None
     grad = requires_grad and info.is_float
-    if not (grad and partial_axes) and equivalent(src, dst, mesh):
+    if not (grad and partial_axes) and (src is dst or equivalent(src, dst, mesh)):
         return None
     return (info.name, dst, tuple(partial_axes) if grad else (), region)
 

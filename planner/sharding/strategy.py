@@ -97,11 +97,25 @@ def check_strategy(node: OpNode, labels: DimLabels, strategy: OpStrategy,
 
 def is_valid(node: OpNode, labels: DimLabels, strategy: OpStrategy,
              tensors: Mapping[str, TensorInfo], mesh: DeviceMesh) -> bool:
-    try:
-        check_strategy(node, labels, strategy, tensors, mesh)
-    except StrategyError:
-        return False
-    return True
+    """Whether `check_strategy` accepts: decided by the labels, the strategy, the mesh and
+    the shapes the op reads and writes, so every layer's op asks once."""
+    key = (labels, strategy, mesh, tuple(tensors[t].shape if t else None for t in node.inputs),
+           tuple(tensors[t].shape if t else None for t in node.outputs))
+    found = _VALID.get(key)
+    if found is None:
+        try:
+            check_strategy(node, labels, strategy, tensors, mesh)
+            found = True
+        except StrategyError:
+            found = False
+        if len(_VALID) >= VALID_LIMIT:
+            _VALID.clear()
+        _VALID[key] = found
+    return found
+
+
+VALID_LIMIT = 1 << 16  # `is_valid` answers kept
+_VALID: dict[tuple, bool] = {}
 
 
 def work_fraction(strategy: OpStrategy, mesh: DeviceMesh) -> float:
