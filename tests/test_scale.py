@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -82,19 +83,24 @@ print(json.dumps({"code": code, "stdout": out.getvalue()}))
 """
 
 
+#: The chain the slow test below plans: 50,000 ops in CI (about 100 s and 1.1 GiB to plan,
+#: 46 s to validate, on a 2-core machine); `SHARDPLAN_CHAIN_OPS=200000` plans the issue's
+#: 200,000 (387 s and 3.7 GiB, docs/robustness.md "Planning large graphs"), too long for CI.
+CHAIN_OPS = int(os.environ.get("SHARDPLAN_CHAIN_OPS", "50000"))
+
+
 @pytest.mark.slow
-def test_a_200k_node_chain_plans_in_bounded_time_and_memory(tmp_path: Path) -> None:
-    """A 200,000-op chain is planned (no pipeline: 50,001 units are more than the stage
-    search takes) within 6 GiB, and `validate` accepts the plan against the model. The
-    time is printed; the bound is generous (the issue's target, a minute, is not met:
-    docs/robustness.md, "Planning large graphs")."""
-    path = _save(chain_model(200_000, width=16), tmp_path / "chain.onnx")
+def test_a_long_chain_plans_in_bounded_time_and_memory(tmp_path: Path) -> None:
+    """A chain of `CHAIN_OPS` ops is planned (no pipeline past MAX_PIPELINE_UNITS units)
+    within 6 GiB, and `validate` accepts the plan against the model. The time is printed;
+    the bound is generous (the issue's target, 200,000 ops in a minute, is not met)."""
+    path = _save(chain_model(CHAIN_OPS, width=16), tmp_path / "chain.onnx")
     plan_file = tmp_path / "plan.json"
     done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(path), str(plan_file)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500, check=True,
                           preexec_fn=_limit_memory)
     figures = json.loads(done.stdout)
-    print(f"\n200,000-node chain: exit {figures['code']} in {figures['seconds']:.1f} s, peak "
+    print(f"\n{CHAIN_OPS:,}-node chain: exit {figures['code']} in {figures['seconds']:.1f} s, peak "
           f"RSS {figures['peak_rss_bytes'] / 2**20:.0f} MiB")
     assert figures["code"] == 0, figures["stderr"][-2000:]
     assert figures["seconds"] < 1200
@@ -104,7 +110,7 @@ def test_a_200k_node_chain_plans_in_bounded_time_and_memory(tmp_path: Path) -> N
                              preexec_fn=_limit_memory)
     verdict = json.loads(checked.stdout)
     assert verdict["code"] == 0, verdict["stdout"][-2000:]
-    assert "200000 ops" in verdict["stdout"]
+    assert f"{CHAIN_OPS} ops" in verdict["stdout"]
 
 
 def test_a_graph_past_the_planned_ops_is_refused_in_one_line(
