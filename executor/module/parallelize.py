@@ -92,9 +92,9 @@ def _loss_roots(loss: torch.Tensor, output: Any
     """Where the model's backward pass starts: the loss itself when it is a plain tensor
     (no collective in it), else its gradient with respect to the outputs it read, taken
     now (`executor.module.run.output_gradients`)."""
-    if not isinstance(loss, DTensor):
-        return [loss], [None]
     pairs = output_gradients(loss, output)
+    if pairs is None:
+        return [loss], [None]
     return [out for out, _ in pairs], [grad for _, grad in pairs]
 
 

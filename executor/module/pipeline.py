@@ -198,10 +198,10 @@ class ModuleChunks:
             loss = self.loss_of(outputs, targets)
             # a loss on DTensors may issue collectives in its own backward pass: taken
             # now, in the loss phase (a plain loss back-propagates from itself)
-            grads = output_gradients(loss, outputs) if isinstance(loss, DTensor) else ()
+            grads = output_gradients(loss, outputs)
         value = loss.detach()
         value = value.full_tensor() if isinstance(value, DTensor) else value
-        if not grads:
+        if grads is None:
             return ChunkResult(sent, loss, float(value))
         return ChunkResult(sent, reported=float(value), output_grads=grads)
 

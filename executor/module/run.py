@@ -148,11 +148,15 @@ def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
 
 
 def output_gradients(loss: torch.Tensor, outputs: Any
-                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
     """The loss's own backward pass: its gradient with respect to each output of the model
     it reads. Taken apart from the model's backward pass so that the collectives the loss
     function's DTensor ops issue (a mean's count summed over the batch's ranks) count as
-    the loss's, not as the model's, which the plan prices."""
+    the loss's, not as the model's, which the plan prices. None for a plain loss, which
+    issues none: it back-propagates from itself (a gradient as large as the output is
+    then not held through the backward pass)."""
+    if not isinstance(loss, DTensor):
+        return None
     leaves = [v for v in pytree.tree_leaves(outputs)
               if isinstance(v, torch.Tensor) and v.requires_grad]
     if not loss.requires_grad or not leaves:
@@ -184,14 +188,10 @@ def _graph_facts(graph: GraphModule) -> tuple[dict[Node, list[Node]], dict[str, 
     graph's nodes do not change after `parallelize` placed it)."""
     facts = graph.meta.get(_FACTS)
     if facts is None:
-        read_last: set[Node] = set()
-        dies: dict[Node, list[Node]] = {}
-        for node in reversed(graph.graph.nodes):
-            for source in node.all_input_nodes:
-                if source not in read_last:
-                    read_last.add(source)
-                    dies.setdefault(node, []).append(source)
-        facts = (dies, {n.name: k for k, n in enumerate(graph.graph.nodes)})
+        nodes = list(graph.graph.nodes)
+        facts = ({user: list(values) for user, values in
+                  last_uses(nodes, frozenset()).items()},
+                 {n.name: k for k, n in enumerate(nodes)})
         graph.meta[_FACTS] = facts
     return facts
 

@@ -45,6 +45,11 @@ from planner.userfiles import read_json
 SAVE_PIECES = 1 << 16
 
 
+def _encoder() -> json.JSONEncoder:
+    """A plan file's JSON format, for `Plan.dumps` and the streamed `Plan.save` alike."""
+    return json.JSONEncoder(indent=1, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How every op and tensor of one model is split over a device mesh, with its cost."""
@@ -108,16 +113,15 @@ class Plan:
         return data
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1, sort_keys=True)
+        return _encoder().encode(self.to_json())
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write `dumps()` and a newline, streamed: a 200,000-op plan's text is a quarter
         of a GB, and the encoder's pieces joined into one string took several times that."""
         target = Path(path)
-        encoder = json.JSONEncoder(indent=1, sort_keys=True)
         with target.open("w") as file:
             pieces: list[str] = []
-            for piece in encoder.iterencode(self.to_json()):
+            for piece in _encoder().iterencode(self.to_json()):
                 pieces.append(piece)
                 if len(pieces) >= SAVE_PIECES:
                     file.write("".join(pieces))
