@@ -11,6 +11,9 @@ Each point is the lower quartile of its per-call times (costmodels.measure says 
   size curve goes into the note;
 * `memory_bandwidth_Bps`: x.copy_(y) of a large preallocated fp32 buffer, read + write;
 * `kernel_launch_s`: torch.add on one-element tensors;
+* `compute_overlap`: an all_reduce alone, matmuls alone and the two issued together
+  (`overlap_share`): how much of a collective hides behind compute (none on a CPU host,
+  where gloo's threads need the cores the ranks compute on);
 * each collective over message sizes for groups of 2..N ranks. The per-step latency a and
   bus bandwidth B of the level come from a least-squares fit of the ring all_reduce formula
   t = 2(p-1) a + 2(p-1)/p n / B (relative error, a, B >= 0); the other collectives' own fits
@@ -74,20 +77,23 @@ def measurement_plan(nproc: int, quick: bool, backend: str = "gloo") -> Plan:
                     copy_bytes=1 << 30, dispatch_calls=2000,
                     collectives=("all_reduce", "all_gather", "reduce_scatter"),
                     collective_bytes=(4, 1 << 20, 1 << 24, 1 << 28),
-                    group_sizes=groups, target_s=0.05 if quick else 0.2, min_reps=5)
+                    group_sizes=groups, target_s=0.05 if quick else 0.2, min_reps=5,
+                    overlap_bytes=1 << 28, overlap_matmul=4096)
     if quick:
         return Plan(matmul=(("float32", 32), ("float32", 128), ("float32", 512),
                             ("bfloat16", 128), ("bfloat16", 512)),
                     copy_bytes=16 << 20, dispatch_calls=500,
                     collectives=("all_reduce", "all_gather", "reduce_scatter"),
                     collective_bytes=(4, 1 << 18, 1 << 22),
-                    group_sizes=groups, target_s=0.04, min_reps=3, max_reps=200, rounds=1)
+                    group_sizes=groups, target_s=0.04, min_reps=3, max_reps=200, rounds=1,
+                    overlap_bytes=1 << 22)
     return Plan(matmul=tuple((d, n) for d in ("float32", "bfloat16")
                              for n in (32, 64, 128, 256, 512, 1024)),
                 copy_bytes=64 << 20, dispatch_calls=2000,
                 collectives=("all_reduce", *FACTOR_KINDS),
                 collective_bytes=(4, 1 << 14, 1 << 18, 1 << 22, 1 << 25),
-                group_sizes=groups, target_s=0.3, min_reps=2, max_reps=2000, rounds=3)
+                group_sizes=groups, target_s=0.3, min_reps=2, max_reps=2000, rounds=3,
+                overlap_bytes=1 << 24)
 
 
 def fit_ring(kind: str, points: Sequence[tuple[int, float, float]],
@@ -189,6 +195,7 @@ def build_profile(results: Sequence[Results], plan: Plan, nproc: int, backend: s
     date = datetime.date.today().isoformat()
     key = f"measured-{date}"
     compute = _compute_section(results, key)
+    overlap = _overlap_entry(results, plan, key)
     fits = collective_fits(results)
     ring = fits["all_reduce"]
     factors = {k: fit.bandwidth_Bps / ring.bandwidth_Bps for k, fit in fits.items()
@@ -234,6 +241,7 @@ def build_profile(results: Sequence[Results], plan: Plan, nproc: int, backend: s
                                    f"physical memory (/proc/meminfo MemTotal) split between "
                                    f"the {nproc} ranks"),
             **compute,
+            **({"compute_overlap": overlap} if overlap else {}),
         },
         "topology": {
             "devices_per_node": _cited(nproc, key, f"one rank per measured process, {nproc} "
@@ -291,6 +299,33 @@ def collective_fits(results: Sequence[Results]) -> dict[str, RingFit]:
     if "all_reduce" not in points:
         raise ShardplanError("calibration measured no all_reduce; cannot fit the link")
     return {kind: fit_ring(kind, pts) for kind, pts in points.items()}
+
+
+def overlap_share(transfer_s: float, compute_s: float, together_s: float) -> float:
+    """The share of the shorter of a transfer and a compute burst that runs behind the
+    other when both are issued together: 1 when together they take the longer one's time,
+    0 when they take the sum (`device.compute_overlap`)."""
+    shorter = min(transfer_s, compute_s)
+    if shorter <= 0:
+        return 1.0
+    return float(min(1.0, max(0.0, (transfer_s + compute_s - together_s) / shorter)))
+
+
+def _overlap_entry(results: Sequence[Results], plan: Plan, key: str
+                   ) -> dict[str, Any] | None:
+    """`device.compute_overlap` from each rank's three timings (median over ranks); None
+    when no rank measured them."""
+    measured = [r.overlap for r in results if {"transfer", "compute", "both"} <= set(r.overlap)]
+    if not measured:
+        return None
+    transfer, compute, both = (float(np.median([m[k] for m in measured]))
+                               for k in ("transfer", "compute", "both"))
+    share = overlap_share(transfer, compute, both)
+    return _cited(share, key, f"all_reduce of {plan.overlap_bytes >> 20} MiB over all ranks "
+                  f"alone {transfer * 1e3:.2f} ms, fp32 {plan.overlap_matmul}^3 matmuls alone "
+                  f"{compute * 1e3:.2f} ms, issued together {both * 1e3:.2f} ms (lower "
+                  "quartile per rank, median over ranks): share = (alone + alone - together)"
+                  " / shorter")
 
 
 def _compute_section(results: Sequence[Results], key: str) -> dict[str, Any]:

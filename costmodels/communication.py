@@ -49,6 +49,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from costmodels.profile import COLLECTIVES, HardwareProfile, LinkLevel
 
@@ -357,7 +360,16 @@ class _Model:
         return across("broadcast", n) + within("broadcast", n)
 
 
-def ring_overlap_exposed_s(transfer_s: float, compute_s: float, steps: int) -> float:
+def behind_compute(transfer: Any, compute: Any, share: float) -> Any:
+    """Exposed seconds of a transfer issued to run beside `compute` seconds of compute:
+    what exceeds the compute, plus the part of the overlapped time the two cannot share
+    (`share`: the profile's `device.compute_overlap`; 1 hides all of it, 0 none, as on a
+    CPU host whose collectives run on the cores the compute needs). Numbers or arrays."""
+    return np.maximum(0.0, transfer - compute) + (1.0 - share) * np.minimum(transfer, compute)
+
+
+def ring_overlap_exposed_s(transfer_s: float, compute_s: float, steps: int,
+                           share: float = 1.0) -> float:
     """The exposed part of a ring pass overlapped with compute (ring attention, Liu et al.
     2023): `steps` + 1 ranks each hold one block; in each of `steps` steps a rank sends its
     current block on and computes with the one it holds, so each step's transfer
@@ -365,4 +377,4 @@ def ring_overlap_exposed_s(transfer_s: float, compute_s: float, steps: int) -> f
     the local block's compute is one of them) and shows only by what it exceeds it."""
     if steps < 1:
         return 0.0
-    return steps * max(0.0, transfer_s / steps - compute_s / (steps + 1))
+    return steps * float(behind_compute(transfer_s / steps, compute_s / (steps + 1), share))

@@ -63,6 +63,9 @@ class Plan:
     min_reps: int = 3  # per point and round
     max_reps: int = 2000
     rounds: int = 1  # passes over all points; spreads each point's samples over time
+    #: all_reduce size of the compute/communication overlap measurement (0: skip it)
+    overlap_bytes: int = 0
+    overlap_matmul: int = 256  # n of the n x n fp32 matmuls run beside it
 
 
 @dataclass
@@ -75,6 +78,9 @@ class Results:
     dispatch_s: float = 0.0
     elementwise: list[dict[str, Any]] = field(default_factory=list)  # op, numel, seconds
     collectives: list[dict[str, Any]] = field(default_factory=list)  # kind, p, nbytes, seconds
+    #: "transfer", "compute", "both": seconds of an all_reduce alone, of matmuls alone,
+    #: and of the two issued together (`Rank.overlap`)
+    overlap: dict[str, float] = field(default_factory=dict)
 
 
 def run_ranks(plan: Plan, nproc: int = 2, backend: str = "gloo", timeout_s: float = 170.0,
@@ -208,6 +214,7 @@ class _Rank:
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         self.samples: dict[tuple[Any, ...], list[float]] = {}
         self.round_ = ""  # progress suffix
+        self.burst = 0  # matmuls in the overlap measurement's compute burst
 
     def say(self, text: str) -> None:
         if self.rank == 0:
@@ -255,6 +262,8 @@ class _Rank:
                     if self.rank < size:
                         self.collectives(size, group)
                     self.dist.barrier()
+                if self.plan.overlap_bytes:
+                    self.overlap()
             return self.results()
         finally:
             self.dist.destroy_process_group()
@@ -272,6 +281,8 @@ class _Rank:
                 out.dispatch_s = seconds / rest[0]
             elif section == "elementwise":
                 out.elementwise.append({"op": rest[0], "numel": rest[1], "seconds": seconds})
+            elif section == "overlap":
+                out.overlap[rest[0]] = seconds
             else:
                 out.collectives.append({"kind": rest[0], "p": rest[1], "nbytes": rest[2],
                                         "seconds": seconds})
@@ -325,6 +336,38 @@ class _Rank:
         if op == "copy":
             return lambda: b.copy_(a)
         raise ValueError(f"unknown elementwise op {op!r}; expected one of {ELEMENTWISE}")
+
+    def overlap(self) -> None:
+        """How much of a collective runs behind compute: an all_reduce of `overlap_bytes`
+        over all ranks alone, a burst of fp32 matmuls about as long alone, and the two
+        issued together (the all_reduce asynchronously, the matmuls beside it, then its
+        wait), as a framework overlaps a gradient bucket with the backward pass."""
+        torch, dist, plan = self.torch, self.dist, self.plan
+        whole = torch.zeros(plan.overlap_bytes // 4, device=self.device)
+        a = torch.randn(plan.overlap_matmul, plan.overlap_matmul, device=self.device)
+        transfer = self.measure(("overlap", "transfer"), lambda: dist.all_reduce(whole), None)
+        if not self.burst:  # one burst length for every round: their samples are pooled
+            single = self.measure(("overlap", "matmul"), lambda: a @ a, None)
+            reps = self.torch.tensor([max(1, round(transfer / max(single, 1e-9)))],
+                                     device=self.device)
+            dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # every rank runs the same burst
+            self.burst = int(reps.item())
+        count = self.burst
+
+        def burst() -> None:
+            for _ in range(count):
+                a @ a
+
+        def both() -> None:
+            work = dist.all_reduce(whole, async_op=True)
+            burst()
+            work.wait()
+
+        compute = self.measure(("overlap", "compute"), burst, None)
+        together = self.measure(("overlap", "both"), both, None)
+        self.say(f"overlap: all_reduce {plan.overlap_bytes >> 20} MiB {transfer * 1e3:.1f} ms, "
+                 f"{count} matmuls {compute * 1e3:.1f} ms, together {together * 1e3:.1f} ms"
+                 f"{self.round_}")
 
     def collectives(self, size: int, group: Any) -> None:
         for kind in self.plan.collectives:

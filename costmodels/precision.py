@@ -61,6 +61,43 @@ _POLICIES = {
 #: Moments each optimizer keeps per parameter.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
 
+
+@dataclass(frozen=True)
+class OptimizerTraffic:
+    """Memory passes of one optimizer step, per byte: how often each byte of the weights
+    (and their gradients: the same elements) and of the optimizer's state is read or
+    written. Fused (one kernel, as apex/Megatron's FusedAdam or torch's `fused=True`):
+    weights read and written, gradients read, each state byte read and written once.
+    Unfused (torch.optim's default single-tensor and `foreach` forms, which run the same
+    elementwise kernels, one after another): counted from torch/optim/adam.py
+    `_single_tensor_adam` (the same kernels as `_multi_tensor_adam`), with fp32 states:
+    `param.mul_(1 - lr·wd)` (AdamW only) r+w p; `exp_avg.lerp_(grad)` r m, r g, w m;
+    `exp_avg_sq.mul_(b2).addcmul_(grad, grad)` 2 + 3 on v, g; `denom =
+    (exp_avg_sq.sqrt() / c).add_(eps)` three passes through a temporary, 6 state-sized
+    accesses; `param.addcdiv_(exp_avg, denom)` r p, r m, r d, w p. Per state byte (two
+    moments): (3 + 5 + 6) / 2 = 7; per weight byte: 4 (Adam) or 6 (AdamW) for p and g.
+    SGD with momentum (torch/optim/sgd.py `_single_tensor_sgd`): `buf.mul_(m).add_(g)`
+    then `param.add_(buf)`: p r+w, g r, buf 5 accesses."""
+
+    weight_fused: float
+    state_fused: float
+    weight_unfused: float
+    state_unfused: float
+
+    def passes(self, fused: bool) -> tuple[float, float]:
+        """(per weight byte, per state byte) accesses of one step."""
+        if fused:
+            return self.weight_fused, self.state_fused
+        return self.weight_unfused, self.state_unfused
+
+
+OPTIMIZER_TRAFFIC = {
+    "adam": OptimizerTraffic(3.0, 2.0, 4.0, 7.0),
+    "adamw": OptimizerTraffic(3.0, 2.0, 6.0, 7.0),
+    "momentum": OptimizerTraffic(3.0, 2.0, 3.0, 5.0),
+    "sgd": OptimizerTraffic(3.0, 0.0, 3.0, 0.0),
+}
+
 _DEFAULT_FOR_DTYPE = {"float32": Precision.FP32, "float64": Precision.FP32,
                       "bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}
 

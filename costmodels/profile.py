@@ -44,7 +44,8 @@ MAX_MEMORY_BYTES = 1 << 60
 _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
                   "memory_efficiency", "kernel_launch_s")
-_DEVICE_OPTIONAL = ("matmul_overhead_s", "compute_units", "gemm_tile", "kernels")
+_DEVICE_OPTIONAL = ("matmul_overhead_s", "compute_units", "gemm_tile", "kernels",
+                    "compute_overlap")
 #: `device.kernels`: the kernels the device's training stacks run (planner.cost.kernels).
 _KERNEL_FIELDS = ("attention", "fusion")
 #: Largest GEMM tile edge a profile may state (a CTA tile is at most a few hundred).
@@ -138,6 +139,16 @@ class HardwareProfile:
     #: (planner.cost.kernels); left out: one kernel per op, as an eager interpreter runs.
     attention_kernel: Cited[str] | None = None
     fusion: Cited[str] | None = None
+    #: Share of a collective's time that runs behind the device's compute when both are
+    #: in flight (1: on a link with its own engines, as NCCL's kernels beside compute
+    #: kernels; 0: on a CPU host, where gloo's threads take the cores the ranks compute
+    #: on). Left out: 1, the planner's assumption before calibration measured it.
+    compute_overlap: Cited[float] | None = None
+
+    @property
+    def overlap_share(self) -> float:
+        """`compute_overlap`, 1 where the profile states none."""
+        return float(self.compute_overlap.value) if self.compute_overlap else 1.0
 
     @property
     def default_attention(self) -> AttentionKernel:
@@ -343,6 +354,13 @@ class _Reader:
             self.fail(field, f"must be a fraction in (0, 1], got {_show(value)}")
         return number
 
+    def share(self, value: Any, field: str) -> float:
+        """A fraction in [0, 1], 0 included (`device.compute_overlap`)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= _as_float(value) <= 1:
+            self.fail(field, f"must be a number in [0, 1], got {_show(value)}")
+        return value
+
     def count(self, value: Any, field: str, most: int = MAX_DEVICES) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             self.fail(field, f"must be a positive integer, got {_show(value)}")
@@ -415,6 +433,8 @@ class _Reader:
             attention_kernel=self.kernel_word(device, "attention",
                                               [k.value for k in AttentionKernel]),
             fusion=self.kernel_word(device, "fusion", [k.value for k in Fusion]),
+            compute_overlap=self.cited(device["compute_overlap"], "device.compute_overlap",
+                                       self.share) if "compute_overlap" in device else None,
         )
 
     def read_sources(self, value: Any) -> dict[str, str]:

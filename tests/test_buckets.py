@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from costmodels.communication import CommGroup, best_algorithm
+from costmodels.communication import CommGroup, behind_compute, best_algorithm
 from costmodels.profile import load_profile
 from planner import zoo
 from planner.api import plan
@@ -109,6 +109,46 @@ def test_the_schedule_hides_all_but_the_last_bucket() -> None:
     reduces = np.array([0.5, 1.0, 1.0])
     assert backward_prefetch_exposed(gathers, reduces, compute) == pytest.approx(
         3.0 + 0.5 + max(0, 1.0 - 2) + max(0, 1.0 + 1.0 - 2) + max(0, 1.0 - 2))
+
+
+def test_a_device_that_cannot_overlap_hides_only_its_share() -> None:
+    """`device.compute_overlap` (share): a collective beside compute shows what exceeds
+    the compute plus (1 − share) of the time they overlap (`behind_compute`)."""
+    assert behind_compute(3.0, 2.0, 1.0) == 1.0 and behind_compute(3.0, 2.0, 0.0) == 3.0
+    assert behind_compute(1.0, 2.0, 0.25) == pytest.approx(0.75)
+    assert schedule_overlap(10.0, 2.0, 5.0, 0.0, share=0.0) == (10.0, 0.0)
+    assert schedule_overlap(10.0, 2.0, 5.0, 0.0, share=0.5) == (7.5, 2.5)
+    gathers, compute = np.array([1.0, 1.0, 3.0]), np.array([2.0, 2.0, 2.0])
+    assert prefetch_exposed(gathers, compute, share=0.0) == gathers.sum()
+    reduces = np.array([0.5, 1.0, 1.0])
+    assert backward_prefetch_exposed(gathers, reduces, compute, share=0.0) == pytest.approx(
+        gathers.sum() + reduces.sum())
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_cpu_profile_exposes_the_gradient_sync(gpt8: Path, tmp_path: Path, pp: int) -> None:
+    """The bundled cpu profile measured that gloo's collectives do not run behind compute
+    (compute_overlap 0.08): a data-parallel plan (one stage or a pipeline's) hides 8% of
+    what the schedule would, and the same profile with the share left out (1) hides it."""
+    cpu = json.loads((Path(load_profile("cpu").path)).read_text())
+    assert cpu["device"]["compute_overlap"]["value"] == 0.08
+    del cpu["device"]["compute_overlap"]
+    full = tmp_path / "overlapping.json"
+    full.write_text(json.dumps(cpu))
+
+    def planned(profile: str) -> Plan:
+        return plan(gpt8, devices=2 * pp, batch=8, dims={"seq": 16}, profile=profile,
+                    parallel={"dp": 2, "tp": 1, "pp": pp, "zero": 0, "micro_batches": 2})
+
+    measured, assumed = planned("cpu"), planned(str(full))
+    hidden = assumed.predicted.breakdown.hidden_communication_s
+    assert hidden > 0
+    assert measured.predicted.breakdown.hidden_communication_s == pytest.approx(0.08 * hidden)
+    if pp == 1:
+        assert measured.predicted.step_time_s == pytest.approx(
+            assumed.predicted.step_time_s + 0.92 * hidden)
+    else:  # the step's tail is the slowest stage's synchronisation
+        assert measured.predicted.step_time_s > assumed.predicted.step_time_s
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from costmodels.calibrate import (
     fit_ring,
     matmul_fits,
     measurement_plan,
+    overlap_share,
 )
 from costmodels.communication import CommGroup, collective_time, ring_terms
 from costmodels.compute import op_time
@@ -235,6 +236,7 @@ def test_quick_calibration_writes_a_plausible_profile(tmp_path: Path) -> None:
                                   *profile.peak_flops.values(), *ramps.values(),
                                   *level.collective_factors.values())}
     assert len(sources) == 1 and sources.pop().startswith("measured-")
+    assert profile.compute_overlap is not None and 0 <= profile.overlap_share <= 1
 
 
 def test_calibrated_profile_plans(tmp_path: Path) -> None:
@@ -250,3 +252,29 @@ def test_calibrated_profile_plans(tmp_path: Path) -> None:
     assert main(["plan", str(model), "--profile", str(profile), "--devices", "2", "--batch",
                  "4", "--dim", "seq=8", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["cluster"]["profile"] == "calibrated-gloo"
+
+
+def test_overlap_share_is_the_part_of_the_shorter_time_that_hides() -> None:
+    assert overlap_share(10e-3, 10e-3, 20e-3) == 0.0  # together: the sum
+    assert overlap_share(10e-3, 10e-3, 10e-3) == 1.0  # together: the longer
+    assert overlap_share(10e-3, 5e-3, 12.5e-3) == pytest.approx(0.5)
+    assert overlap_share(10e-3, 5e-3, 30e-3) == 0.0  # slower than both in turn: none
+    assert overlap_share(10e-3, 5e-3, 8e-3) == 1.0  # faster than the longer: all
+
+
+def test_built_profile_carries_the_measured_compute_overlap(tmp_path: Path) -> None:
+    """Ranks that timed the transfer, the compute and both together give
+    device.compute_overlap, cited as measured; ranks that did not leave it out (1)."""
+    results = _synthetic_results()
+    plan = measurement_plan(2, quick=True)
+    assert "compute_overlap" not in build_profile(results, plan, 2, "gloo", True)["device"]
+    for result, both in zip(results, (19e-3, 21e-3), strict=True):
+        result.overlap = {"transfer": 10e-3, "compute": 10e-3, "both": both}
+    data = build_profile(results, plan, 2, "gloo", quick=True)
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    profile = load_profile(path)
+    assert profile.overlap_share == pytest.approx(0.0)
+    assert profile.compute_overlap is not None
+    assert profile.compute_overlap.source.startswith("measured-")
+    assert "issued together 20.00 ms" in profile.compute_overlap.note

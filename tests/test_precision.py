@@ -8,8 +8,17 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from costmodels.precision import default_precision, parameter_bytes, policy
+from costmodels.precision import (
+    OPTIMIZER_MOMENTS,
+    OPTIMIZER_TRAFFIC,
+    default_precision,
+    parameter_bytes,
+    policy,
+)
 from planner import zoo
 from planner.api import plan
 from planner.errors import ShardplanError
@@ -86,3 +95,46 @@ def test_cli_prints_the_precision_and_refuses_an_unknown_one(gpt32: Path) -> Non
     bad = subprocess.run([*base, "--precision", "fp4"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--precision" in bad.stderr
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes each aten op reads (its distinct tensor inputs) and writes (its outputs), over
+    tensors of at least `least` elements (a step counter is not memory traffic)."""
+
+    def __init__(self, least: int) -> None:
+        super().__init__()
+        self.least, self.bytes = least, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        seen: dict[int, int] = {}
+        for value in pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(value, torch.Tensor) and value.numel() >= self.least:
+                seen[id(value)] = value.nbytes
+        written = [v.nbytes for v in pytree.tree_leaves(out)
+                   if isinstance(v, torch.Tensor) and v.numel() >= self.least]
+        self.bytes += sum(seen.values()) + sum(written)
+        return out
+
+
+@pytest.mark.parametrize("name,make", [
+    ("adam", lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False)),
+    ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False)),
+    ("momentum", lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=False)),
+    ("sgd", lambda p: torch.optim.SGD(p, lr=1e-3, foreach=False))])
+def test_the_unfused_optimizer_traffic_is_what_torch_optim_runs(name: str, make) -> None:
+    """The unfused passes of OPTIMIZER_TRAFFIC are the bytes torch.optim's own kernels
+    read and write in a step (after the first, which creates the states), counted op by
+    op; fused, a step reads and writes each byte once."""
+    weight = torch.nn.Parameter(torch.randn(4096))
+    optimizer = make([weight])
+    for _ in range(2):
+        weight.grad = torch.randn(4096)
+        counter = _Traffic(least=4096)
+        with counter:
+            optimizer.step()
+    param_bytes = weight.nbytes
+    state_bytes = OPTIMIZER_MOMENTS[name] * param_bytes
+    per_weight, per_state = OPTIMIZER_TRAFFIC[name].passes(fused=False)
+    assert counter.bytes == per_weight * param_bytes + per_state * state_bytes
+    assert OPTIMIZER_TRAFFIC[name].passes(fused=True) == (3.0, 2.0 if state_bytes else 0.0)

@@ -48,7 +48,7 @@ def cited_values(profile: HardwareProfile) -> Iterator[tuple[str, Cited]]:
         yield "matmul_overhead_s", ramp
     for dtype, cited in (ramp.items() if isinstance(ramp, dict) else ()):
         yield f"matmul_overhead_s.{dtype}", cited
-    for field in ("compute_units", "gemm_tile", "attention_kernel", "fusion"):
+    for field in ("compute_units", "gemm_tile", "attention_kernel", "fusion", "compute_overlap"):
         if getattr(profile, field) is not None:
             yield field, getattr(profile, field)
     for level in profile.levels:

@@ -68,6 +68,7 @@ from executor.module.run import (
     replicated,
     run_planned,
     run_unsplit,
+    step_loss,
 )
 from executor.module.trace import SavedTrace, export_program, save_model
 from executor.module.weights import WeightSync
@@ -182,7 +183,7 @@ class ParallelModule:
         self.draws += 1
         if self.pipeline is not None:
             return self._pipelined(loss_fn, given, part)
-        total: torch.Tensor | None = None
+        losses: list[torch.Tensor] = []
         for micro in range(count):
             rows = [v.chunk(count)[micro] for v in given]
             micro_batch = dict(zip(self.trace.user_inputs, rows, strict=True))
@@ -202,11 +203,8 @@ class ParallelModule:
                 # micro-batch's forward)
             finally:
                 self.weights.micro_batch_last = True
-            value = loss.detach()
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            total = value if total is None else total + value
-        assert total is not None
-        return total / count
+            losses.append(loss.detach())
+        return step_loss(losses)
 
     def _on_device(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The step's batch on the mesh's device, copied once for all its micro-batches and

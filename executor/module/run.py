@@ -166,6 +166,28 @@ def output_gradients(loss: torch.Tensor, outputs: Any
     return tuple((v, g) for v, g in zip(leaves, grads, strict=True) if g is not None)
 
 
+def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The mean of a step's micro-batch losses (detached). Where they are DTensors with a
+    reduction pending over the batch's ranks (a mean over sharded rows is `Partial`), the
+    ranks' local values are averaged over the micro-batches first and reduced in one
+    collective the caller does not wait for: nothing in the step needs the value, and
+    waiting for it each micro-batch made every rank wait for the slowest mid-step (the
+    tensor returned waits when it is first read, as torch's `AsyncCollectiveTensor`s do)."""
+    first = values[0]
+    if not isinstance(first, DTensor):
+        return torch.stack([v.detach() for v in values]).mean()
+    placements = first.placements
+    parts = [v for v in values if isinstance(v, DTensor) and v.placements == placements]
+    if len(parts) != len(values):
+        return torch.stack([v.full_tensor().detach() if isinstance(v, DTensor) else v.detach()
+                            for v in values]).mean()
+    local = torch.stack([v.to_local().detach() for v in parts]).mean()
+    mean = DTensor.from_local(local, first.device_mesh, placements, run_check=False,
+                              shape=first.shape, stride=first.stride())
+    return mean.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim,
+                             async_op=True).to_local()
+
+
 def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 

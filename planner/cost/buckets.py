@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from costmodels.communication import behind_compute
 from planner.cost.pricing import bucketed_seconds
 
 __all__ = ["DEFAULT_BUCKET_MB", "Issue", "assign_buckets", "backward_prefetch_exposed",
@@ -86,31 +87,32 @@ def assign_buckets(issues: Iterable[Issue], bucket: float) -> list[int | None]:
 
 
 def schedule_overlap(total: float, last: float, hide: float, overlap: float,
-                     scheduled: bool = True) -> tuple[float, float]:
+                     scheduled: bool = True, share: float = 1.0) -> tuple[float, float]:
     """(exposed, hidden) seconds of an end-of-step gradient synchronisation of `total`
     seconds whose last bucket takes `last` (it is ready only when the backward pass ends),
     the rest running behind `hide` seconds of backward compute; `overlap` is the least
     share hidden (`--overlap`). Not `scheduled` (`--no-overlap-grad-reduce`): the
-    reduction starts after the backward pass, and only the `overlap` floor is hidden."""
+    reduction starts after the backward pass, and only the `overlap` floor is hidden.
+    `share` of the time the reduction runs beside compute is hidden (the profile's
+    `compute_overlap`, `costmodels.communication.behind_compute`)."""
     if total <= 0:
         return 0.0, 0.0
-    by_schedule = min(max(0.0, total - last), max(0.0, hide)) if scheduled else 0.0
+    by_schedule = share * min(max(0.0, total - last), max(0.0, hide)) if scheduled else 0.0
     hidden = min(total, max(by_schedule, overlap * total))
     return total - hidden, hidden
 
 
-def prefetch_exposed(gathers: np.ndarray, compute: np.ndarray) -> float:
+def prefetch_exposed(gathers: np.ndarray, compute: np.ndarray, share: float = 1.0) -> float:
     """Exposed seconds of per-unit collectives prefetched one unit ahead: unit k's
-    collective runs behind unit k − 1's compute (in the order the units run); the first
-    unit's waits in full."""
+    collective runs behind unit k − 1's compute (in the order the units run, `share` of
+    the overlap hidden: `behind_compute`); the first unit's waits in full."""
     if not len(gathers):
         return 0.0
-    behind = np.maximum(0.0, gathers[1:] - compute[:-1])
-    return float(gathers[0] + behind.sum())
+    return float(gathers[0] + behind_compute(gathers[1:], compute[:-1], share).sum())
 
 
 def backward_prefetch_exposed(gathers: np.ndarray, reduces: np.ndarray,
-                              compute: np.ndarray) -> float:
+                              compute: np.ndarray, share: float = 1.0) -> float:
     """Exposed seconds of the backward pass's per-unit collectives, units in forward order
     (the backward pass runs them last to first): unit k's gather is prefetched behind the
     backward of unit k + 1, its reduce-scatter runs behind the backward of unit k − 1. The
@@ -122,4 +124,4 @@ def backward_prefetch_exposed(gathers: np.ndarray, reduces: np.ndarray,
     need = np.zeros(n)
     need[1:] += gathers[:-1]
     need[:-1] += reduces[1:]
-    return float(gathers[-1] + reduces[0] + np.maximum(0.0, need - compute).sum())
+    return float(gathers[-1] + reduces[0] + behind_compute(need, compute, share).sum())

@@ -53,13 +53,14 @@ class PricedGraph:
     stage: StagePrice  # the whole graph as one stage running one micro-batch
     options: TrainingOptions
     kernels: KernelPlan  # the kernels the ops run as, and what autograd keeps
+    overlap_share: float = 1.0  # the profile's compute_overlap (`behind_compute`)
 
     def step(self) -> StepPrice:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""
         options = self.options
         return step_price([self.stage], PipelineConfig(
             optimizer=options.optimizer, overlap=options.overlap,
-            precision=options.precision, bucket_mb=options.bucket_mb,
+            precision=options.precision, fusion=options.fusion, bucket_mb=options.bucket_mb,
             overlap_grad_reduce=options.overlap_grad_reduce))
 
 
@@ -192,7 +193,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     for collective in collectives:
         times[collective.phase] += collective.time_s
     sync, hidden = _gradient_overlap(sharded, collectives, costs, options.overlap,
-                                     options.overlap_grad_reduce)
+                                     options.overlap_grad_reduce, profile.overlap_share)
     memory, optimizer_s = _memory(graph, sharded, profile, options,
                                   live_peak.peak if live_peak is not None else saved_total,
                                   workspace)
@@ -203,7 +204,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         backward_communication_s=times[Phase.BACKWARD], recompute_s=0.0, p2p_s=0.0,
         zero_s=0.0, sync_s=sync, hidden_s=hidden, optimizer_s=optimizer_s, in_flight=1.0,
         memory=memory)
-    return PricedGraph(sharded, tuple(costs), collectives, stage, options, kernels)
+    return PricedGraph(sharded, tuple(costs), collectives, stage, options, kernels,
+                       profile.overlap_share)
 
 
 def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
@@ -246,7 +248,7 @@ OP_INDEX = "op index"  # memo key of the analysis: op name -> index
 
 def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
                       costs: Sequence[OpCost], overlap: float,
-                      scheduled: bool) -> tuple[float, float]:
+                      scheduled: bool, share: float) -> tuple[float, float]:
     """(exposed, hidden) gradient synchronisation: all but the first unit's weights' (the
     last bucket) behind the backward compute of the other units (`schedule_overlap`)."""
     analysis = sharded.analysis
@@ -262,7 +264,7 @@ def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
             last += collective.time_s
     backward = sum(cost.backward_s for cost in costs)
     first = sum(cost.backward_s for k, cost in enumerate(costs) if unit_of[k] == first_unit)
-    return schedule_overlap(total, last, backward - first, overlap, scheduled)
+    return schedule_overlap(total, last, backward - first, overlap, scheduled, share)
 
 
 def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfile,
@@ -286,7 +288,8 @@ def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfil
         workspace_bytes=workspace, optimizer=options.optimizer, precision=options.precision)
     states = optimizer_state_bytes(local_elements, itemsize, options.optimizer,
                                    options.precision)
-    return memory, optimizer_seconds(profile, local_bytes, states)
+    return memory, optimizer_seconds(profile, local_bytes, states, options.optimizer,
+                                     options.fusion)
 
 
 class _LivePeak:

@@ -159,7 +159,8 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
                        param.elements / shards, forward + gather + reduce, forward, gather,
                        reduce, shown, hidden,
-                       optimizer_seconds(hardware, param.bytes / divide, states / divide),
+                       optimizer_seconds(hardware, param.bytes / divide, states / divide,
+                                         config.optimizer, config.fusion),
                        param.bytes)
 
 
@@ -396,6 +397,7 @@ class Pricer:
         micro-batch's backward pass but for the last bucket (its first unit's weights);
         ZeRO-3 gathers prefetched one unit ahead, reduce-scatters behind the next unit."""
         profile, own = self.profile, self.weights.own
+        share = self.hardware.overlap_share
         units = np.flatnonzero(chosen)
         if not len(units):
             return 0.0, 0.0, 0.0
@@ -412,10 +414,11 @@ class Pricer:
         end, hidden = schedule_overlap(float(sync.sum()), float(sync[0]),
                                        float(backward.sum() - backward[0]),
                                        self.config.overlap,
-                                       self.config.overlap_grad_reduce)
-        zero = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units]) \
+                                       self.config.overlap_grad_reduce, share)
+        zero = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units],
+                                share) \
             + backward_prefetch_exposed(columns["micro_gather"], columns["micro_reduce"],
-                                        backward)
+                                        backward, share)
         return end, hidden, min(zero, weights.micro)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],

@@ -14,11 +14,11 @@ from dataclasses import replace
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.gemm import GemmShape
-from costmodels.precision import policy
+from costmodels.precision import OPTIMIZER_TRAFFIC, policy
 from costmodels.profile import HardwareProfile
 from planner.cost.kernels import KernelPlan, OpKernel
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Phase, Precision
+from planner.kinds import CollectiveKind, Fusion, Phase, Precision
 from planner.ops.work import gemm_dims
 from planner.records import Collective, OpCost
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
@@ -185,10 +185,13 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
     return seconds, buffer
 
 
-def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes: float) -> float:
-    """The optimizer step streams weights (read+write), gradients and states (read+write).
-
-    One fused, memory-bound pass over all local weights: no per-kernel floor.
-    """
+def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes: float,
+                      optimizer: str, fusion: Fusion | None) -> float:
+    """The optimizer step streams weights, gradients and states: one memory-bound pass
+    where kernels are fused (`fusion`, None: the profile's), else the passes torch.optim's
+    kernels make one after another (`costmodels.precision.OptimizerTraffic`). No
+    per-kernel floor: a step's kernels each cover a whole weight."""
     bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
-    return (3.0 * param_bytes + 2.0 * state_bytes) / bandwidth
+    fused = (fusion or profile.default_fusion) is Fusion.ELEMENTWISE
+    per_weight, per_state = OPTIMIZER_TRAFFIC[optimizer].passes(fused)
+    return (per_weight * param_bytes + per_state * state_bytes) / bandwidth

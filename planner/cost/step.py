@@ -50,6 +50,7 @@ class PipelineConfig:
     optimizer: str = "adam"
     overlap: float = 0.0
     precision: Precision | None = None  # None: the weights' own (costmodels.precision)
+    fusion: Fusion | None = None  # None: the profile's (the optimizer step's kernels)
     bucket_mb: float = DEFAULT_BUCKET_MB
     overlap_grad_reduce: bool = True  # TrainingOptions.overlap_grad_reduce
 

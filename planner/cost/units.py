@@ -216,7 +216,8 @@ def _ring_exposure(priced: PricedGraph) -> dict[tuple[str, Phase], tuple[float, 
             transfer = sum(c.time_s for c in passes)
             if transfer <= 0.0:
                 continue
-            share = ring_overlap_exposed_s(transfer, compute[phase], steps) / transfer
+            share = ring_overlap_exposed_s(transfer, compute[phase], steps,
+                                           priced.overlap_share) / transfer
             for c in passes:
                 found[(c.op, phase)] = (share, held)
     return found

@@ -380,7 +380,8 @@ def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig
     return PipelineConfig(pp=choice.pp, micro_batches=choice.micro_batches, zero=choice.zero,
                           schedule=choice.schedule, virtual_stages=choice.virtual_stages,
                           optimizer=training.optimizer, overlap=training.overlap,
-                          precision=training.precision, bucket_mb=training.bucket_mb,
+                          precision=training.precision, fusion=training.fusion,
+                          bucket_mb=training.bucket_mb,
                           overlap_grad_reduce=training.overlap_grad_reduce)
 
 
