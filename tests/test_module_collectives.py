@@ -1,5 +1,6 @@
 """What the module runner counts and issues on 2 gloo ranks: collectives a DTensor op
-issues inside itself are counted, and attention split over heads runs without any."""
+issues inside itself are counted, attention split over heads runs without any, and the
+trace's view of its output runs on the blocks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from executor.dropout import DropoutSite
 from executor.module import attention
 from executor.module.counting import CollectiveCount, group_axes
-from executor.module.kernels import attention_math, dropout
+from executor.module.kernels import attention_math, dropout, run_op
 from executor.ranks import run_ranks
 from executor.train import free_port
 
@@ -78,6 +79,20 @@ def _checks(rank: int, port: int, result_path: str) -> None:
         found["masked"] = attention.local_placements(args, masked) is None
         rows = tuple(distribute_tensor(t, mesh, [Shard(2)]) for t in (q, q, q))
         found["sequence"] = attention.local_placements(rows, {}) is None
+
+        # the trace views attention's output after a transpose, as the fused kernel's
+        # (b, s, h, d) memory order allows; head-split blocks in (b, h, s, d) order (a
+        # kernel's that orders them so) need a contiguous copy to be viewed (run_op)
+        heads = distribute_tensor(expected, mesh, [Shard(1)]).transpose(1, 2)
+        found["view_refused"] = False
+        try:
+            heads.view(2, 8, 64)
+        except RuntimeError:
+            found["view_refused"] = True
+        viewed = run_op(torch.ops.aten.view.default, (heads, [2, 8, 64]), {})
+        found["view_error"] = float((viewed.full_tensor() - expected.transpose(1, 2).reshape(
+            2, 8, 64)).abs().max())
+        found["view_placements"] = str(viewed.placements)
     finally:
         if rank == 0:
             Path(result_path).write_text(json.dumps(found))
@@ -98,3 +113,5 @@ def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issue
     assert found["attention_placements"] == "(Shard(dim=1),)"
     assert found["dropout_error"] < 1e-5
     assert found["odd_heads"] and found["masked"] and found["sequence"]
+    assert found["view_refused"]  # DTensor alone cannot view the block
+    assert found["view_error"] < 1e-5 and found["view_placements"] == "(Shard(dim=2),)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -103,3 +104,34 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # The fused kernels return heads innermost in memory ([b, s, h, d] strides), and the
     # traced graph views the transposed result without a copy: keep that layout.
     return out.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+#: Views in a trace assume the strides the export's kernels gave: an attention output in
+#: the fused kernel's (b, s, h, d) memory order, say, which a transpose then views as
+#: contiguous. A kernel run here may give another order (attention's math form, a
+#: head-split block, a redistributed DTensor's fresh local tensor): a view that the
+#: strides then forbid raises "view size is not compatible".
+VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+def runnable(target: Any) -> Any:
+    """The op a traced node runs as on plain tensors: a view as a reshape, which is the
+    view where the strides allow one and a copy where not (the same values: a traced graph
+    mutates nothing through a view); any other op as itself."""
+    return torch.ops.aten.reshape.default if target in VIEWS else target
+
+
+def run_op(target: Any, args: Any, kwargs: Any) -> Any:
+    """A traced op on its arguments (`runnable`). A view of a DTensor whose local block is
+    not contiguous views a contiguous copy: DTensor's own strides are the whole tensor's
+    as its sharding rule derives them, so a reshape would choose a view from them and the
+    block would refuse it."""
+    if target in VIEWS and args and isinstance(args[0], DTensor):
+        with torch.no_grad():
+            contiguous = args[0].to_local().is_contiguous()
+        if not contiguous:
+            args = (torch.ops.aten.clone.default(args[0],
+                                                 memory_format=torch.contiguous_format),
+                    *args[1:])
+        return target(*args, **kwargs)
+    return runnable(target)(*args, **kwargs)

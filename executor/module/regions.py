@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from executor.module.kernels import runnable
 from executor.module.local import is_size
 
 _EXCLUDED = frozenset({
@@ -77,6 +78,7 @@ def _region(nodes: Sequence[Node], keep: Collection[Node]) -> Region:
     values: dict[Node, Node] = {a: graph.placeholder(a.name) for a in inputs}
     for node in nodes:
         values[node] = graph.node_copy(node, lambda a: values[a])
+        values[node].target = runnable(node.target)
     graph.output(tuple(values[n] for n in outputs))
     compiled = GraphModule(torch.nn.Module(), graph)
     return Region(tuple(nodes), tuple(inputs), tuple(outputs), compiled.forward)

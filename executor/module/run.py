@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from executor.dropout import DropoutSite
 from executor.module import attention, masks
 from executor.module.counting import recomputing
-from executor.module.kernels import Shift, attention_math, dropout
+from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import LocalPlan, is_size, symbolic_dim
 from executor.module.regions import Region, regions_of
@@ -242,7 +242,7 @@ class TracedRun(Interpreter):
                 site, shift = self._site(n), self._shift(n)
                 return attention_math(*args, **kwargs,
                                       drop=lambda t: dropout(t, float(p), site, shift)[0])
-        return n.target(*args, **kwargs)
+        return run_op(n.target, args, kwargs)
 
     def _site(self, n: Node) -> DropoutSite:
         return DropoutSite(self.seed, self.step, self.index[n.name], ())
@@ -679,7 +679,7 @@ class PlannedRun(TracedRun):
             result = attention_math(*args, **kwargs, drop=lambda t: dropout(
                 t, p, *self._local_site(n, t, dim=0))[0])
         else:
-            result = n.target(*args, **kwargs)
+            result = run_op(n.target, args, kwargs)
         self.frame.held_local.add(n)
         return result
 
