@@ -239,3 +239,27 @@ def test_seed_matmul_candidates_on_eight_devices() -> None:
     column = describe(node, labels, found[((1, 1), (1, 8))], tensors, mesh)
     assert column.grad_partial == (("x",), ())  # the input's gradient needs an AllReduce
     assert ((1, 1), (1, 1)) in found and len(found) == 4
+
+
+def test_a_weight_stored_split_is_reduced_in_its_gathers_backward() -> None:
+    """A weight-derived tensor stored split over an axis and read whole by an op that
+    splits the batch over that axis: its gradient is partial there, and the devices hold
+    different slices of it, so the sum cannot wait for the parameter (an all-reduce of
+    unlike slices): the gather's backward is a reduce-scatter. Stored whole, the same sum
+    is deferred to the parameter's gradient all-reduce, as before."""
+    from planner.kinds import CollectiveKind, Phase
+    from planner.sharding.derive import edge_steps
+
+    mesh = DeviceMesh.build({"a0": 2}, 2)
+    info = TensorInfo("w_t", (256, 688), "float32", "activation")
+    whole = Layout(((), ()))
+    moves, deferred = edge_steps(info, Layout(((), ("a0",))), whole, "linear", mesh,
+                                 requires_grad=True, partial_axes=("a0",),
+                                 weight_derived=True)
+    assert [(c.kind, c.axes, c.phase) for c in moves] == [
+        (CollectiveKind.ALL_GATHER, ("a0",), Phase.FORWARD),
+        (CollectiveKind.REDUCE_SCATTER, ("a0",), Phase.BACKWARD)]
+    assert deferred == set()
+    moves, deferred = edge_steps(info, whole, whole, "linear", mesh, requires_grad=True,
+                                 partial_axes=("a0",), weight_derived=True)
+    assert moves == [] and deferred == {"a0"}

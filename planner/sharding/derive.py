@@ -234,9 +234,15 @@ def _edge_moves(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
         return tuple(result), frozenset()
     deferred: set[str] = set()
     if weight_derived:
-        deferred = set(partial_axes) | {a for s in forward if s.kind == Move.SLICE for a in s.axes}
+        # A sum over an axis the stored layout splits cannot wait for the parameter: its
+        # devices hold different slices there. The gather's backward reduces it (a
+        # reduce-scatter, as DTensor's all-gather backward does); the rest is deferred.
+        stored = set(src.used_axes)
+        kept = tuple(a for a in partial_axes if a in stored)
+        deferred = {a for a in partial_axes if a not in stored} | {
+            a for s in forward if s.kind == Move.SLICE for a in s.axes}
         forward = [s for s in forward if s.kind != Move.SLICE]
-        partial_axes = ()
+        partial_axes = kept
     src_bytes = int(math.prod(shape) * itemsize * fraction_of_layout(src, mesh))
     steps = backward_steps(forward, partial_axes, src_bytes)
     result += [(CollectiveKind(s.kind), tuple(s.axes), s.nbytes, Phase.BACKWARD)
