@@ -1,6 +1,7 @@
 """What the module runner counts and issues on 2 gloo ranks: collectives a DTensor op
 issues inside itself are counted, attention split over heads runs without any, and the
-trace's view of its output runs on the blocks."""
+trace's view of its output runs on the blocks, and a split moved between dims is one
+all-to-all (DTensor's gloo fallback gathers)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from executor.dropout import DropoutSite
 from executor.module import attention
 from executor.module.counting import CollectiveCount, group_axes
 from executor.module.kernels import attention_math, dropout, run_op
+from executor.module.moves import all_to_all_axis, redistribute
 from executor.ranks import run_ranks
 from executor.train import free_port
 
@@ -93,6 +95,27 @@ def _checks(rank: int, port: int, result_path: str) -> None:
         found["view_error"] = float((viewed.full_tensor() - expected.transpose(1, 2).reshape(
             2, 8, 64)).abs().max())
         found["view_placements"] = str(viewed.placements)
+
+        # a split moved between tensor dims: one all-to-all each way, counted as one, the
+        # values and the gradient those of DTensor's own move
+        whole_x = torch.randn(4, 6, 8)
+        x = distribute_tensor(whole_x, mesh, [Shard(0)]).requires_grad_()
+        counts = Counter()
+        with CollectiveCount(counts, group_axes(mesh), "forward"):
+            moved = redistribute(x, mesh, [Shard(2)])
+        found["moved_kind"] = dict(counts)
+        found["moved_error"] = float((moved.full_tensor() - whole_x).abs().max())
+        found["moved_local"] = list(moved.to_local().shape)
+        weights = distribute_tensor(torch.randn(4, 6, 8), mesh, [Shard(2)])
+        counts = Counter()
+        with CollectiveCount(counts, group_axes(mesh), "backward"):
+            (moved * weights).sum().backward()
+        found["moved_backward"] = dict(counts)
+        assert x.grad is not None
+        found["grad_error"] = float((x.grad.full_tensor() - weights.full_tensor()).abs().max())
+        found["grad_placements"] = str(x.grad.placements)
+        found["uneven"] = all_to_all_axis(distribute_tensor(torch.randn(4, 3), mesh,
+                                                            [Shard(0)]), [Shard(1)]) is None
     finally:
         if rank == 0:
             Path(result_path).write_text(json.dumps(found))
@@ -115,3 +138,8 @@ def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issue
     assert found["odd_heads"] and found["masked"] and found["sequence"]
     assert found["view_refused"]  # DTensor alone cannot view the block
     assert found["view_error"] < 1e-5 and found["view_placements"] == "(Shard(dim=2),)"
+    assert found["moved_kind"] == {"all_to_all|tp|forward": 1}
+    assert found["moved_error"] == 0.0 and found["moved_local"] == [4, 6, 4]
+    assert found["moved_backward"] == {"all_to_all|tp|backward": 1}
+    assert found["grad_error"] == 0.0 and found["grad_placements"] == "(Shard(dim=0),)"
+    assert found["uneven"]  # 3 columns on 2 ranks: DTensor's own move

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from executor.dropout import DropoutSite
 from executor.module.kernels import Shift, attention_math, dropout
+from executor.module.moves import redistribute
 
 _BATCH, _HEADS = 0, 1
 
@@ -72,8 +73,8 @@ def run_local(target: Callable[..., Any], args: tuple[Any, ...],
     # a whole key or value is cut to the query's block (no communication; its gradient,
     # this rank's block of it, is gathered whole in the backward pass, as the plan prices
     # a split op's read of a replicated tensor)
-    blocks = [(t if tuple(t.placements) == placements else
-               t.redistribute(mesh, placements)).to_local() for t in args[:3]]
+    blocks: list[Any] = [(t if tuple(t.placements) == placements else
+               redistribute(t, mesh, placements)).to_local() for t in args[:3]]
     p = float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
     if p:
         _, offset = compute_local_shape_and_global_offset(query.shape, mesh, placements)

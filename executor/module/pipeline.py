@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import is_size
+from executor.module.moves import redistribute
 from executor.module.run import (
     ModulePlan,
     PlannedRun,
@@ -223,7 +224,7 @@ class ModuleChunks:
         wanted = self._placements(node.name)
         if tuple(value.placements) != wanted:
             self.record.unplanned[f"{node.name}: {value.placements} -> {wanted}"] += 1
-            value = value.redistribute(self.mesh, wanted)
+            value = redistribute(value, self.mesh, wanted)
         return value.to_local()
 
     def _placements(self, name: str) -> tuple[Any, ...]:

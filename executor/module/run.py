@@ -37,6 +37,7 @@ from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import LocalPlan, is_size, symbolic_dim
+from executor.module.moves import redistribute
 from executor.module.regions import Region, regions_of
 from executor.module.weights import WeightSync, in_backward
 from planner.errors import ShardplanError
@@ -96,7 +97,7 @@ class _GradientIn(torch.autograd.Function):
                 for dim, (have, want) in enumerate(zip(grad.placements, ctx.wanted,
                                                        strict=True)))
             if not _normalised(grad, target):
-                grad = grad.redistribute(ctx.mesh, target)
+                grad = redistribute(grad, ctx.mesh, target)
         return grad, None, None, None
 
 
@@ -573,13 +574,13 @@ class PlannedRun(TracedRun):
             wanted = self._wanted(n.name, planned.output)
             if not _normalised(result, wanted):
                 self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
-                result = result.redistribute(self.mesh, wanted)
+                result = redistribute(result, self.mesh, wanted)
         return result
 
     def _move(self, value: DTensor, wanted: tuple[Placement, ...]) -> DTensor:
         axis = _split_axis(value, wanted) if value.requires_grad else None
         if axis is None:
-            return value.redistribute(self.mesh, wanted)
+            return redistribute(value, self.mesh, wanted)
         moved: DTensor = _Split.apply(value, self.mesh, wanted, axis)
         return moved
 
@@ -630,7 +631,7 @@ class PlannedRun(TracedRun):
         wanted = self._natural(node)
         if not _normalised(value, wanted):
             self.record.unplanned[f"{node.name}: {value.placements} -> {wanted}"] += 1
-            value = value.redistribute(self.mesh, wanted)
+            value = redistribute(value, self.mesh, wanted)
         if not value.requires_grad:
             return value.to_local()
         if all(isinstance(p, Replicate) for p in wanted) and self.plan.local.batch_axes:
