@@ -135,12 +135,14 @@ class ModuleRunLog(RunLog):
     recomputed: int = 0
     parameter_elements: int = 0
     resident_weight_elements: int = 0
+    loss_on_rows: bool = False  # the loss ran on each rank's rows (executor.module.rowloss)
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "unplanned": self.unplanned,
                 "recomputed": self.recomputed,
                 "parameter_elements": self.parameter_elements,
-                "resident_weight_elements": self.resident_weight_elements}
+                "resident_weight_elements": self.resident_weight_elements,
+                "loss_on_rows": self.loss_on_rows}
 
 
 def planned_calls(plan: Plan, steps: int) -> dict[str, int]:
@@ -269,6 +271,7 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             log.parameter_elements = sum(_local(p).numel() for p in module.parameters())
             log.resident_weight_elements = state.weights.resident_elements()
             log.unplanned = dict(state.record.unplanned)
+            log.loss_on_rows = state.row_loss is not None
             if run.backend == "nccl":  # what the plan's predicted peak is checked against
                 log.peak_memory_bytes = int(torch.cuda.max_memory_allocated())
         # Leave together: a rank that tears its gloo pairs down while a peer still

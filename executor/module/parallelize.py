@@ -59,6 +59,7 @@ from executor.module.layouts import (
 )
 from executor.module.local import LocalPlan
 from executor.module.pipeline import ModuleChunks, chunk_nodes
+from executor.module.rowloss import RowLoss, batch_mesh_dims
 from executor.module.run import (
     ModulePlan,
     RunRecord,
@@ -116,6 +117,8 @@ class ParallelModule:
     hook: Any = None  # ZeRO 1/2: the optimizer-step hook that rebuilds the whole weights
     pipeline: ScheduleEngine | None = None  # a plan's stages: this rank's schedule
     chunks: ModuleChunks | None = None  # ... and what its chunks run
+    row_loss: RowLoss | None = None  # the loss on this rank's rows (executor.module.rowloss)
+    loss_probed: bool = False  # whether DTensor has shown if it may be
 
     @property
     def layouts(self) -> ModuleLayouts:
@@ -192,10 +195,8 @@ class ParallelModule:
                 with part("forward"):
                     output = self.forward(rows, micro, self.draws)
                 with part("loss"):
-                    loss = self.loss(loss_fn, output, micro_batch)
-                    # a loss on DTensors may issue collectives in its own backward pass:
-                    # taken apart (output_gradients), so that they count as the loss's
-                    roots, grads = _loss_roots(loss / count, output)
+                    roots, grads, reported = self._step_loss(loss_fn, output, micro_batch,
+                                                             count)
                 del output  # what the backward pass needs, it holds
                 with part("backward"):
                     torch.autograd.backward(roots, grads)
@@ -203,8 +204,32 @@ class ParallelModule:
                 # micro-batch's forward)
             finally:
                 self.weights.micro_batch_last = True
-            losses.append(loss.detach())
+            losses.append(reported)
         return step_loss(losses)
+
+    def _step_loss(self, loss_fn: Callable[..., torch.Tensor], output: Any,
+                   micro_batch: Mapping[str, torch.Tensor], count: int
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+        """One micro-batch's loss: where the backward pass starts, with what gradients,
+        and the loss to report. On this rank's rows once DTensor has shown that is exact
+        (`executor.module.rowloss`), else on DTensors; a loss on DTensors may issue
+        collectives in its own backward pass, taken apart (`output_gradients`) so that
+        they count as the loss's."""
+        dims = batch_mesh_dims(self.mesh, self.run.local.batch_axes)
+        if self.row_loss is not None:
+            found = self.row_loss.local(loss_fn, output, (micro_batch,), self.mesh, dims)
+            if found is not None:
+                term, reported = found
+                return [term / count], [None], reported
+        if self.loss_probed:
+            loss = self.loss(loss_fn, output, micro_batch)
+        else:
+            loss, self.row_loss = RowLoss.probe(
+                loss_fn, output, (micro_batch,), self.mesh, dims,
+                lambda: self.loss(loss_fn, output, micro_batch))
+            self.loss_probed = True
+        roots, grads = _loss_roots(loss / count, output)
+        return roots, grads, loss.detach()
 
     def _on_device(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The step's batch on the mesh's device, copied once for all its micro-batches and
