@@ -53,7 +53,9 @@ MAX_TILE = 4096
 _TOPOLOGY_FIELDS = ("devices_per_node", "levels")
 _TOPOLOGY_OPTIONAL = ("allowed_devices_within_node",)
 _LEVEL_FIELDS = ("name", "group_size", "bandwidth_Bps", "efficiency", "latency_s")
-_LEVEL_OPTIONAL = ("fabric", "collective_factors")
+_LEVEL_OPTIONAL = ("fabric", "collective_factors", "collective_times")
+#: Most points a level's `collective_times` may list per collective.
+MAX_TIME_POINTS = 4096
 _CITED_FIELDS = ("value", "source")
 _CITED_OPTIONAL = ("note",)
 
@@ -82,6 +84,9 @@ class LinkLevel:
     "full_mesh" means one dedicated link to each peer, so a group using q of a block's
     g devices gets (q - 1) / (g - 1) of `bandwidth_Bps` (costmodels.communication).
     `collective_factors` (optional) multiplies the bus bandwidth of one collective kind.
+    `collective_times` (optional, written by calibration) lists measured (group size,
+    bytes, seconds) points of a collective kind on this level: inside their range a
+    collective of a measured group size is priced from them (`measured_seconds`).
     """
 
     name: str
@@ -91,6 +96,8 @@ class LinkLevel:
     latency_s: Cited[float]
     fabric: Cited[str] | None = None
     collective_factors: dict[str, Cited[float]] = field(default_factory=dict)
+    collective_times: dict[str, Cited[tuple[tuple[int, float, float], ...]]] = field(
+        default_factory=dict)
 
     def __hash__(self) -> int:  # collective_factors is a dict; hash what identifies a level
         return hash((self.name, self.group_size, self.bandwidth_Bps, self.efficiency,
@@ -110,6 +117,24 @@ class LinkLevel:
         """Bandwidth multiplier of collective `kind` on this level; 1 when not given."""
         cited = self.collective_factors.get(kind)
         return 1.0 if cited is None else float(cited.value)
+
+    def measured_seconds(self, kind: str, size: int, nbytes: float) -> float | None:
+        """A collective of `kind` over `size` devices moving `nbytes` (its larger form),
+        read off the measured points: linear between the two it lies between, the first's
+        time below them (a smaller message is latency-bound). None outside or above the
+        measured sizes, and for a group size or kind not measured: the model prices it."""
+        cited = self.collective_times.get(kind)
+        if cited is None:
+            return None
+        points = sorted((n, t) for p, n, t in cited.value if p == size)
+        if not points or nbytes > points[-1][0]:
+            return None
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (n0, t0), (n1, t1) in pairwise(points):
+            if nbytes <= n1:
+                return t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)
+        return None  # unreachable: nbytes <= the last point's size
 
 
 @dataclass(frozen=True)
@@ -531,7 +556,41 @@ class _Reader:
                     if "fabric" in body else None),
             collective_factors=self.factors(body.get("collective_factors", {}),
                                             f"{field}.collective_factors"),
+            collective_times=self.times(body.get("collective_times", {}),
+                                        f"{field}.collective_times"),
         )
+
+    def times(self, value: Any, field: str
+              ) -> dict[str, Cited[tuple[tuple[int, float, float], ...]]]:
+        """`collective_times`: collective kind -> cited list of [group size, bytes,
+        seconds] points, each size at most once per group size."""
+        if not isinstance(value, dict):
+            self.fail(field, f"must be an object of collective kind -> cited points, "
+                      f"got {_show(value)}")
+        for kind in value:
+            if kind not in COLLECTIVES:
+                self.fail(f"{field}.{kind}", f"is not a known collective (known: "
+                          f"{', '.join(COLLECTIVES)})")
+        return {k: self.cited(v, f"{field}.{k}", self.points) for k, v in value.items()}
+
+    def points(self, value: Any, field: str) -> tuple[tuple[int, float, float], ...]:
+        if not isinstance(value, list) or not value or len(value) > MAX_TIME_POINTS:
+            self.fail(field, f"must be a list of 1 to {MAX_TIME_POINTS} [group size, bytes, "
+                      f"seconds] points, got {_show(value)}")
+        found: list[tuple[int, float, float]] = []
+        for i, point in enumerate(value):
+            where = f"{field}[{i}]"
+            if not isinstance(point, list) or len(point) != 3:
+                self.fail(where, f"must be [group size, bytes, seconds], got {_show(point)}")
+            size = self.count(point[0], f"{where}[0]")
+            if size < 2:
+                self.fail(f"{where}[0]", f"a collective needs a group of 2 or more, got {size}")
+            found.append((size, float(self.positive(point[1], f"{where}[1]")),
+                          float(self.positive(point[2], f"{where}[2]"))))
+        keys = [(p, n) for p, n, _ in found]
+        if len(set(keys)) != len(keys):
+            self.fail(field, "lists one (group size, bytes) point twice; keep one")
+        return tuple(found)
 
     def factors(self, value: Any, field: str) -> dict[str, Cited[float]]:
         """`collective_factors`: collective kind -> cited bandwidth factor (> 0)."""

@@ -237,6 +237,7 @@ def test_quick_calibration_writes_a_plausible_profile(tmp_path: Path) -> None:
                                   *level.collective_factors.values())}
     assert len(sources) == 1 and sources.pop().startswith("measured-")
     assert profile.compute_overlap is not None and 0 <= profile.overlap_share <= 1
+    assert level.measured_seconds("all_reduce", 2, 2**18) is not None
 
 
 def test_calibrated_profile_plans(tmp_path: Path) -> None:
@@ -278,3 +279,25 @@ def test_built_profile_carries_the_measured_compute_overlap(tmp_path: Path) -> N
     assert profile.compute_overlap is not None
     assert profile.compute_overlap.source.startswith("measured-")
     assert "issued together 20.00 ms" in profile.compute_overlap.note
+
+
+def test_built_profile_prices_the_measured_points(tmp_path: Path) -> None:
+    """The measured points go into the level's collective_times, cited as measured, and
+    price a collective at its measured sizes as measured, where the ring fit would not
+    (a point off the fit's line: gloo switching algorithm, say)."""
+    results = _synthetic_results()
+    for result in results:
+        for point in result.collectives:
+            if point["kind"] == "all_reduce" and point["nbytes"] == 2**22:
+                point["seconds"] *= 1.6
+    data = build_profile(results, measurement_plan(2, quick=True), 2, "gloo", quick=True)
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    profile = load_profile(path)
+    level = profile.levels[0]
+    assert set(level.collective_times) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert level.collective_times["all_reduce"].source.startswith("measured-")
+    measured = 1.6 * _ring_seconds("all_reduce", 2, 2**22)
+    assert level.measured_seconds("all_reduce", 2, 2**22) == pytest.approx(measured, rel=1e-3)
+    assert collective_time(profile, "all_reduce", 2**22, CommGroup(2, 2, 2), "ring") < \
+        0.9 * measured  # the fit's line, which the point lies off

@@ -363,6 +363,33 @@ def test_fabric_and_collective_factors_load(tmp_path: Path) -> None:
     assert set(level.collective_factors) <= set(COLLECTIVES)
 
 
+def test_measured_collective_times_price_inside_their_range(tmp_path: Path) -> None:
+    """A level's measured points price a collective of a measured group size and kind:
+    exactly at a point, linearly between two, the first's time below them; above the last
+    point, for another kind or group size, the model prices it as before."""
+    from planner.cost.pricing import collective_seconds
+    from planner.sharding.mesh import DeviceMesh
+
+    points = [[2, 4, 2e-4], [2, 1 << 20, 1e-3], [2, 1 << 24, 20e-3]]
+    profile = _load_changed(tmp_path, "cpu", _set(
+        "topology", "levels", 0, "collective_times",
+        value={"all_reduce": {"value": points, "source": "measured-2026-11-29"}}))
+    plain = load_profile("cpu")
+    mesh = DeviceMesh.build({"dp": 2}, 2)
+
+    def seconds(chosen: HardwareProfile, kind: str, nbytes: float) -> float:
+        return collective_seconds(chosen, kind, nbytes, ("dp",), mesh)
+
+    assert seconds(profile, "all_reduce", 1 << 20) == pytest.approx(1e-3)
+    middle = (1 << 20) + ((1 << 24) - (1 << 20)) / 2
+    assert seconds(profile, "all_reduce", middle) == pytest.approx(10.5e-3)
+    assert seconds(profile, "all_reduce", 2) == pytest.approx(2e-4)
+    assert seconds(profile, "all_reduce", 1 << 26) == seconds(plain, "all_reduce", 1 << 26)
+    assert seconds(profile, "all_gather", 1 << 20) == seconds(plain, "all_gather", 1 << 20)
+    level = profile.levels[0]
+    assert level.measured_seconds("all_reduce", 4, 1 << 20) is None  # not measured at 4
+
+
 # -- malformed contents --------------------------------------------------------------------
 
 Mutation = Callable[[dict[str, Any]], None]
@@ -540,6 +567,28 @@ MALFORMED: list[tuple[str, str, Mutation, str, str]] = [
      _set("topology", "levels", 1, "collective_factors",
           value={"broadcast": {"value": 2.0, "source": "nowhere"}}),
      "topology.levels[1].collective_factors.broadcast.source", "'nowhere' is not a key"),
+    # topology.levels[].collective_times
+    ("times-unknown-kind", "cpu",
+     _set("topology", "levels", 0, "collective_times",
+          value={"gather": {"value": [[2, 4, 1e-4]], "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_times.gather", "is not a known collective"),
+    ("times-not-points", "cpu",
+     _set("topology", "levels", 0, "collective_times",
+          value={"all_reduce": {"value": [[2, 4]], "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_times.all_reduce.value[0]",
+     "must be [group size, bytes, seconds]"),
+    ("times-group-of-one", "cpu",
+     _set("topology", "levels", 0, "collective_times",
+          value={"all_reduce": {"value": [[1, 4, 1e-4]], "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_times.all_reduce.value[0][0]", "a group of 2 or more"),
+    ("times-negative", "cpu",
+     _set("topology", "levels", 0, "collective_times",
+          value={"all_reduce": {"value": [[2, 4, -1]], "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_times.all_reduce.value[0][2]", "got -1"),
+    ("times-twice", "cpu",
+     _set("topology", "levels", 0, "collective_times", value={"all_reduce": {
+         "value": [[2, 4, 1e-4], [2, 4, 2e-4]], "source": "measured-2026-11-29"}}),
+     "topology.levels[0].collective_times.all_reduce.value", "twice"),
 ]
 
 

@@ -139,6 +139,10 @@ def _collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
     size, per_node, extent, node_extent = mesh.placement(axes)
     if size <= 1 or nbytes <= 0:
         return 0.0
+    if per_node == size:  # inside one node: a measured curve of its level comes first
+        measured = profile.level_for_group(extent).measured_seconds(kind, size, nbytes)
+        if measured is not None:
+            return measured
     group = CommGroup(size, per_node, extent, node_extent if per_node == size else 0)
     found = []
     for algorithm in ALGORITHMS[kind]:
