@@ -298,21 +298,26 @@ def measured_times(results: Sequence[Results], key: str) -> dict[str, Any]:
     backend switches algorithm or protocol with the size, the points follow it and the
     ring fit's straight line does not (gloo's all_reduce on this host: 4 MiB in 4.1 ms,
     10 MB in 12, 32 MiB in 25, against the fit's 3.4, 7.9 and 24.5)."""
-    points: dict[str, list[list[float]]] = {}
-    for (kind, p, nbytes), seconds in sorted(slowest_over_ranks(results).items()):
-        points.setdefault(kind, []).append([p, nbytes, float(f"{seconds:.4g}")])
-    return {kind: {"value": found, "source": key,
+    return {kind: {"value": [[p, int(n), float(f"{s:.4g}")] for p, n, s in found],
+                   "source": key,
                    "note": "[group size, bytes (the larger form), seconds]: the slowest "
                            "member's lower quartile per point, the same points the fit "
                            "reads"}
-            for kind, found in points.items()}
+            for kind, found in collective_points(results).items()}
+
+
+def collective_points(results: Sequence[Results]
+                      ) -> dict[str, list[tuple[int, float, float]]]:
+    """Each collective kind's (group size, bytes, seconds) points, the slowest member's."""
+    points: dict[str, list[tuple[int, float, float]]] = {}
+    for (kind, p, nbytes), seconds in sorted(slowest_over_ranks(results).items()):
+        points.setdefault(kind, []).append((p, float(nbytes), seconds))
+    return points
 
 
 def collective_fits(results: Sequence[Results]) -> dict[str, RingFit]:
     """A ring fit per measured collective kind, over all its group sizes and messages."""
-    points: dict[str, list[tuple[int, float, float]]] = {}
-    for (kind, p, nbytes), seconds in sorted(slowest_over_ranks(results).items()):
-        points.setdefault(kind, []).append((p, float(nbytes), seconds))
+    points = collective_points(results)
     if "all_reduce" not in points:
         raise ShardplanError("calibration measured no all_reduce; cannot fit the link")
     return {kind: fit_ring(kind, pts) for kind, pts in points.items()}

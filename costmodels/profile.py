@@ -554,26 +554,17 @@ class _Reader:
             latency_s=self.cited(body["latency_s"], f"{field}.latency_s", self.positive),
             fabric=(self.cited(body["fabric"], f"{field}.fabric", self.fabric_word)
                     if "fabric" in body else None),
-            collective_factors=self.factors(body.get("collective_factors", {}),
-                                            f"{field}.collective_factors"),
-            collective_times=self.times(body.get("collective_times", {}),
-                                        f"{field}.collective_times"),
+            collective_factors=self.per_collective(
+                body.get("collective_factors", {}), f"{field}.collective_factors",
+                "cited factor", self.positive),
+            collective_times=self.per_collective(
+                body.get("collective_times", {}), f"{field}.collective_times",
+                "cited points", self.points),
         )
 
-    def times(self, value: Any, field: str
-              ) -> dict[str, Cited[tuple[tuple[int, float, float], ...]]]:
-        """`collective_times`: collective kind -> cited list of [group size, bytes,
-        seconds] points, each size at most once per group size."""
-        if not isinstance(value, dict):
-            self.fail(field, f"must be an object of collective kind -> cited points, "
-                      f"got {_show(value)}")
-        for kind in value:
-            if kind not in COLLECTIVES:
-                self.fail(f"{field}.{kind}", f"is not a known collective (known: "
-                          f"{', '.join(COLLECTIVES)})")
-        return {k: self.cited(v, f"{field}.{k}", self.points) for k, v in value.items()}
-
     def points(self, value: Any, field: str) -> tuple[tuple[int, float, float], ...]:
+        """`collective_times` values: [group size, bytes, seconds] points, one per
+        (group size, bytes)."""
         if not isinstance(value, list) or not value or len(value) > MAX_TIME_POINTS:
             self.fail(field, f"must be a list of 1 to {MAX_TIME_POINTS} [group size, bytes, "
                       f"seconds] points, got {_show(value)}")
@@ -592,16 +583,18 @@ class _Reader:
             self.fail(field, "lists one (group size, bytes) point twice; keep one")
         return tuple(found)
 
-    def factors(self, value: Any, field: str) -> dict[str, Cited[float]]:
-        """`collective_factors`: collective kind -> cited bandwidth factor (> 0)."""
+    def per_collective(self, value: Any, field: str, what: str,
+                       check: Callable[[Any, str], V]) -> dict[str, Cited[V]]:
+        """A level's object of collective kind -> cited value passing `check`:
+        `collective_factors` (bandwidth factors > 0) and `collective_times` (points)."""
         if not isinstance(value, dict):
-            self.fail(field, f"must be an object of collective kind -> cited factor, "
+            self.fail(field, f"must be an object of collective kind -> {what}, "
                       f"got {_show(value)}")
         for kind in value:
             if kind not in COLLECTIVES:
                 self.fail(f"{field}.{kind}", f"is not a known collective (known: "
                           f"{', '.join(COLLECTIVES)})")
-        return {k: self.cited(v, f"{field}.{k}", self.positive) for k, v in value.items()}
+        return {k: self.cited(v, f"{field}.{k}", check) for k, v in value.items()}
 
     def check_order(self, levels: tuple[LinkLevel, ...], per_node: int) -> None:
         """Innermost first; sizes grow and divide; node level = devices_per_node; null last."""

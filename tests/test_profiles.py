@@ -371,9 +371,7 @@ def test_measured_collective_times_price_inside_their_range(tmp_path: Path) -> N
     from planner.sharding.mesh import DeviceMesh
 
     points = [[2, 4, 2e-4], [2, 1 << 20, 1e-3], [2, 1 << 24, 20e-3]]
-    profile = _load_changed(tmp_path, "cpu", _set(
-        "topology", "levels", 0, "collective_times",
-        value={"all_reduce": {"value": points, "source": "measured-2026-11-29"}}))
+    profile = _load_changed(tmp_path, "cpu", _times(points))
     plain = load_profile("cpu")
     mesh = DeviceMesh.build({"dp": 2}, 2)
 
@@ -393,6 +391,12 @@ def test_measured_collective_times_price_inside_their_range(tmp_path: Path) -> N
 # -- malformed contents --------------------------------------------------------------------
 
 Mutation = Callable[[dict[str, Any]], None]
+
+
+def _times(points: list[list[float]], kind: str = "all_reduce") -> Mutation:
+    """The cpu profile's loopback level given measured `collective_times` of `kind`."""
+    return _set("topology", "levels", 0, "collective_times",
+                value={kind: {"value": points, "source": "measured-2026-11-29"}})
 
 
 def _set(*keys: str | int, value: Any) -> Mutation:
@@ -568,26 +572,16 @@ MALFORMED: list[tuple[str, str, Mutation, str, str]] = [
           value={"broadcast": {"value": 2.0, "source": "nowhere"}}),
      "topology.levels[1].collective_factors.broadcast.source", "'nowhere' is not a key"),
     # topology.levels[].collective_times
-    ("times-unknown-kind", "cpu",
-     _set("topology", "levels", 0, "collective_times",
-          value={"gather": {"value": [[2, 4, 1e-4]], "source": "measured-2026-11-29"}}),
+    ("times-unknown-kind", "cpu", _times([[2, 4, 1e-4]], kind="gather"),
      "topology.levels[0].collective_times.gather", "is not a known collective"),
-    ("times-not-points", "cpu",
-     _set("topology", "levels", 0, "collective_times",
-          value={"all_reduce": {"value": [[2, 4]], "source": "measured-2026-11-29"}}),
+    ("times-not-points", "cpu", _times([[2, 4]]),
      "topology.levels[0].collective_times.all_reduce.value[0]",
      "must be [group size, bytes, seconds]"),
-    ("times-group-of-one", "cpu",
-     _set("topology", "levels", 0, "collective_times",
-          value={"all_reduce": {"value": [[1, 4, 1e-4]], "source": "measured-2026-11-29"}}),
+    ("times-group-of-one", "cpu", _times([[1, 4, 1e-4]]),
      "topology.levels[0].collective_times.all_reduce.value[0][0]", "a group of 2 or more"),
-    ("times-negative", "cpu",
-     _set("topology", "levels", 0, "collective_times",
-          value={"all_reduce": {"value": [[2, 4, -1]], "source": "measured-2026-11-29"}}),
+    ("times-negative", "cpu", _times([[2, 4, -1]]),
      "topology.levels[0].collective_times.all_reduce.value[0][2]", "got -1"),
-    ("times-twice", "cpu",
-     _set("topology", "levels", 0, "collective_times", value={"all_reduce": {
-         "value": [[2, 4, 1e-4], [2, 4, 2e-4]], "source": "measured-2026-11-29"}}),
+    ("times-twice", "cpu", _times([[2, 4, 1e-4], [2, 4, 2e-4]]),
      "topology.levels[0].collective_times.all_reduce.value", "twice"),
 ]
 

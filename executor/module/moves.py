@@ -20,25 +20,36 @@ from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 
-def _dim(placement: Shard, ndim: int) -> int:
+def tensor_dim(placement: Shard, ndim: int) -> int:
+    """The tensor dim a `Shard` splits, counted from 0."""
     return placement.dim if placement.dim >= 0 else placement.dim + ndim
+
+
+def changed_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
+    """The one mesh dim whose placement `wanted` changes; None for none or several."""
+    changed = [i for i, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
+               if have != want]
+    return changed[0] if len(changed) == 1 else None
+
+
+def cut_elsewhere(placements: Sequence[Placement], axis: int, dims: set[int],
+                  ndim: int) -> bool:
+    """Whether a mesh dim other than `axis` splits one of the tensor `dims`."""
+    return any(isinstance(p, Shard) and tensor_dim(p, ndim) in dims
+               for i, p in enumerate(placements) if i != axis)
 
 
 def all_to_all_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
     """The one mesh dim on which `wanted` moves `value`'s split from one tensor dim to
     another, both evenly divisible and split by no other mesh dim; else None."""
-    changed = [i for i, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
-               if have != want]
-    if len(changed) != 1:
+    axis = changed_axis(value, wanted)
+    if axis is None:
         return None
-    axis = changed[0]
     have, want = value.placements[axis], wanted[axis]
     if not (isinstance(have, Shard) and isinstance(want, Shard)):
         return None
-    dims = {_dim(have, value.ndim), _dim(want, value.ndim)}
-    others = [p for i, p in enumerate(value.placements) if i != axis]
-    others += [p for i, p in enumerate(wanted) if i != axis]
-    if any(isinstance(p, Shard) and _dim(p, value.ndim) in dims for p in others):
+    dims = {tensor_dim(have, value.ndim), tensor_dim(want, value.ndim)}
+    if cut_elsewhere(wanted, axis, dims, value.ndim):  # (the rest of wanted is value's)
         return None
     size = value.device_mesh.size(axis)
     return axis if all(value.shape[d] % size == 0 for d in dims) else None
@@ -66,7 +77,7 @@ class AllToAll(torch.autograd.Function):
         mesh = value.device_mesh
         have, want = value.placements[axis], wanted[axis]
         assert isinstance(have, Shard) and isinstance(want, Shard)
-        joined, cut = _dim(have, value.ndim), _dim(want, value.ndim)
+        joined, cut = tensor_dim(have, value.ndim), tensor_dim(want, value.ndim)
         ctx.axis, ctx.placements, ctx.dims = axis, value.placements, (joined, cut)
         ctx.shape, ctx.stride = value.shape, value.stride()
         local = _exchange(value.to_local(), mesh, axis, joined, cut)

@@ -225,7 +225,7 @@ class ParallelModule:
             loss = self.loss(loss_fn, output, micro_batch)
         else:
             loss, self.row_loss = RowLoss.probe(
-                loss_fn, output, (micro_batch,), self.mesh, dims,
+                output, (micro_batch,), self.mesh, dims,
                 lambda: self.loss(loss_fn, output, micro_batch))
             self.loss_probed = True
         roots, grads = _loss_roots(loss / count, output)

@@ -23,7 +23,7 @@ DTensor's own forward value does too.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree as pytree
 
 from executor.module.counting import CollectiveCount, group_axes
+from executor.module.moves import tensor_dim
 
 
 @dataclass(frozen=True)
@@ -49,22 +50,19 @@ class RowLoss:
         return any(isinstance(p, Partial) and p.reduce_op == "avg" for p in self.placements)
 
     @classmethod
-    def probe(cls, loss_fn: Callable[..., torch.Tensor], output: Any,
-              batch: Sequence[Any], mesh: TorchMesh, batch_dims: Sequence[int],
-              run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, RowLoss | None]:
+    def probe(cls, output: Any, batch: Sequence[Any], mesh: TorchMesh,
+              batch_dims: Sequence[int], run: Callable[[], torch.Tensor]
+              ) -> tuple[torch.Tensor, RowLoss | None]:
         """The loss `run()` computes on DTensors, and whether later ones can be local."""
         leaves = pytree.tree_leaves(output)
         counts: Counter = Counter()
         with CollectiveCount(counts, group_axes(mesh), "loss"):
             loss = run()
         rows = _rows(leaves, batch, mesh, batch_dims)
-        if counts or rows is None or not isinstance(loss, DTensor):
+        if counts or rows is None or not isinstance(loss, DTensor) or not _placed(
+                loss.placements, batch_dims,
+                lambda p: isinstance(p, Partial) and p.reduce_op in ("sum", "avg")):
             return loss, None
-        for dim, placement in enumerate(loss.placements):
-            linear = isinstance(placement, Partial) and placement.reduce_op in ("sum", "avg")
-            if (dim in batch_dims) != linear or (
-                    dim not in batch_dims and not isinstance(placement, Replicate)):
-                return loss, None
         ranks = 1
         for dim in batch_dims:
             ranks *= mesh.size(dim)
@@ -105,16 +103,14 @@ def _rows(leaves: Sequence[Any], batch: Sequence[Any], mesh: TorchMesh,
         return None
     first = tensors[0]
     assert isinstance(first, DTensor)
+    if not _placed(first.placements, batch_dims,
+                   lambda p: isinstance(p, Shard) and tensor_dim(p, first.ndim) == 0):
+        return None
     for value in tensors:
         assert isinstance(value, DTensor)
         if value.dim() == 0 or value.shape[0] != first.shape[0] or \
                 value.placements != first.placements:
             return None
-        for dim, placement in enumerate(value.placements):
-            split_rows = isinstance(placement, Shard) and placement.dim in (0, -value.dim())
-            if (dim in batch_dims) != split_rows or (
-                    dim not in batch_dims and not isinstance(placement, Replicate)):
-                return None
     for value in pytree.tree_leaves(list(batch)):
         if isinstance(value, torch.Tensor) and (
                 value.dim() == 0 or value.shape[0] != first.shape[0]):
@@ -124,10 +120,16 @@ def _rows(leaves: Sequence[Any], batch: Sequence[Any], mesh: TorchMesh,
     return int(offset[0]), int(shape[0])
 
 
+def _placed(placements: Sequence[Placement], batch_dims: Sequence[int],
+            on_batch: Callable[[Placement], bool]) -> bool:
+    """Whether each of `placements` on a batch mesh dim is `on_batch` and every other is
+    replicated."""
+    return all(on_batch(p) if dim in batch_dims else isinstance(p, Replicate)
+               for dim, p in enumerate(placements))
+
+
 def batch_mesh_dims(mesh: TorchMesh, batch_axes: Sequence[str]) -> tuple[int, ...]:
     """The mesh dims of the plan's batch axes, in mesh order."""
     names = mesh.mesh_dim_names or ()
     return tuple(k for k, name in enumerate(names) if name in batch_axes)
 
-
-Batch = Mapping[str, torch.Tensor]

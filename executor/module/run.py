@@ -37,7 +37,7 @@ from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import LocalPlan, is_size, symbolic_dim
-from executor.module.moves import redistribute
+from executor.module.moves import changed_axis, cut_elsewhere, redistribute, tensor_dim
 from executor.module.regions import Region, regions_of
 from executor.module.weights import WeightSync, in_backward
 from planner.errors import ShardplanError
@@ -134,18 +134,14 @@ class _Split(torch.autograd.Function):
 def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
     """The one mesh dim along which `wanted` only cuts a replicated `value` (no other
     mesh dim changing or cutting that tensor dim), else None."""
-    changed = [i for i, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
-               if have != want]
-    if len(changed) != 1:
+    axis = changed_axis(value, wanted)
+    if axis is None:
         return None
-    axis = changed[0]
     want = wanted[axis]
     if not (isinstance(value.placements[axis], Replicate) and isinstance(want, Shard)):
         return None
-    dim = want.dim if want.dim >= 0 else want.dim + value.ndim
-    others = [p for i, p in enumerate(wanted) if i != axis and isinstance(p, Shard) and
-              (p.dim if p.dim >= 0 else p.dim + value.ndim) == dim]
-    return None if others else axis
+    return None if cut_elsewhere(wanted, axis, {tensor_dim(want, value.ndim)},
+                                 value.ndim) else axis
 
 
 def output_gradients(loss: torch.Tensor, outputs: Any

@@ -16,7 +16,7 @@ from costmodels.compute import op_time
 from costmodels.gemm import GemmShape
 from costmodels.precision import OPTIMIZER_TRAFFIC, policy
 from costmodels.profile import HardwareProfile
-from planner.cost.kernels import KernelPlan, OpKernel
+from planner.cost.kernels import KernelPlan, OpKernel, policy_for
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Fusion, Phase, Precision
 from planner.ops.work import gemm_dims
@@ -196,6 +196,6 @@ def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes:
     kernels make one after another (`costmodels.precision.OptimizerTraffic`). No
     per-kernel floor: a step's kernels each cover a whole weight."""
     bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
-    fused = (fusion or profile.default_fusion) is Fusion.ELEMENTWISE
+    fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
     per_weight, per_state = OPTIMIZER_TRAFFIC[optimizer].passes(fused)
     return (per_weight * param_bytes + per_state * state_bytes) / bandwidth

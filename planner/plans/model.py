@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ _COMPACT = json.JSONEncoder(sort_keys=True)  # no indent: C-accelerated
 _NESTED = json.JSONEncoder(indent=1, sort_keys=True)
 
 
-def _write_plan(data: Mapping[str, Any], write: Any) -> None:
+def _write_plan(data: Mapping[str, Any], write: Callable[[str], object]) -> None:
     """A plan file's JSON format, for `Plan.dumps` and the streamed `Plan.save` alike:
     keys sorted, the small sections indented, and each op, tensor, collective and unit
     on a line of its own. Python's JSON encoder runs in C only without indentation; an
@@ -60,19 +60,16 @@ def _write_plan(data: Mapping[str, Any], write: Any) -> None:
     for k, key in enumerate(sorted(data)):
         write(("," if k else "") + "\n " + _COMPACT.encode(key) + ": ")
         value = data[key]
-        if key in RECORD_SECTIONS and isinstance(value, list) and value:
-            write("[")
-            for j, record in enumerate(value):
-                write(("," if j else "") + "\n  " + _COMPACT.encode(record))
-            write("\n ]")
-        elif key in RECORD_SECTIONS and isinstance(value, dict) and value:
-            write("{")
-            for j, name in enumerate(sorted(value)):
-                write(("," if j else "") + "\n  " + _COMPACT.encode(name) + ": "
-                      + _COMPACT.encode(value[name]))
-            write("\n }")
-        else:
+        if key not in RECORD_SECTIONS or not value or not isinstance(value, (list, dict)):
             write(_NESTED.encode(value).replace("\n", "\n "))
+            continue
+        records = (_COMPACT.encode(record) for record in value) if isinstance(value, list) \
+            else (f"{_COMPACT.encode(name)}: {_COMPACT.encode(value[name])}"
+                  for name in sorted(value))
+        write("[" if isinstance(value, list) else "{")
+        for j, record in enumerate(records):
+            write(("," if j else "") + "\n  " + record)
+        write("\n ]" if isinstance(value, list) else "\n }")
     write("\n}")
 
 
