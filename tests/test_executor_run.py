@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from launched import rank_errors
 
 from costmodels.profile import load_profile
 from executor.train import planned_counts, train, train_reference
@@ -189,7 +190,7 @@ def test_torchrun_runs_the_same_training(tmp_path: Path) -> None:
                 "--nproc-per-node", "2", "-m", "executor", str(path), "--plan", str(plan_file),
                 "--steps", "3", "--log-json", str(log)]
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, rank_errors(done)
     reference = train_reference(path, chosen, steps=3)
     assert json.loads(log.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-4)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from launched import rank_errors
 
 from examples.hf_models import megatron_strategies
 from executor.module.launch import (
@@ -248,7 +249,7 @@ def test_torchrun_trains_a_module(llama_onnx: Path, tmp_path: Path) -> None:
                 "--nproc-per-node", "2", "-m", "executor", "--module", LLAMA,
                 "--plan", str(chosen), "--steps", "2", "--log-json", str(log)]
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, rank_errors(done)
     assert "collectives: as planned" in done.stdout
     reference = train_module_reference(LLAMA, steps=2, batch_size=BATCH)
     assert json.loads(log.read_text())["losses"] == pytest.approx(reference, rel=1e-4)
