@@ -167,9 +167,11 @@ def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
     """The mean of a step's micro-batch losses (detached). Where they are DTensors with a
     reduction pending over the batch's ranks (a mean over sharded rows is `Partial`), the
     ranks' local values are averaged over the micro-batches first and reduced in one
-    collective the caller does not wait for: nothing in the step needs the value, and
-    waiting for it each micro-batch made every rank wait for the slowest mid-step (the
-    tensor returned waits when it is first read, as torch's `AsyncCollectiveTensor`s do)."""
+    collective at the end of the step, not one per micro-batch (waiting mid-step made every
+    rank wait for the slowest there). It is waited for here: a collective left for the
+    caller to wait stays registered with the process group until read, and a caller of
+    `train_step` need not read the loss (unwaited, they piled up one per step and were
+    still pending when the process group was torn down)."""
     first = values[0]
     if not isinstance(first, DTensor):
         return torch.stack([v.detach() for v in values]).mean()
@@ -181,8 +183,7 @@ def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
     local = torch.stack([v.to_local().detach() for v in parts]).mean()
     mean = DTensor.from_local(local, first.device_mesh, placements, run_check=False,
                               shape=first.shape, stride=first.stride())
-    return mean.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim,
-                             async_op=True).to_local()
+    return mean.full_tensor()
 
 
 def _plain(value: Any) -> bool:
