@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from executor.dropout import DropoutSite
@@ -22,6 +22,7 @@ from executor.module import attention
 from executor.module.counting import CollectiveCount, group_axes
 from executor.module.kernels import attention_math, dropout, run_op
 from executor.module.moves import all_to_all_axis, redistribute
+from executor.module.run import step_loss
 from executor.ranks import run_ranks
 from executor.train import free_port
 
@@ -35,6 +36,14 @@ def _checks(rank: int, port: int, result_path: str) -> None:
     found: dict[str, object] = {}
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        # a step's loss pending a sum over the ranks, 2 micro-batches: reduced once, and
+        # nothing left registered for the caller to wait for (it need not read the loss)
+        pending = torch._C._distributed_c10d._get_work_registry_size
+        before = pending()
+        loss = step_loss([DTensor.from_local(torch.tensor(float(rank + k)), mesh, [Partial()])
+                          for k in range(2)])
+        found["loss_pending"] = pending() - before
+        found["loss"] = float(loss)
         torch.manual_seed(0)
         # a head-split matmul with a whole operand: DTensor's rule gathers the split one
         # inside the op, where a dispatch mode that ran the op itself saw nothing
@@ -143,3 +152,4 @@ def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issue
     assert found["moved_backward"] == {"all_to_all|tp|backward": 1}
     assert found["grad_error"] == 0.0 and found["grad_placements"] == "(Shard(dim=0),)"
     assert found["uneven"]  # 3 columns on 2 ranks: DTensor's own move
+    assert found["loss"] == 2.0 and found["loss_pending"] == 0  # mean of (0+1) and (1+2)
