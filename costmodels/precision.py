@@ -64,39 +64,62 @@ OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
 
 @dataclass(frozen=True)
 class OptimizerTraffic:
-    """Memory passes of one optimizer step, per byte: how often each byte of the weights
-    (and their gradients: the same elements) and of the optimizer's state is read or
-    written. Fused (one kernel, as apex/Megatron's FusedAdam or torch's `fused=True`):
-    weights read and written, gradients read, each state byte read and written once.
-    Unfused (torch.optim's default single-tensor and `foreach` forms, which run the same
-    elementwise kernels, one after another): counted from torch/optim/adam.py
-    `_single_tensor_adam` (the same kernels as `_multi_tensor_adam`), with fp32 states:
-    `param.mul_(1 - lr·wd)` (AdamW only) r+w p; `exp_avg.lerp_(grad)` r m, r g, w m;
-    `exp_avg_sq.mul_(b2).addcmul_(grad, grad)` 2 + 3 on v, g; `denom =
+    """Memory accesses of one optimizer update, per element of the copy it updates, per
+    element of the gradient, and per byte of its state. Fused (one kernel, as apex/
+    Megatron's FusedAdam or torch's `fused=True`): the updated copy read and written, the
+    gradient read, each state byte read and written once. Unfused (torch.optim's default
+    single-tensor and `foreach` forms, which run the same elementwise kernels, one after
+    another): counted from torch/optim/adam.py `_single_tensor_adam` (the same kernels as
+    `_multi_tensor_adam`): `param.mul_(1 - lr·wd)` (AdamW only) r+w p; `exp_avg.lerp_(grad)`
+    r m, r g, w m; `exp_avg_sq.mul_(b2).addcmul_(grad, grad)` 2 + 3 on v, g; `denom =
     (exp_avg_sq.sqrt() / c).add_(eps)` three passes through a temporary, 6 state-sized
     accesses; `param.addcdiv_(exp_avg, denom)` r p, r m, r d, w p. Per state byte (two
-    moments): (3 + 5 + 6) / 2 = 7; per weight byte: 4 (Adam) or 6 (AdamW) for p and g.
-    SGD with momentum (torch/optim/sgd.py `_single_tensor_sgd`): `buf.mul_(m).add_(g)`
-    then `param.add_(buf)`: p r+w, g r, buf 5 accesses."""
+    moments): (3 + 5 + 6) / 2 = 7; p 2 (Adam) or 4 (AdamW) accesses, g 2. SGD with
+    momentum (torch/optim/sgd.py `_single_tensor_sgd`): `buf.mul_(m).add_(g)` then
+    `param.add_(buf)`: p r+w, g r, buf 5 accesses."""
 
-    weight_fused: float
+    updated_fused: float
+    gradient_fused: float
     state_fused: float
-    weight_unfused: float
+    updated_unfused: float
+    gradient_unfused: float
     state_unfused: float
 
-    def passes(self, fused: bool) -> tuple[float, float]:
-        """(per weight byte, per state byte) accesses of one step."""
+    def accesses(self, fused: bool) -> tuple[float, float, float]:
+        """(per updated element, per gradient element, per state byte) of one update."""
         if fused:
-            return self.weight_fused, self.state_fused
-        return self.weight_unfused, self.state_unfused
+            return self.updated_fused, self.gradient_fused, self.state_fused
+        return self.updated_unfused, self.gradient_unfused, self.state_unfused
 
 
 OPTIMIZER_TRAFFIC = {
-    "adam": OptimizerTraffic(3.0, 2.0, 4.0, 7.0),
-    "adamw": OptimizerTraffic(3.0, 2.0, 6.0, 7.0),
-    "momentum": OptimizerTraffic(3.0, 2.0, 3.0, 5.0),
-    "sgd": OptimizerTraffic(3.0, 0.0, 3.0, 0.0),
+    "adam": OptimizerTraffic(2.0, 1.0, 2.0, 2.0, 2.0, 7.0),
+    "adamw": OptimizerTraffic(2.0, 1.0, 2.0, 4.0, 2.0, 7.0),
+    "momentum": OptimizerTraffic(2.0, 1.0, 2.0, 2.0, 1.0, 5.0),
+    "sgd": OptimizerTraffic(2.0, 1.0, 0.0, 2.0, 1.0, 0.0),
 }
+
+
+def optimizer_step_bytes(chosen: PrecisionPolicy, optimizer: str, fused: bool) -> float:
+    """Bytes one parameter element's optimizer step reads and writes under `chosen`: the
+    update (`OptimizerTraffic`) of the copy it updates (the fp32 master under `-mixed`)
+    from the gradient in its stored width; under `-mixed`, the 16-bit weights written
+    back from the master (Megatron-LM's `_copy_main_params_to_model_params`: r 4, w 2);
+    under fp16, the loss scaler's unscale and inf/NaN check of every gradient (torch's
+    `_amp_foreach_non_finite_check_and_unscale_`, as in Megatron-LM's `_unscale_main_
+    grads_and_check_for_nan` and torch.amp's GradScaler: r + w). Gradient-norm clipping
+    is not counted: it is a choice of the training script, not of the precision, and the
+    executor does not clip."""
+    updated, gradient, state = OPTIMIZER_TRAFFIC[optimizer].accesses(fused)
+    moved = (updated * (chosen.master_bytes or chosen.weight_bytes)
+             + gradient * chosen.gradient_bytes
+             + state * OPTIMIZER_MOMENTS[optimizer] * chosen.moment_bytes)
+    if chosen.mixed:
+        moved += chosen.master_bytes + chosen.weight_bytes
+    if chosen.storage_dtype == "float16":
+        moved += 2 * chosen.gradient_bytes
+    return moved
+
 
 _DEFAULT_FOR_DTYPE = {"float32": Precision.FP32, "float64": Precision.FP32,
                       "bfloat16": Precision.BF16_MIXED, "float16": Precision.FP16_MIXED}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -13,9 +14,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodels.precision import (
-    OPTIMIZER_MOMENTS,
-    OPTIMIZER_TRAFFIC,
     default_precision,
+    optimizer_step_bytes,
     parameter_bytes,
     policy,
 )
@@ -98,43 +98,100 @@ def test_cli_prints_the_precision_and_refuses_an_unknown_one(gpt32: Path) -> Non
 
 
 class _Traffic(TorchDispatchMode):
-    """Bytes each aten op reads (its distinct tensor inputs) and writes (its outputs), over
-    tensors of at least `least` elements (a step counter is not memory traffic)."""
+    """Bytes each aten op reads (its distinct tensor inputs, but the tensor `copy_`
+    overwrites) and writes (its outputs, and the arguments its schema lets it write whose
+    values it changed: a fused optimizer's update), over tensors of at least `least`
+    elements (a step counter is not memory traffic)."""
 
     def __init__(self, least: int) -> None:
         super().__init__()
         self.least, self.bytes = least, 0
 
+    def _large(self, value: object) -> list[torch.Tensor]:
+        return [v for v in pytree.tree_leaves(value)
+                if isinstance(v, torch.Tensor) and v.numel() >= self.least]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        writable = [v for a, value in zip(func._schema.arguments, args, strict=False)
+                    if a.alias_info is not None and a.alias_info.is_write
+                    for v in self._large(value)]
+        before = [v.clone() for v in writable]
         out = func(*args, **(kwargs or {}))
-        seen: dict[int, int] = {}
-        for value in pytree.tree_leaves((args, kwargs or {})):
-            if isinstance(value, torch.Tensor) and value.numel() >= self.least:
-                seen[id(value)] = value.nbytes
-        written = [v.nbytes for v in pytree.tree_leaves(out)
-                   if isinstance(v, torch.Tensor) and v.numel() >= self.least]
-        self.bytes += sum(seen.values()) + sum(written)
+        read = args[1:] if func is torch.ops.aten.copy_.default else args
+        seen = {id(v): v.nbytes for v in self._large((read, kwargs or {}))}
+        written = {id(v): v.nbytes for v in self._large(out)}
+        written.update({id(v): v.nbytes for v, old in zip(writable, before, strict=True)
+                        if not torch.equal(v, old)})
+        self.bytes += sum(seen.values()) + sum(written.values())
         return out
 
 
-@pytest.mark.parametrize("name,make", [
-    ("adam", lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False)),
-    ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False)),
-    ("momentum", lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=False)),
-    ("sgd", lambda p: torch.optim.SGD(p, lr=1e-3, foreach=False))])
-def test_the_unfused_optimizer_traffic_is_what_torch_optim_runs(name: str, make) -> None:
-    """The unfused passes of OPTIMIZER_TRAFFIC are the bytes torch.optim's own kernels
-    read and write in a step (after the first, which creates the states), counted op by
-    op; fused, a step reads and writes each byte once."""
-    weight = torch.nn.Parameter(torch.randn(4096))
-    optimizer = make([weight])
+def _optimizer_steps(names: tuple[str, ...], fused: bool) -> list[tuple[str, Callable]]:
+    made = {"adam": lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False, fused=fused),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False, fused=fused),
+            "momentum": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=False,
+                                                  fused=fused),
+            "sgd": lambda p: torch.optim.SGD(p, lr=1e-3, foreach=False, fused=fused)}
+    return [(name, made[name]) for name in names]
+
+
+def _counted_step(make: Callable, master: torch.nn.Parameter, step: Callable[[], None]
+                  ) -> int:
+    """Bytes the second of two optimizer steps reads and writes (the first creates the
+    states), counted op by op; `step` runs after the update (a copy back, a check)."""
+    optimizer = make([master])
     for _ in range(2):
-        weight.grad = torch.randn(4096)
-        counter = _Traffic(least=4096)
+        master.grad = torch.randn(master.shape, dtype=master.dtype)
+        counter = _Traffic(least=master.numel())
         with counter:
             optimizer.step()
-    param_bytes = weight.nbytes
-    state_bytes = OPTIMIZER_MOMENTS[name] * param_bytes
-    per_weight, per_state = OPTIMIZER_TRAFFIC[name].passes(fused=False)
-    assert counter.bytes == per_weight * param_bytes + per_state * state_bytes
-    assert OPTIMIZER_TRAFFIC[name].passes(fused=True) == (3.0, 2.0 if state_bytes else 0.0)
+            step()
+    return counter.bytes
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name,make", _optimizer_steps(("adam", "adamw", "momentum", "sgd"),
+                                                       fused=False))
+def test_the_optimizer_traffic_is_what_torch_optim_runs(name: str, make: Callable,
+                                                        fused: bool) -> None:
+    """`optimizer_step_bytes` in fp32 is the bytes torch.optim's own kernels read and
+    write in a step, counted op by op: unfused, its single-tensor kernels one after
+    another; fused (`fused=True`, one kernel), each byte once."""
+    make = dict(_optimizer_steps((name,), fused))[name]
+    weight = torch.nn.Parameter(torch.randn(4096))
+    counted = _counted_step(make, weight, lambda: None)
+    assert counted == 4096 * optimizer_step_bytes(policy("fp32"), name, fused)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_a_mixed_precision_step_moves_what_its_kernels_do(precision: str) -> None:
+    """A `-mixed` step as Megatron-LM runs it, in torch's kernels: the fused Adam update
+    of the fp32 master from the fp32 main gradient, the 16-bit weights copied back from
+    the master, and under fp16 the loss scaler's unscale and inf/NaN check of the
+    gradients first; the bytes they move, counted op by op, are `optimizer_step_bytes`."""
+    dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
+    master = torch.nn.Parameter(torch.randn(4096))
+    weight = torch.empty(4096, dtype=dtype)
+    found_inf, inverse_scale = torch.zeros(()), torch.full((), 1 / 1024)
+
+    def unscale_update_copy_back(optimizer_step: Callable[[], None]) -> Callable[[], None]:
+        def step() -> None:
+            if dtype == torch.float16:
+                assert master.grad is not None
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [master.grad], found_inf, inverse_scale)
+            optimizer_step()
+            with torch.no_grad():
+                weight.copy_(master)
+        return step
+
+    optimizer = torch.optim.Adam([master], lr=1e-3, fused=True)
+    for _ in range(2):
+        master.grad = torch.randn(4096)
+        counter = _Traffic(least=4096)
+        with counter:
+            unscale_update_copy_back(optimizer.step)()
+    assert counter.bytes == 4096 * optimizer_step_bytes(policy(precision), "adam", True)
+    # 4 B gradient, 8 master, 16 moments, 6 copied back, fp16: 8 unscaled
+    assert optimizer_step_bytes(policy(precision), "adam", True) == \
+        (42 if dtype == torch.float16 else 34)

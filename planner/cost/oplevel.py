@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from costmodels.memory import optimizer_state_bytes, training_memory
+from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile
 from costmodels.rates import peak_flops
 from planner.cost.buckets import (
@@ -286,10 +286,8 @@ def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfil
         parameter_bytes=local_bytes, parameter_elements=local_elements,
         parameter_itemsize=itemsize, activation_bytes=activation_bytes,
         workspace_bytes=workspace, optimizer=options.optimizer, precision=options.precision)
-    states = optimizer_state_bytes(local_elements, itemsize, options.optimizer,
-                                   options.precision)
-    return memory, optimizer_seconds(profile, local_bytes, states, options.optimizer,
-                                     options.fusion)
+    return memory, optimizer_seconds(profile, local_elements, itemsize, options.optimizer,
+                                     options.precision, options.fusion)
 
 
 class _LivePeak:

@@ -19,7 +19,7 @@ import numpy as np
 
 from costmodels.cluster import Placement
 from costmodels.communication import level_send_seconds
-from costmodels.memory import optimizer_state_bytes, training_memory
+from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile, LinkLevel
 from costmodels.schedule import in_flight
 from planner.cost.buckets import (
@@ -154,13 +154,11 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                 end += seconds
     shown, hidden = exposed(end, config.overlap)
     divide = shards if config.zero >= 1 else 1
-    states = optimizer_state_bytes(param.elements, param.itemsize, config.optimizer,
-                                   config.precision)
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
                        param.elements / shards, forward + gather + reduce, forward, gather,
                        reduce, shown, hidden,
-                       optimizer_seconds(hardware, param.bytes / divide, states / divide,
-                                         config.optimizer, config.fusion),
+                       optimizer_seconds(hardware, param.elements / divide, param.itemsize,
+                                         config.optimizer, config.precision, config.fusion),
                        param.bytes)
 
 

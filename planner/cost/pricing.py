@@ -14,7 +14,7 @@ from dataclasses import replace
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.gemm import GemmShape
-from costmodels.precision import OPTIMIZER_TRAFFIC, policy
+from costmodels.precision import optimizer_step_bytes, policy, resolve
 from costmodels.profile import HardwareProfile
 from planner.cost.kernels import KernelPlan, OpKernel, policy_for
 from planner.graph import OpNode, TensorInfo
@@ -189,13 +189,16 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
     return seconds, buffer
 
 
-def optimizer_seconds(profile: HardwareProfile, param_bytes: float, state_bytes: float,
-                      optimizer: str, fusion: Fusion | None) -> float:
-    """The optimizer step streams weights, gradients and states: one memory-bound pass
-    where kernels are fused (`fusion`, None: the profile's), else the passes torch.optim's
-    kernels make one after another (`costmodels.precision.OptimizerTraffic`). No
-    per-kernel floor: a step's kernels each cover a whole weight."""
+def optimizer_seconds(profile: HardwareProfile, elements: float, itemsize: int,
+                      optimizer: str, precision: Precision | None,
+                      fusion: Fusion | None) -> float:
+    """The optimizer step of `elements` local parameter elements (weights of `itemsize`
+    bytes, trained in `precision`; None: their default) streams weights, gradients and
+    states (`costmodels.precision.optimizer_step_bytes`): one memory-bound pass where
+    kernels are fused (`fusion`, None: the profile's), else the passes torch.optim's
+    kernels make one after another. No per-kernel floor: a step's kernels each cover a
+    whole weight."""
     bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
     fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
-    per_weight, per_state = OPTIMIZER_TRAFFIC[optimizer].passes(fused)
-    return (per_weight * param_bytes + per_state * state_bytes) / bandwidth
+    return elements * optimizer_step_bytes(resolve(precision, itemsize), optimizer,
+                                           fused) / bandwidth

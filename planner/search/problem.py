@@ -287,8 +287,9 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
                                        options.precision)
         owned += local_bytes + gradient_bytes(local_elements, info.itemsize,
                                               options.precision) + states
-        seconds += once * optimizer_seconds(profile, local_bytes, states,
-                                            options.optimizer, options.fusion)
+        seconds += once * optimizer_seconds(profile, local_elements, info.itemsize,
+                                            options.optimizer, options.precision,
+                                            options.fusion)
         axes = candidate.grad_partial[slot]
         if axes:
             seconds += once * exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
