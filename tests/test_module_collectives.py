@@ -27,6 +27,7 @@ from executor.ranks import run_ranks
 from executor.train import free_port
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
+SLICE = torch.ops.aten.slice.Tensor
 
 
 def _checks(rank: int, port: int, result_path: str) -> None:
@@ -45,6 +46,25 @@ def _checks(rank: int, port: int, result_path: str) -> None:
         found["loss_pending"] = pending() - before
         found["loss"] = float(loss)
         torch.manual_seed(0)
+        # slices of a batch-split tensor (the exporter's rotate_half cuts the head dim, and
+        # `x[:, ...]` keeps the batch dim whole) run on the blocks in both passes: DTensor's
+        # rule for slice_backward gathered the gradient whole
+        whole_k = torch.randn(4, 2, 6, 8)
+        k = distribute_tensor(whole_k, mesh, [Shard(0)]).requires_grad_()
+        counts = Counter()
+        with CollectiveCount(counts, group_axes(mesh), "forward"):
+            halves = (run_op(SLICE, (k, 3, 0, 4), {}),
+                      run_op(SLICE, (k, 3, 4, 2**63 - 1), {}),
+                      run_op(SLICE, (k, 0, 0, 2**63 - 1), {}))
+            total = (halves[0] * 2 + halves[1] * 3).sum() + (halves[2] ** 2).sum()
+            total.backward()
+        found["slice_collectives"] = dict(counts)
+        found["slice_placements"] = [str(h.placements) for h in halves]
+        found["slice_shapes"] = [list(h.shape) for h in halves]
+        expected_grad = torch.cat([torch.full((4, 2, 6, 4), 2.0),
+                                   torch.full((4, 2, 6, 4), 3.0)], dim=3) + 2 * whole_k
+        assert k.grad is not None
+        found["slice_grad_error"] = float((k.grad.full_tensor() - expected_grad).abs().max())
         # a head-split matmul with a whole operand: DTensor's rule gathers the split one
         # inside the op, where a dispatch mode that ran the op itself saw nothing
         a = distribute_tensor(torch.randn(2, 4, 8, 8), mesh, [Shard(1)])
@@ -153,3 +173,7 @@ def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issue
     assert found["grad_error"] == 0.0 and found["grad_placements"] == "(Shard(dim=0),)"
     assert found["uneven"]  # 3 columns on 2 ranks: DTensor's own move
     assert found["loss"] == 2.0 and found["loss_pending"] == 0  # mean of (0+1) and (1+2)
+    assert found["slice_collectives"] == {}
+    assert found["slice_placements"] == ["(Shard(dim=0),)"] * 3
+    assert found["slice_shapes"] == [[4, 2, 6, 4], [4, 2, 6, 4], [4, 2, 6, 8]]
+    assert found["slice_grad_error"] < 1e-6

@@ -60,6 +60,25 @@ def test_tensor_parallel_plan_trains_the_module_as_one_process(llama_onnx: Path)
     assert run.collectives["issued"]["all_reduce|a0|forward"] == 4 * STEPS
 
 
+def test_a_vocabulary_split_head_issues_only_the_planned_collectives(llama_onnx: Path
+                                                                     ) -> None:
+    """The head split over the vocabulary (its input gathered, logits left split): the
+    gather's backward is the plan's reduce-scatter (not an all-reduce and a cut), the
+    exporter's slices of keys and values issue nothing in either pass, and the loss reads
+    whole rows of the logits, gathered once in its own phase; one process's losses."""
+    graph = load_graph(llama_onnx, batch=BATCH)
+    head = [op for op in graph.ops if op.op_type == "MatMul"][-1]
+    chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="semi",
+                  strategies={head.name: ((1, 1, 1), (1, 2))}, mesh=(2,))
+    logits = next(op for op in chosen.ops if op.name == head.name).outputs[0]
+    assert logits.layout.dims[-1]  # split over the vocabulary
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
+    assert run.differences == []
+    assert run.collectives["issued"]["reduce_scatter|a0|backward"] > 0
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+
+
 def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from executor.dropout import DropoutSite, keep_mask
+from executor.module.moves import tensor_dim
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,81 @@ def runnable(target: Any) -> Any:
     return torch.ops.aten.reshape.default if target in VIEWS else target
 
 
+_SLICE = torch.ops.aten.slice.Tensor
+
+
+class _BlockSlice(torch.autograd.Function):
+    """`aten.slice` of a DTensor along a dim no mesh dim splits, on each rank's block, in
+    both passes. DTensor's rule for the backward op (`slice_backward`) takes only a
+    replicated gradient: under DTensor a batch-split gradient was gathered whole and cut
+    again, one all-gather the plan does not list per slice (the exporter slices keys and
+    values in every attention layer; on llama_medium 4 per step)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, dim: int, start: int | None, end: int | None,
+                step: int) -> DTensor:
+        local = x.to_local()
+        out = _SLICE(local, dim, start, end, step)
+        ctx.mesh, ctx.placements, ctx.shape = x.device_mesh, x.placements, x.shape
+        ctx.local_shape, ctx.cut = tuple(local.shape), (dim, start, end, step)
+        shape = list(x.shape)
+        if out.shape[dim] != local.shape[dim]:  # cut: then the dim is whole on every rank
+            shape[dim] = out.shape[dim]
+        return DTensor.from_local(out, x.device_mesh, x.placements, shape=torch.Size(shape),
+                                  stride=x.stride(), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
+        if tuple(grad.placements) != tuple(ctx.placements):
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        dim, start, end, step = ctx.cut
+        # slice_backward takes concrete bounds: None is the whole dim
+        whole = torch.ops.aten.slice_backward.default(
+            grad.to_local(), list(ctx.local_shape), dim,
+            0 if start is None else start,
+            ctx.local_shape[dim] if end is None else end, step)
+        # a fresh contiguous block: its global strides are the contiguous ones (DTensor
+        # decides later views by them; the input's may be a transpose's)
+        return (DTensor.from_local(whole, ctx.mesh, ctx.placements, shape=ctx.shape,
+                                   stride=_contiguous_strides(ctx.shape), run_check=False),
+                None, None, None, None)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def block_slice(x: DTensor, dim: int = 0, start: int | None = None,
+                end: int | None = None, step: int = 1) -> DTensor | None:
+    """`x[start:end:step]` along `dim` on the blocks (`_BlockSlice`) where no mesh dim
+    splits `dim` or the slice keeps all of it (the exporter's `x[:, ...]` of a batch-split
+    tensor), and none holds a pending sum; None where DTensor's own rule must run."""
+    dim = dim if dim >= 0 else dim + x.ndim
+    whole = start in (None, 0) and (end is None or end >= x.shape[dim]) and step == 1
+    for placement in x.placements:
+        if isinstance(placement, Shard) and tensor_dim(placement, x.ndim) == dim \
+                and not whole:
+            return None
+        if not isinstance(placement, (Shard, Replicate)):
+            return None
+    sliced: DTensor = _BlockSlice.apply(x, dim, start, end, step)
+    return sliced
+
+
 def run_op(target: Any, args: Any, kwargs: Any) -> Any:
     """A traced op on its arguments (`runnable`). A view of a DTensor whose local block is
     not contiguous views a contiguous copy: DTensor's own strides are the whole tensor's
     as its sharding rule derives them, so a reshape would choose a view from them and the
-    block would refuse it."""
+    block would refuse it. A slice of a DTensor along a dim no mesh dim splits runs on
+    the blocks (`block_slice`)."""
+    if target is _SLICE and args and isinstance(args[0], DTensor):
+        sliced = block_slice(*args, **kwargs)
+        if sliced is not None:
+            return sliced
     if target in VIEWS and args and isinstance(args[0], DTensor):
         with torch.no_grad():
             contiguous = args[0].to_local().is_contiguous()

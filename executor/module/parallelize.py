@@ -59,7 +59,7 @@ from executor.module.layouts import (
 )
 from executor.module.local import LocalPlan
 from executor.module.pipeline import ModuleChunks, chunk_nodes
-from executor.module.rowloss import RowLoss, batch_mesh_dims
+from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss
 from executor.module.run import (
     ModulePlan,
     RunRecord,
@@ -216,6 +216,7 @@ class ParallelModule:
         collectives in its own backward pass, taken apart (`output_gradients`) so that
         they count as the loss's."""
         dims = batch_mesh_dims(self.mesh, self.run.local.batch_axes)
+        output = for_the_loss(output)
         if self.row_loss is not None:
             found = self.row_loss.local(loss_fn, output, (micro_batch,), self.mesh, dims)
             if found is not None:
@@ -249,8 +250,8 @@ class ParallelModule:
         targets = [dict(zip(self.trace.user_inputs, rows, strict=True)) for rows in feeds]
         self.chunks.step_number = self.draws
         self.chunks.phases = phases
-        self.chunks.loss_of = lambda flat, rows: self.loss(loss_fn, self.trace.outputs(flat),
-                                                           rows)
+        self.chunks.loss_of = lambda flat, rows: self.loss(
+            loss_fn, for_the_loss(self.trace.outputs(flat)), rows)
         return torch.tensor(self.pipeline.step(feeds, targets))
 
     @property

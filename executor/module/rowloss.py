@@ -34,7 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree as pytree
 
 from executor.module.counting import CollectiveCount, group_axes
-from executor.module.moves import tensor_dim
+from executor.module.moves import redistribute, tensor_dim
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,30 @@ class RowLoss:
         term = value / self.ranks if self.mean else value
         reported = DTensor.from_local(value.detach(), mesh, self.placements, run_check=False)
         return term, reported
+
+
+def loss_layout(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    """What a loss reads of a graph output placed as `placements`: its rows split as they
+    are (`Shard` of dim 0), every other dim whole."""
+    return tuple(p if isinstance(p, Shard) and tensor_dim(p, ndim) == 0 else Replicate()
+                 for p in placements)
+
+
+def for_the_loss(output: Any) -> Any:
+    """`output` with each DTensor in its `loss_layout`, moved in the open: as the ONNX
+    executor's `Runtime.loss` does, the loss reads whole rows (a vocabulary-split logit's
+    row gathered once, one all-gather whose backward pass is a local slice), and the move
+    happens where the caller counts it (the loss's phase), not inside `loss_fn`'s DTensor
+    ops, whose own propagation gathered the split again in the backward pass, four
+    collectives the plan does not list on a vocabulary-split head."""
+    def moved(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        wanted = loss_layout(value.placements, value.ndim)
+        if wanted == tuple(value.placements):
+            return value
+        return redistribute(value, value.device_mesh, wanted)
+    return pytree.tree_map(moved, output)
 
 
 def _rows(leaves: Sequence[Any], batch: Sequence[Any], mesh: TorchMesh,

@@ -81,24 +81,29 @@ class _GradientIn(torch.autograd.Function):
     the plan's backward collectives are (a pending sum over other axes stays, for the
     plan to reduce later: at the weight it comes from). The reads of one value in one
     layout share this node, so autograd sums their gradients first and one reduction
-    serves them all."""
+    serves them all. Where the read gathered the value from a split on a reduced axis, the
+    pending sum there is left to the gather's own backward, which sums and splits it in one
+    reduce-scatter, as the plan prices an all-gather's backward (summed here, it took an
+    all-reduce and a local cut)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, mesh: TorchMesh, wanted: tuple[Placement, ...],
-                reduced: tuple[int, ...]) -> torch.Tensor:
-        ctx.mesh, ctx.wanted, ctx.reduced = mesh, wanted, reduced
+                reduced: tuple[int, ...], source: tuple[Placement, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.wanted, ctx.reduced, ctx.source = mesh, wanted, reduced, source
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
         if isinstance(grad, DTensor):
             target = tuple(
-                have if isinstance(have, Partial) and dim not in ctx.reduced else want
+                have if isinstance(have, Partial) and (
+                    dim not in ctx.reduced or (isinstance(ctx.source[dim], Shard)
+                                               and isinstance(want, Replicate))) else want
                 for dim, (have, want) in enumerate(zip(grad.placements, ctx.wanted,
                                                        strict=True)))
             if not _normalised(grad, target):
                 grad = redistribute(grad, ctx.mesh, target)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -548,7 +553,8 @@ class PlannedRun(TracedRun):
                 moved = value if _normalised(value, wanted) else self._move(value, wanted)
                 axes = planned.reduced.get(arg.name, ())
                 dims = tuple(self.plan_mesh.axis_names.index(a) for a in axes)
-                held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims) \
+                held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims,
+                                                 tuple(value.placements)) \
                     if moved.requires_grad else moved
             return held[layout]
 
