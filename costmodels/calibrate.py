@@ -67,6 +67,13 @@ class RingFit:
     worst_error: float  # largest |predicted / measured - 1| over the kept points
 
 
+#: The compute before each timed gloo collective (`Plan.step_burst_s`): about what runs
+#: between two collectives of a small tensor-parallel step here (llama_medium: 2-4 ms). A
+#: GPU's collectives are timed back to back: NCCL's kernels queue behind the compute on
+#: the device, with no host threads to wake.
+STEP_BURST_S = 2e-3
+
+
 def measurement_plan(nproc: int, quick: bool, backend: str = "gloo") -> Plan:
     """The sizes to measure: a few for tests (quick), more for a real profile."""
     groups = tuple(range(2, nproc + 1))
@@ -86,7 +93,7 @@ def measurement_plan(nproc: int, quick: bool, backend: str = "gloo") -> Plan:
                     collectives=("all_reduce", "all_gather", "reduce_scatter"),
                     collective_bytes=(4, 1 << 18, 1 << 22),
                     group_sizes=groups, target_s=0.04, min_reps=3, max_reps=200, rounds=1,
-                    overlap_bytes=1 << 22)
+                    overlap_bytes=1 << 22, step_burst_s=STEP_BURST_S)
     return Plan(matmul=tuple((d, n) for d in ("float32", "bfloat16")
                              for n in (32, 64, 128, 256, 512, 1024)),
                 copy_bytes=64 << 20, dispatch_calls=2000,
@@ -94,7 +101,7 @@ def measurement_plan(nproc: int, quick: bool, backend: str = "gloo") -> Plan:
                 collective_bytes=(4, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 23, 1 << 24,
                                   1 << 25),
                 group_sizes=groups, target_s=0.3, min_reps=2, max_reps=2000, rounds=3,
-                overlap_bytes=1 << 24)
+                overlap_bytes=1 << 24, step_burst_s=STEP_BURST_S)
 
 
 def fit_ring(kind: str, points: Sequence[tuple[int, float, float]],
@@ -417,8 +424,17 @@ def _measurement_citation(results: Sequence[Results], plan: Plan, nproc: int, ba
             f"calls of torch.add on one-element tensors. Collectives over {backend} on "
             f"127.0.0.1, groups of {_groups_text(nproc)} ranks: "
             f"{', '.join(plan.collectives)} on fp32 buffers of {sizes} (the gathered or "
-            f"unreduced size), slowest rank's value. "
+            f"unreduced size), slowest rank's value"
+            f"{_burst_text(plan)}. "
             f"The host may be shared, so re-running can move numbers by up to 2x.")
+
+
+def _burst_text(plan: Plan) -> str:
+    if not plan.step_burst_s:
+        return ", the calls back to back"
+    return (f", each call after {plan.step_burst_s * 1e3:g} ms of fp32 "
+            f"{plan.overlap_matmul}^3 matmuls whose own time (measured alike) is taken off, "
+            f"as a training step issues its collectives after its kernels")
 
 
 def _groups_text(nproc: int) -> str:

@@ -238,6 +238,21 @@ def test_quick_calibration_writes_a_plausible_profile(tmp_path: Path) -> None:
     assert len(sources) == 1 and sources.pop().startswith("measured-")
     assert profile.compute_overlap is not None and 0 <= profile.overlap_share <= 1
     assert level.measured_seconds("all_reduce", 2, 2**18) is not None
+    assert "after 2 ms of fp32" in data["sources"][level.latency_s.source]
+
+
+def test_collectives_are_timed_after_a_burst_of_compute_taken_off() -> None:
+    """With `step_burst_s`, each timed collective follows a burst of matmuls, as a step's
+    do, and the burst's own time is taken off: a 256 KiB all_reduce after 20 ms of
+    matmuls reports well under those 20 ms."""
+    plan = Plan(collectives=("all_reduce",), collective_bytes=(1 << 18,), group_sizes=(2,),
+                target_s=0.2, min_reps=3, max_reps=20, overlap_matmul=128,
+                step_burst_s=0.02)
+    results = run_ranks(plan, nproc=2, timeout_s=120)
+    for result in results:
+        (point,) = result.collectives
+        assert point["kind"] == "all_reduce" and point["nbytes"] == 1 << 18
+        assert 0 < point["seconds"] < 0.01
 
 
 def test_calibrated_profile_plans(tmp_path: Path) -> None:
