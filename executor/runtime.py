@@ -28,7 +28,7 @@ from executor.interpreter import run_nodes, to_tensor
 from executor.weights import read_weights
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, CollectiveKind, Move, Phase
+from planner.kinds import AxisRole, CollectiveKind, LossReads, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
@@ -312,6 +312,9 @@ class Placement:
     ops: Mapping[str, OpPlacement]
     stored: Mapping[str, Layout]
     gradient_axes: Mapping[str, tuple[str, ...]]
+    #: whether the plan lists the loss's read of the outputs with the forward pass
+    #: (`LossReads.ROWS`), or leaves it to the loss's own phase
+    loss_reads_planned: bool = False
 
     @classmethod
     def of_plan(cls, plan: Plan) -> Placement:
@@ -325,7 +328,7 @@ class Placement:
                          if c.phase in (Phase.GRADIENT, Phase.BACKWARD)
                          and c.op == OPTIMIZER_OP and AxisRole.PIPELINE not in c.axes}
         return cls(plan.mesh, ops, {n: t.layout for n, t in plan.tensors.items()},
-                   gradient_axes)
+                   gradient_axes, plan.step.loss_reads is LossReads.ROWS)
 
     @classmethod
     def unsplit(cls, graph: PlanningGraph) -> Placement:
@@ -571,15 +574,21 @@ class PlanRunner:
             return self.comm.run(value, steps, phases[0]) if steps else value
         if info.name in self.weight_derived:
             # Same on every rank: slices keep autograd's zero-padded gradient, and partial
-            # gradients are summed once at the weight (the plan's gradient collectives).
-            local_steps = [s for s in steps if s.kind == Move.SLICE]
+            # gradients are summed once at the weight (the plan's gradient collectives),
+            # but for a sum over an axis the stored layout splits: its devices hold
+            # different slices there, so the gather's backward sums it, a reduce-scatter
+            # (`planner.sharding.derive._edge_moves`).
+            stored = set(src.used_axes)
+            kept = [a for a in partial_axes if a in stored]
             moved = value
             for step in steps:
-                if step in local_steps:
+                if step.kind == Move.SLICE:
                     moved = self.comm.local_slice(moved, step.axes, _dst(step))
-                else:
-                    moved = _Move.apply(moved, self.comm, [step],
-                                        backward_steps([step], (), 0), phases)
+                    continue
+                summed = tuple(a for a in kept if a in step.axes) \
+                    if step.kind == Move.ALL_GATHER else ()
+                moved = _Move.apply(moved, self.comm, [step],
+                                    backward_steps([step], summed, 0), phases)
             return moved
         backward = backward_steps(steps, partial_axes, 0)
         if not steps and not backward:
@@ -608,8 +617,11 @@ class PlanRunner:
             return local, float(reported.item())
         batch_axes = src.dims[0] if src.dims else ()
         dst = Layout((batch_axes, *[() for _ in info.shape[1:]]))
-        # The loss is not part of the planned graph: its moves are counted apart.
-        predicted = self._move(values[output], src, dst, info, (), ("loss", "loss"))
+        # The plan lists this gather with the forward pass (`LossReads.ROWS`); a plan that
+        # does not leaves it to the loss, counted apart.
+        phases = ("forward", "backward") if self.placement.loss_reads_planned \
+            else ("loss", "loss")
+        predicted = self._move(values[output], src, dst, info, (), phases)
         assert targets is not None
         local_targets = shard_of(targets, Layout((batch_axes, *[() for _ in
                                                                targets.shape[1:]])), self.comm)
