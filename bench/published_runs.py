@@ -290,7 +290,10 @@ def predict(row: Run, folder: Path) -> str:
             found.append(plan(path, profile=row.profile, devices=row.gpus, batch=row.batch,
                               dims={"seq": row.sequence}, parallel={**pins, **schedule},
                               attention=row.attention, fusion="elementwise",
-                              overlap_grad_reduce=row.overlap_grad_reduce, **bucket))
+                              overlap_grad_reduce=row.overlap_grad_reduce,
+                              # Megatron's loss works on the split logits (its vocabulary-
+                              # parallel cross-entropy; under cp each rank's tokens): no gather
+                              loss_reads="as-is", **bucket))
         except ShardplanError as error:
             refusal = refusal or str(error).splitlines()[0][:90]
     if not found:

@@ -18,7 +18,7 @@ from planner.cost.step import TrainingOptions
 from planner.errors import ModelError, ShardplanError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
 from planner.importer import import_model, rebind, retyped
-from planner.kinds import AttentionKernel, Fusion, Precision
+from planner.kinds import AttentionKernel, Fusion, LossReads, Precision
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
@@ -103,6 +103,7 @@ def plan(
     fusion: str | Fusion | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     overlap_grad_reduce: bool = True,
+    loss_reads: str | LossReads = LossReads.ROWS,
     capacity_factor: float | None = None,
     progress: Callable[[str], None] | None = None,
     cluster: str | os.PathLike | Cluster | None = None,
@@ -126,7 +127,11 @@ def plan(
     form) decides the bytes per parameter and the dtype activations and GEMMs run in;
     `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
     (default: the profile's, `device.kernels`). The plan's `step` section records all
-    three. `capacity_factor` sizes each expert's token batch behind a mixture-of-experts
+    three. `loss_reads` ("rows", default, or "as-is") how the loss outside the graph reads
+    its outputs: whole rows, each output gathered along every dim but its rows (priced,
+    searched and run with the forward pass), or as the plan leaves them (a loss that works
+    on split outputs, as Megatron-LM's vocabulary-parallel cross-entropy does: nothing
+    priced). `capacity_factor` sizes each expert's token batch behind a mixture-of-experts
     router as a multiple of its even share (default 1.25, `planner.importer.routing`).
     """
     if mode not in MODES:
@@ -177,6 +182,7 @@ def plan(
         or hardware.default_attention,
         fusion=_choice(Fusion, fusion, "--fusion") or hardware.default_fusion,
         bucket_mb=float(bucket_mb), overlap_grad_reduce=bool(overlap_grad_reduce),
+        loss_reads=_choice(LossReads, loss_reads, "--loss-reads") or LossReads.ROWS,
     )
     if mode == "data":
         if mesh or strategies:

@@ -133,6 +133,17 @@ class AttentionKernel(StrEnum):
     EAGER = "eager"
 
 
+class LossReads(StrEnum):
+    """How the loss outside the graph reads the graph's outputs. `rows`: whole rows, each
+    output with its batch split kept and every other dim gathered (a cross-entropy in
+    torch on whole logits: what the executors run); `as-is`: in the layout the plan leaves
+    them (a loss that works on split outputs, as Megatron-LM's vocabulary-parallel
+    cross-entropy does), nothing moved or priced."""
+
+    ROWS = "rows"
+    AS_IS = "as-is"
+
+
 class Fusion(StrEnum):
     """Whether chains of elementwise and normalisation ops between two GEMMs run as one
     kernel (one pass over memory, as torch.compile and Megatron's fused kernels do)."""

@@ -543,7 +543,8 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
     again = derive(analysis, plan.mesh, strategies,
-                   training=plan.step.kind == StepKind.TRAINING)
+                   training=plan.step.kind == StepKind.TRAINING,
+                   loss_reads=plan.step.loss_reads)
 
     def op_level(collectives) -> Counter:
         return Counter(_key(c) for c in collectives

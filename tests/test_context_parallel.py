@@ -46,7 +46,9 @@ def plans(tiny: Path) -> dict[str, Plan]:
 
 
 def _collectives(chosen: Plan) -> Counter:
-    return Counter((str(c.kind), tuple(c.axes), str(c.phase)) for c in chosen.collectives)
+    """The plan's collectives but the loss's read of the outputs (op `loss`)."""
+    return Counter((str(c.kind), tuple(c.axes), str(c.phase)) for c in chosen.collectives
+                   if c.op != "loss")
 
 
 def test_the_sequence_is_traced_from_the_token_ids(tiny: Path) -> None:
@@ -78,6 +80,10 @@ def test_ring_gathers_k_and_v_and_ulysses_moves_heads(plans: dict[str, Plan]) ->
     assert _collectives(ulysses)[("all_to_all", ("cp",), "forward")] == 8
     assert not any(kind == "all_gather" and phase == "forward"
                    for kind, _, phase in _collectives(ulysses))
+    # the loss reads whole rows: the sequence-split logits gathered once after the head
+    for chosen in (ring, ulysses):
+        assert [(str(c.kind), c.axes) for c in chosen.collectives if c.op == "loss"] == \
+            [("all_gather", ("cp",))]
     # the ring's passes hide behind the core, in part at least: the step's forward
     # communication (one micro-batch) is less than the gathers listed
     listed = sum(c.time_s for c in ring.collectives if c.phase == "forward")

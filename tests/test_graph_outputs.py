@@ -53,3 +53,57 @@ def test_every_plans_graph_outputs_are_resolved(llama: Path, devices: int, pins:
     graph = import_model(llama, batch=result.model.batch, dims={"seq": 32})
     for name in _non_scalar_outputs(graph):
         assert not result.tensors[name].layout.partial, (name, result.tensors[name].layout)
+
+
+def _head(graph) -> str:
+    return next(n for n in (graph.tensors[o].producer for o in _non_scalar_outputs(graph)) if n)
+
+
+def test_the_loss_reads_whole_rows_at_the_price_of_their_gather(llama: Path) -> None:
+    """Logits left split over the vocabulary are gathered for a loss that reads whole rows:
+    one all-gather per micro-batch after the head, listed with the forward pass under the
+    op `loss` and priced in it (its backward is a slice: nothing); with
+    `loss_reads="as-is"` (a loss that works on the split logits, Megatron's) nothing is
+    listed or priced."""
+    graph = import_model(llama, batch=8, dims={"seq": 32})
+    head = _head(graph)
+    logits = graph.op(head).outputs[0]
+    split = {head: ((1, 1, 1), (1, 4))}  # the head's weight over the vocabulary
+
+    def planned(reads: str):
+        return plan(llama, devices=4, batch=8, dims={"seq": 32}, profile="a100-80g",
+                    mode="semi", strategies=split, mesh=(4,), loss_reads=reads)
+
+    rows, as_is = planned("rows"), planned("as-is")
+    assert rows.tensors[logits].layout.dims[-1] == as_is.tensors[logits].layout.dims[-1] \
+        == ("a0",)
+    (read,) = [c for c in rows.collectives if c.tensor == logits]
+    assert (str(read.kind), str(read.phase), read.op) == ("all_gather", "forward", "loss")
+    assert read.bytes == graph.tensors[logits].nbytes  # the whole rows: one device's batch
+    assert not [c for c in as_is.collectives if c.tensor == logits]
+    extra = rows.predicted.breakdown.forward_communication_s \
+        - as_is.predicted.breakdown.forward_communication_s
+    assert extra == pytest.approx(read.time_s, rel=1e-6)
+    assert rows.step.loss_reads == "rows" and as_is.step.loss_reads == "as-is"
+
+
+def test_a_plan_file_without_loss_reads_priced_none(llama: Path) -> None:
+    """Files written before the step recorded `loss_reads` priced no read: they load as
+    `as-is` and validate re-derives them so, which a plan listing the read then fails."""
+    from planner.plans.model import Plan
+    from planner.validate import validate
+
+    graph = import_model(llama, batch=8, dims={"seq": 32})
+    split = {_head(graph): ((1, 1, 1), (1, 4))}
+    for reads, valid in (("as-is", True), ("rows", False)):
+        chosen = plan(llama, devices=4, batch=8, dims={"seq": 32}, profile="a100-80g",
+                      mode="semi", strategies=split, mesh=(4,), loss_reads=reads)
+        assert validate(chosen, graph).ok
+        data = chosen.to_json()
+        del data["step"]["loss_reads"]
+        old = Plan.from_json(data)
+        assert old.step.loss_reads == "as-is"
+        report = validate(old, graph)
+        assert report.ok is valid, report.problems
+        if not valid:
+            assert any("extra forward all_gather" in p for p in report.problems)

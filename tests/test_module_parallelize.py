@@ -65,7 +65,8 @@ def test_a_vocabulary_split_head_issues_only_the_planned_collectives(llama_onnx:
     """The head split over the vocabulary (its input gathered, logits left split): the
     gather's backward is the plan's reduce-scatter (not an all-reduce and a cut), the
     exporter's slices of keys and values issue nothing in either pass, and the loss reads
-    whole rows of the logits, gathered once in its own phase; one process's losses."""
+    whole rows of the logits, gathered with the forward pass where the plan lists it (two
+    all-gathers a micro-batch: the head's input, the logits); one process's losses."""
     graph = load_graph(llama_onnx, batch=BATCH)
     head = [op for op in graph.ops if op.op_type == "MatMul"][-1]
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="semi",
@@ -75,6 +76,7 @@ def test_a_vocabulary_split_head_issues_only_the_planned_collectives(llama_onnx:
     run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
     assert run.differences == []
     assert run.collectives["issued"]["reduce_scatter|a0|backward"] > 0
+    assert run.collectives["issued"]["all_gather|a0|forward"] == 2 * STEPS
     reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
     assert run.losses == pytest.approx(reference, rel=1e-4)
 

@@ -94,7 +94,8 @@ def _uniform_profile(count: int, seconds: float, saved: float) -> UnitProfile:
                Recompute.FULL: np.full(count, saved / 8)},
         transient={Recompute.NONE: zeros.copy(), Recompute.SELECTIVE: np.full(count, saved / 2),
                    Recompute.FULL: np.full(count, saved * 7 / 8)},
-        workspace=zeros.copy(), params=(), crossings=(), weight_compute=zeros.copy())
+        workspace=zeros.copy(), params=(), crossings=(), weight_compute=zeros.copy(),
+        loss_read=zeros.copy())
 
 
 def test_equal_stages_take_m_plus_p_minus_1_slots() -> None:

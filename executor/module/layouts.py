@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.errors import ShardplanError
-from planner.kinds import CollectiveKind, Phase
+from planner.kinds import CollectiveKind, LossReads, Phase
 from planner.plans.model import Plan
 from planner.sharding.derive import OPTIMIZER_OP
 from planner.sharding.layout import Layout
@@ -58,6 +58,9 @@ class ModuleLayouts:
     recompute: tuple[tuple[str, ...], ...] = ()
     #: plan op name -> the traced node that owns it (module docstring)
     owner: Mapping[str, str] = field(default_factory=dict)
+    #: the plan lists the loss's read of the outputs with the forward pass
+    #: (`LossReads.ROWS`): the run moves them there, not in the loss's phase
+    loss_reads_planned: bool = False
 
 
 def _listed(names: Collection[str], limit: int = 8) -> str:
@@ -184,4 +187,5 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
         nodes=nodes, weights=weight_buckets(plan),
-        recompute=recompute_spans(plan, owner, traced), owner=owner)
+        recompute=recompute_spans(plan, owner, traced), owner=owner,
+        loss_reads_planned=plan.step.loss_reads is LossReads.ROWS)

@@ -164,7 +164,9 @@ class ParallelModule:
         with implicit_replication():
             outputs = run_planned(self.trace.graph, self.run, self.mesh, flat,
                                   self.record, self.seed, step, micro)
-        return self.trace.outputs(outputs)
+        result = self.trace.outputs(outputs)
+        # the loss's read of the outputs, where the plan lists it with the forward pass
+        return for_the_loss(result) if self.layouts.loss_reads_planned else result
 
     def train_step(self, loss_fn: Callable[..., torch.Tensor],
                    batch: Mapping[str, torch.Tensor], phases: Phases | None = None
@@ -216,7 +218,8 @@ class ParallelModule:
         collectives in its own backward pass, taken apart (`output_gradients`) so that
         they count as the loss's."""
         dims = batch_mesh_dims(self.mesh, self.run.local.batch_axes)
-        output = for_the_loss(output)
+        if not self.layouts.loss_reads_planned:  # moved here, counted as the loss's
+            output = for_the_loss(output)
         if self.row_loss is not None:
             found = self.row_loss.local(loss_fn, output, (micro_batch,), self.mesh, dims)
             if found is not None:
@@ -250,8 +253,8 @@ class ParallelModule:
         targets = [dict(zip(self.trace.user_inputs, rows, strict=True)) for rows in feeds]
         self.chunks.step_number = self.draws
         self.chunks.phases = phases
-        self.chunks.loss_of = lambda flat, rows: self.loss(
-            loss_fn, for_the_loss(self.trace.outputs(flat)), rows)
+        self.chunks.loss_of = lambda flat, rows: self.loss(loss_fn, self.trace.outputs(flat),
+                                                           rows)
         return torch.tensor(self.pipeline.step(feeds, targets))
 
     @property

@@ -28,6 +28,7 @@ from torch.fx import GraphModule, Node
 from executor.module.layouts import ModuleLayouts
 from executor.module.local import is_size
 from executor.module.moves import redistribute
+from executor.module.rowloss import for_the_loss
 from executor.module.run import (
     ModulePlan,
     PlannedRun,
@@ -192,6 +193,11 @@ class ModuleChunks:
             output = values.get(running.output_node) if chunk.index == \
                 self.stages.loss_chunk else None
             outputs = running.graph.process_outputs(output) if output is not None else None
+            if outputs is not None and self.run.layouts.loss_reads_planned:
+                outputs = for_the_loss(outputs)  # the loss's read, listed with the forward
+        if outputs is not None and not self.run.layouts.loss_reads_planned:
+            with self.phases("loss"):
+                outputs = for_the_loss(outputs)
         if chunk.index != self.stages.loss_chunk:
             return ChunkResult(sent)
         assert self.loss_of is not None

@@ -19,7 +19,7 @@ from planner.cli.args import (
     unique_dims,
 )
 from planner.errors import NoPlanFits, ShardplanError
-from planner.kinds import AttentionKernel, Fusion, Precision
+from planner.kinds import AttentionKernel, Fusion, LossReads, Precision
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}
@@ -91,6 +91,11 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--fusion", choices=[f.value for f in Fusion],
                       help="elementwise chains as one kernel or one per op (default: the "
                            "profile's)")
+    plan.add_argument("--loss-reads", choices=[r.value for r in LossReads], default="rows",
+                      help="how the loss outside the graph reads its outputs: whole rows "
+                           "(default; each output gathered along every dim but its rows, "
+                           "priced with the forward pass) or as the plan leaves them (a "
+                           "vocabulary-parallel cross-entropy: nothing priced)")
     plan.add_argument("--bucket-mb", type=bucket_mb, metavar="MIB",
                       help="bucket size gradient reductions and ZeRO gathers are issued in "
                            "(default 25, PyTorch DDP's bucket_cap_mb; DeepSpeed's 5e8 "
@@ -141,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                           precision=args.precision, attention=args.attention,
                           fusion=args.fusion, progress=progress,
                           capacity_factor=args.capacity_factor,
-                          overlap_grad_reduce=not args.no_overlap_grad_reduce, **buckets)
+                          overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                          loss_reads=args.loss_reads, **buckets)
         finally:
             if progress is not None:
                 progress.close()

@@ -76,7 +76,8 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
     found = kept.get(key)
     if found is not None and found[0] is profile:
         return found[1]
-    priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference),
+    priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference,
+                                loss_reads=options.loss_reads),
                          profile, options)
     if len(kept) > memo_limit(len(analysis.graph.ops)):
         kept.clear()

@@ -313,7 +313,8 @@ class Pricer:
         chosen, weights = held.chosen, held.weights
         extra = {Recompute.NONE: 0.0,
                  Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
-                 Recompute.FULL: held.forward_compute + held.forward_comm}[mode]
+                 Recompute.FULL: held.forward_compute + held.forward_comm
+                 - float(profile.loss_read[chosen].sum())}[mode]
         transient = float(profile.transient[mode][chosen].max()) if held.any_unit else 0.0
         memory = training_memory(
             parameter_bytes=weights.bytes, parameter_elements=weights.elements,
@@ -380,7 +381,7 @@ class Pricer:
                              + profile.backward_communication[a:b].sum()) - weight
             backward += {Recompute.NONE: 0.0,
                          Recompute.SELECTIVE: float(profile.selective_extra[a:b].sum()),
-                         Recompute.FULL: forward}[mode]
+                         Recompute.FULL: forward - float(profile.loss_read[a:b].sum())}[mode]
             own.append((forward, backward, weight))
         total = sum(sum(times) for times in own)
         if total <= 0.0:

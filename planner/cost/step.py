@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from costmodels.schedule import pipeline_time
 from planner.cost.buckets import DEFAULT_BUCKET_MB
-from planner.kinds import AttentionKernel, Fusion, Precision, Recompute, Schedule
+from planner.kinds import AttentionKernel, Fusion, LossReads, Precision, Recompute, Schedule
 from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
 
@@ -36,6 +36,8 @@ class TrainingOptions:
     #: whether the gradient reduction runs behind the backward pass (torch DDP and FSDP do;
     #: Megatron-LM only with `--overlap-grad-reduce`, default off) or after it
     overlap_grad_reduce: bool = True
+    #: how the loss reads the graph's outputs (`planner.sharding.outputs.loss_layout`)
+    loss_reads: LossReads = LossReads.ROWS
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from planner.cost.pricing import saved_bytes
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.layers import Units
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import fraction_of_layout
+from planner.sharding.derive import LOSS_OP, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import UnitCrossing, unit_crossings
@@ -82,6 +82,9 @@ class UnitProfile:
     #: of `backward_compute`, the seconds of the weights' gradients (W, run apart by the
     #: zero-bubble schedules; `planner.cost.pricing.weight_gradient_seconds`)
     weight_compute: np.ndarray
+    #: of `forward_communication`, the loss's read of the outputs (`LOSS_OP`): after the
+    #: forward pass, which a recompute does not re-run
+    loss_read: np.ndarray
 
     @property
     def count(self) -> int:
@@ -143,8 +146,17 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                                       [sharded.layouts.get(o) if o else None
                                        for o in node.outputs], sharded.mesh, recomputed)
     forward_comm, backward_comm = [0.0] * count, [0.0] * count
+    loss_read = [0.0] * count
     exposed = _ring_exposure(priced)
+    producers = sharded.analysis.graph.tensors
     for collective in priced.collectives:
+        if collective.op == LOSS_OP:  # on the unit writing the output, not re-run
+            producer = producers[collective.tensor].producer
+            u = unit_of[index_of[producer]] if producer is not None else count - 1
+            forward_comm[u] += collective.time_s
+            loss_read[u] += collective.time_s
+            workspace[u] = max(workspace[u], float(collective.bytes))
+            continue
         op_index_ = index_of.get(collective.op)
         if op_index_ is None or collective.phase == Phase.GRADIENT:
             continue
@@ -169,7 +181,8 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
                  Recompute.FULL: saved_array - saved[Recompute.FULL]}
     return UnitProfile(units, _floats(forward), _floats(backward), _floats(forward_comm),
                        _floats(backward_comm), _floats(selective), saved, transient,
-                       _floats(workspace), _params(priced, units), crossings, _floats(weight))
+                       _floats(workspace), _params(priced, units), crossings, _floats(weight),
+                       _floats(loss_read))
 
 
 def _floats(values: list[float]) -> np.ndarray:

@@ -26,7 +26,7 @@ from planner.cost.pipeline import PlacedPricer, Pricer, Prices
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, Phase, Recompute, StepKind
+from planner.kinds import AxisRole, LossReads, Phase, Recompute, StepKind
 from planner.layers import Units
 from planner.plans.model import Plan
 from planner.plans.sections import (
@@ -497,7 +497,8 @@ def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh,
 def _step(training: TrainingOptions) -> StepSpec:
     return StepSpec(StepKind.INFERENCE if training.inference else StepKind.TRAINING,
                     training.overlap, training.precision, training.attention, training.fusion,
-                    training.bucket_mb, training.overlap_grad_reduce)
+                    training.bucket_mb, training.overlap_grad_reduce,
+                    LossReads.AS_IS if training.inference else training.loss_reads)
 
 
 def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:

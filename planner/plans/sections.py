@@ -18,6 +18,7 @@ from planner.kinds import (
     CollectiveKind,
     ContextKind,
     Fusion,
+    LossReads,
     Phase,
     Precision,
     Recompute,
@@ -196,10 +197,14 @@ class StepSpec:
     fusion: Fusion | None = None
     bucket_mb: float | None = None
     overlap_grad_reduce: bool = True
+    #: how the loss reads the outputs; files written before it was recorded priced no read
+    loss_reads: LossReads = LossReads.AS_IS
 
     def to_json(self) -> dict[str, Any]:
         found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap,
                                  "overlap_grad_reduce": self.overlap_grad_reduce}
+        if self.kind is StepKind.TRAINING:  # a forward pass has no loss
+            found["loss_reads"] = str(self.loss_reads)
         if self.bucket_mb is not None:
             found["bucket_mb"] = self.bucket_mb
         for key in ("precision", "attention", "fusion"):
@@ -217,7 +222,8 @@ class StepSpec:
                    float(data.get("overlap", 0.0)), optional(Precision, "precision"),
                    optional(AttentionKernel, "attention"), optional(Fusion, "fusion"),
                    float(data["bucket_mb"]) if "bucket_mb" in data else None,
-                   _flag(data.get("overlap_grad_reduce", True), "step.overlap_grad_reduce"))
+                   _flag(data.get("overlap_grad_reduce", True), "step.overlap_grad_reduce"),
+                   _enum(LossReads, data.get("loss_reads", "as-is"), "step.loss_reads"))
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from planner.cost.pricing import (
 )
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import CollectiveKind
+from planner.kinds import CollectiveKind, LossReads
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
-from planner.sharding.derive import fraction_of_layout
+from planner.sharding.derive import fraction_of_layout, loss_read_moves
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.outputs import resolved_output_slots
@@ -168,9 +168,11 @@ def build_problem(
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
+    read_by_loss = resolved_output_slots(graph) \
+        if not options.inference and options.loss_reads is LossReads.ROWS else {}
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
-               needs_grad, owner, kernels, once)
+               needs_grad, owner, kernels, once, read_by_loss)
         for members in groups_ops
     ]
     edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
@@ -212,7 +214,8 @@ def _candidates(node: OpNode, labels: DimLabels | None, tensors, mesh: DeviceMes
 def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, list[Candidate]],
            graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions, needs_grad: Mapping[str, bool],
-           owner: Mapping[str, tuple[str, int]], kernels: KernelPlan, once: float) -> Group:
+           owner: Mapping[str, tuple[str, int]], kernels: KernelPlan, once: float,
+           read_by_loss: Mapping[str, tuple[int, ...]]) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
     saved_total = np.zeros(count)
@@ -225,11 +228,13 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
         owns = tuple(bool(name) and owner.get(name) == (node.name, slot)
                      for slot, name in enumerate(node.inputs))
+        read = read_by_loss.get(node.name, ())
         key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o),
-               kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs))
+               kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
+               read)
         if key not in priced:
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
-                                               needs_grad, owner, kernels, once)
+                                               needs_grad, owner, kernels, once, read)
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
                            values[:, 2])
@@ -257,9 +262,12 @@ def added_in_order(start: np.ndarray, terms: Sequence[np.ndarray]) -> np.ndarray
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
                     profile: HardwareProfile, options: TrainingOptions,
                     needs_grad: Mapping[str, bool], owner: Mapping[str, tuple[str, int]],
-                    kernels: KernelPlan, once: float) -> tuple[float, float, float, float]:
+                    kernels: KernelPlan, once: float, read: tuple[int, ...] = ()
+                    ) -> tuple[float, float, float, float]:
     """(seconds, owned weight memory, saved activations, largest output) of one candidate;
-    what the step pays once for its weights weighs `once` (1 / micro-batches)."""
+    what the step pays once for its weights weighs `once` (1 / micro-batches). The output
+    slots in `read` are read by the loss: their moves into its layout count here, as the
+    derivation lists them at this op (`loss_read_moves`)."""
     tensors = graph.tensors
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
@@ -270,6 +278,12 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     seconds = forward + backward
     for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
         seconds += collective_seconds(profile, kind, nbytes, axes, mesh)
+    for slot in read:
+        name, layout = node.outputs[slot], candidate.outputs[slot]
+        if layout is not None:
+            for kind, axes, nbytes, _ in loss_read_moves(tensors[name], layout, mesh,
+                                                          needs_grad.get(name, False)):
+                seconds += collective_seconds(profile, kind, nbytes, axes, mesh)
     owned = 0.0
     for slot, name in enumerate(node.inputs):
         if not name or owner.get(name) != (node.name, slot):

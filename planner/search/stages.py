@@ -258,7 +258,7 @@ class StageTables:
         base = span(profile.forward + profile.backward)
         self.time = {Recompute.NONE: base,
                      Recompute.SELECTIVE: base + span(profile.selective_extra),
-                     Recompute.FULL: base + span(profile.forward)}
+                     Recompute.FULL: base + span(profile.forward - profile.loss_read)}
         self.saved = {mode: span(profile.saved[mode]) for mode in RECOMPUTE_MODES}
         self.transient = {mode: running_max(profile.transient[mode]) for mode in RECOMPUTE_MODES}
         # A crossing enters range [j, i) when produced before j and read by a unit in it.

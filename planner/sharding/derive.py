@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Move, Phase
+from planner.kinds import CollectiveKind, LossReads, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.outputs import loss_layout, resolved_output_slots
 from planner.sharding.redistribute import backward_steps, equivalent, redistribute
 from planner.sharding.strategy import (
     REPLICATED,
@@ -50,6 +51,9 @@ class CollectiveSpec:
 
 
 OPTIMIZER_OP = "optimizer"
+#: the op name of the loss's read of an output (`loss_read_moves`): after the forward pass,
+#: once per micro-batch, never re-run by a recompute of the op that wrote it
+LOSS_OP = "loss"
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,13 @@ class ShardedGraph:
 
 
 def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
-           training: bool = True) -> ShardedGraph:
-    """The layouts and collectives of `strategies` (missing ops run replicated)."""
+           training: bool = True, loss_reads: LossReads = LossReads.AS_IS) -> ShardedGraph:
+    """The layouts and collectives of `strategies` (missing ops run replicated); in
+    training, with `loss_reads` rows, the moves of each output into the layout the loss
+    reads (`planner.sharding.outputs`), listed with the op writing it under `LOSS_OP`."""
     graph = analysis.graph
+    read_by_loss = resolved_output_slots(graph) \
+        if training and loss_reads is LossReads.ROWS else {}
     tensors = graph.tensors
     needs_grad = analysis.needs_grad if training else {}
     layout_of: dict[str, Layout] = {}
@@ -163,6 +171,12 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             output = node.outputs[0]
             specs += [CollectiveSpec(c.kind, output, c.axes, c.nbytes, c.phase, node.name)
                       for c in own_specs]
+        for slot in read_by_loss.get(node.name, ()):
+            name, layout = node.outputs[slot], produced[slot]
+            if layout is not None:
+                specs += [CollectiveSpec(kind, name, axes, nbytes, phase, LOSS_OP)
+                          for kind, axes, nbytes, phase in loss_read_moves(
+                              tensors[name], layout, mesh, needs_grad.get(name, False))]
         for name, layout in zip(node.outputs, produced, strict=True):
             if name and layout is not None:
                 layout_of[name] = layout
@@ -218,6 +232,18 @@ def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: 
                                   tuple(partial_axes), weight_derived)
     return ([CollectiveSpec(kind, info.name, axes, nbytes, phase, consumer)
              for kind, axes, nbytes, phase in moves], set(deferred))
+
+
+def loss_read_moves(info: TensorInfo, layout: Layout, mesh: DeviceMesh, requires_grad: bool
+                    ) -> tuple[tuple[CollectiveKind, tuple[str, ...], int, Phase], ...]:
+    """The moves of a graph output written in `layout` into the layout a loss reading
+    whole rows reads (`outputs.loss_layout`): a gather in the forward pass, whose backward
+    is this rank's slice of the gradient."""
+    wanted = loss_layout(layout)
+    if wanted == layout:
+        return ()
+    return _edge_moves(info.shape, info.itemsize, layout, wanted, mesh, requires_grad, (),
+                       False)[0]
 
 
 @lru_cache(maxsize=1 << 16)

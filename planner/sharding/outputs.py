@@ -6,11 +6,19 @@ inside the graph, where an edge prices it (the hidden split gathered before a la
 model's head, not gigabytes of partial logits). A scalar output (the model's own loss)
 may stay a pending sum: its gradient is right as it is and its value is summed for the
 report only. The search's candidates and the fixed layouts (Megatron's) both obey this.
+
+A training step's loss outside the graph then reads each such output (`LossReads`): whole
+rows (`loss_layout`), each output gathered along every dim but its rows where the plan
+leaves it split there; the derivation lists that gather under the op `loss` with the
+forward pass, so it is priced, searched and run as any other move, but never re-run by a
+recompute of the op writing the output: a vocabulary-split head's logits cost their gather
+per micro-batch, which the search weighs against the split.
 """
 
 from __future__ import annotations
 
 from planner.graph import PlanningGraph
+from planner.sharding.layout import Layout
 
 
 def resolved_output_slots(graph: PlanningGraph) -> dict[str, tuple[int, ...]]:
@@ -23,3 +31,11 @@ def resolved_output_slots(graph: PlanningGraph) -> dict[str, tuple[int, ...]]:
         producer = graph.op(info.producer)
         slots.setdefault(producer.name, []).append(list(producer.outputs).index(name))
     return {op: tuple(found) for op, found in slots.items()}
+
+
+def loss_layout(layout: Layout) -> Layout:
+    """What a loss reading whole rows reads of an output placed in `layout`: its rows
+    (dim 0) split as they are, every other dim whole, nothing pending."""
+    if not layout.dims:
+        return layout
+    return Layout((layout.dims[0], *(() for _ in layout.dims[1:])))
