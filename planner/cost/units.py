@@ -153,8 +153,11 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         if collective.op == LOSS_OP:  # on the unit writing the output, not re-run
             producer = producers[collective.tensor].producer
             u = unit_of[index_of[producer]] if producer is not None else count - 1
-            forward_comm[u] += collective.time_s
-            loss_read[u] += collective.time_s
+            if collective.phase == Phase.FORWARD:
+                forward_comm[u] += collective.time_s
+                loss_read[u] += collective.time_s
+            else:  # (a gather's backward is a slice: nothing, as a rule)
+                backward_comm[u] += collective.time_s
             workspace[u] = max(workspace[u], float(collective.bytes))
             continue
         op_index_ = index_of.get(collective.op)

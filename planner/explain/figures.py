@@ -20,6 +20,7 @@ from planner.explain.units import Unit, op_classes, op_split, template
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
 from planner.plans.sections import OpEntry, StageEntry
+from planner.sharding.derive import LOSS_OP
 
 UNTRACKED = 1e-3  # a residual above this share of the step is listed as "not itemised"
 
@@ -37,6 +38,7 @@ class PlanIndex:
     stage_of: list[int | None]
     first_reader: dict[str, int]  # parameter -> first op reading it
     op_class: list[tuple]  # same position in every layer -> same class
+    writer: dict[str, int]  # tensor -> the op writing it (where the loss reads an output)
     critical: StageEntry | None
     critical_ops: list[int] | None
 
@@ -56,14 +58,18 @@ class PlanIndex:
             for binding in op.inputs:
                 if binding and plan.tensors[binding.tensor].kind == "parameter":
                     first_reader.setdefault(binding.tensor, i)
+        writer = {b.tensor: i for i, op in enumerate(plan.ops) for b in op.outputs if b}
         critical = critical_stage(plan)
         return cls(plan, units, plan.micro_batches,
                    {op.name: i for i, op in enumerate(plan.ops)}, unit_of, stage_of,
-                   first_reader, op_classes(units, n), critical,
+                   first_reader, op_classes(units, n), writer, critical,
                    list(critical.op_indices()) if critical is not None else None)
 
     def op_of(self, collective_op: str, tensor: str) -> int | None:
-        """The op a collective belongs to: its consumer, or a weight's first reader."""
+        """The op a collective belongs to: its consumer, a weight's first reader, or for
+        the loss's read of an output (`LOSS_OP`) the op writing it."""
+        if collective_op == LOSS_OP:
+            return self.writer.get(tensor)
         index = self.op_index.get(collective_op)
         return index if index is not None else self.first_reader.get(tensor)
 
@@ -167,7 +173,9 @@ def top_collectives(plan: Plan, index: PlanIndex, count: int) -> list[TopItem]:
         once = c.phase == Phase.GRADIENT
         per_step = c.time_s if once else c.time_s * index.micro_batches
         key = (c.kind, tuple(c.axes), c.phase, index.op_class[at] if at is not None else c.op)
-        groups[key].append((c.tensor if once else c.op, per_step))
+        label = c.tensor if once else f"{c.tensor} (the loss's read)" \
+            if c.op == LOSS_OP else c.op
+        groups[key].append((label, per_step))
     items = []
     for (kind, axes, phase, _), members in groups.items():
         what = template([label for label, _ in members])
