@@ -358,15 +358,9 @@ class _Rank:
         transfer = self.measure(("overlap", "transfer"), lambda: dist.all_reduce(whole), None)
         if not self.burst:  # one burst length for every round: their samples are pooled
             single = self.measure(("overlap", "matmul"), lambda: a @ a, None)
-            reps = self.torch.tensor([max(1, round(transfer / max(single, 1e-9)))],
-                                     device=self.device)
-            dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # every rank runs the same burst
-            self.burst = int(reps.item())
+            self.burst = self.agreed_count(transfer, single)
         count = self.burst
-
-        def burst() -> None:
-            for _ in range(count):
-                a @ a
+        burst = _matmuls(a, count)
 
         def both() -> None:
             work = dist.all_reduce(whole, async_op=True)
@@ -404,19 +398,23 @@ class _Rank:
             call()
         return both
 
+    def agreed_count(self, seconds: float, single: float) -> int:
+        """How many calls of `single` seconds make about `seconds`, as many on every rank
+        (the most any rank needs, agreed over all ranks): every rank runs the same burst."""
+        count = self.torch.tensor([max(1, round(seconds / max(single, 1e-9)))],
+                                  device=self.device)
+        self.dist.all_reduce(count, op=self.dist.ReduceOp.MAX)
+        return int(count.item())
+
     def agree_step_burst(self) -> None:
-        """The matmuls of `Plan.step_burst_s`, as many on every rank (agreed over all
-        ranks, once: every group's points then follow the same burst)."""
+        """The matmuls of `Plan.step_burst_s`, agreed once over all ranks: every group's
+        points then follow the same burst."""
         if not self.plan.step_burst_s or self.step_burst:
             return
-        torch, dist = self.torch, self.dist
-        a = torch.randn(self.plan.overlap_matmul, self.plan.overlap_matmul,
-                        device=self.device)
-        single = min(self.timed(lambda: a @ a) for _ in range(3))
-        count = torch.tensor([max(1, round(self.plan.step_burst_s / max(single, 1e-9)))],
+        a = self.torch.randn(self.plan.overlap_matmul, self.plan.overlap_matmul,
                              device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        self.step_burst = int(count.item())
+        single = min(self.timed(lambda: a @ a) for _ in range(3))
+        self.step_burst = self.agreed_count(self.plan.step_burst_s, single)
 
     def step_burst_call(self) -> Callable[[], None] | None:
         """The burst of fp32 matmuls before each timed collective; None when the plan
@@ -425,12 +423,7 @@ class _Rank:
             return None
         a = self.torch.randn(self.plan.overlap_matmul, self.plan.overlap_matmul,
                              device=self.device)
-        count = self.step_burst
-
-        def burst() -> None:
-            for _ in range(count):
-                a @ a
-        return burst
+        return _matmuls(a, self.step_burst)
 
     def collective(self, kind: str, nbytes: int, size: int,
                    group: Any) -> tuple[Callable[[], object], int]:
@@ -451,6 +444,14 @@ class _Rank:
         if kind == "broadcast":
             return (lambda: dist.broadcast(whole, src=0, group=group)), 4 * numel
         raise ValueError(f"cannot measure {kind!r}; expected one of {MEASURABLE}")
+
+
+def _matmuls(a: Any, count: int) -> Callable[[], None]:
+    """A burst of compute: `count` products of `a` with itself."""
+    def burst() -> None:
+        for _ in range(count):
+            a @ a
+    return burst
 
 
 def lower_quartile(times: Sequence[float]) -> float:
