@@ -36,6 +36,7 @@ from planner.sharding.derive import OPTIMIZER_OP, shared_read_key
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.outputs import loss_layout
 from planner.sharding.redistribute import CommStep, backward_steps, redistribute
 from planner.sharding.strategy import REPLICATED, OpStrategy, grad_partial_axes
 
@@ -616,7 +617,7 @@ class PlanRunner:
             reported = self.comm.all_reduce(local.detach().reshape(1), src.partial, "loss")
             return local, float(reported.item())
         batch_axes = src.dims[0] if src.dims else ()
-        dst = Layout((batch_axes, *[() for _ in info.shape[1:]]))
+        dst = loss_layout(src)
         # The plan lists this gather with the forward pass (`LossReads.ROWS`); a plan that
         # does not leaves it to the loss, counted apart.
         phases = ("forward", "backward") if self.placement.loss_reads_planned \

@@ -193,10 +193,9 @@ class ModuleChunks:
             output = values.get(running.output_node) if chunk.index == \
                 self.stages.loss_chunk else None
             outputs = running.graph.process_outputs(output) if output is not None else None
-            if outputs is not None and self.run.layouts.loss_reads_planned:
-                outputs = for_the_loss(outputs)  # the loss's read, listed with the forward
-        if outputs is not None and not self.run.layouts.loss_reads_planned:
-            with self.phases("loss"):
+        if outputs is not None:  # the loss's read: with the forward pass where the plan
+            # lists it there, else in the loss's own phase
+            with self.phases("forward" if self.run.layouts.loss_reads_planned else "loss"):
                 outputs = for_the_loss(outputs)
         if chunk.index != self.stages.loss_chunk:
             return ChunkResult(sent)

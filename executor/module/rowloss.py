@@ -95,7 +95,8 @@ class RowLoss:
 
 def loss_layout(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
     """What a loss reads of a graph output placed as `placements`: its rows split as they
-    are (`Shard` of dim 0), every other dim whole."""
+    are (`Shard` of dim 0), every other dim whole (`planner.sharding.outputs.loss_layout`
+    in DTensor's placements)."""
     return tuple(p if isinstance(p, Shard) and tensor_dim(p, ndim) == 0 else Replicate()
                  for p in placements)
 

@@ -148,19 +148,11 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     forward_comm, backward_comm = [0.0] * count, [0.0] * count
     loss_read = [0.0] * count
     exposed = _ring_exposure(priced)
-    producers = sharded.analysis.graph.tensors
     for collective in priced.collectives:
-        if collective.op == LOSS_OP:  # on the unit writing the output, not re-run
-            producer = producers[collective.tensor].producer
-            u = unit_of[index_of[producer]] if producer is not None else count - 1
-            if collective.phase == Phase.FORWARD:
-                forward_comm[u] += collective.time_s
-                loss_read[u] += collective.time_s
-            else:  # (a gather's backward is a slice: nothing, as a rule)
-                backward_comm[u] += collective.time_s
-            workspace[u] = max(workspace[u], float(collective.bytes))
-            continue
-        op_index_ = index_of.get(collective.op)
+        # the loss's read of an output counts on the unit writing it, and is not re-run
+        read = collective.op == LOSS_OP
+        op = graph.tensors[collective.tensor].producer if read else collective.op
+        op_index_ = index_of.get(op) if op is not None else None
         if op_index_ is None or collective.phase == Phase.GRADIENT:
             continue
         u = unit_of[op_index_]
@@ -169,6 +161,8 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
         held = 1.0 if ring is None else ring[1]
         if collective.phase == Phase.FORWARD:
             forward_comm[u] += seconds
+            if read:
+                loss_read[u] += seconds
             if collective.op in core_ops:
                 selective[u] += seconds
         else:

@@ -37,14 +37,14 @@ from planner.cost.pricing import (
 )
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import CollectiveKind, LossReads
+from planner.kinds import CollectiveKind
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.derive import fraction_of_layout, loss_read_moves
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.outputs import resolved_output_slots
+from planner.sharding.outputs import loss_read_slots, resolved_output_slots
 from planner.sharding.strategy import REPLICATED, OpStrategy
 
 
@@ -168,8 +168,7 @@ def build_problem(
     group_of = {op: index for index, members in enumerate(groups_ops) for op in members}
     owner = analysis.first_consumers
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
-    read_by_loss = resolved_output_slots(graph) \
-        if not options.inference and options.loss_reads is LossReads.ROWS else {}
+    read_by_loss = loss_read_slots(graph, not options.inference, options.loss_reads)
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
                needs_grad, owner, kernels, once, read_by_loss)

@@ -26,7 +26,7 @@ from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, describe
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.outputs import loss_layout, resolved_output_slots
+from planner.sharding.outputs import loss_layout, loss_read_slots
 from planner.sharding.redistribute import backward_steps, equivalent, redistribute
 from planner.sharding.strategy import (
     REPLICATED,
@@ -111,8 +111,7 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     training, with `loss_reads` rows, the moves of each output into the layout the loss
     reads (`planner.sharding.outputs`), listed with the op writing it under `LOSS_OP`."""
     graph = analysis.graph
-    read_by_loss = resolved_output_slots(graph) \
-        if training and loss_reads is LossReads.ROWS else {}
+    read_by_loss = loss_read_slots(graph, training, loss_reads)
     tensors = graph.tensors
     needs_grad = analysis.needs_grad if training else {}
     layout_of: dict[str, Layout] = {}

@@ -18,6 +18,7 @@ per micro-batch, which the search weighs against the split.
 from __future__ import annotations
 
 from planner.graph import PlanningGraph
+from planner.kinds import LossReads
 from planner.sharding.layout import Layout
 
 
@@ -39,3 +40,10 @@ def loss_layout(layout: Layout) -> Layout:
     if not layout.dims:
         return layout
     return Layout((layout.dims[0], *(() for _ in layout.dims[1:])))
+
+
+def loss_read_slots(graph: PlanningGraph, training: bool, loss_reads: LossReads
+                    ) -> dict[str, tuple[int, ...]]:
+    """Op name -> the output slots a loss reading whole rows reads (`resolved_output_slots`)
+    in a training step with `loss_reads` rows; none otherwise."""
+    return resolved_output_slots(graph) if training and loss_reads is LossReads.ROWS else {}
