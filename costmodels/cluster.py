@@ -13,6 +13,8 @@ Validation is the profile reader's: one line naming the file and the field.
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +133,42 @@ class Placement:
 
     def memory_bytes(self, groups: Sequence[int]) -> int:
         return min(self.cluster.groups[g].memory_bytes for g in groups)
+
+    def replica_groups(self, stage: int, replicas: int) -> tuple[tuple[int, ...], ...]:
+        """The groups each of `replicas` data-parallel replicas of stage `stage` is on: a
+        replica's ranks are one block of the stage's (its model-parallel group, the mesh's
+        inner axes), replica d the d-th block."""
+        size = self.stage_size // replicas
+        first = stage * self.stage_size
+        return tuple(tuple(dict.fromkeys(self.group_of_rank(first + d * size + k)
+                                         for k in range(size)))
+                     for d in range(replicas))
+
+
+def balanced_rows(total: int, seconds_per_row: Sequence[float]) -> tuple[int, ...]:
+    """`total` rows shared among replicas taking `seconds_per_row[i]` per row, each at
+    least one, so that the slowest to finish is as early as it can be: shares in
+    proportion to speed, rounded the way that costs least. Rows go one at a time to the
+    replica that would finish first with it (the first of equals), which is optimal for
+    identical jobs on machines of different speeds; it starts from the proportional
+    shares rounded down, which an optimum never undercuts."""
+    count = len(seconds_per_row)
+    if count == 0 or total < count:
+        raise ValueError(f"{total} rows cannot give each of {count} replicas one")
+    if any(not math.isfinite(t) or t <= 0.0 for t in seconds_per_row):
+        raise ValueError("each replica's seconds per row must be finite and positive")
+    speed = [1.0 / t for t in seconds_per_row]
+    whole = sum(speed)
+    rows = [max(1, int(total * s / whole)) for s in speed]
+    if sum(rows) > total:
+        rows = [1] * count
+    heap = [((rows[i] + 1) * seconds_per_row[i], i) for i in range(count)]
+    heapq.heapify(heap)
+    for _ in range(total - sum(rows)):
+        _, i = heapq.heappop(heap)
+        rows[i] += 1
+        heapq.heappush(heap, ((rows[i] + 1) * seconds_per_row[i], i))
+    return tuple(rows)
 
 
 class _ClusterReader(_Reader):

@@ -60,14 +60,23 @@ def check_supported(graph: PlanningGraph) -> None:
 
 
 def check_degrees(parallel: ParallelConfig, graph: bool = True) -> None:
-    """Refuse, by the plan file's key, a degree the runner cannot run: cp or ep above 1
-    for the module executor (`graph` False). The ONNX-graph executor runs context- and
+    """Refuse, by the plan file's key, a degree the runner cannot run: data-parallel
+    replicas taking uneven shares of the batch (a mixed cluster's shares by speed: both
+    executors split the batch evenly and average the gradients as equal shares), and cp
+    or ep above 1 for the module executor (`graph` False). The ONNX-graph executor runs context- and
     expert-parallel plans as it runs any layout: the ring's K/V all-gathers and their
     reduce-scatters, Ulysses' all-to-alls, the experts' dispatch and combine all-to-alls
     are the plan's collectives (`tests/test_context_parallel.py` and
     `tests/test_expert_parallel.py` check runs on two ranks against one). Sequence
     parallelism needs no check: it is in the plan's layouts, which the executor runs as
     they are."""
+    if not parallel.even_shares:
+        shown = ", ".join(str(rows) for rows in parallel.dp_shares[:8])
+        more = ", …" if len(parallel.dp_shares) > 8 else ""
+        raise ShardplanError(f"parallel.dp_shares is [{shown}{more}]: the data-parallel "
+                             "replicas take uneven shares of the batch, which the executor "
+                             "does not run (it splits the batch evenly); re-plan with "
+                             "--parallel dp_shares=even")
     if graph:
         return
     for key, what in (("cp", "context"), ("ep", "expert")):

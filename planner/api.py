@@ -151,6 +151,10 @@ def plan(
                 f"--cluster {mixed.path or mixed.name}: a mixed cluster is planned by the "
                 "pipeline search, each stage on one kind of device: plan training in "
                 "--mode auto without --mesh")
+    if (parallel or {}).get("dp_shares") == "speed" and mixed is None:
+        raise ShardplanError("--parallel dp_shares=speed: data-parallel replicas share the "
+                             "batch by speed only on a mixed cluster (--cluster FILE with "
+                             "groups of different devices); on one kind every share is even")
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     if mixed is None:  # each group of a cluster file was checked as it was read
         hardware.check_device_count(devices)

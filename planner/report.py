@@ -77,7 +77,7 @@ def summary(plan: Plan) -> str:
     lines.append(f"{'  peak':<28}{human_bytes(p.memory['peak']):>12}  of "
                  f"{human_bytes(p.memory_limit_bytes)} limit: {verdict}")
     if plan.pipeline is not None:
-        lines += ["", _pipeline(plan)]
+        lines += ["", _pipeline(plan), *_shares(plan)]
     collectives = len(plan.collectives)
     lines.append("")
     lines.append(f"collectives per step: {collectives}")
@@ -181,6 +181,25 @@ def _pipeline(plan: Plan) -> str:
                      f"{human_bytes(row.memory.peak):>12}"
                      + (f"  {' + '.join(row.groups)}" if placed else ""))
     return "\n".join(lines)
+
+
+def _shares(plan: Plan) -> list[str]:
+    """A mixed cluster's data-parallel shares by speed: how many rows of each micro-batch
+    the replicas on each kind of device take."""
+    parallel, pipe = plan.parallel, plan.pipeline
+    if parallel.even_shares or pipe is None:
+        return []
+    size = plan.mesh.size // len(parallel.dp_shares)
+    taken: dict[tuple[str, int], int] = {}  # (groups, rows) -> replicas
+    for d, rows in enumerate(parallel.dp_shares):
+        ranks = range(d * size, (d + 1) * size)
+        names = " + ".join(g.name for g in plan.cluster.groups
+                           if any(r in g.ranks for r in ranks))
+        taken[(names, rows)] = taken.get((names, rows), 0) + 1
+    parts = ", ".join(f"{rows} on each of {count} replica(s) on {names}"
+                      for (names, rows), count in taken.items())
+    return [f"  data-parallel shares of each micro-batch of {pipe.micro_batch_size} rows, "
+            f"by speed: {parts}"]
 
 
 def _unit_span(first: str, last: str) -> str:

@@ -143,7 +143,30 @@ def _parallel(plan: Plan, report: Report) -> None:
             report.add(f"parallel.dp is {parallel.dp} but the mesh ({axes}) has dp={dp}")
         if parallel.tp not in (1, tp):
             report.add(f"parallel.tp is {parallel.tp} but the mesh ({axes}) has tp={tp}")
+    _shares(plan, report)
     _sequence(plan, report)
+
+
+def _shares(plan: Plan, report: Report) -> None:
+    """`parallel.dp_shares`, where given, is a mixed cluster's pipeline of one stage
+    whose dp replicas take each micro-batch's rows between them: one share per replica,
+    adding up to the micro-batch."""
+    shares = plan.parallel.dp_shares
+    if not shares:
+        return
+    if not plan.cluster.groups:
+        report.add("parallel.dp_shares is given, but the plan is for one kind of device: "
+                   "replicas share the batch by speed only on a mixed cluster (--cluster)")
+    if len(shares) != plan.parallel.dp:
+        report.add(f"parallel.dp_shares has {len(shares)} shares for dp={plan.parallel.dp} "
+                   "replicas: give one per replica")
+    pipe = plan.pipeline
+    if pipe is None or len(pipe.stages) != 1:
+        report.add("parallel.dp_shares is given for a plan that is not one pipeline stage: "
+                   "shares by speed are planned for one stage only")
+    elif sum(shares) != pipe.micro_batch_size:
+        report.add(f"parallel.dp_shares add up to {sum(shares)} rows, not the micro-batch's "
+                   f"{pipe.micro_batch_size}")
 
 
 def _sequence(plan: Plan, report: Report) -> None:

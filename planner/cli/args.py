@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from planner.errors import ShardplanError
+from planner.search.options import TEXT_PINS
 
 
 def one_line(message: str) -> str:
@@ -79,7 +80,7 @@ def parallel(text: str) -> dict[str, int | str]:
         if key in pins:
             raise argparse.ArgumentTypeError(f"--parallel {text!r}: {key} is given twice; "
                                              "give each choice once")
-        if key in ("recompute", "schedule", "layout", "cp_kind"):
+        if key in TEXT_PINS:
             pins[key] = value.strip()
             continue
         try:

@@ -68,7 +68,8 @@ def add_parser(verbs: Verbs) -> None:
                            "chunks per device, >= 2), cp (context parallelism: the "
                            "sequence split), cp_kind (ring|ulysses), ep (expert "
                            "parallelism: the stacked experts split, tokens moved by "
-                           "all-to-all)")
+                           "all-to-all), dp_shares (even|speed: how a mixed cluster's "
+                           "data-parallel replicas share the batch)")
     plan.add_argument("--mesh", type=mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
     plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
                       help="largest number of mesh axes searched")

@@ -12,7 +12,7 @@ follows from the one step model (`planner.cost.step`). The partition search
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -441,32 +441,65 @@ class PlacedPricer:
     groups where they cross it. A stage whose ranks span kinds runs at the slowest one's
     pace, within the smallest one's memory. Memory limits are relative: a stage's limit is
     the pipeline's times its kind's memory over the lead kind's (all 1 under a
-    `--memory-limit`, which holds for every device)."""
+    `--memory-limit`, which holds for every device).
+
+    `rows`, when given, are the data-parallel replicas' shares of each micro-batch (one
+    per replica of a stage, in mesh order; `balanced_rows`): a replica's work and
+    activations scale with its rows (`UnitProfile.with_rows`), so a stage spanning kinds
+    runs at the pace of its slowest replica as its rows make it, and holds the
+    activations of its largest share."""
 
     def __init__(self, profiles: Sequence[UnitProfile], config: PipelineConfig,
-                 placement: Placement, mesh: DeviceMesh, uniform_limit: bool) -> None:
+                 placement: Placement, mesh: DeviceMesh, uniform_limit: bool,
+                 rows: Sequence[int] = ()) -> None:
         cluster = placement.cluster
         self.placement, self.config, self.mesh = placement, config, mesh
+        self.rows = tuple(rows)
         work = [float((p.forward + p.backward).sum()) for p in profiles]
         lead = cluster.lead.memory_bytes
-        self._pricers: dict[tuple[int, bool], Pricer] = {}
+        self._pricers: dict[tuple, Pricer] = {}
         self._stages: list[Pricer] = []
         self._ratios: list[float] = []
         self.groups: list[int] = []  # the kind each stage is priced on
+        #: per stage, the factor its time scales by (its slowest replica's rows over the
+        #: even share) and its activations (its largest share's): 1 without `rows`
+        self.scales: list[tuple[float, float]] = []
         for stage in range(config.pp):
             spanned = placement.stage_groups(stage)
-            group = placement.slowest(spanned, work)
             crosses = placement.crosses_into(stage)
-            key = (group, crosses)
+            group, pace, held = placement.slowest(spanned, work), 1.0, 1.0
+            if self.rows:
+                group, pace, held = self._shares_pace(stage, work)
+            key = (group, crosses, pace, held)
             if key not in self._pricers:
                 kind = cluster.groups[group].profile
-                self._pricers[key] = Pricer(profiles[group], config, kind, mesh_on(mesh, kind),
+                profile = profiles[group].with_rows(pace)
+                if held != pace:  # the largest share's activations, the slowest's pace
+                    largest = profiles[group].with_rows(held)
+                    profile = replace(profile, saved=largest.saved,
+                                      transient=largest.transient,
+                                      workspace=largest.workspace)
+                self._pricers[key] = Pricer(profile, config, kind, mesh_on(mesh, kind),
                                             cluster.link if crosses else None)
             self._stages.append(self._pricers[key])
             self.groups.append(group)
+            self.scales.append((pace, held))
             self._ratios.append(1.0 if uniform_limit
                                 else placement.memory_bytes(spanned) / lead)
         self.profile = self._stages[0].profile
+
+    def _shares_pace(self, stage: int, work: Sequence[float]) -> tuple[int, float, float]:
+        """Stage `stage` under `rows`: the kind its slowest replica runs on, that
+        replica's rows over the even share (the factor its work scales by), and the
+        largest share's factor (the activations the stage must hold)."""
+        replicas = self.placement.replica_groups(stage, len(self.rows))
+        even = sum(self.rows) / len(self.rows)
+        paces = []
+        for groups, rows in zip(replicas, self.rows, strict=True):
+            group = self.placement.slowest(groups, work)
+            paces.append((work[group] * rows / even, group, rows / even))
+        _, group, pace = max(paces, key=lambda p: p[0])
+        return group, pace, max(p[2] for p in paces)
 
     def stage_pricer(self, stage: int) -> Pricer:
         return self._stages[stage]

@@ -107,6 +107,26 @@ class UnitProfile:
         return replace(self, params=tuple(replace(p, axes=(*axes, *p.axes))
                                           for p in self.params))
 
+    def with_rows(self, factor: float) -> UnitProfile:
+        """The same units on a device whose micro-batch holds `factor` times the rows it
+        was priced at (a data-parallel replica's uneven share of the batch): what runs per
+        micro-batch (compute, the op-level collectives of activations, what is saved, the
+        sends) scales with the rows, the weights and their gradients' reductions do not.
+        Linear: a GEMM's efficiency at the other row count is not priced again."""
+        if factor == 1.0:
+            return self
+        return replace(
+            self, forward_compute=self.forward_compute * factor,
+            backward_compute=self.backward_compute * factor,
+            forward_communication=self.forward_communication * factor,
+            backward_communication=self.backward_communication * factor,
+            selective_extra=self.selective_extra * factor,
+            saved={mode: kept * factor for mode, kept in self.saved.items()},
+            transient={mode: kept * factor for mode, kept in self.transient.items()},
+            workspace=self.workspace * factor,
+            crossings=tuple(replace(c, bytes=c.bytes * factor) for c in self.crossings),
+            weight_compute=self.weight_compute * factor, loss_read=self.loss_read * factor)
+
 
 def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     """Per-unit prices of one op-level choice.

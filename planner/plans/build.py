@@ -48,7 +48,7 @@ from planner.plans.sections import (
     chunks_of,
 )
 from planner.plans.sequence import sequence_parallel
-from planner.records import Collective, Predicted, SolverRecord
+from planner.records import Collective, OpCost, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
 from planner.search.joint import choice_mesh, kinds_of, pipeline_config
 from planner.sharding.analysis import Analyses, GraphAnalysis
@@ -195,7 +195,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         assert context.cluster is not None, "a placed decision comes from a mixed cluster"
         placement = Placement(context.cluster, decision.order, mesh.size // choice.pp)
         pricer = PlacedPricer(profiles, config, placement, mesh,
-                              training.memory_limit_bytes is not None)
+                              training.memory_limit_bytes is not None, decision.rows)
     else:
         pricer = Pricer(profile, config, context.hardware, mesh)
     price = pricer.price(decision.devices, decision.recompute)
@@ -214,7 +214,10 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         tp = choice.tp if decision.tp_pinned else 1
     modes = set(decision.recompute)
     kind_of_op = [kind_of_stage[s] for s in stage_of_op]
-    ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(priceds, kind_of_op)
+    scale_of_op = [pricer.scales[s] if isinstance(pricer, PlacedPricer) else (1.0, 1.0)
+                   for s in stage_of_op]
+    ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
+        priceds, kind_of_op, scale_of_op)
     tensors, units = _tensor_entries(sharded), _layer_units(analysis.units)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
@@ -222,7 +225,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
         optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
-        if choice.cp > 1 else None)
+        if choice.cp > 1 else None, dp_shares=decision.rows)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
                             mesh.size // choice.pp, placement)
     sends = _sends(analysis, profile, stages, prices_of)
@@ -260,12 +263,23 @@ def _stage_of_op(decision: PipelineDecision, units: Units, ops: int) -> list[int
     return found
 
 
-def _placed_op_entries(priceds: Sequence[PricedGraph],
-                       kind_of_op: Sequence[int]) -> tuple[OpEntry, ...]:
+def _placed_op_entries(priceds: Sequence[PricedGraph], kind_of_op: Sequence[int],
+                       scale_of_op: Sequence[tuple[float, float]]) -> tuple[OpEntry, ...]:
     """A mixed cluster's op entries: each op's cost as the kind running it prices it (the
-    layouts are one: every kind was priced on the same strategies)."""
+    layouts are one: every kind was priced on the same strategies), and where replicas
+    share the batch by speed as its stage prices it: its seconds those of the stage's
+    slowest replica, its bytes those of its largest share (`PlacedPricer.scales`)."""
     every = [_op_entries(p) for p in priceds]
-    return tuple(every[kind][k] for k, kind in enumerate(kind_of_op))
+    found = []
+    for k, (kind, (pace, held)) in enumerate(zip(kind_of_op, scale_of_op, strict=True)):
+        entry = every[kind][k]
+        cost = entry.cost
+        if cost is not None and (pace, held) != (1.0, 1.0):
+            entry = replace(entry, cost=OpCost(cost.forward_s * pace, cost.backward_s * pace,
+                                               cost.saved_bytes * held,
+                                               cost.output_bytes * held))
+        found.append(entry)
+    return tuple(found)
 
 
 def _placed_collectives(priceds: Sequence[PricedGraph],

@@ -150,7 +150,10 @@ class ParallelConfig:
     (`ContextKind`; written only where cp > 1). `ep` is the expert-parallel degree (the mesh's
     "ep" axis splits the batch with dp outside expert layers and the stacked experts
     inside them, `planner.sharding.experts`; 1 when unused). Files written
-    before these keys read as 0, 1 and 1: no plan had them then."""
+    before these keys read as 0, 1 and 1: no plan had them then. `dp_shares`, on a mixed
+    cluster whose replicas run on different kinds, are the rows of each micro-batch each
+    data-parallel replica takes (in the order of the dp axis), in proportion to its
+    speed; empty (and absent from the file) where every replica takes the same."""
 
     dp: int = 1
     tp: int = 1
@@ -163,6 +166,7 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     cp_kind: ContextKind | None = None
+    dp_shares: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         found: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp,
@@ -171,7 +175,14 @@ class ParallelConfig:
                                  "sp": self.sp, "cp": self.cp, "ep": self.ep}
         if self.cp_kind is not None:
             found["cp_kind"] = str(self.cp_kind)
+        if self.dp_shares:
+            found["dp_shares"] = list(self.dp_shares)
         return found
+
+    @property
+    def even_shares(self) -> bool:
+        """Whether every data-parallel replica takes the same rows (what executors run)."""
+        return len(set(self.dp_shares)) <= 1
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ParallelConfig:
@@ -180,6 +191,8 @@ class ParallelConfig:
             known["recompute"] = _enum(Recompute, known["recompute"], "parallel.recompute")
         if "cp_kind" in known:
             known["cp_kind"] = _enum(ContextKind, known["cp_kind"], "parallel.cp_kind")
+        if "dp_shares" in known:
+            known["dp_shares"] = tuple(known["dp_shares"])
         return cls(**known)
 
 

@@ -80,6 +80,9 @@ class PipelineDecision:
     #: on a mixed cluster, the order of its device groups on the ranks
     #: (`costmodels.cluster.Placement`); empty on one kind of device
     order: tuple[int, ...] = ()
+    #: on a mixed cluster, the rows of each micro-batch each data-parallel replica takes
+    #: where shared by speed (`planner.search.stages.speed_rows`); empty: even shares
+    rows: tuple[int, ...] = ()
 
 
 Decision = OpLevelDecision | PipelineDecision

@@ -509,7 +509,10 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             axes = (str(AxisRole.DATA),) if choice.dp > 1 else ()
             with_dp[key] = [p.with_gradient_axes(axes) for p in found]
         return partitioner_for(with_dp[key], pipeline_config(choice, training), hardware,
-                               choice_mesh(choice, per_node), cluster, uniform)
+                               choice_mesh(choice, per_node), cluster, uniform,
+                               micro_rows=0 if pins.dp_shares == "even"
+                               else rows // choice.micro_batches,
+                               even=pins.dp_shares != "speed")
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync. The
@@ -684,7 +687,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    budget: MemoryBudget | None = None,
                    layout: str | None = None,
                    context_kind: ContextKind | None = None,
-                   cluster: Cluster | None = None) -> PipelineDecision | None:
+                   cluster: Cluster | None = None,
+                   dp_shares: str | None = None) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
     under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
@@ -695,7 +699,9 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     micro-batch's cost, `build_problem`) and as one micro-batch (the layout the surrogate
     ranked the configuration with). The first can replicate weights the second splits
     (their reduction looks cheap once per step) and outgrow memory the op-level problem
-    does not see; the faster of the two that fits is kept."""
+    does not see; the faster of the two that fits is kept. On a mixed cluster the
+    data-parallel replicas' shares of the batch are even or by speed as `dp_shares` pins
+    them (None: the faster)."""
     graph = graphs.root.graph
     if not graph.batch or graph.batch % (choice.dp * choice.micro_batches):
         raise ShardplanError(f"{graph.path}: batch {graph.batch} does not split into "
@@ -721,7 +727,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
             [unit_profile(priced, micro.units) for priced in priced_on_kinds(
                 micro, mesh, strategies, kinds_of(hardware, cluster), training)],
             pipeline_config(choice, training),
-            hardware, mesh, cluster, training.memory_limit_bytes is not None
+            hardware, mesh, cluster, training.memory_limit_bytes is not None,
+            micro_rows=0 if dp_shares == "even" else micro_size, even=dp_shares != "speed"
         ).solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
                                   < best[1].price.step_time_s):
@@ -733,7 +740,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     return PipelineDecision(choice, micro_size, strategies,
                             tuple(tuple(ranges) for ranges in found.devices),
                             tuple(found.recompute), replace(record, objective=step, bound=step),
-                            tp_pinned, found.order)
+                            tp_pinned, found.order, found.rows)
 
 
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
@@ -756,7 +763,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout, pins.cp_kind, cluster)
+                                  pins.layout, pins.cp_kind, cluster, pins.dp_shares)
         if decision is not None:
             decisions.append(decision)
     return decisions, result

@@ -10,7 +10,9 @@ from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, ContextKind, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "layout", "sp", "cp", "cp_kind", "ep")
+                 "layout", "sp", "cp", "cp_kind", "ep", "dp_shares")
+#: Pins whose values are words, not integers.
+TEXT_PINS = ("recompute", "schedule", "layout", "cp_kind", "dp_shares")
 #: Schedules of several stages only (one stage has no bubble to fill).
 PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
@@ -18,6 +20,10 @@ JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
 #: instead of the fastest layout the op-level search finds.
 LAYOUTS = ("megatron",)
+#: `dp_shares`: how a mixed cluster's data-parallel replicas share the batch: "even" rows
+#: each (what the executor runs), or "speed": in proportion to each one's speed
+#: (`planner.search.stages.speed_rows`); unpinned, the search keeps the faster.
+DP_SHARES = ("even", "speed")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Pins:
     #: how attention runs over cp (ring or ulysses); None: the faster, per configuration
     cp_kind: ContextKind | None = None
     ep: int | None = None  # expert parallel degree (an axis "ep" inside dp)
+    dp_shares: str | None = None  # "even" or "speed" on a mixed cluster (DP_SHARES)
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -75,7 +82,8 @@ class Pins:
                 and self.zero in (None, 0) and self.recompute in (None, Recompute.NONE)
                 and self.schedule in (None, Schedule.ONE_F_ONE_B) and self.vpp is None
                 and self.layout is None and self.sp in (None, 0) and self.cp in (None, 1)
-                and self.cp_kind is None and self.ep in (None, 1))
+                and self.cp_kind is None and self.ep in (None, 1)
+                and self.dp_shares in (None, "even"))
 
     def admit(self, dp: int, tp: int, layout: str | None = None) -> bool:
         """Whether an op-level plan of these degrees (with Megatron's layout when `layout`
@@ -108,9 +116,10 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         raise ShardplanError(f"--parallel {unknown[0]}: known keys are {', '.join(PARALLEL_KEYS)}")
     pins: dict[str, int | str] = {}
     for key, value in parallel.items():
-        if key in ("recompute", "schedule", "layout", "cp_kind"):
+        if key in TEXT_PINS:
             allowed = {"recompute": [str(m) for m in RECOMPUTE_MODES], "schedule": SCHEDULES,
-                       "layout": list(LAYOUTS), "cp_kind": [str(k) for k in ContextKind]}[key]
+                       "layout": list(LAYOUTS), "cp_kind": [str(k) for k in ContextKind],
+                       "dp_shares": list(DP_SHARES)}[key]
             if value not in allowed:
                 raise ShardplanError(f"--parallel {key}={value}: choose one of "
                                      f"{', '.join(allowed)}")
@@ -139,6 +148,13 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         if pins.get("cp") == 1:
             raise ShardplanError(f"--parallel cp_kind={pins['cp_kind']}: a kind of context "
                                  "parallelism needs cp of 2 or more, not cp=1")
+    if pins.get("dp_shares") == "speed":
+        against = [f"{key}={pins[key]}" for key in ("pp", "ep") if pins.get(key, 1) != 1]
+        if against or pins.get("dp") == 1:
+            raise ShardplanError(
+                f"--parallel dp_shares=speed with {', '.join(against) or 'dp=1'}: replicas "
+                "share the batch by speed in a plan of one pipeline stage (pp=1), no expert "
+                "axis and dp of 2 or more; pin one or the other")
     if pins.get("sp") == 1:
         typed.setdefault("layout", "megatron")
     if pins.get("pp") == 1 and typed.get("schedule") in PIPELINED_ONLY:

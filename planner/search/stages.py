@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from costmodels.cluster import Cluster, Placement
+from costmodels.cluster import Cluster, Placement, balanced_rows
 from costmodels.memory import training_memory
 from costmodels.orders import chunk_device, chunks_per_device
 from costmodels.profile import HardwareProfile
@@ -30,7 +30,7 @@ from costmodels.schedule import in_flight
 from planner.cost.pipeline import AnyPricer, PlacedPricer, Pricer, WeightTerms
 from planner.cost.step import PipelineConfig, StepPrice, step_price
 from planner.cost.units import UnitProfile
-from planner.kinds import RECOMPUTE_MODES, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
 from planner.layers import Units
 from planner.sharding.mesh import DeviceMesh
 
@@ -114,6 +114,9 @@ class Partition:
     price: StepPrice
     #: on a mixed cluster, the order its device groups take on the ranks (`Placement`)
     order: tuple[int, ...] = ()
+    #: on a mixed cluster, the data-parallel replicas' rows of each micro-batch where
+    #: they are shared by speed (`balanced_rows`); empty: even shares
+    rows: tuple[int, ...] = ()
 
 
 class Partitioner:
@@ -171,38 +174,74 @@ class Partitioner:
 class OrderedPartitioner:
     """A mixed cluster's partitions: every order of its device groups on the ranks
     (Metis-style: which kind runs the first stages, whose activations stay longest in
-    flight, and which the last), each partitioned on its own; the fastest is kept."""
+    flight, and which the last), each partitioned on its own, with even data-parallel
+    shares and, where replicas run on different kinds, shares by speed; the fastest is
+    kept (the first of equals: even shares before shares by speed)."""
 
-    def __init__(self, partitioners: Sequence[tuple[tuple[int, ...], Partitioner]]) -> None:
+    def __init__(self, partitioners: Sequence[tuple[tuple[int, ...], tuple[int, ...],
+                                                    Partitioner]]) -> None:
         self.partitioners = list(partitioners)
 
     def solve(self, limit: float,
               modes: Sequence[Recompute] = RECOMPUTE_MODES) -> Partition | None:
         best: Partition | None = None
-        for order, partitioner in self.partitioners:
+        for order, rows, partitioner in self.partitioners:
             found = partitioner.solve(limit, modes)
             if found is not None and (best is None or found.price.step_time_s
                                       < best.price.step_time_s):
-                best = replace(found, order=order)
+                best = replace(found, order=order, rows=rows)
         return best
 
 
 def partitioner_for(profiles: Sequence[UnitProfile], config: PipelineConfig,
                     hardware: HardwareProfile, mesh: DeviceMesh,
                     cluster: Cluster | None = None,
-                    uniform_limit: bool = True) -> Partitioner | OrderedPartitioner:
+                    uniform_limit: bool = True, micro_rows: int = 0, even: bool = True
+                    ) -> Partitioner | OrderedPartitioner:
     """The partitioner of one configuration: on `hardware` (`profiles[0]`), or on a mixed
     `cluster` with `profiles[g]` priced by group g's hardware, over every order of its
     groups whose stages fit on them (`uniform_limit`: one memory limit for every kind,
-    the user's `--memory-limit`)."""
+    the user's `--memory-limit`). `micro_rows`, the rows of one micro-batch, lets it try
+    data-parallel shares by speed (`speed_rows`); 0 keeps every share even. `even=False`
+    (the `dp_shares=speed` pin) drops even shares wherever shares by speed apply."""
     if cluster is None or not cluster.mixed:
         return Partitioner(Pricer(profiles[0], config, hardware, mesh))
     stage_size = mesh.size // config.pp
-    return OrderedPartitioner([
-        (order, Partitioner(PlacedPricer(profiles, config,
-                                         Placement(cluster, order, stage_size), mesh,
-                                         uniform_limit)))
-        for order in cluster.orders()])
+    found: list[tuple[tuple[int, ...], tuple[int, ...], Partitioner]] = []
+    for order in cluster.orders():
+        placement = Placement(cluster, order, stage_size)
+        rows = speed_rows(profiles, placement, mesh, config.pp, micro_rows)
+        if even or not rows:
+            found.append((order, (), Partitioner(PlacedPricer(profiles, config, placement,
+                                                              mesh, uniform_limit))))
+        if rows:
+            found.append((order, rows, Partitioner(PlacedPricer(
+                profiles, config, placement, mesh, uniform_limit, rows))))
+    return OrderedPartitioner(found)
+
+
+def speed_rows(profiles: Sequence[UnitProfile], placement: Placement, mesh: DeviceMesh,
+               pp: int, micro_rows: int) -> tuple[int, ...]:
+    """The data-parallel replicas' rows of a micro-batch of `micro_rows` in proportion to
+    each one's speed (`balanced_rows`; a replica on several kinds at its slowest one's),
+    or () where even shares are all there is: a pipeline of more than one stage (each
+    stage's layers already balance its kind: shares would have to suit every stage at
+    once), replicas all on one kind, replica or expert axes (the first repeats the work,
+    the second splits the batch with the experts), rows that do not split evenly to
+    start from."""
+    dp = mesh.axis_size(AxisRole.DATA) if AxisRole.DATA in mesh.axis_names else 1
+    others = any(mesh.axis_size(axis) > 1 for axis in (AxisRole.REPLICA, AxisRole.EXPERT)
+                 if axis in mesh.axis_names)
+    if pp != 1 or dp < 2 or others or micro_rows < dp or micro_rows % dp:
+        return ()
+    work = [float((p.forward + p.backward).sum()) for p in profiles]
+    replicas = placement.replica_groups(0, dp)
+    slowest = [placement.slowest(groups, work) for groups in replicas]
+    if len(set(slowest)) < 2 or any(work[g] <= 0.0 for g in slowest):
+        return ()
+    even = micro_rows // dp
+    rows = balanced_rows(micro_rows, [work[g] / even for g in slowest])
+    return () if rows == (even,) * dp else rows
 
 
 def partition(pricer: AnyPricer, limit: float,
