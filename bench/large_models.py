@@ -14,8 +14,9 @@ sequence 2048 (the GPT rows), Adam.
     python bench/large_models.py --mixed               # the mixed-cluster rows
 
 The mixed-cluster rows plan each model on a cluster of two device kinds
-(`examples/clusters/`) and, in the same run, on as many devices of each kind alone and on
-each group's own devices, so the step times stand side by side.
+(`examples/clusters/`), searched and with even data-parallel shares pinned
+(`dp_shares=even`: what the executor runs), and, in the same run, on as many devices of
+each kind alone and on each group's own devices, so the step times stand side by side.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def run_mixed_case(folder: Path, case: MixedCase) -> list[str]:
     cluster = load_cluster(CLUSTERS / case.cluster)
     runs: list[tuple[str, dict[str, Any]]] = [
         (cluster.describe(), {"cluster": cluster}),
+        (f"{cluster.describe()}, even dp", {"cluster": cluster,
+                                            "parallel": {"dp_shares": "even"}}),
         *((f"{cluster.devices} × {group.profile.name}",
            {"profile": group.profile, "devices": cluster.devices})
           for group in cluster.groups),
@@ -213,6 +216,8 @@ def run_mixed_case(folder: Path, case: MixedCase) -> list[str]:
             rows.append(f"{case.preset:<10}{label:<37} {result} ({elapsed:.1f} s)")
             continue
         par = result.parallel
+        if not par.even_shares:  # the replicas' rows per micro-batch, fewest to most
+            label += f", dp rows {min(par.dp_shares)}-{max(par.dp_shares)}"
         rows.append(f"{case.preset:<10}{label:<37}{par.dp:>4}{par.tp:>4}{par.pp:>4}"
                     f"{par.micro_batches:>5}{par.zero:>5}  {par.recompute:<10}"
                     f"{_schedule(result):<9}{_stages(result):<24}" + _outcome(result, elapsed))
