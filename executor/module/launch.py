@@ -173,11 +173,16 @@ OPTIMIZERS = ("sgd", "adamw")
 
 
 def make_optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """SGD or AdamW over the module's parameters (DTensors or not)."""
+    """SGD or AdamW over the module's parameters (DTensors or not). Over DTensors the
+    update runs as one multi-tensor (foreach) op per step rather than one op per
+    parameter: each DTensor op pays its dispatch on the host (on one CPU rank, 69 against
+    121 µs a step for the 2-layer LLaMA's SGD); torch defaults to foreach only on GPUs."""
+    params = list(module.parameters())
+    foreach = True if any(isinstance(p, DTensor) for p in params) else None
     if name == "sgd":
-        return torch.optim.SGD(module.parameters(), lr=lr)
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
     if name == "adamw":
-        return torch.optim.AdamW(module.parameters(), lr=lr)
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 

@@ -207,16 +207,18 @@ def replicated(value: Any, mesh: TorchMesh) -> Any:
 _FACTS = "shardplan.graph_facts"
 
 
-def _graph_facts(graph: GraphModule) -> tuple[dict[Node, list[Node]], dict[str, int]]:
+def _graph_facts(graph: GraphModule
+                 ) -> tuple[dict[Node, list[Node]], dict[str, int], dict[str, torch.nn.Module]]:
     """For each node, the values whose last reader it is (`Interpreter.user_to_last_uses`),
-    and each node's place in the graph: derived once, kept in the graph's meta (a traced
-    graph's nodes do not change after `parallelize` placed it)."""
+    each node's place in the graph, and the graph module's submodules: derived once, kept
+    in the graph's meta (a traced graph's nodes and modules do not change after
+    `parallelize` placed it)."""
     facts = graph.meta.get(_FACTS)
     if facts is None:
         nodes = list(graph.graph.nodes)
         facts = ({user: list(values) for user, values in
                   last_uses(nodes, frozenset()).items()},
-                 {n.name: k for k, n in enumerate(nodes)})
+                 {n.name: k for k, n in enumerate(nodes)}, dict(graph.named_modules()))
         graph.meta[_FACTS] = facts
     return facts
 
@@ -227,11 +229,16 @@ class TracedRun(Interpreter):
     and attention with dropout, which runs as its definition so that dropout can apply."""
 
     def __init__(self, graph: GraphModule, seed: int, step: int) -> None:
-        # one run per forward (and micro-batch): what `Interpreter` derives from the
-        # graph on each construction is derived once per graph instead
-        super().__init__(graph, garbage_collect_values=False)
+        # One run per forward (and micro-batch): `Interpreter.__init__`'s fields, set as
+        # it sets them, from what is derived once per graph (it walks every submodule
+        # and every node on each construction).
+        self.module = graph
+        self.graph = graph.graph
+        self.env: dict[Node, Any] = {}
+        self.name = "Interpreter"
         self.garbage_collect_values = True
-        self.user_to_last_uses, self.index = _graph_facts(graph)
+        self.extra_traceback = True
+        self.user_to_last_uses, self.index, self.submodules = _graph_facts(graph)
         self.seed, self.step = seed, step
 
     def call(self, n: Node, args: Any, kwargs: Any) -> Any:
@@ -450,6 +457,7 @@ class PlannedRun(TracedRun):
         self.env = env
         self._keep = keep
         regions = self.plan.regions(nodes, spans, keep)
+        release = self.plan.release
         k = 0
         while k < len(nodes):
             node = nodes[k]
@@ -462,7 +470,9 @@ class PlannedRun(TracedRun):
                 done = list(nodes[k:k + span])
             k += span
             for finished in done:
-                self.plan.weights.release(self.plan.release.get(finished.name, ()))
+                freed = release.get(finished.name)
+                if freed:
+                    self.plan.weights.release(freed)
                 for dead in dies.get(finished, ()):
                     self.env.pop(dead, None)
                     self.frame.forget(dead)
@@ -528,12 +538,16 @@ class PlannedRun(TracedRun):
             if self.plan.local.degree == 1:  # the batch is not split: a local value is
                 return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
             return map_arg(n.args[0], self._as_dtensor)
-        if n.op != "call_function":
-            value = super().run_node(n)
-            if n.op == "get_attr" and self.plan.reads.get(str(n.target)) in \
-                    self.plan.weights.leaves:
+        if n.op == "get_attr":  # a weight read, straight to its synchronisation (the
+            # interpreter's generic path costs more than the read, once per weight)
+            name = self.plan.reads.get(str(n.target))
+            if name is None:
+                return super().run_node(n)
+            if name in self.plan.weights.leaves:
                 self.frame.held_local.add(n)  # a weight only local ops read: its leaf
-            return value
+            return self.plan.weights.read(name)
+        if n.op != "call_function":
+            return super().run_node(n)
         if is_size(n):
             return self._size(n)
         if n.name in self.plan.local.nodes:
@@ -722,7 +736,8 @@ class _Frame:
     def forget(self, node: Node) -> None:
         self.held_local.discard(node)
         for table in (self.dtensors, self.locals, self.sizes, self.moved):
-            table.pop(node, None)  # type: ignore[attr-defined]
+            if table:  # (most are empty: once per node and forward)
+                table.pop(node, None)  # type: ignore[attr-defined]
 
     def part(self, nodes: Sequence[Node]) -> _Frame:
         """What this frame knows of `nodes` (a segment's inputs or outputs)."""
