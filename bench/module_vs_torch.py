@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,12 @@ def _torch_worker(rank: int, port: int, kind: str, batch: int, steps: int, out: 
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+    # Leave as multiprocessing's own children do: gloo objects DTensor and FSDP keep
+    # alive can abort the interpreter's teardown ("terminate called without an active
+    # exception"), which mp.spawn reports as a failed rank (executor/__main__.py alike).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _torch_ranks(kind: str, batch: int, steps: int) -> list[float]:

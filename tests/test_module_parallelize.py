@@ -408,5 +408,12 @@ def test_a_kept_trace_serves_later_processes_until_the_module_changes(
     monkeypatch.setattr(cache, "KEPT_TRACES", 1)
     monkeypatch.setattr(launch, "_saved_traces", {})
     launch.shared_trace(spec, 3)
-    assert len([p for p in (tmp_path / "cache" / "traces").iterdir()
-                if not p.name.startswith(".")]) == 1
+
+    def kept() -> int:
+        return len([p for p in (tmp_path / "cache" / "traces").iterdir()
+                    if not p.name.startswith(".")])
+    assert kept() == 4  # each used within IN_USE_S: another run's ranks may read it
+    monkeypatch.setattr(cache, "IN_USE_S", 0.0)
+    monkeypatch.setattr(launch, "_saved_traces", {})
+    launch.shared_trace(spec, 4)
+    assert kept() == 1

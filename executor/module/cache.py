@@ -8,7 +8,9 @@ torch's and Python's versions, this project's export code, the builder's file, t
 files of every module class the module holds, the module's structure, every parameter
 and buffer (shape, dtype and values: the trace keeps copies) and the example batch's shapes. Any
 change there gives another digest, so a stale trace is never read; the last
-`KEPT_TRACES` stay.
+`KEPT_TRACES` stay, and so does any used in the last `IN_USE_S` seconds: a run reads its
+trace once its ranks start, after the launcher found it, and another run keeping a new
+trace meanwhile must not remove it.
 
 The folder is `$SHARDPLAN_CACHE_DIR`, else `$XDG_CACHE_HOME/shardplan`, else
 `~/.cache/shardplan`; `SHARDPLAN_CACHE_DIR=` (empty) keeps traces in the process only.
@@ -23,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from executor.module import trace as trace_code
 from executor.module.trace import SavedTrace
 
 KEPT_TRACES = 8  # the most recently used traces kept; older ones are removed
+IN_USE_S = 600.0  # a trace used this recently is kept whatever the count (ranks starting)
 
 
 def cache_folder() -> Path | None:
@@ -109,11 +113,18 @@ def keep_trace(digest: str, program: torch.onnx.ONNXProgram) -> SavedTrace:
 
 
 def _evict(folder: Path) -> None:
-    """Remove all but the `KEPT_TRACES` most recently used entries."""
-    entries = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in entries[KEPT_TRACES:]:
-        shutil.rmtree(stale, ignore_errors=True)
+    """Remove all but the `KEPT_TRACES` most recently used entries, keeping any used in
+    the last `IN_USE_S` seconds (another run's ranks may be about to read it)."""
+    used: list[tuple[float, Path]] = []
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.name.startswith("."):
+            with contextlib.suppress(OSError):  # (another process removed it)
+                used.append((entry.stat().st_mtime, entry))
+    used.sort(reverse=True)
+    recent = time.time() - IN_USE_S
+    for when, stale in used[KEPT_TRACES:]:
+        if when < recent:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _source_file(cls: type) -> str | None:

@@ -185,6 +185,8 @@ class ModuleChunks:
             env[node] = self._arrived(node, received[name])
         running = PlannedRun(self.graph, self.run, self.mesh, self.record, self.seed,
                              self.step_number, micro)
+        running.fold_at(("chunk", chunk.index, *(tuple(getattr(v, "shape", ()))
+                                                 for v in env.values())))
         with self.phases("forward"), implicit_replication(), \
                 self.run.weights.saved_weights():
             values = running.run_nodes(plan.nodes, env, plan.keep, plan.spans, plan.dies)

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from executor.dropout import DropoutSite
 from executor.module import attention, masks
+from executor.module.constants import constant_nodes
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
@@ -312,6 +313,11 @@ class ModulePlan:
     release: Mapping[str, tuple[str, ...]]  # node -> weights it is the last reader of
     local: LocalPlan  # the ops that run on local tensors (`executor.module.local`)
     batch_index: int  # this rank's block of the batch
+    #: nodes whose values are the same at every step (`executor.module.constants`):
+    #: computed once per shape of the step's inputs, then reused
+    constants: frozenset[Node] = frozenset()
+    _folded: dict[tuple[Any, ...], dict[Node, tuple[Any, bool]]] = field(
+        default_factory=dict)
     _placements: dict[tuple[str, Layout], tuple[Placement, ...]] = field(
         default_factory=dict)
     _regions: dict[tuple[Any, ...], Mapping[int, Region]] = field(default_factory=dict)
@@ -339,7 +345,9 @@ class ModulePlan:
         for axis in found.batch_axes:
             index = index * mesh.axis_size(axis) + int(coord[axis])
         return cls(layouts, mesh, weights, reads, spans,
-                   {k: tuple(v) for k, v in release.items()}, found, index)
+                   {k: tuple(v) for k, v in release.items()}, found, index,
+                   # sizes stay with the run: it keeps each one's global and local value
+                   frozenset(n for n in constant_nodes(nodes, reads) if not is_size(n)))
 
     def regions(self, nodes: Sequence[Node], spans: Mapping[str, int],
                 keep: frozenset[Node]) -> Mapping[int, Region]:
@@ -351,8 +359,14 @@ class ModulePlan:
             for k, node in enumerate(nodes):
                 if node.name in spans:
                     cuts.update((k, k + spans[node.name]))
-            self._regions[key] = regions_of(nodes, self.local.nodes, cuts, keep)
+            compiled = frozenset(self.local.nodes) - {n.name for n in self.constants}
+            self._regions[key] = regions_of(nodes, compiled, cuts, keep)
         return self._regions[key]
+
+    def folded(self, shapes: tuple[Any, ...]) -> dict[Node, tuple[Any, bool]]:
+        """The constant nodes' values (and whether each is a local block) computed at the
+        step inputs' `shapes` so far."""
+        return self._folded.setdefault(shapes, {})
 
     def placements(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         key = (name, layout)
@@ -411,6 +425,9 @@ class PlannedRun(TracedRun):
         self.micro = micro  # this micro-batch's place in the step
         self.frame = _Frame()
         self._keep: frozenset[Node] = frozenset()
+        #: the constant nodes' values at this run's input shapes (`fold_at`; None: each
+        #: computed again)
+        self._folded: dict[Node, tuple[Any, bool]] | None = None
 
     def _wanted(self, name: str, layout: Layout) -> tuple[Placement, ...]:
         return self.plan.placements(name, layout)
@@ -433,7 +450,9 @@ class PlannedRun(TracedRun):
 
     def run(self, *args: Any, initial_env: Any = None, enable_io_processing: bool = True
             ) -> Any:
-        """`Interpreter.run`, but a recompute segment runs as one checkpointed call."""
+        """`Interpreter.run`, but a recompute segment runs as one checkpointed call, and
+        the constant nodes' values are those of the first run at the inputs' shapes."""
+        self.fold_at(tuple(tuple(getattr(a, "shape", ())) for a in args))
         self.args_iter = iter(self.graph.process_inputs(*args))
         try:
             env = self.run_nodes(list(self.graph.nodes), {}, frozenset(), self.plan.spans,
@@ -441,6 +460,11 @@ class PlannedRun(TracedRun):
             return self.graph.process_outputs(env[self.output_node])
         finally:
             self.env, self.frame = {}, _Frame()
+
+    def fold_at(self, key: tuple[Any, ...]) -> None:
+        """Reuse the constant nodes' values of earlier runs whose inputs had the shapes
+        `key` says (a run of the whole graph, or of one pipeline chunk)."""
+        self._folded = self.plan.folded(key)
 
     @property
     def output_node(self) -> Node:
@@ -525,7 +549,18 @@ class PlannedRun(TracedRun):
         returns how many nodes ran."""
         region = regions.get(k)
         if region is None:
-            self.env[nodes[k]] = self.run_node(nodes[k])
+            node = nodes[k]
+            if node in self.plan.constants and self._folded is not None:
+                found = self._folded.get(node)
+                if found is None:
+                    found = self._folded[node] = (self.run_node(node),
+                                                  node in self.frame.held_local)
+                value, local = found
+                if local:
+                    self.frame.held_local.add(node)
+                self.env[node] = value
+                return 1
+            self.env[node] = self.run_node(node)
             return 1
         results = region.call(*(self._as_local(a) for a in region.inputs))
         for node, value in zip(region.outputs, results, strict=True):
