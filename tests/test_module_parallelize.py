@@ -156,6 +156,26 @@ def test_gpt2_zero3_micro_batches_with_dropout_train_as_one_device(tmp_path: Pat
     assert run.differences == []
 
 
+def test_a_whole_position_embedding_keeps_its_gradient_pending_as_planned(
+        tmp_path: Path) -> None:
+    """GPT-2 with tp=2 pinned: the search splits the rows over "tp" inside the graph (the
+    token gather cuts them; the batch enters whole), while the position embedding is
+    computed whole on every rank and added to this rank's rows. Its gradient is this
+    rank's share, which the plan sums once per step (an all-reduce of wpe over tp): the
+    executor keeps it pending where the whole value meets DTensor ops, instead of
+    letting DTensor sum it there (an all-reduce the plan does not list, after which the
+    plan's own would sum it again)."""
+    gpt2 = "examples.hf_models:gpt2"
+    chosen = plan(export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx"), devices=2,
+                  batch=BATCH, profile="a100-80g", parallel={"dp": 1, "tp": 2})
+    assert any(c.tensor.endswith("wpe.weight") and c.axes == ("tp",)
+               for c in chosen.collectives)
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+
+
 def test_bert_zero2_micro_batches_and_recompute_train_as_one_device(tmp_path: Path) -> None:
     """BERT (dropout 0.1; token types from a buffer, which the plan keeps whole on both
     ranks and cuts to each rank's rows where they meet the batch, the gradient of that cut

@@ -107,6 +107,32 @@ class _GradientIn(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _FromLocal(torch.autograd.Function):
+    """A local value as the DTensor it is a block of (`DTensor.from_local`, no
+    communication), whose gradient comes back as this rank's share where DTensor leaves
+    it a pending sum: the reads (`_GradientIn`) already summed what the plan sums there,
+    so a sum still pending is the plan's to make later, at the weight the value comes
+    from (`from_local`'s own backward would all-reduce it into the value's placements, a
+    collective the plan does not list, and the plan's own reduction would then sum it
+    again). Only for a value no local op reads: a local reader's gradient is whole."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: TorchMesh,
+                placements: tuple[Placement, ...]) -> DTensor:
+        ctx.mesh, ctx.placements = mesh, placements
+        return DTensor.from_local(local.view_as(local), mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None, None]:
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        target = tuple(have if isinstance(have, Partial) else want
+                       for have, want in zip(grad.placements, ctx.placements, strict=True))
+        if not _normalised(grad, target):
+            grad = redistribute(grad, ctx.mesh, target)
+        return grad._local_tensor, None, None
+
+
 class _Split(torch.autograd.Function):
     """A replicated value cut to this rank's block along one dim (no communication), its
     gradient a pending sum (this rank's block, zeros elsewhere) as the plan prices it:
@@ -654,8 +680,13 @@ class PlannedRun(TracedRun):
             if not isinstance(local, torch.Tensor):
                 raise ShardplanError(f"{node.name}: a local {type(local).__name__} read by "
                                      "a DTensor op")
-            frame.dtensors[node] = DTensor.from_local(local, self.mesh, self._natural(node),
-                                                      run_check=False)
+            natural = self._natural(node)
+            if local.requires_grad and not any(u.name in self.plan.local.nodes
+                                               for u in node.users):
+                frame.dtensors[node] = _FromLocal.apply(local, self.mesh, natural)
+            else:
+                frame.dtensors[node] = DTensor.from_local(local, self.mesh, natural,
+                                                          run_check=False)
         return frame.dtensors[node]
 
     def _as_local(self, node: Node) -> Any:
@@ -686,11 +717,18 @@ class PlannedRun(TracedRun):
             value = redistribute(value, self.mesh, wanted)
         if not value.requires_grad:
             return value.to_local()
+        names = self.plan_mesh.axis_names
         if all(isinstance(p, Replicate) for p in wanted) and self.plan.local.batch_axes:
             # read by an op on this rank's rows: its gradient is this rank's share
-            names = self.plan_mesh.axis_names
             grads = tuple(Partial() if names[d] in self.plan.local.batch_axes else p
                           for d, p in enumerate(wanted))
+            return value.to_local(grad_placements=grads)
+        weight = self.plan.reads.get(str(node.target)) if node.op == "get_attr" else None
+        pending = self.plan.weights.pending_axes(weight) if weight is not None else ()
+        if pending:  # a whole weight whose gradient the plan sums later: the local ops'
+            # gradient is this rank's share of it (kept so by `_FromLocal` and the reads)
+            grads = tuple(Partial() if names[d] in pending and isinstance(p, Replicate)
+                          else p for d, p in enumerate(wanted))
             return value.to_local(grad_placements=grads)
         return value.to_local()
 

@@ -173,6 +173,12 @@ class WeightSync:
                 if weight.ranks > 1:
                     weight.free()
 
+    def pending_axes(self, name: str) -> tuple[str, ...]:
+        """The mesh axes over which the plan sums `name`'s gradient after the backward
+        pass (its gradient's pending sum until then); () where it sums none."""
+        bucket = self._by_weight.get((name, *self.reduction))
+        return tuple(bucket.plan.axes) if bucket is not None else ()
+
     def _reduced_over(self, name: str, batch_axes: tuple[str, ...]) -> bool:
         """Whether the plan's reduction of `name`'s gradient sums exactly the shares of the
         ranks that split the batch (none where the batch is not split): what a leaf's
