@@ -137,12 +137,26 @@ def test_the_plan_file_keeps_the_shares_and_validate_checks_them(
     path = folder / "shared.json"
     shared.save(path)
     assert main(["validate", str(path), str(model)]) == 0
+    low, high = min(shared.parallel.dp_shares), max(shared.parallel.dp_shares)
+    assert explain_text(path, low, high)
     wrong = json.loads(json.dumps(data))
     wrong["parallel"]["dp_shares"][0] += 1
     report = validate(Plan.from_json(wrong))
     assert any("add up to" in problem for problem in report.problems)
     wrong["parallel"]["dp_shares"] = wrong["parallel"]["dp_shares"][:4]
     assert any("4 shares for dp=16" in p for p in validate(Plan.from_json(wrong)).problems)
+
+
+def explain_text(path: Path, low: int, high: int) -> bool:
+    """Whether `shardplan explain` names the shares on its strategy line."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["explain", str(path)]) == 0
+    strategy = next(line for line in out.getvalue().splitlines()
+                    if line.startswith("strategy"))
+    return f"dp_shares={low}-{high} rows by speed" in strategy
 
 
 def test_shares_on_one_kind_of_device_are_reported(model: Path) -> None:

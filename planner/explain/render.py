@@ -69,12 +69,17 @@ def _header(ex: Explanation) -> list[str]:
 
 def _degrees_beyond(parallel: dict[str, Any]) -> str:
     """sp always (Megatron's sequence parallelism, 0 or 1), cp where not 1 with how
-    attention runs over it (cp=4 ring), ep where not 1 (the experts split over it)."""
+    attention runs over it (cp=4 ring), ep where not 1 (the experts split over it), and
+    uneven data-parallel shares (a mixed cluster's, by speed) as their least and most
+    rows of a micro-batch."""
     extra = [f"sp={parallel.get('sp', 0)}"]
     if parallel.get("cp", 1) != 1:
         kind = parallel.get("cp_kind")
         extra.append(f"cp={parallel['cp']}" + (f" {kind}" if kind else ""))
     extra += [f"ep={parallel['ep']}"] if parallel.get("ep", 1) != 1 else []
+    shares = parallel.get("dp_shares") or []
+    if len(set(shares)) > 1:  # a mixed cluster's replicas share the batch by speed
+        extra.append(f"dp_shares={min(shares)}-{max(shares)} rows by speed")
     return "".join(f" {item}" for item in extra)
 
 
