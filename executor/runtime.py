@@ -131,6 +131,18 @@ class MeshComm:
         self.counters.add(CollectiveKind.ALL_REDUCE, axes, phase)
         return result
 
+    def all_reduce_async(self, tensor: torch.Tensor, axes: Sequence[str], phase: str
+                         ) -> tuple[dist.Work | None, torch.Tensor]:
+        """`all_reduce`, issued without waiting: the work to wait for (None where the
+        group is one rank) and the buffer the sum lands in."""
+        group = self.group(axes)
+        if group is None:
+            return None, tensor
+        result = tensor.detach().clone().contiguous()
+        work = dist.all_reduce(result, group=group, async_op=True)
+        self.counters.add(CollectiveKind.ALL_REDUCE, axes, phase)
+        return work, result
+
     def group_rank(self, axes: Sequence[str]) -> int:
         group = self.group(axes)
         return dist.get_rank(group) if group is not None else 0

@@ -135,6 +135,10 @@ class WeightSync:
         self.zero, self.comm = zero, comm
         self.tied = dict(tied or {})
         self.micro_batch_last = True  # the backward running ends the step's micro-batches
+        #: gradient all-reduces issued in this backward pass, not yet waited for
+        #: (`_all_reduce`): work, the buffer of the sum, the bucket, its gradients
+        self._in_flight: list[tuple[Any, torch.Tensor, WeightBucket,
+                                    Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]]] = []
         # the one reduction each gradient gets: DDP's all-reduce once per step, ZeRO 1's
         # reduce-scatter once per step, ZeRO 2 and 3's after every micro-batch
         self.reduction = (CollectiveKind.ALL_REDUCE, Phase.GRADIENT) if zero == 0 else (
@@ -388,9 +392,31 @@ class WeightSync:
     def _all_reduce(self, plan: WeightBucket,
                     taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]) -> None:
         """One all-reduce for the bucket's flat gradients; each parameter's gradient a
-        view of the sum."""
+        view of the sum. Inside a backward pass it is issued without waiting, as DDP
+        issues its buckets: the rest of the backward pass runs while it is on the wire
+        (what the plan prices as hidden behind it), and the sums are waited for and made
+        the gradients once the backward pass ends (an autograd callback), before any
+        optimizer step can read them."""
         flat = torch.cat([local.reshape(-1) for local, _ in taken])
-        summed = self.comm.all_reduce(flat, plan.axes, str(plan.phase))
+        if in_backward():
+            work, summed = self.comm.all_reduce_async(flat, plan.axes, str(plan.phase))
+            if not self._in_flight:
+                torch.autograd.Variable._execution_engine.queue_callback(self._landed)
+            self._in_flight.append((work, summed, plan, taken))
+            return
+        self._set_sums(self.comm.all_reduce(flat, plan.axes, str(plan.phase)), plan, taken)
+
+    def _landed(self) -> None:
+        """The end of a backward pass: its all-reduces waited for, their sums made the
+        parameters' gradients."""
+        flying, self._in_flight = self._in_flight, []
+        for work, summed, plan, taken in flying:
+            if work is not None:
+                work.wait()
+            self._set_sums(summed, plan, taken)
+
+    def _set_sums(self, summed: torch.Tensor, plan: WeightBucket,
+                  taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]) -> None:
         offset = 0
         for name, (local, done) in zip(plan.tensors, taken, strict=True):
             piece = summed[offset:offset + local.numel()].view_as(local)
