@@ -134,15 +134,17 @@ class Placement:
     def memory_bytes(self, groups: Sequence[int]) -> int:
         return min(self.cluster.groups[g].memory_bytes for g in groups)
 
-    def replica_groups(self, stage: int, replicas: int) -> tuple[tuple[int, ...], ...]:
-        """The groups each of `replicas` data-parallel replicas of stage `stage` is on: a
-        replica's ranks are one block of the stage's (its model-parallel group, the mesh's
-        inner axes), replica d the d-th block."""
+    def replica_kinds(self, stage: int, replicas: int, work: Sequence[float]
+                      ) -> tuple[int, ...]:
+        """The group each of `replicas` data-parallel replicas of stage `stage` runs at
+        the pace of: the slowest its ranks are on (`slowest`, by `work`). A replica's
+        ranks are one block of the stage's (its model-parallel group, the mesh's inner
+        axes), replica d the d-th block."""
         size = self.stage_size // replicas
         first = stage * self.stage_size
-        return tuple(tuple(dict.fromkeys(self.group_of_rank(first + d * size + k)
-                                         for k in range(size)))
-                     for d in range(replicas))
+        return tuple(self.slowest(tuple(dict.fromkeys(
+            self.group_of_rank(first + d * size + k) for k in range(size))), work)
+            for d in range(replicas))
 
 
 def balanced_rows(total: int, seconds_per_row: Sequence[float]) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ follows from the one step model (`planner.cost.step`). The partition search
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -455,7 +455,7 @@ class PlacedPricer:
         cluster = placement.cluster
         self.placement, self.config, self.mesh = placement, config, mesh
         self.rows = tuple(rows)
-        work = [float((p.forward + p.backward).sum()) for p in profiles]
+        work = kind_seconds(profiles)
         lead = cluster.lead.memory_bytes
         self._pricers: dict[tuple, Pricer] = {}
         self._stages: list[Pricer] = []
@@ -473,13 +473,8 @@ class PlacedPricer:
             key = (group, crosses, pace, held)
             if key not in self._pricers:
                 kind = cluster.groups[group].profile
-                profile = profiles[group].with_rows(pace)
-                if held != pace:  # the largest share's activations, the slowest's pace
-                    largest = profiles[group].with_rows(held)
-                    profile = replace(profile, saved=largest.saved,
-                                      transient=largest.transient,
-                                      workspace=largest.workspace)
-                self._pricers[key] = Pricer(profile, config, kind, mesh_on(mesh, kind),
+                self._pricers[key] = Pricer(profiles[group].with_rows(pace, held), config,
+                                            kind, mesh_on(mesh, kind),
                                             cluster.link if crosses else None)
             self._stages.append(self._pricers[key])
             self.groups.append(group)
@@ -492,14 +487,12 @@ class PlacedPricer:
         """Stage `stage` under `rows`: the kind its slowest replica runs on, that
         replica's rows over the even share (the factor its work scales by), and the
         largest share's factor (the activations the stage must hold)."""
-        replicas = self.placement.replica_groups(stage, len(self.rows))
+        kinds = self.placement.replica_kinds(stage, len(self.rows), work)
         even = sum(self.rows) / len(self.rows)
-        paces = []
-        for groups, rows in zip(replicas, self.rows, strict=True):
-            group = self.placement.slowest(groups, work)
-            paces.append((work[group] * rows / even, group, rows / even))
-        _, group, pace = max(paces, key=lambda p: p[0])
-        return group, pace, max(p[2] for p in paces)
+        _, group, pace = max(((work[g] * rows / even, g, rows / even)
+                              for g, rows in zip(kinds, self.rows, strict=True)),
+                             key=lambda found: found[0])
+        return group, pace, max(self.rows) / even
 
     def stage_pricer(self, stage: int) -> Pricer:
         return self._stages[stage]
@@ -515,6 +508,12 @@ class PlacedPricer:
               recompute: Sequence[Recompute]) -> StepPrice:
         stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
         return step_price(stages, self.config)
+
+
+def kind_seconds(profiles: Sequence[UnitProfile]) -> list[float]:
+    """Each kind's seconds for one micro-batch's forward and backward passes of every
+    unit (`profiles[g]` priced on kind g): what says which kind is slower."""
+    return [float((p.forward + p.backward).sum()) for p in profiles]
 
 
 #: What prices a pipeline: one kind of device, or a mixed cluster's placement.

@@ -107,13 +107,16 @@ class UnitProfile:
         return replace(self, params=tuple(replace(p, axes=(*axes, *p.axes))
                                           for p in self.params))
 
-    def with_rows(self, factor: float) -> UnitProfile:
+    def with_rows(self, factor: float, held: float | None = None) -> UnitProfile:
         """The same units on a device whose micro-batch holds `factor` times the rows it
         was priced at (a data-parallel replica's uneven share of the batch): what runs per
-        micro-batch (compute, the op-level collectives of activations, what is saved, the
-        sends) scales with the rows, the weights and their gradients' reductions do not.
-        Linear: a GEMM's efficiency at the other row count is not priced again."""
-        if factor == 1.0:
+        micro-batch (compute, the op-level collectives of activations, the sends) scales
+        with the rows, the weights and their gradients' reductions do not. What is saved
+        scales by `held` instead where given (a stage holding its largest replica's
+        activations while it runs at its slowest one's pace). Linear: a GEMM's efficiency
+        at the other row count is not priced again."""
+        kept = factor if held is None else held
+        if factor == 1.0 and kept == 1.0:
             return self
         return replace(
             self, forward_compute=self.forward_compute * factor,
@@ -121,9 +124,9 @@ class UnitProfile:
             forward_communication=self.forward_communication * factor,
             backward_communication=self.backward_communication * factor,
             selective_extra=self.selective_extra * factor,
-            saved={mode: kept * factor for mode, kept in self.saved.items()},
-            transient={mode: kept * factor for mode, kept in self.transient.items()},
-            workspace=self.workspace * factor,
+            saved={mode: saved * kept for mode, saved in self.saved.items()},
+            transient={mode: rebuilt * kept for mode, rebuilt in self.transient.items()},
+            workspace=self.workspace * kept,
             crossings=tuple(replace(c, bytes=c.bytes * factor) for c in self.crossings),
             weight_compute=self.weight_compute * factor, loss_read=self.loss_read * factor)
 

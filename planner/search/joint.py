@@ -510,9 +510,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             with_dp[key] = [p.with_gradient_axes(axes) for p in found]
         return partitioner_for(with_dp[key], pipeline_config(choice, training), hardware,
                                choice_mesh(choice, per_node), cluster, uniform,
-                               micro_rows=0 if pins.dp_shares == "even"
-                               else rows // choice.micro_batches,
-                               even=pins.dp_shares != "speed")
+                               rows // choice.micro_batches, pins.dp_shares)
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync. The
@@ -727,9 +725,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
             [unit_profile(priced, micro.units) for priced in priced_on_kinds(
                 micro, mesh, strategies, kinds_of(hardware, cluster), training)],
             pipeline_config(choice, training),
-            hardware, mesh, cluster, training.memory_limit_bytes is not None,
-            micro_rows=0 if dp_shares == "even" else micro_size, even=dp_shares != "speed"
-        ).solve(limit, modes)
+            hardware, mesh, cluster, training.memory_limit_bytes is not None, micro_size,
+            dp_shares).solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
                                   < best[1].price.step_time_s):
             best = (strategies, found)

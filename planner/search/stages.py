@@ -27,7 +27,7 @@ from costmodels.memory import training_memory
 from costmodels.orders import chunk_device, chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import in_flight
-from planner.cost.pipeline import AnyPricer, PlacedPricer, Pricer, WeightTerms
+from planner.cost.pipeline import AnyPricer, PlacedPricer, Pricer, WeightTerms, kind_seconds
 from planner.cost.step import PipelineConfig, StepPrice, step_price
 from planner.cost.units import UnitProfile
 from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
@@ -196,22 +196,23 @@ class OrderedPartitioner:
 def partitioner_for(profiles: Sequence[UnitProfile], config: PipelineConfig,
                     hardware: HardwareProfile, mesh: DeviceMesh,
                     cluster: Cluster | None = None,
-                    uniform_limit: bool = True, micro_rows: int = 0, even: bool = True
-                    ) -> Partitioner | OrderedPartitioner:
+                    uniform_limit: bool = True, micro_rows: int = 0,
+                    dp_shares: str | None = None) -> Partitioner | OrderedPartitioner:
     """The partitioner of one configuration: on `hardware` (`profiles[0]`), or on a mixed
     `cluster` with `profiles[g]` priced by group g's hardware, over every order of its
     groups whose stages fit on them (`uniform_limit`: one memory limit for every kind,
     the user's `--memory-limit`). `micro_rows`, the rows of one micro-batch, lets it try
-    data-parallel shares by speed (`speed_rows`); 0 keeps every share even. `even=False`
-    (the `dp_shares=speed` pin) drops even shares wherever shares by speed apply."""
+    data-parallel shares by speed (`speed_rows`) as the `dp_shares` pin allows: "even"
+    never, "speed" in place of even shares wherever they apply, None beside them."""
     if cluster is None or not cluster.mixed:
         return Partitioner(Pricer(profiles[0], config, hardware, mesh))
     stage_size = mesh.size // config.pp
     found: list[tuple[tuple[int, ...], tuple[int, ...], Partitioner]] = []
     for order in cluster.orders():
         placement = Placement(cluster, order, stage_size)
-        rows = speed_rows(profiles, placement, mesh, config.pp, micro_rows)
-        if even or not rows:
+        rows = () if dp_shares == "even" else speed_rows(profiles, placement, mesh,
+                                                          config.pp, micro_rows)
+        if dp_shares != "speed" or not rows:
             found.append((order, (), Partitioner(PlacedPricer(profiles, config, placement,
                                                               mesh, uniform_limit))))
         if rows:
@@ -234,9 +235,8 @@ def speed_rows(profiles: Sequence[UnitProfile], placement: Placement, mesh: Devi
                  if axis in mesh.axis_names)
     if pp != 1 or dp < 2 or others or micro_rows < dp or micro_rows % dp:
         return ()
-    work = [float((p.forward + p.backward).sum()) for p in profiles]
-    replicas = placement.replica_groups(0, dp)
-    slowest = [placement.slowest(groups, work) for groups in replicas]
+    work = kind_seconds(profiles)
+    slowest = placement.replica_kinds(0, dp, work)
     if len(set(slowest)) < 2 or any(work[g] <= 0.0 for g in slowest):
         return ()
     even = micro_rows // dp
