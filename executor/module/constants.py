@@ -4,8 +4,8 @@ An exported graph rebuilds, on every forward, what depends on nothing the step f
 the causal mask from `arange` and comparisons, position ids, rotary frequencies' cosines
 and sines (from a buffer no op writes). Eager code builds some of these too, others it
 skips (`is_causal`); either way they cost host time on every step. A node is constant
-when every value it reads is one: a shape (the readers of sizes, `masks.SHAPE_READERS`,
-count as reading no value), a literal, or a tensor attribute that is neither one of the
+when every value it reads is one: a shape (the readers of sizes count as reading no
+value: `SHAPE_READERS`), a literal, or a tensor attribute that is neither one of the
 plan's weights nor written by any op of the graph (a buffer mutated in place, such as a
 norm's running statistics, is not constant). Random ops are never constant. The values
 are kept per shape of the step's inputs (a micro-batch of another size builds its own).
@@ -19,12 +19,23 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from executor.module.masks import SHAPE_READERS
+_aten = torch.ops.aten
+#: Ops whose first argument is read for its shape, dtype or device only, never its values.
+SHAPE_READERS = frozenset({
+    _aten.sym_size.int, _aten.new_ones.default, _aten.new_zeros.default,
+    _aten.new_empty.default, _aten.new_full.default, _aten.ones_like.default,
+    _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default,
+})
 
 
 def constant_nodes(nodes: Iterable[Node], weights: Collection[str]) -> frozenset[Node]:
     """The call_function nodes among `nodes` (in graph order) whose values are constant
     (module docstring); `weights`: the get_attr targets that are the plan's weights."""
+    return frozenset(n for n in constant_values(nodes, weights) if n.op == "call_function")
+
+
+def constant_values(nodes: Iterable[Node], weights: Collection[str]) -> frozenset[Node]:
+    """`constant_nodes` with the tensor attributes they start from (get_attr nodes)."""
     nodes = list(nodes)
     written = {str(n.args[0].target) for n in nodes
                if n.op == "call_function" and _writes_in_place(n)
@@ -44,7 +55,7 @@ def constant_nodes(nodes: Iterable[Node], weights: Collection[str]) -> frozenset
             read = list(node.all_input_nodes)
         if all(source in constant for source in read):
             constant.add(node)
-    return frozenset(n for n in constant if n.op == "call_function")
+    return frozenset(constant)
 
 
 def _random(node: Node) -> bool:

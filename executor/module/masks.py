@@ -18,17 +18,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
-from torch.fx.node import map_arg
+
+from executor.module.constants import constant_values
 
 _aten = torch.ops.aten
 SDPA = _aten.scaled_dot_product_attention.default
-
-#: Ops whose first argument is read for its shape, dtype or device only, never its values.
-SHAPE_READERS = frozenset({
-    _aten.sym_size.int, _aten.new_ones.default, _aten.new_zeros.default,
-    _aten.new_empty.default, _aten.new_full.default, _aten.ones_like.default,
-    _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default,
-})
 
 #: An additive float mask hides a position with a value at least this negative
 #: (transformers uses the dtype's lowest value, others -inf).
@@ -46,28 +40,13 @@ class MaskKind(enum.Enum):
 
 def shape_only(node: Node) -> bool:
     """Whether `node`'s value depends on no input's values (only on shapes), so that it is
-    the same at every step; remembered on the node."""
+    the same at every step (`executor.module.constants`, the graph's weights counted as
+    fixed); found for every node of its graph at once, remembered on each."""
     if _SHAPE_ONLY not in node.meta:
-        node.meta[_SHAPE_ONLY] = _depends_on_no_values(node)
+        found = constant_values(node.graph.nodes, ())
+        for each in node.graph.nodes:
+            each.meta[_SHAPE_ONLY] = each in found
     return bool(node.meta[_SHAPE_ONLY])
-
-
-def _depends_on_no_values(node: Node) -> bool:
-    seen, stack = {node}, [node]
-    while stack:
-        current = stack.pop()
-        if current.op == "placeholder":
-            return False
-        if current.op == "call_function" and current.target in SHAPE_READERS:
-            read: list[Node] = []
-            map_arg((current.args[1:], current.kwargs), read.append)
-        else:
-            read = list(current.all_input_nodes)
-        for source in read:
-            if source not in seen:
-                seen.add(source)
-                stack.append(source)
-    return True
 
 
 def mask_kind(mask: torch.Tensor) -> MaskKind:
