@@ -17,7 +17,6 @@ import pytest
 
 from costmodels.cluster import balanced_rows
 from executor.support import check_degrees
-from planner import zoo
 from planner.api import plan
 from planner.cli import main
 from planner.cost.units import UnitProfile
@@ -26,6 +25,7 @@ from planner.kinds import Recompute
 from planner.plans.model import Plan
 from planner.plans.sections import ParallelConfig
 from planner.validate import validate
+from tests.clusters import a100_h100_file, eight_layers
 
 BATCH, DIMS = 64, {"seq": 512}
 
@@ -37,18 +37,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path) -> Path:
-    return zoo.save(zoo.build("gpt-tiny", layers=8, hidden=512, heads=8, vocab=1024),
-                    folder / "gpt8.onnx")
+    return eight_layers(folder)
 
 
 @pytest.fixture(scope="module")
 def a100_h100(folder: Path) -> Path:
-    path = folder / "a100-h100.json"
-    path.write_text(json.dumps({"schema": "shardplan.cluster/1", "name": "two kinds",
-                                "groups": [
-                                    {"name": "a100", "profile": "a100-80g", "devices": 8},
-                                    {"name": "h100", "profile": "h100-sxm", "devices": 8}]}))
-    return path
+    return a100_h100_file(folder)
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,10 @@ from planner.api import plan
 from planner.cli import main
 from planner.errors import ProfileError, ShardplanError
 from planner.plans.model import Plan
+from tests.clusters import a100_h100_file, cluster_file, eight_layers, group
 
 BATCH, DIMS = 64, {"seq": 512}
 PINS: dict[str, int | str] = {"pp": 2, "schedule": "1f1b"}
-
-
-def cluster_file(folder: Path, groups: list[dict[str, Any]], **extra: Any) -> Path:
-    data = {"schema": "shardplan.cluster/1", "name": "test", "groups": groups, **extra}
-    path = folder / f"cluster-{len(list(folder.glob('cluster-*')))}.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
-def group(name: str, profile: str, devices: int) -> dict[str, Any]:
-    return {"name": name, "profile": profile, "devices": devices}
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +31,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path) -> Path:
-    """Eight layers wide enough that compute, not latency, sets a stage's time."""
-    return zoo.save(zoo.build("gpt-tiny", layers=8, hidden=512, heads=8, vocab=1024),
-                    folder / "gpt8.onnx")
+    return eight_layers(folder)
 
 
 @pytest.fixture(scope="module")
 def a100_h100(folder: Path) -> Path:
-    return cluster_file(folder, [group("a100", "a100-80g", 8), group("h100", "h100-sxm", 8)])
+    return a100_h100_file(folder)
 
 
 @pytest.fixture(scope="module")
