@@ -98,6 +98,15 @@ class Run:
     micro_batch_size: int | None = None
     chunks_per_device: int | None = None
     overlap_grad_reduce: bool = False
+    #: How each micro-batch's weight gradients joined the step's. Megatron-LM of 2021-22
+    #: in fp16 added them with kernels of their own: autograd's `param.grad += grad` (both
+    #: DDPs at de7dc40; the contiguous main-gradient buffer's `main_grad.add_` hook became
+    #: the local DDP's default on 2021-08-18, commit e8fb052), cast into the fp32 main
+    #: gradients by the optimizer; its gradient accumulation fusion (commit 83b1e42,
+    #: 2022-02-13) was switched off without fp32 accumulation, which fp16 runs did not use,
+    #: until commit 07916bf (2022-09-27). None: the stack's default (NeMo 2's GPTConfig:
+    #: `gradient_accumulation_fusion = _grad_accum_fusion_available`, fused).
+    grad_accumulation: str | None = "separate"
     #: The model and how it ran, where a row is not a 2021-22 Megatron-LM GPT on A100s:
     #: the zoo family ("gpt" or "llama"), key/value heads (GQA), FFN width, (padded)
     #: vocabulary, sequence, dropout, context-parallel degree, ZeRO stage (Megatron-Core's
@@ -231,6 +240,7 @@ def _nemo(name: str, sizes: dict[str, Any], gpus: int, batch: int, step_s: float
     """A DGX H100 row: one GPU count of a recipe, its published step time (s)."""
     return Run("DGXC 25.02.01", f"{name}x{gpus}", gpus=gpus, batch=batch,
                published_s=step_s, recompute="none", micro_batch_size=1,
+               grad_accumulation=None,
                overlap_grad_reduce=True, zero=1, profile="h100-sxm", attention="flash",
                dtype="bfloat16", **sizes)
 
@@ -290,6 +300,7 @@ def predict(row: Run, folder: Path) -> str:
             found.append(plan(path, profile=row.profile, devices=row.gpus, batch=row.batch,
                               dims={"seq": row.sequence}, parallel={**pins, **schedule},
                               attention=row.attention, fusion="elementwise",
+                              grad_accumulation=row.grad_accumulation,
                               overlap_grad_reduce=row.overlap_grad_reduce,
                               # Megatron's loss works on the split logits (its vocabulary-
                               # parallel cross-entropy; under cp each rank's tokens): no gather

@@ -178,3 +178,18 @@ def parameter_bytes(precision: Precision | None, weight_itemsize: int,
     chosen = resolve(precision, weight_itemsize)
     return ParameterBytes(chosen.weight_bytes, chosen.gradient_bytes, chosen.master_bytes,
                           moments * chosen.moment_bytes)
+
+
+def accumulation_bytes(chosen: PrecisionPolicy, micro_batches: int) -> float:
+    """Bytes per gradient element that one step's gradient accumulation moves where it runs
+    as kernels of its own (`GradAccumulation.SEPARATE`): each micro-batch's gradient comes
+    out of its GEMM in the compute dtype (`weight_bytes`) and joins the kept gradient
+    (`gradient_bytes`). The first is kept as it is where the two dtypes agree (torch
+    autograd's `AccumulateGrad` takes the tensor) and cast into the kept gradient where
+    they do not (r new, w kept: Megatron-LM's `_copy_model_grads_to_main_grads`, the fp32
+    main gradient a 16-bit model's optimizer reads); each later one is added (r kept,
+    r new, w kept: `param.grad += new`, or Megatron-LM's `main_grad.add_(grad)` hook,
+    `megatron/model/distributed.py`). Fused into the GEMM, none of it is a pass."""
+    new, kept = chosen.weight_bytes, chosen.gradient_bytes
+    first = 0.0 if new == kept else float(new + kept)
+    return first + max(0, micro_batches - 1) * float(new + 2 * kept)

@@ -14,11 +14,12 @@ from costmodels.cluster import Cluster, load_cluster
 from costmodels.precision import default_precision, policy
 from costmodels.profile import HardwareProfile, load_profile
 from planner.cost.buckets import DEFAULT_BUCKET_MB
+from planner.cost.kernels import accumulation_for
 from planner.cost.step import TrainingOptions
 from planner.errors import ModelError, ShardplanError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
 from planner.importer import import_model, rebind, retyped
-from planner.kinds import AttentionKernel, Fusion, LossReads, Precision
+from planner.kinds import AttentionKernel, Fusion, GradAccumulation, LossReads, Precision
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
@@ -101,6 +102,7 @@ def plan(
     precision: str | Precision | None = None,
     attention: str | AttentionKernel | None = None,
     fusion: str | Fusion | None = None,
+    grad_accumulation: str | GradAccumulation | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     overlap_grad_reduce: bool = True,
     loss_reads: str | LossReads = LossReads.ROWS,
@@ -126,13 +128,17 @@ def plan(
     (`costmodels.precision`; default: the graph's own dtype, a 16-bit graph in its `-mixed`
     form) decides the bytes per parameter and the dtype activations and GEMMs run in;
     `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
-    (default: the profile's, `device.kernels`). The plan's `step` section records all
-    three. `loss_reads` ("rows", default, or "as-is") how the loss outside the graph reads
-    its outputs: whole rows, each output gathered along every dim but its rows (priced,
-    searched and run with the forward pass), or as the plan leaves them (a loss that works
-    on split outputs, as Megatron-LM's vocabulary-parallel cross-entropy does: nothing
-    priced). `capacity_factor` sizes each expert's token batch behind a mixture-of-experts
-    router as a multiple of its even share (default 1.25, `planner.importer.routing`).
+    (default: the profile's, `device.kernels`); `grad_accumulation` ("fused" or
+    "separate") whether each micro-batch's weight gradients are accumulated inside the
+    weight-gradient GEMMs or by kernels of their own (default: fused with fused kernels,
+    separate without, `planner.cost.kernels.accumulation_for`). The plan's `step`
+    section records them all. `loss_reads` ("rows", default, or "as-is") how the loss
+    outside the graph reads its outputs: whole rows, each output gathered along every
+    dim but its rows (priced, searched and run with the forward pass), or as the plan
+    leaves them (a loss that works on split outputs, as Megatron-LM's vocabulary-parallel
+    cross-entropy does: nothing priced). `capacity_factor` sizes each expert's token
+    batch behind a mixture-of-experts router as a multiple of its even share (default
+    1.25, `planner.importer.routing`).
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -185,6 +191,9 @@ def plan(
         attention=_choice(AttentionKernel, attention, "--attention")
         or hardware.default_attention,
         fusion=_choice(Fusion, fusion, "--fusion") or hardware.default_fusion,
+        accumulation=accumulation_for(
+            hardware, _choice(Fusion, fusion, "--fusion"),
+            _choice(GradAccumulation, grad_accumulation, "--grad-accumulation")),
         bucket_mb=float(bucket_mb), overlap_grad_reduce=bool(overlap_grad_reduce),
         loss_reads=_choice(LossReads, loss_reads, "--loss-reads") or LossReads.ROWS,
     )

@@ -150,3 +150,14 @@ class Fusion(StrEnum):
 
     ELEMENTWISE = "elementwise"
     NONE = "none"
+
+
+class GradAccumulation(StrEnum):
+    """How a weight's gradient of each micro-batch joins the gradient the step reduces:
+    written into it by the weight-gradient GEMM itself (Megatron-LM's gradient accumulation
+    fusion, Transformer Engine's `fuse_wgrad_accumulation`), or added to it by a kernel of
+    its own (torch autograd's `AccumulateGrad`, Megatron-LM's main-gradient hook before
+    the fusion)."""
+
+    FUSED = "fused"
+    SEPARATE = "separate"

@@ -30,7 +30,10 @@ def _kernels(plan: Plan) -> list[str]:
     if step.kind == "training" and step.bucket_mb is not None:
         buckets = f"{step.bucket_mb:g} MiB buckets" if step.bucket_mb else "one per tensor"
         when = "behind" if step.overlap_grad_reduce else "after"
-        lines.append(f"gradients  reduced in {buckets}, {when} the backward pass")
+        accumulated = "" if step.grad_accumulation is None else "; accumulated " + (
+            "in the weight-gradient GEMMs" if step.grad_accumulation == "fused"
+            else "by kernels of their own")
+        lines.append(f"gradients  reduced in {buckets}, {when} the backward pass{accumulated}")
     return lines
 
 

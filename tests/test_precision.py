@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,15 +15,18 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodels.precision import (
+    accumulation_bytes,
     default_precision,
     optimizer_step_bytes,
     parameter_bytes,
     policy,
 )
+from costmodels.profile import load_profile
 from planner import zoo
 from planner.api import plan
 from planner.errors import ShardplanError
 from planner.kinds import Precision
+from planner.plans.model import Plan
 
 
 @pytest.mark.parametrize("precision,total", [
@@ -195,3 +199,80 @@ def test_a_mixed_precision_step_moves_what_its_kernels_do(precision: str) -> Non
     # 4 B gradient, 8 master, 16 moments, 6 copied back, fp16: 8 unscaled
     assert optimizer_step_bytes(policy(precision), "adam", True) == \
         (42 if dtype == torch.float16 else 34)
+
+
+class _NoViews(_Traffic):
+    """`_Traffic` but for views (`detach`, `expand`): they move no bytes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        returns = func._schema.returns
+        if returns and returns[0].alias_info is not None and not any(
+                a.alias_info is not None and a.alias_info.is_write
+                for a in func._schema.arguments):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 5])
+def test_autograd_accumulates_fp32_gradients_as_priced(micro_batches: int) -> None:
+    """Eager torch over several micro-batches: the first backward pass hands its gradient
+    to the weight, each later one adds into it (`AccumulateGrad`: r kept, r new, w kept).
+    The bytes counted op by op beyond those of the same passes with the gradient dropped
+    before each are `accumulation_bytes` of fp32."""
+    weight = torch.nn.Parameter(torch.randn(4096))
+    scale = torch.randn(4096)
+
+    def traffic(keep: bool) -> int:
+        weight.grad = None
+        counter = _NoViews(least=4096)
+        with counter:
+            for _ in range(micro_batches):
+                if not keep:
+                    weight.grad = None
+                (weight * scale).sum().backward()
+        return counter.bytes
+
+    added = traffic(keep=True) - traffic(keep=False)
+    assert added == 4096 * accumulation_bytes(policy("fp32"), micro_batches)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_a_mixed_precision_accumulation_moves_what_its_kernels_do(precision: str) -> None:
+    """Under `-mixed` each micro-batch's 16-bit gradient joins an fp32 main gradient:
+    cast into it the first time, added after (Megatron-LM's `main_grad.add_`): the bytes
+    torch's kernels move are `accumulation_bytes`."""
+    dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
+    main = torch.zeros(4096)
+    grads = [torch.randn(4096).to(dtype) for _ in range(3)]
+    counter = _Traffic(least=4096)
+    with counter:
+        main.copy_(grads[0])
+        for grad in grads[1:]:
+            main.add_(grad)
+    assert counter.bytes == 4096 * accumulation_bytes(policy(precision), 3)
+    assert accumulation_bytes(policy(precision), 3) == 6 + 2 * 10
+
+
+def test_accumulation_is_priced_where_kernels_run_it(gpt32: Path) -> None:
+    """`--grad-accumulation separate` adds the accumulation's memory pass to the step,
+    `fused` (inside the weight-gradient GEMMs) nothing; the default follows the kernels:
+    fused on an A100 (fused kernels), separate on the executor's `cpu` profile."""
+    def planned(profile: str, accumulation: str | None):
+        return plan(gpt32, devices=1, batch=8, dims={"seq": 128}, profile=profile,
+                    parallel={"micro_batches": 4}, grad_accumulation=accumulation)
+
+    fused, separate = planned("a100-80g", "fused"), planned("a100-80g", "separate")
+    assert planned("a100-80g", None).step.grad_accumulation == "fused"
+    assert planned("cpu", None).step.grad_accumulation == "separate"
+    assert (fused.step.grad_accumulation, separate.step.grad_accumulation) == (
+        "fused", "separate")
+    a100 = load_profile("a100-80g")
+    bandwidth = a100.memory_bandwidth_Bps.value * a100.memory_efficiency.value
+    elements = sum(math.prod(t.shape) for t in separate.tensors.values()
+                   if t.kind == "parameter")
+    extra = elements * accumulation_bytes(policy("fp32"), 4) / bandwidth
+    assert separate.predicted.breakdown.optimizer_s - fused.predicted.breakdown.optimizer_s \
+        == pytest.approx(extra, rel=1e-9)
+    assert separate.predicted.step_time_s == pytest.approx(
+        fused.predicted.step_time_s + extra, rel=1e-9)
+    assert Plan.from_json(separate.to_json()).step.grad_accumulation == "separate"

@@ -19,7 +19,7 @@ from planner.cli.args import (
     unique_dims,
 )
 from planner.errors import NoPlanFits, ShardplanError
-from planner.kinds import AttentionKernel, Fusion, LossReads, Precision
+from planner.kinds import AttentionKernel, Fusion, GradAccumulation, LossReads, Precision
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}
@@ -92,6 +92,10 @@ def add_parser(verbs: Verbs) -> None:
     plan.add_argument("--fusion", choices=[f.value for f in Fusion],
                       help="elementwise chains as one kernel or one per op (default: the "
                            "profile's)")
+    plan.add_argument("--grad-accumulation", choices=[g.value for g in GradAccumulation],
+                      help="each micro-batch's weight gradients accumulated inside the "
+                           "weight-gradient GEMMs or by kernels of their own (default: "
+                           "fused where kernels are fused, else separate)")
     plan.add_argument("--loss-reads", choices=[r.value for r in LossReads], default="rows",
                       help="how the loss outside the graph reads its outputs: whole rows "
                            "(default; each output gathered along every dim but its rows, "
@@ -145,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                           optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
                           inference=args.inference, overlap=args.overlap,
                           precision=args.precision, attention=args.attention,
-                          fusion=args.fusion, progress=progress,
+                          fusion=args.fusion, grad_accumulation=args.grad_accumulation,
+                          progress=progress,
                           capacity_factor=args.capacity_factor,
                           overlap_grad_reduce=not args.no_overlap_grad_reduce,
                           loss_reads=args.loss_reads, **buckets)

@@ -33,7 +33,7 @@ from functools import cached_property
 
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import AttentionKernel, Fusion
+from planner.kinds import AttentionKernel, Fusion, GradAccumulation
 from planner.ops import record_for
 from planner.ops.attention import AttentionCore
 from planner.ops.saving import SavedTensors, Saves, buffer_of, saved_tensors
@@ -63,6 +63,18 @@ def policy_for(profile: HardwareProfile, attention: AttentionKernel | None = Non
     """The kernels asked for, the profile's (`device.kernels`) where not: eager and
     unfused on a profile that names none."""
     return KernelPolicy(attention or profile.default_attention, fusion or profile.default_fusion)
+
+
+def accumulation_for(profile: HardwareProfile, fusion: Fusion | None = None,
+                     accumulation: GradAccumulation | None = None) -> GradAccumulation:
+    """The gradient accumulation asked for; where not, the one of the kernels' stack: a
+    stack that fuses kernels (`fusion` elementwise: Megatron-LM, NeMo, Transformer Engine)
+    accumulates in the weight-gradient GEMM, eager torch (`fusion` none) with autograd's
+    own add."""
+    if accumulation is not None:
+        return accumulation
+    fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
+    return GradAccumulation.FUSED if fused else GradAccumulation.SEPARATE
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,14 @@ from planner.cost.buckets import (
     schedule_overlap,
 )
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
-from planner.cost.pricing import op_dtype, op_times, optimizer_seconds, price, saved_bytes
+from planner.cost.pricing import (
+    accumulation_seconds,
+    op_dtype,
+    op_times,
+    optimizer_seconds,
+    price,
+    saved_bytes,
+)
 from planner.cost.step import (
     PipelineConfig,
     StagePrice,
@@ -60,7 +67,8 @@ class PricedGraph:
         options = self.options
         return step_price([self.stage], PipelineConfig(
             optimizer=options.optimizer, overlap=options.overlap,
-            precision=options.precision, fusion=options.fusion, bucket_mb=options.bucket_mb,
+            precision=options.precision, fusion=options.fusion,
+            accumulation=options.accumulation, bucket_mb=options.bucket_mb,
             overlap_grad_reduce=options.overlap_grad_reduce))
 
 
@@ -288,7 +296,9 @@ def _memory(graph: PlanningGraph, sharded: ShardedGraph, profile: HardwareProfil
         parameter_itemsize=itemsize, activation_bytes=activation_bytes,
         workspace_bytes=workspace, optimizer=options.optimizer, precision=options.precision)
     return memory, optimizer_seconds(profile, local_elements, itemsize, options.optimizer,
-                                     options.precision, options.fusion)
+                                     options.precision, options.fusion) \
+        + accumulation_seconds(profile, local_elements, itemsize, options.precision,
+                               options.fusion, options.accumulation, 1)
 
 
 class _LivePeak:

@@ -30,7 +30,12 @@ from planner.cost.buckets import (
     schedule_overlap,
 )
 from planner.cost.oplevel import mesh_on
-from planner.cost.pricing import collective_seconds, exposed, optimizer_seconds
+from planner.cost.pricing import (
+    accumulation_seconds,
+    collective_seconds,
+    exposed,
+    optimizer_seconds,
+)
 from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import ParamShare, UnitProfile
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
@@ -119,7 +124,7 @@ class WeightTerms:
     micro_reduce: Any  # after the backward pass (ZeRO-2/3 reduce-scatters)
     end: Any  # seconds once per step, exposed (gradient reduction, parameter gathers)
     hidden: Any  # the part of the end-of-step synchronisation overlap hides
-    optimizer: Any  # seconds of the optimizer pass
+    optimizer: Any  # seconds of the optimizer pass and the gradient accumulation it reads
     largest: Any  # the largest single weight: the buffer ZeRO-3 gathers it into
 
     @classmethod
@@ -154,12 +159,15 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                 end += seconds
     shown, hidden = exposed(end, config.overlap)
     divide = shards if config.zero >= 1 else 1
+    kept = shards if config.zero >= 2 else 1  # ZeRO-2/3 keep the gradient's shard
+    update = optimizer_seconds(hardware, param.elements / divide, param.itemsize,
+                               config.optimizer, config.precision, config.fusion) \
+        + accumulation_seconds(hardware, param.elements / kept, param.itemsize,
+                               config.precision, config.fusion, config.accumulation,
+                               config.micro_batches)
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
                        param.elements / shards, forward + gather + reduce, forward, gather,
-                       reduce, shown, hidden,
-                       optimizer_seconds(hardware, param.elements / divide, param.itemsize,
-                                         config.optimizer, config.precision, config.fusion),
-                       param.bytes)
+                       reduce, shown, hidden, update, param.bytes)
 
 
 class WeightTables:

@@ -14,11 +14,11 @@ from dataclasses import replace
 from costmodels.communication import ALGORITHMS, CommGroup, best_algorithm
 from costmodels.compute import op_time
 from costmodels.gemm import GemmShape
-from costmodels.precision import optimizer_step_bytes, policy, resolve
+from costmodels.precision import accumulation_bytes, optimizer_step_bytes, policy, resolve
 from costmodels.profile import HardwareProfile
-from planner.cost.kernels import KernelPlan, OpKernel, policy_for
+from planner.cost.kernels import KernelPlan, OpKernel, accumulation_for, policy_for
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Fusion, Phase, Precision
+from planner.kinds import CollectiveKind, Fusion, GradAccumulation, Phase, Precision
 from planner.ops.work import gemm_dims
 from planner.records import Collective, OpCost
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
@@ -202,3 +202,17 @@ def optimizer_seconds(profile: HardwareProfile, elements: float, itemsize: int,
     fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
     return elements * optimizer_step_bytes(resolve(precision, itemsize), optimizer,
                                            fused) / bandwidth
+
+
+def accumulation_seconds(profile: HardwareProfile, elements: float, itemsize: int,
+                         precision: Precision | None, fusion: Fusion | None,
+                         accumulation: GradAccumulation | None, micro_batches: int) -> float:
+    """One step's accumulation of `elements` local gradient elements over its
+    `micro_batches` (`costmodels.precision.accumulation_bytes`), memory-bound; nothing
+    where the weight-gradient GEMMs accumulate (`accumulation_for`). Paid per step with
+    the optimizer pass: it is what readies the gradient that pass reads."""
+    if accumulation_for(profile, fusion, accumulation) is GradAccumulation.FUSED:
+        return 0.0
+    bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
+    return elements * accumulation_bytes(resolve(precision, itemsize), micro_batches) \
+        / bandwidth

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 
 from costmodels.schedule import pipeline_time
 from planner.cost.buckets import DEFAULT_BUCKET_MB
-from planner.kinds import AttentionKernel, Fusion, LossReads, Precision, Recompute, Schedule
+from planner.kinds import (
+    AttentionKernel,
+    Fusion,
+    GradAccumulation,
+    LossReads,
+    Precision,
+    Recompute,
+    Schedule,
+)
 from planner.records import MemoryBreakdown, Predicted, StepBreakdown
 
 
@@ -32,6 +40,8 @@ class TrainingOptions:
     precision: Precision | None = None  # None: the graph's own (costmodels.precision)
     attention: AttentionKernel | None = None  # None: the profile's (device.kernels)
     fusion: Fusion | None = None  # None: the profile's
+    #: None: the kernels' stack's (`planner.cost.kernels.accumulation_for`)
+    accumulation: GradAccumulation | None = None
     bucket_mb: float = DEFAULT_BUCKET_MB  # weight collectives' bucket (MiB); 0: one per tensor
     #: whether the gradient reduction runs behind the backward pass (torch DDP and FSDP do;
     #: Megatron-LM only with `--overlap-grad-reduce`, default off) or after it
@@ -53,6 +63,7 @@ class PipelineConfig:
     overlap: float = 0.0
     precision: Precision | None = None  # None: the weights' own (costmodels.precision)
     fusion: Fusion | None = None  # None: the profile's (the optimizer step's kernels)
+    accumulation: GradAccumulation | None = None  # None: the kernels' stack's
     bucket_mb: float = DEFAULT_BUCKET_MB
     overlap_grad_reduce: bool = True  # TrainingOptions.overlap_grad_reduce
 

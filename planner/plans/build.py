@@ -512,7 +512,8 @@ def _step(training: TrainingOptions) -> StepSpec:
     return StepSpec(StepKind.INFERENCE if training.inference else StepKind.TRAINING,
                     training.overlap, training.precision, training.attention, training.fusion,
                     training.bucket_mb, training.overlap_grad_reduce,
-                    LossReads.AS_IS if training.inference else training.loss_reads)
+                    LossReads.AS_IS if training.inference else training.loss_reads,
+                    None if training.inference else training.accumulation)
 
 
 def _unit_entries(units: Units) -> tuple[UnitEntry, ...]:

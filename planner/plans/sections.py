@@ -18,6 +18,7 @@ from planner.kinds import (
     CollectiveKind,
     ContextKind,
     Fusion,
+    GradAccumulation,
     LossReads,
     Phase,
     Precision,
@@ -212,6 +213,8 @@ class StepSpec:
     overlap_grad_reduce: bool = True
     #: how the loss reads the outputs; files written before it was recorded priced no read
     loss_reads: LossReads = LossReads.AS_IS
+    #: how each micro-batch's weight gradients join the step's; None in older files
+    grad_accumulation: GradAccumulation | None = None
 
     def to_json(self) -> dict[str, Any]:
         found: dict[str, Any] = {"kind": str(self.kind), "overlap": self.overlap,
@@ -220,7 +223,7 @@ class StepSpec:
             found["loss_reads"] = str(self.loss_reads)
         if self.bucket_mb is not None:
             found["bucket_mb"] = self.bucket_mb
-        for key in ("precision", "attention", "fusion"):
+        for key in ("precision", "attention", "fusion", "grad_accumulation"):
             value = getattr(self, key)
             if value is not None:
                 found[key] = str(value)
@@ -236,7 +239,8 @@ class StepSpec:
                    optional(AttentionKernel, "attention"), optional(Fusion, "fusion"),
                    float(data["bucket_mb"]) if "bucket_mb" in data else None,
                    _flag(data.get("overlap_grad_reduce", True), "step.overlap_grad_reduce"),
-                   _enum(LossReads, data.get("loss_reads", "as-is"), "step.loss_reads"))
+                   _enum(LossReads, data.get("loss_reads", "as-is"), "step.loss_reads"),
+                   optional(GradAccumulation, "grad_accumulation"))
 
 
 @dataclass(frozen=True)

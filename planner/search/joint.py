@@ -381,6 +381,7 @@ def pipeline_config(choice: Choice, training: TrainingOptions) -> PipelineConfig
                           schedule=choice.schedule, virtual_stages=choice.virtual_stages,
                           optimizer=training.optimizer, overlap=training.overlap,
                           precision=training.precision, fusion=training.fusion,
+                          accumulation=training.accumulation,
                           bucket_mb=training.bucket_mb,
                           overlap_grad_reduce=training.overlap_grad_reduce)
 

@@ -27,6 +27,7 @@ from costmodels.profile import HardwareProfile
 from planner.cost.buckets import bucket_bytes
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
 from planner.cost.pricing import (
+    accumulation_seconds,
     bucketed_seconds,
     collective_seconds,
     edge_seconds,
@@ -300,9 +301,12 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
                                        options.precision)
         owned += local_bytes + gradient_bytes(local_elements, info.itemsize,
                                               options.precision) + states
-        seconds += once * optimizer_seconds(profile, local_elements, info.itemsize,
-                                            options.optimizer, options.precision,
-                                            options.fusion)
+        seconds += once * (optimizer_seconds(profile, local_elements, info.itemsize,
+                                             options.optimizer, options.precision,
+                                             options.fusion)
+                           + accumulation_seconds(profile, local_elements, info.itemsize,
+                                                  options.precision, options.fusion,
+                                                  options.accumulation, round(1.0 / once)))
         axes = candidate.grad_partial[slot]
         if axes:
             seconds += once * exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
