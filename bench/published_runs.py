@@ -107,6 +107,10 @@ class Run:
     #: until commit 07916bf (2022-09-27). None: the stack's default (NeMo 2's GPTConfig:
     #: `gradient_accumulation_fusion = _grad_accum_fusion_available`, fused).
     grad_accumulation: str | None = "separate"
+    #: Its kernels: Megatron-LM's of 2021-22 (`megatron/model/transformer.py`: the jit-fused
+    #: bias-GELU and bias-dropout-add, the fused scale-mask-softmax, apex's FusedLayerNorm
+    #: as modules of their own: `--fusion megatron`), or a fusing stack's (`elementwise`).
+    fusion: str = "megatron"
     #: The model and how it ran, where a row is not a 2021-22 Megatron-LM GPT on A100s:
     #: the zoo family ("gpt" or "llama"), key/value heads (GQA), FFN width, (padded)
     #: vocabulary, sequence, dropout, context-parallel degree, ZeRO stage (Megatron-Core's
@@ -240,7 +244,7 @@ def _nemo(name: str, sizes: dict[str, Any], gpus: int, batch: int, step_s: float
     """A DGX H100 row: one GPU count of a recipe, its published step time (s)."""
     return Run("DGXC 25.02.01", f"{name}x{gpus}", gpus=gpus, batch=batch,
                published_s=step_s, recompute="none", micro_batch_size=1,
-               grad_accumulation=None,
+               grad_accumulation=None, fusion="elementwise",
                overlap_grad_reduce=True, zero=1, profile="h100-sxm", attention="flash",
                dtype="bfloat16", **sizes)
 
@@ -299,7 +303,7 @@ def predict(row: Run, folder: Path) -> str:
         try:
             found.append(plan(path, profile=row.profile, devices=row.gpus, batch=row.batch,
                               dims={"seq": row.sequence}, parallel={**pins, **schedule},
-                              attention=row.attention, fusion="elementwise",
+                              attention=row.attention, fusion=row.fusion,
                               grad_accumulation=row.grad_accumulation,
                               overlap_grad_reduce=row.overlap_grad_reduce,
                               # Megatron's loss works on the split logits (its vocabulary-

@@ -127,8 +127,8 @@ def plan(
     (default) or after it, as Megatron-LM does without `--overlap-grad-reduce`. `precision`
     (`costmodels.precision`; default: the graph's own dtype, a 16-bit graph in its `-mixed`
     form) decides the bytes per parameter and the dtype activations and GEMMs run in;
-    `attention` ("flash" or "eager") and `fusion` ("elementwise" or "none") the kernels
-    (default: the profile's, `device.kernels`); `grad_accumulation` ("fused" or
+    `attention` ("flash" or "eager") and `fusion` ("elementwise", "megatron" or "none")
+    the kernels (default: the profile's, `device.kernels`); `grad_accumulation` ("fused" or
     "separate") whether each micro-batch's weight gradients are accumulated inside the
     weight-gradient GEMMs or by kernels of their own (default: fused with fused kernels,
     separate without, `planner.cost.kernels.accumulation_for`). The plan's `step`

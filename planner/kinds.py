@@ -149,7 +149,16 @@ class Fusion(StrEnum):
     kernel (one pass over memory, as torch.compile and Megatron's fused kernels do)."""
 
     ELEMENTWISE = "elementwise"
+    #: Megatron-LM's own fused kernels (bias-GELU, bias-dropout-add, scale-mask-softmax):
+    #: elementwise chains fuse, but a normalisation runs as a kernel of its own (apex's
+    #: FusedLayerNorm), not merged with the residual addition before it
+    MEGATRON = "megatron"
     NONE = "none"
+
+    @property
+    def fuses(self) -> bool:
+        """Whether elementwise chains run as one kernel."""
+        return self is not Fusion.NONE
 
 
 class GradAccumulation(StrEnum):

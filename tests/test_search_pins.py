@@ -61,17 +61,24 @@ def test_export_plan_strategies_round_trip(export_model, model: str, tmp_path: P
 
 
 def _pinned_alike(model: Path, devices: int, batch: int, dims: dict[str, int]) -> None:
-    """Each pin set to the unpinned optimum's own value gives the optimum back."""
+    """Each pin set to the unpinned optimum's own value gives the optimum back: the same
+    step time, and the same strategies but where two are an exact tie (an op at its
+    launch floor either way, moving nothing: the solver may take either)."""
     best = plan(model, devices=devices, batch=batch, dims=dims)
     chosen = best.parallel
-    strategies = {op.name: op.strategy for op in best.ops}
+    ops = {op.name: op for op in best.ops}
     for key in ("dp", "tp", "pp", "micro_batches", "zero", "recompute"):
         value = getattr(chosen, key)
         pinned = plan(model, devices=devices, batch=batch, dims=dims,
                       parallel={key: str(value) if key == "recompute" else value})
         assert pinned.predicted.step_time_s == pytest.approx(best.predicted.step_time_s,
                                                              rel=1e-9), key
-        assert {op.name: op.strategy for op in pinned.ops} == strategies, key
+        moving = {c.op for plan_ in (best, pinned) for c in plan_.collectives}
+        for op in pinned.ops:
+            if op.strategy != ops[op.name].strategy:
+                tie = (op.cost.forward_s, op.cost.backward_s) == (
+                    ops[op.name].cost.forward_s, ops[op.name].cost.backward_s)
+                assert tie and op.name not in moving, (key, op.name)
 
 
 def test_pins_at_the_optimum_keep_it_seed(tmp_path: Path) -> None:

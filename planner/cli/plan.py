@@ -90,8 +90,8 @@ def add_parser(verbs: Verbs) -> None:
                       help="attention cores as one flash kernel or one kernel per op "
                            "(default: the profile's)")
     plan.add_argument("--fusion", choices=[f.value for f in Fusion],
-                      help="elementwise chains as one kernel or one per op (default: the "
-                           "profile's)")
+                      help="elementwise chains as one kernel, as Megatron-LM's kernels (a "
+                           "norm a kernel of its own) or one per op (default: the profile's)")
     plan.add_argument("--grad-accumulation", choices=[g.value for g in GradAccumulation],
                       help="each micro-batch's weight gradients accumulated inside the "
                            "weight-gradient GEMMs or by kernels of their own (default: "

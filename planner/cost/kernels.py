@@ -11,7 +11,8 @@ autograd keeps for the backward pass:
   tensor), the softmax statistics (fp32 per row) kept instead of the probabilities, and the
   backward pass recomputing q kᵀ (5 GEMMs to the forward's 2: Dao 2023, FlashAttention-2,
   §3.1). Under `EAGER` every op of the core is a kernel of its own.
-- **elementwise regions** under `Fusion.ELEMENTWISE`: connected elementwise,
+- **elementwise regions** under `Fusion.ELEMENTWISE` (and `MEGATRON`, where a norm is a
+  kernel of its own): connected elementwise,
   normalisation and reduction ops with no GEMM between them run as one kernel that reads
   its inputs and writes what leaves it once (one launch). Autograd keeps what leaves the
   region and dropout masks; a tensor used only inside it is recomputed from the region's
@@ -19,6 +20,9 @@ autograd keeps for the backward pass:
   bias-GELU and bias-dropout-add kernels do), so the region keeps those inputs instead.
   A softmax ends its region (Megatron's fused scale-mask-softmax writes the
   probabilities; the attention dropout is its own kernel).
+
+- **backward passes**: a GEMM's is twice its forward (dX and dW); a memory-bound
+  kernel's the bytes it moves over those its forward moves (`_memory_bound_backward`).
 
 Saved tensors start from each op's rule in the registry (`planner.ops.saving`).
 `KernelPlan.dropped_by_selective` lists the activations selective recompute drops: those
@@ -28,7 +32,7 @@ of the attention cores (Korthikanti et al. 2022, §4.2).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from costmodels.profile import HardwareProfile
@@ -36,7 +40,14 @@ from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AttentionKernel, Fusion, GradAccumulation
 from planner.ops import record_for
 from planner.ops.attention import AttentionCore
-from planner.ops.saving import SavedTensors, Saves, buffer_of, saved_tensors
+from planner.ops.saving import (
+    SavedTensors,
+    Saves,
+    backward_bytes,
+    buffer_of,
+    kept_by,
+    saved_tensors,
+)
 from planner.ops.work import WorkKind
 from planner.sharding.analysis import GraphAnalysis
 
@@ -68,12 +79,12 @@ def policy_for(profile: HardwareProfile, attention: AttentionKernel | None = Non
 def accumulation_for(profile: HardwareProfile, fusion: Fusion | None = None,
                      accumulation: GradAccumulation | None = None) -> GradAccumulation:
     """The gradient accumulation asked for; where not, the one of the kernels' stack: a
-    stack that fuses kernels (`fusion` elementwise: Megatron-LM, NeMo, Transformer Engine)
-    accumulates in the weight-gradient GEMM, eager torch (`fusion` none) with autograd's
-    own add."""
+    stack that fuses kernels (`fusion` elementwise or megatron: Megatron-LM, NeMo,
+    Transformer Engine) accumulates in the weight-gradient GEMM, eager torch (`fusion`
+    none) with autograd's own add."""
     if accumulation is not None:
         return accumulation
-    fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
+    fused = policy_for(profile, fusion=fusion).fusion.fuses
     return GradAccumulation.FUSED if fused else GradAccumulation.SEPARATE
 
 
@@ -152,10 +163,12 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
         for core in cores:
             absorbed |= _flash(core, graph, kernels, saved)
     regions: tuple[tuple[str, ...], ...] = ()
-    if policy.fusion is Fusion.ELEMENTWISE:
-        regions = _regions(graph, absorbed)
+    if policy.fusion.fuses:
+        regions = _regions(graph, absorbed, alone_norms=policy.fusion is Fusion.MEGATRON)
         for region in regions:
             _fuse(region, graph, kernels, saved, analysis.needs_grad)
+    _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, regions,
+                           absorbed | {n.name for n in graph.ops if n.op_type == "Attention"})
     shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
     return KernelPlan(policy, kernels, shares, cores, regions)
 
@@ -186,6 +199,108 @@ def weight_gradient_ratio(node: OpNode, matrix: bool,
         return 0.0
     count = sum(1 for name in node.inputs[:2] if name and name in weights)
     return min(float(count), BACKWARD_RATIO)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
+                           rules: Mapping[str, Saves], needs_grad: Mapping[str, bool],
+                           regions: tuple[tuple[str, ...], ...], fixed: set[str]) -> None:
+    """The backward multiple of every kernel that is not a GEMM: the bytes its backward
+    kernel moves over the bytes its forward moves (both are memory-bound). Unfused, each
+    op's by its rule (`planner.ops.saving.backward_bytes`: a GELU reads its input and the
+    output's gradient and writes the input's, 1.5x its forward; a residual addition hands
+    the gradient on, no kernel); a fused region's as one kernel (the gradients of what
+    leaves it read, of its inputs written, what it keeps read). Where a tensor's gradient
+    comes from several other kernels, autograd adds them up (r 2, w 1 per extra term),
+    priced with its producer's backward (a region combines its own use in its kernel);
+    a GEMM producer's sum is not priced (its backward is priced by FLOPs). `fixed` ops
+    keep theirs (flash cores, opset-23 Attention)."""
+    tensors = graph.tensors
+    region_of = {op: k for k, region in enumerate(regions) for op in region}
+    sums: dict[str, float] = {}  # the op (first member of a region) paying a gradient sum
+    for name, info in tensors.items():
+        if info.producer is None or not info.is_float or not needs_grad.get(name, False):
+            continue
+        senders = {region_of.get(c, c) for c in info.consumers
+                   if any(needs_grad.get(o, False) for o in graph.op(c).outputs if o)}
+        producer = tensors[buffer_of(graph, name)].producer or info.producer
+        senders.discard(region_of.get(producer, producer))  # its own region reads it fused
+        if len(senders) > 1 and producer not in fixed and not kernels[producer].matrix:
+            payer = regions[region_of[producer]][0] if producer in region_of else producer
+            sums[payer] = sums.get(payer, 0.0) + 3.0 * (len(senders) - 1) * info.nbytes
+    for node in graph.ops:
+        kernel = kernels[node.name]
+        if node.name in fixed or node.name in region_of or kernel.matrix or node.is_view:
+            continue
+        moved = backward_bytes(node, rules[node.name], tensors, needs_grad) \
+            + sums.get(node.name, 0.0)
+        kernels[node.name] = replace(kernel, backward_ratio=_ratio(moved, kernel.bytes))
+    for region in regions:
+        moved = _region_backward_bytes(region, graph, rules, needs_grad) \
+            + sums.get(region[0], 0.0)
+        ratio = _ratio(moved, sum(kernels[op].bytes for op in region))
+        for op in region:
+            kernels[op] = replace(kernels[op], backward_ratio=ratio)
+
+
+def _hands_on(node: OpNode, slot: int, shape: tuple[int, ...], rules: Mapping[str, Saves],
+              leaving: set[str], inside: set[str], graph: PlanningGraph) -> bool:
+    """Whether input `slot` of region member `node` gets the gradient of a tensor leaving
+    the region unchanged: a gradient view (an addition's term, same shape) whose output
+    only leaves (nothing inside reads it)."""
+    if not rules[node.name].views_gradient(slot) or not node.outputs:
+        return False
+    out = node.outputs[0]
+    return (out in leaving and graph.tensors[out].shape == shape
+            and not any(c in inside for c in graph.tensors[out].consumers))
+
+
+def _ratio(backward: float, forward: float) -> float:
+    return backward / forward if forward > 0 else 0.0
+
+
+def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
+                           rules: Mapping[str, Saves], needs_grad: Mapping[str, bool]) -> float:
+    """Bytes a fused region's backward kernel moves: the gradients of the float tensors
+    leaving it read, of its float inputs written (but an input the region only adds on,
+    whose gradient is the output's), and each tensor it keeps read once (a float tensor
+    only the region reads is recomputed from the region's inputs, which it keeps instead:
+    `_fuse`)."""
+    tensors = graph.tensors
+    inside = set(region)
+    produced = {o for op in region for o in graph.op(op).outputs if o}
+    outputs = set(graph.outputs)
+    leaving = {t for t in produced
+               if t in outputs or any(c not in inside for c in tensors[t].consumers)}
+    if not any(needs_grad.get(t, False) for t in leaving):
+        return 0.0
+    read = sum(tensors[t].nbytes for t in leaving
+               if tensors[t].is_float and needs_grad.get(t, False))
+    written = 0.0
+    for name in {i for op in region for i in graph.op(op).inputs if i} - produced:
+        info = tensors[name]
+        if not info.is_float or not needs_grad.get(name, False):
+            continue
+        uses = [(graph.op(c), slot) for c in info.consumers if c in inside
+                for slot, i in enumerate(graph.op(c).inputs) if i == name]
+        if all(_hands_on(node, slot, info.shape, rules, leaving, inside, graph)
+               for node, slot in uses):
+            continue
+        written += info.nbytes
+    whole: set[str] = set()
+    extra = 0.0
+    for op in region:
+        for item in kept_by(graph.op(op), rules[op], tensors, needs_grad):
+            if item.extra:
+                extra += tensors[item.tensor].nbytes * item.extra
+            elif (item.tensor in produced and item.tensor not in leaving
+                  and tensors[item.tensor].is_float):
+                whole |= _region_inputs(item.tensor, graph, inside)
+            else:
+                whole.add(item.tensor)
+    return read + written + extra + sum(tensors[name].nbytes for name in whole)
 
 
 # --------------------------------------------------------------------------- attention
@@ -246,12 +361,15 @@ def _fusable(node: OpNode) -> bool:
     return record.work.kind in _FUSABLE_WORK or node.op_type in _FUSABLE_MOVES
 
 
-def _regions(graph: PlanningGraph, absorbed: set[str]) -> tuple[tuple[str, ...], ...]:
+def _regions(graph: PlanningGraph, absorbed: set[str],
+             alone_norms: bool = False) -> tuple[tuple[str, ...], ...]:
     """Connected fusable ops at the same kernel depth (the count of unfused kernels on
     the longest path to them): no unfused op can sit between two members, so every
-    region can run as one kernel."""
+    region can run as one kernel. `alone_norms`: a normalisation (an op keeping per-row
+    statistics) is a kernel of its own, as Megatron-LM runs apex's FusedLayerNorm."""
     tensors = graph.tensors
-    fusable = {n.name for n in graph.ops if n.name not in absorbed and _fusable(n)}
+    fusable = {n.name for n in graph.ops if n.name not in absorbed and _fusable(n)
+               and not (alone_norms and _rule(n).row_statistics)}
     depth: dict[str, int] = {}
     parent: dict[str, str] = {}
 

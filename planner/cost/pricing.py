@@ -199,7 +199,7 @@ def optimizer_seconds(profile: HardwareProfile, elements: float, itemsize: int,
     kernels make one after another. No per-kernel floor: a step's kernels each cover a
     whole weight."""
     bandwidth = profile.memory_bandwidth_Bps.value * profile.memory_efficiency.value
-    fused = policy_for(profile, fusion=fusion).fusion is Fusion.ELEMENTWISE
+    fused = policy_for(profile, fusion=fusion).fusion.fuses
     return elements * optimizer_step_bytes(resolve(precision, itemsize), optimizer,
                                            fused) / bandwidth
 

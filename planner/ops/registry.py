@@ -115,15 +115,15 @@ _ELEMENTWISE: dict[str, tuple[float, s.Saves]] = {
 
 _RECORDS: list[OpRecord] = [
     # Elementwise, linear ones first.
-    _elementwise("Add", w.per_output(1), JOINTLY),
-    _elementwise("Sub", w.per_output(1), JOINTLY),
-    _elementwise("Sum", w.per_output(1), JOINTLY),
+    _elementwise("Add", w.per_output(1), JOINTLY, saves=s.SUM),
+    _elementwise("Sub", w.per_output(1), JOINTLY, saves=s.DIFFERENCE),
+    _elementwise("Sum", w.per_output(1), JOINTLY, saves=s.SUM),
     _elementwise("Mean", w.per_output(1), JOINTLY),
     _elementwise("Mul", w.per_output(1), in_any_one(0, 1), saves=s.OPERANDS),
     _elementwise("Div", w.per_output(1), in_any_one(0), saves=s.DIVIDE),  # the numerator
     _elementwise("Neg", w.per_output(1), IN_DATA),
     _elementwise("Where", w.DATA_MOVEMENT, jointly(1, 2), saves=s.CONDITION),  # the branches
-    _elementwise("Identity", w.VIEW, IN_DATA),
+    _elementwise("Identity", w.VIEW, IN_DATA, saves=s.IDENTITY),
     _elementwise("Cast", w.DATA_MOVEMENT),
     _elementwise("CastLike", w.DATA_MOVEMENT, labels=CAST_LIKE),
     _elementwise("Clip", w.per_output(2), labels=CLIP, saves=s.INPUT),
@@ -160,7 +160,7 @@ _RECORDS: list[OpRecord] = [
     *[OpRecord(op, labels=movement.reshape, work=w.VIEW, linearity=IN_DATA, saves=s.NOTHING)
       for op in ("Flatten", "Squeeze", "Unsqueeze")],
     OpRecord("Concat", labels=movement.concat, work=w.DATA_MOVEMENT, linearity=JOINTLY,
-             saves=s.NOTHING),
+             saves=s.CONCATENATION),
     OpRecord("Split", labels=movement.split, work=w.DATA_MOVEMENT, linearity=IN_DATA,
              saves=s.NOTHING),
     OpRecord("Slice", labels=movement.slice_, work=w.DATA_MOVEMENT, linearity=IN_DATA,

@@ -33,7 +33,12 @@ class Saves:
     - `divisor`: Div's rule (the divisor always, the numerator for the divisor's gradient);
     - `mask`: a one-byte mask shaped like output 0 (dropout): its mask output when the
       graph has one, else an extra buffer beside output 0;
-    - `row_statistics`: fp32 values per normalised row kept beside input 0 (norms).
+    - `row_statistics`: fp32 values per normalised row kept beside input 0 (norms);
+    - `gradient_views`, `every_gradient_view`: the inputs whose gradient is the output's
+      gradient itself, no kernel computing it (an addition's terms: `AddBackward` hands
+      the gradient on), summed down to the input's shape where it was broadcast;
+    - `gradient_parts`: each input's gradient is its slice of the output's (a
+      concatenation's parts: narrowed views), no kernel either.
     """
 
     inputs: tuple[int, ...] = ()
@@ -43,6 +48,12 @@ class Saves:
     mask: bool = False
     row_statistics: int = 0
     every_output: bool = False  # an op nothing is known of: all its float outputs
+    gradient_views: tuple[int, ...] = ()
+    every_gradient_view: bool = False
+    gradient_parts: bool = False
+
+    def views_gradient(self, slot: int) -> bool:
+        return self.every_gradient_view or slot in self.gradient_views
 
 
 NOTHING = Saves()
@@ -54,6 +65,10 @@ DIVIDE = Saves(divisor=True)
 MASK = Saves(mask=True)
 CONDITION = Saves(inputs=(0,))  # Where keeps its condition to route the gradient
 UNKNOWN = Saves(every_output=True)
+SUM = Saves(every_gradient_view=True)  # Add, Sum: each term gets the gradient
+CONCATENATION = Saves(gradient_parts=True)
+DIFFERENCE = Saves(gradient_views=(0,))  # Sub: the subtrahend's is negated by a kernel
+IDENTITY = Saves(gradient_views=(0,))
 
 
 def norm(statistics: int) -> Saves:
@@ -160,3 +175,41 @@ def buffer_of(graph: PlanningGraph, name: str) -> str:
         if not node.is_view or not node.inputs or not node.inputs[0]:
             return name
         name = node.inputs[0]
+
+
+def backward_bytes(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
+                   needs_grad: Mapping[str, bool]) -> float:
+    """Bytes one op's backward kernels move, unfused: they read its outputs' gradients,
+    write its float inputs' gradients (a gradient view writes nothing, or the reduced
+    gradient of an input it broadcast) and read what it kept (`kept_by`). A product (or a
+    quotient) computes each operand's gradient in a kernel of its own, from the output's
+    gradient and the other operands (`derivatives.yaml`: `mul`'s `grad * other`, `grad *
+    self`). Nothing when no gradient flows through it, or every input's gradient is a view
+    of the output's (a residual addition runs no backward kernel)."""
+    outputs = [o for o in node.outputs if o and needs_grad.get(o, False)]
+    if not outputs:
+        return 0.0
+    shape = tensors[outputs[0]].shape
+    written = 0.0
+    computed = False
+    for slot, name in enumerate(node.inputs):
+        if not name or not needs_grad.get(name, False) or not tensors[name].is_float:
+            continue
+        if rule.gradient_parts or (rule.views_gradient(slot) and tensors[name].shape == shape):
+            continue
+        written += tensors[name].nbytes
+        computed = True
+    if not computed:
+        return 0.0
+    read = sum(tensors[o].nbytes for o in outputs)
+    if rule.operands or rule.divisor:  # one kernel per operand's gradient
+        moved = 0.0
+        for slot, name in enumerate(node.inputs):
+            if name and needs_grad.get(name, False) and tensors[name].is_float:
+                others = sum(tensors[o].nbytes for k, o in enumerate(node.inputs)
+                             if o and k != slot)
+                moved += read + others + tensors[name].nbytes
+        return moved
+    kept = sum(tensors[k.tensor].nbytes * (k.extra or 1.0)
+               for k in kept_by(node, rule, tensors, needs_grad))
+    return read + written + kept

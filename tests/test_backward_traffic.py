@@ -1,0 +1,182 @@
+"""What a memory-bound op's backward pass moves, against torch's own backward kernels.
+
+`planner.ops.saving.backward_bytes` prices one unfused op's backward kernel from its rule
+(the gradients of its outputs read, of its float inputs written, what it kept read; an
+addition's terms get the output's gradient itself). Each case here builds the op with
+onnx.helper behind parameters (so that a gradient flows to its inputs), and counts, op by
+op, the bytes torch's backward kernels of the same op read and write
+(`torch.autograd.grad`, views not counted). `planner.cost.kernels` turns the bytes into the
+op's backward multiple, and a fused region into one kernel's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from onnx import TensorProto, helper
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.cost.kernels import KernelPolicy, kernel_plan
+from planner.importer import import_model
+from planner.kinds import AttentionKernel, Fusion
+from planner.ops import record_for
+from planner.ops.saving import backward_bytes
+from planner.sharding.analysis import GraphAnalysis
+
+ROWS, WIDTH = 64, 1024
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes each aten op reads (its distinct tensor inputs) and writes (its outputs),
+    over tensors of at least `least` elements; views move nothing."""
+
+    def __init__(self, least: int) -> None:
+        super().__init__()
+        self.least, self.bytes = least, 0
+
+    def _large(self, value: object) -> list[torch.Tensor]:
+        return [v for v in pytree.tree_leaves(value)
+                if isinstance(v, torch.Tensor) and v.numel() >= self.least]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if returns and returns[0].alias_info is not None:
+            return out  # a view
+        seen = {id(v): v.nbytes for v in self._large((args, kwargs or {}))}
+        written = {id(v): v.nbytes for v in self._large(out)}
+        self.bytes += sum(seen.values()) + sum(written.values())
+        return out
+
+
+def _torch_backward(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]) -> int:
+    """Bytes the backward kernels of `fn` move for inputs of `shapes` (all needing a
+    gradient) and a random output gradient."""
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    counter = _Traffic(least=ROWS)
+    with counter:
+        torch.autograd.grad(out, inputs, grad)
+    return counter.bytes
+
+
+def _planned(tmp_path: Path, op: str, shapes: list[tuple[int, ...]],
+             **attributes: object) -> tuple[float, GraphAnalysis]:
+    """`backward_bytes` of one ONNX `op` whose inputs are computed from parameters."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    nodes, inits, names = [], [], []
+    for k, shape in enumerate(shapes):
+        weight = helper.make_tensor(f"p{k}", TensorProto.FLOAT, list(shape),
+                                    [0.5] * int(torch.Size(shape).numel()))
+        inits.append(weight)
+        if shape == (ROWS, WIDTH):  # an activation: the input times a weight
+            nodes.append(helper.make_node("Mul", ["x", f"p{k}"], [f"t{k}"], name=f"make{k}"))
+            names.append(f"t{k}")
+        else:  # a small weight read as it is (a bias, a norm's scale)
+            names.append(f"p{k}")
+    nodes.append(helper.make_node(op, names, ["y"], name="op", **attributes))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 20)])
+    path = tmp_path / f"{op}.onnx"
+    onnx.save(model, path)
+    analysis = GraphAnalysis.of(import_model(path))
+    graph = analysis.graph
+    node = graph.op("op")
+    record = record_for(node.op_type, node.domain)
+    assert record is not None
+    return backward_bytes(node, record.saves, graph.tensors, analysis.needs_grad), analysis
+
+
+FULL = (ROWS, WIDTH)
+
+
+@pytest.mark.parametrize("op,fn,shapes,attributes", [
+    ("Gelu", F.gelu, [FULL], {}),
+    ("Relu", F.relu, [FULL], {}),
+    ("Tanh", torch.tanh, [FULL], {}),
+    ("Sigmoid", torch.sigmoid, [FULL], {}),
+    ("Exp", torch.exp, [FULL], {}),
+    ("Softmax", lambda t: torch.softmax(t, -1), [FULL], {"axis": -1}),
+    ("Mul", torch.mul, [FULL, FULL], {}),
+    ("Add", torch.add, [FULL, FULL], {}),
+    ("Add", torch.add, [FULL, (WIDTH,)], {}),
+    ("Sub", torch.sub, [FULL, FULL], {}),
+], ids=["gelu", "relu", "tanh", "sigmoid", "exp", "softmax", "mul", "residual-add",
+        "bias-add", "sub"])
+def test_an_ops_backward_moves_what_torchs_kernels_move(tmp_path: Path, op: str,
+                                                        fn: Callable[..., torch.Tensor],
+                                                        shapes: list[tuple[int, ...]],
+                                                        attributes: dict) -> None:
+    planned, _ = _planned(tmp_path, op, shapes, **attributes)
+    assert planned == _torch_backward(fn, shapes)
+
+
+def test_a_layer_norms_backward_reads_its_input_and_statistics(tmp_path: Path) -> None:
+    """LayerNorm's backward reads the output's gradient, its input and the fp32 mean and
+    inverse std per row, and writes the gradients of its input, scale and bias; torch's
+    kernel also reads the scale (one row's worth), which the rule leaves out."""
+    planned, _ = _planned(tmp_path, "LayerNormalization", [FULL, (WIDTH,), (WIDTH,)], axis=-1)
+    counted = _torch_backward(lambda t, w, b: F.layer_norm(t, (WIDTH,), w, b),
+                              [FULL, (WIDTH,), (WIDTH,)])
+    assert planned == pytest.approx(counted, rel=0.02)
+    assert planned < counted
+
+
+def test_the_backward_multiple_of_unfused_and_fused_kernels(tmp_path: Path) -> None:
+    """The kernels take the multiple from the bytes: a GELU 1.5x its forward; a bias add
+    then a GELU fused into one kernel reads the GELU's gradient and the bias add's inputs
+    (kept in place of what only the region reads) and writes their gradients."""
+    _, analysis = _planned(tmp_path, "Gelu", [FULL])
+    plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    assert plan.ops["op"].backward_ratio == pytest.approx(1.5)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    inits = [helper.make_tensor("w", TensorProto.FLOAT, [WIDTH, WIDTH], [0.1] * WIDTH * WIDTH),
+             helper.make_tensor("b", TensorProto.FLOAT, [WIDTH], [0.1] * WIDTH)]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="gemm"),
+             helper.make_node("Add", ["m", "b"], ["a"], name="bias"),
+             helper.make_node("Gelu", ["a"], ["g"], name="gelu"),
+             helper.make_node("MatMul", ["g", "w"], ["y"], name="gemm2")]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    path = tmp_path / "bias_gelu.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                                opset_imports=[helper.make_opsetid("", 20)]), path)
+    analysis = GraphAnalysis.of(import_model(path))
+    fused = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
+    assert ("bias", "gelu") in fused.regions
+    region_forward = fused.ops["bias"].bytes + fused.ops["gelu"].bytes
+    whole = ROWS * WIDTH * 4
+    assert region_forward == pytest.approx(2 * whole + WIDTH * 4)  # m and b in, g out
+    backward = region_forward * fused.ops["gelu"].backward_ratio
+    # read: dg, m and b (kept); written: dm, db
+    assert backward == pytest.approx(3 * whole + 2 * WIDTH * 4)
+    assert fused.ops["bias"].backward_ratio == fused.ops["gelu"].backward_ratio
+
+
+def test_a_tensor_read_by_several_kernels_pays_the_sum_of_its_gradients(
+        tmp_path: Path) -> None:
+    """Autograd adds the gradients a tensor gets from several consumers (r 2, w 1 per
+    extra term): priced with its producer's backward."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    inits = [helper.make_tensor("p", TensorProto.FLOAT, [ROWS, WIDTH], [0.5] * ROWS * WIDTH)]
+    nodes = [helper.make_node("Mul", ["x", "p"], ["t"], name="make"),
+             helper.make_node("Gelu", ["t"], ["g"], name="gelu"),
+             helper.make_node("Tanh", ["g"], ["a"], name="a"),
+             helper.make_node("Sigmoid", ["g"], ["b"], name="b"),
+             helper.make_node("Exp", ["g"], ["c"], name="c")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abc"]
+    path = tmp_path / "fan_out.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], outs, inits),
+                                opset_imports=[helper.make_opsetid("", 20)]), path)
+    analysis = GraphAnalysis.of(import_model(path))
+    plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    whole = ROWS * WIDTH * 4
+    gelu = plan.ops["gelu"]
+    assert gelu.bytes * gelu.backward_ratio == pytest.approx(3 * whole + 2 * 3 * whole)
