@@ -1,6 +1,6 @@
 """What a memory-bound op's backward pass moves, against torch's own backward kernels.
 
-`planner.ops.saving.backward_bytes` prices one unfused op's backward kernel from its rule
+`planner.ops.saving.backward_kernels` prices one unfused op's backward kernels from its rule
 (the gradients of its outputs read, of its float inputs written, what it kept read; an
 addition's terms get the output's gradient itself). Each case here builds the op with
 onnx.helper behind parameters (so that a gradient flows to its inputs), and counts, op by
@@ -22,12 +22,15 @@ import torch.utils._pytree as pytree
 from onnx import TensorProto, helper
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from costmodels.profile import load_profile
 from planner.cost.kernels import KernelPolicy, kernel_plan
+from planner.cost.pricing import op_times
 from planner.importer import import_model
 from planner.kinds import AttentionKernel, Fusion
 from planner.ops import record_for
-from planner.ops.saving import backward_bytes
+from planner.ops.saving import backward_kernels
 from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
 
 ROWS, WIDTH = 64, 1024
 
@@ -69,7 +72,8 @@ def _torch_backward(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...
 
 def _planned(tmp_path: Path, op: str, shapes: list[tuple[int, ...]],
              **attributes: object) -> tuple[float, GraphAnalysis]:
-    """`backward_bytes` of one ONNX `op` whose inputs are computed from parameters."""
+    """`backward_kernels`' bytes of one ONNX `op` whose inputs are computed from
+    parameters."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     nodes, inits, names = [], [], []
     for k, shape in enumerate(shapes):
@@ -92,7 +96,8 @@ def _planned(tmp_path: Path, op: str, shapes: list[tuple[int, ...]],
     node = graph.op("op")
     record = record_for(node.op_type, node.domain)
     assert record is not None
-    return backward_bytes(node, record.saves, graph.tensors, analysis.needs_grad), analysis
+    moved, _ = backward_kernels(node, record.saves, graph.tensors, analysis.needs_grad)
+    return moved, analysis
 
 
 FULL = (ROWS, WIDTH)
@@ -109,8 +114,14 @@ FULL = (ROWS, WIDTH)
     ("Add", torch.add, [FULL, FULL], {}),
     ("Add", torch.add, [FULL, (WIDTH,)], {}),
     ("Sub", torch.sub, [FULL, FULL], {}),
+    ("Sqrt", torch.sqrt, [FULL], {}),
+    ("Reciprocal", torch.reciprocal, [FULL], {}),
+    ("Erf", torch.erf, [FULL], {}),
+    ("Sin", torch.sin, [FULL], {}),
+    ("Cos", torch.cos, [FULL], {}),
+    ("Div", torch.div, [FULL, FULL], {}),
 ], ids=["gelu", "relu", "tanh", "sigmoid", "exp", "softmax", "mul", "residual-add",
-        "bias-add", "sub"])
+        "bias-add", "sub", "sqrt", "reciprocal", "erf", "sin", "cos", "div"])
 def test_an_ops_backward_moves_what_torchs_kernels_move(tmp_path: Path, op: str,
                                                         fn: Callable[..., torch.Tensor],
                                                         shapes: list[tuple[int, ...]],
@@ -180,3 +191,44 @@ def test_a_tensor_read_by_several_kernels_pays_the_sum_of_its_gradients(
     whole = ROWS * WIDTH * 4
     gelu = plan.ops["gelu"]
     assert gelu.bytes * gelu.backward_ratio == pytest.approx(3 * whole + 2 * 3 * whole)
+
+
+@pytest.mark.parametrize("op,shapes,launches", [
+    ("Add", [FULL, FULL], 0), ("Add", [FULL, (WIDTH,)], 1), ("Mul", [FULL, FULL], 2),
+    ("Gelu", [FULL], 1)], ids=["residual-add", "bias-add", "mul", "gelu"])
+def test_a_backward_pays_a_launch_per_kernel_it_runs(tmp_path: Path, op: str,
+                                                     shapes: list[tuple[int, ...]],
+                                                     launches: int) -> None:
+    """A tiny op's backward is its kernels' launch floors, not a multiple of the
+    forward's: a residual addition runs none (its backward costs nothing), a bias
+    addition one reduction, a product one kernel per operand."""
+    _, analysis = _planned(tmp_path, op, shapes)
+    plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    assert plan.ops["op"].backward_launches == launches
+    profile = load_profile("a100-80g")
+    node = analysis.graph.op("op")
+    tiny = 1e-6  # a millionth of the op: every kernel at its launch floor
+    _, backward = op_times(node, plan, analysis.graph.tensors, [None] * len(node.inputs),
+                           tiny, DeviceMesh((1,), ("a0",), 8), profile, None, True)
+    assert backward == pytest.approx(launches * profile.kernel_launch_s.value)
+
+
+def test_a_power_runs_its_derivative_formulas_kernels(tmp_path: Path) -> None:
+    """Pow by a constant exponent (an RMSNorm's square): eager torch's `pow_backward` is
+    three kernels and seven passes; a fused region would run it in one."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    inits = [helper.make_tensor("p", TensorProto.FLOAT, [ROWS, WIDTH], [0.5] * ROWS * WIDTH),
+             helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])]
+    nodes = [helper.make_node("Mul", ["x", "p"], ["t"], name="make"),
+             helper.make_node("Pow", ["t", "two"], ["y"], name="op")]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    path = tmp_path / "pow.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                                opset_imports=[helper.make_opsetid("", 20)]), path)
+    analysis = GraphAnalysis.of(import_model(path))
+    node = analysis.graph.op("op")
+    record = record_for(node.op_type, node.domain)
+    assert record is not None
+    moved, launches = backward_kernels(node, record.saves, analysis.graph.tensors,
+                                       analysis.needs_grad)
+    assert (moved, launches) == (_torch_backward(lambda t: t.pow(2), [FULL]), 3)

@@ -24,9 +24,12 @@ from costmodels.precision import (
 from costmodels.profile import load_profile
 from planner import zoo
 from planner.api import plan
+from planner.cost.kernels import KernelPolicy, kernel_plan
 from planner.errors import ShardplanError
-from planner.kinds import Precision
+from planner.importer import import_model
+from planner.kinds import AttentionKernel, Fusion, Precision
 from planner.plans.model import Plan
+from planner.sharding.analysis import GraphAnalysis
 
 
 @pytest.mark.parametrize("precision,total", [
@@ -276,3 +279,35 @@ def test_accumulation_is_priced_where_kernels_run_it(gpt32: Path) -> None:
     assert separate.predicted.step_time_s == pytest.approx(
         fused.predicted.step_time_s + extra, rel=1e-9)
     assert Plan.from_json(separate.to_json()).step.grad_accumulation == "separate"
+
+
+def test_cli_takes_the_kernels_of_megatron_and_a_separate_accumulation(gpt32: Path) -> None:
+    """`--fusion megatron --grad-accumulation separate` reach the plan's step section and
+    the summary; an unknown word is refused by the parser, exit 2."""
+    base = [sys.executable, "-m", "planner.cli", "plan", str(gpt32), "--devices", "1",
+            "--batch", "8", "--dim", "seq=128", "--parallel", "micro_batches=2"]
+    done = subprocess.run([*base, "--fusion", "megatron", "--grad-accumulation", "separate"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fusion megatron" in done.stdout
+    assert "accumulated by kernels of their own" in done.stdout
+    default = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert "accumulated in the weight-gradient GEMMs" in default.stdout  # a100: fused
+    bad = subprocess.run([*base, "--grad-accumulation", "later"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_megatron_fusion_keeps_a_norm_apart(gpt32: Path) -> None:
+    """Under `megatron` no fused region holds a LayerNormalization with another op;
+    under `elementwise` one does (the residual addition and the norm after it)."""
+    graph = import_model(gpt32, batch=8, dims={"seq": 128})
+    analysis = GraphAnalysis.of(graph)
+
+    def norm_regions(fusion: Fusion) -> list[tuple[str, ...]]:
+        regions = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, fusion)).regions
+        return [r for r in regions
+                if any(graph.op(op).op_type == "LayerNormalization" for op in r)]
+
+    assert any(len(r) > 1 for r in norm_regions(Fusion.ELEMENTWISE))
+    assert norm_regions(Fusion.MEGATRON) == []

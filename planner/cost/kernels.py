@@ -43,7 +43,7 @@ from planner.ops.attention import AttentionCore
 from planner.ops.saving import (
     SavedTensors,
     Saves,
-    backward_bytes,
+    backward_kernels,
     buffer_of,
     kept_by,
     saved_tensors,
@@ -105,6 +105,11 @@ class OpKernel:
     #: stay in on-chip tiles, so it is priced by its FLOPs at the GEMM rate and the HBM
     #: bytes of q, k, v and the output (`_flash`)
     shaped: bool = True
+    #: a memory-bound kernel's backward, priced as a kernel of its own rather than a
+    #: multiple of the forward (`_memory_bound_backward`): the bytes it moves (for the
+    #: whole op; None: `backward_ratio` prices it) and the kernels it launches
+    backward_bytes: float | None = None
+    backward_launches: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,8 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
     keep theirs (flash cores, opset-23 Attention)."""
     tensors = graph.tensors
     region_of = {op: k for k, region in enumerate(regions) for op in region}
-    sums: dict[str, float] = {}  # the op (first member of a region) paying a gradient sum
+    sums: dict[str, tuple[float, int]] = {}  # op (a region's first) -> a gradient sum's
+    # bytes and kernels
     for name, info in tensors.items():
         if info.producer is None or not info.is_float or not needs_grad.get(name, False):
             continue
@@ -229,20 +235,26 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
         senders.discard(region_of.get(producer, producer))  # its own region reads it fused
         if len(senders) > 1 and producer not in fixed and not kernels[producer].matrix:
             payer = regions[region_of[producer]][0] if producer in region_of else producer
-            sums[payer] = sums.get(payer, 0.0) + 3.0 * (len(senders) - 1) * info.nbytes
+            moved, launches = sums.get(payer, (0.0, 0))
+            sums[payer] = (moved + 3.0 * (len(senders) - 1) * info.nbytes,
+                           launches + len(senders) - 1)
     for node in graph.ops:
         kernel = kernels[node.name]
         if node.name in fixed or node.name in region_of or kernel.matrix or node.is_view:
             continue
-        moved = backward_bytes(node, rules[node.name], tensors, needs_grad) \
-            + sums.get(node.name, 0.0)
-        kernels[node.name] = replace(kernel, backward_ratio=_ratio(moved, kernel.bytes))
+        moved, launches = backward_kernels(node, rules[node.name], tensors, needs_grad)
+        extra, added = sums.get(node.name, (0.0, 0))
+        kernels[node.name] = replace(kernel, backward_ratio=_ratio(moved + extra, kernel.bytes),
+                                     backward_bytes=moved + extra,
+                                     backward_launches=launches + added)
     for region in regions:
-        moved = _region_backward_bytes(region, graph, rules, needs_grad) \
-            + sums.get(region[0], 0.0)
-        ratio = _ratio(moved, sum(kernels[op].bytes for op in region))
-        for op in region:
-            kernels[op] = replace(kernels[op], backward_ratio=ratio)
+        moved = _region_backward_bytes(region, graph, rules, needs_grad)
+        extra, added = sums.get(region[0], (0.0, 0))
+        ratio = _ratio(moved + extra, sum(kernels[op].bytes for op in region))
+        for k, op in enumerate(region):  # each member its share; the first launches
+            kernels[op] = replace(kernels[op], backward_ratio=ratio,
+                                  backward_bytes=kernels[op].bytes * ratio,
+                                  backward_launches=(int(moved > 0) + added) if k == 0 else 0)
 
 
 def _hands_on(node: OpNode, slot: int, shape: tuple[int, ...], rules: Mapping[str, Saves],

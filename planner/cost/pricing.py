@@ -72,13 +72,22 @@ def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo
              profile: HardwareProfile, precision: Precision | None,
              differentiated: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one device's share `fraction` of one op that reads
-    its inputs in `inputs`; the backward pass is its kernel's multiple of the forward when
-    a gradient flows."""
+    its inputs in `inputs`, the backward when a gradient flows: a memory-bound kernel's
+    as kernels of their own (the bytes they move, their launches:
+    `OpKernel.backward_bytes`), a GEMM's as its kernel's multiple of the forward."""
     kernel = kernels.ops[node.name]
     shape = local_gemm_shape(node, kernel, tensors, inputs, mesh)
-    forward = op_seconds(node, kernel, op_dtype(node, kernel, tensors, precision), fraction,
-                         profile, shape)
-    return forward, (kernel.backward_ratio * forward if differentiated else 0.0)
+    dtype = op_dtype(node, kernel, tensors, precision)
+    forward = op_seconds(node, kernel, dtype, fraction, profile, shape)
+    if not differentiated:
+        return forward, 0.0
+    if kernel.backward_bytes is None:
+        return forward, kernel.backward_ratio * forward
+    if kernel.backward_bytes <= 0 and not kernel.backward_launches:
+        return forward, 0.0
+    flops = kernel.flops * fraction if kernel.backward_bytes > 0 else 0.0
+    return forward, op_time(profile, node.op_type, flops, kernel.backward_bytes * fraction,
+                            dtype, launches=kernel.backward_launches)
 
 
 def weight_gradient_seconds(node: OpNode, kernels: KernelPlan, cost: OpCost) -> float:

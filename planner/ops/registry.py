@@ -97,15 +97,15 @@ def _elementwise(op_type: str, work: Work, linearity: Linearity = NOT_LINEAR,
 #: FLOPs per output element, and what autograd keeps (comparisons and rounding carry no
 #: gradient: their outputs are not float or have a zero derivative).
 _ELEMENTWISE: dict[str, tuple[float, s.Saves]] = {
-    "Pow": (4, s.INPUT), "Max": (1, s.OPERANDS), "Min": (1, s.OPERANDS),
+    "Pow": (4, s.POWER), "Max": (1, s.OPERANDS), "Min": (1, s.OPERANDS),
     "Equal": (1, s.NOTHING), "Less": (1, s.NOTHING), "Greater": (1, s.NOTHING),
     "LessOrEqual": (1, s.NOTHING), "GreaterOrEqual": (1, s.NOTHING), "And": (1, s.NOTHING),
     "Or": (1, s.NOTHING), "Xor": (1, s.NOTHING), "PRelu": (2, s.OPERANDS),
     "BitShift": (1, s.NOTHING), "Mod": (2, s.NOTHING), "Abs": (1, s.INPUT),
     "Relu": (1, s.OUTPUT), "LeakyRelu": (2, s.INPUT), "Sigmoid": (5, s.OUTPUT),
-    "Tanh": (6, s.OUTPUT), "Erf": (6, s.INPUT), "Exp": (4, s.OUTPUT), "Log": (4, s.INPUT),
-    "Sqrt": (4, s.OUTPUT), "Reciprocal": (1, s.OUTPUT), "Sin": (4, s.INPUT),
-    "Cos": (4, s.INPUT), "Gelu": (10, s.INPUT), "Softplus": (6, s.INPUT),
+    "Tanh": (6, s.OUTPUT), "Erf": (6, s.ERROR_FUNCTION), "Exp": (4, s.OUTPUT), "Log": (4, s.INPUT),
+    "Sqrt": (4, s.SQUARE_ROOT), "Reciprocal": (1, s.RECIPROCAL), "Sin": (4, s.SINE),
+    "Cos": (4, s.COSINE), "Gelu": (10, s.INPUT), "Softplus": (6, s.INPUT),
     "Elu": (5, s.INPUT), "Selu": (5, s.INPUT), "Celu": (5, s.INPUT),
     "HardSigmoid": (3, s.INPUT), "HardSwish": (4, s.INPUT), "Mish": (12, s.INPUT),
     "Sign": (1, s.NOTHING), "Floor": (1, s.NOTHING), "Ceil": (1, s.NOTHING),
@@ -120,7 +120,7 @@ _RECORDS: list[OpRecord] = [
     _elementwise("Sum", w.per_output(1), JOINTLY, saves=s.SUM),
     _elementwise("Mean", w.per_output(1), JOINTLY),
     _elementwise("Mul", w.per_output(1), in_any_one(0, 1), saves=s.OPERANDS),
-    _elementwise("Div", w.per_output(1), in_any_one(0), saves=s.DIVIDE),  # the numerator
+    _elementwise("Div", w.per_output(1), in_any_one(0), saves=s.QUOTIENT),  # the numerator
     _elementwise("Neg", w.per_output(1), IN_DATA),
     _elementwise("Where", w.DATA_MOVEMENT, jointly(1, 2), saves=s.CONDITION),  # the branches
     _elementwise("Identity", w.VIEW, IN_DATA, saves=s.IDENTITY),

@@ -38,7 +38,13 @@ class Saves:
       gradient itself, no kernel computing it (an addition's terms: `AddBackward` hands
       the gradient on), summed down to the input's shape where it was broadcast;
     - `gradient_parts`: each input's gradient is its slice of the output's (a
-      concatenation's parts: narrowed views), no kernel either.
+      concatenation's parts: narrowed views), no kernel either;
+    - `eager_backward`: per input slot, (passes over the output's bytes, kernels) that
+      eager torch's derivative formula runs for that input's gradient where it is a chain
+      of kernels with temporaries of its own (`tools/autograd/derivatives.yaml`: `pow`'s
+      `grad * (exponent * self.pow(exponent - 1))` is 3 kernels and 7 passes, not the 3
+      passes of one kernel reading the gradient and the input and writing the result);
+      a fused kernel computes it in one pass instead.
     """
 
     inputs: tuple[int, ...] = ()
@@ -51,6 +57,7 @@ class Saves:
     gradient_views: tuple[int, ...] = ()
     every_gradient_view: bool = False
     gradient_parts: bool = False
+    eager_backward: tuple[tuple[int, float, int], ...] = ()  # (slot, passes, kernels)
 
     def views_gradient(self, slot: int) -> bool:
         return self.every_gradient_view or slot in self.gradient_views
@@ -61,10 +68,19 @@ INPUT = Saves(inputs=(0,))
 OUTPUT = Saves(outputs=(0,))
 INPUT_AND_OUTPUT = Saves(inputs=(0,), outputs=(0,))
 OPERANDS = Saves(operands=True)
-DIVIDE = Saves(divisor=True)
 MASK = Saves(mask=True)
 CONDITION = Saves(inputs=(0,))  # Where keeps its condition to route the gradient
 UNKNOWN = Saves(every_output=True)
+#: Derivative formulas that run several kernels (derivatives.yaml; each counted against
+#: torch's kernels in tests/test_backward_traffic.py): (slot, passes, kernels).
+POWER = Saves(inputs=(0,), eager_backward=((0, 7.0, 3),))  # self.pow(e-1), * e, * grad
+SQUARE_ROOT = Saves(outputs=(0,), eager_backward=((0, 5.0, 2),))  # grad / (2 * result)
+RECIPROCAL = Saves(outputs=(0,), eager_backward=((0, 7.0, 3),))  # -grad * (result * result)
+ERROR_FUNCTION = Saves(inputs=(0,), eager_backward=((0, 11.0, 5),))  # 2/√π·exp(-x²)·grad
+SINE = Saves(inputs=(0,), eager_backward=((0, 5.0, 2),))  # grad * self.cos()
+COSINE = Saves(inputs=(0,), eager_backward=((0, 7.0, 3),))  # grad * -self.sin()
+#: Div: grad / other for the numerator; -grad * ((self / other) / other) for the divisor
+QUOTIENT = Saves(divisor=True, eager_backward=((0, 3.0, 1), (1, 11.0, 4)))
 SUM = Saves(every_gradient_view=True)  # Add, Sum: each term gets the gradient
 CONCATENATION = Saves(gradient_parts=True)
 DIFFERENCE = Saves(gradient_views=(0,))  # Sub: the subtrahend's is negated by a kernel
@@ -177,39 +193,42 @@ def buffer_of(graph: PlanningGraph, name: str) -> str:
         name = node.inputs[0]
 
 
-def backward_bytes(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
-                   needs_grad: Mapping[str, bool]) -> float:
-    """Bytes one op's backward kernels move, unfused: they read its outputs' gradients,
-    write its float inputs' gradients (a gradient view writes nothing, or the reduced
-    gradient of an input it broadcast) and read what it kept (`kept_by`). A product (or a
-    quotient) computes each operand's gradient in a kernel of its own, from the output's
-    gradient and the other operands (`derivatives.yaml`: `mul`'s `grad * other`, `grad *
-    self`). Nothing when no gradient flows through it, or every input's gradient is a view
-    of the output's (a residual addition runs no backward kernel)."""
+def backward_kernels(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
+                     needs_grad: Mapping[str, bool]) -> tuple[float, int]:
+    """Bytes one op's backward kernels move, unfused, and how many they are: they read its
+    outputs' gradients, write its float inputs' gradients (a gradient view writes
+    nothing, or the reduced gradient of an input it broadcast, a kernel of its own) and
+    read what it kept (`kept_by`). A product (or a quotient) computes each operand's
+    gradient in a kernel of its own, from the output's gradient and the other operands
+    (`derivatives.yaml`: `mul`'s `grad * other`, `grad * self`). None when no gradient
+    flows through it, or every input's gradient is a view of the output's (a residual
+    addition runs no backward kernel)."""
     outputs = [o for o in node.outputs if o and needs_grad.get(o, False)]
     if not outputs:
-        return 0.0
+        return 0.0, 0
     shape = tensors[outputs[0]].shape
-    written = 0.0
-    computed = False
-    for slot, name in enumerate(node.inputs):
-        if not name or not needs_grad.get(name, False) or not tensors[name].is_float:
-            continue
-        if rule.gradient_parts or (rule.views_gradient(slot) and tensors[name].shape == shape):
-            continue
-        written += tensors[name].nbytes
-        computed = True
+    computed = [name for slot, name in enumerate(node.inputs)
+                if name and needs_grad.get(name, False) and tensors[name].is_float
+                and not (rule.gradient_parts
+                         or (rule.views_gradient(slot) and tensors[name].shape == shape))]
     if not computed:
-        return 0.0
+        return 0.0, 0
     read = sum(tensors[o].nbytes for o in outputs)
+    if rule.eager_backward:
+        unit = tensors[outputs[0]].nbytes
+        chains = [(passes, kernels) for slot, passes, kernels in rule.eager_backward
+                  if slot < len(node.inputs) and node.inputs[slot] in computed]
+        return unit * sum(p for p, _ in chains), sum(k for _, k in chains)
     if rule.operands or rule.divisor:  # one kernel per operand's gradient
         moved = 0.0
         for slot, name in enumerate(node.inputs):
-            if name and needs_grad.get(name, False) and tensors[name].is_float:
+            if name in computed:
                 others = sum(tensors[o].nbytes for k, o in enumerate(node.inputs)
                              if o and k != slot)
                 moved += read + others + tensors[name].nbytes
-        return moved
+        return moved, len(computed)
+    written = sum(tensors[name].nbytes for name in computed)
     kept = sum(tensors[k.tensor].nbytes * (k.extra or 1.0)
                for k in kept_by(node, rule, tensors, needs_grad))
-    return read + written + kept
+    views = rule.views_gradient(0) or rule.every_gradient_view
+    return read + written + kept, len(computed) if views else 1
