@@ -232,3 +232,31 @@ def test_a_power_runs_its_derivative_formulas_kernels(tmp_path: Path) -> None:
     moved, launches = backward_kernels(node, record.saves, analysis.graph.tensors,
                                        analysis.needs_grad)
     assert (moved, launches) == (_torch_backward(lambda t: t.pow(2), [FULL]), 3)
+
+
+def test_a_where_runs_one_kernel_per_branch(tmp_path: Path) -> None:
+    """Where with both branches needing a gradient: torch masks the output's gradient
+    once per branch, each kernel reading it and the condition."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    inits = [helper.make_tensor(f"p{k}", TensorProto.FLOAT, [ROWS, WIDTH],
+                                [0.5] * ROWS * WIDTH) for k in range(2)]
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    nodes = [helper.make_node("Mul", ["x", "p0"], ["a"], name="make0"),
+             helper.make_node("Mul", ["x", "p1"], ["b"], name="make1"),
+             helper.make_node("Greater", ["a", "zero"], ["c"], name="cond"),
+             helper.make_node("Where", ["c", "a", "b"], ["y"], name="op")]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    path = tmp_path / "where.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], [*inits, zero]),
+                                opset_imports=[helper.make_opsetid("", 20)]), path)
+    analysis = GraphAnalysis.of(import_model(path))
+    node = analysis.graph.op("op")
+    record = record_for(node.op_type, node.domain)
+    assert record is not None
+    moved, launches = backward_kernels(node, record.saves, analysis.graph.tensors,
+                                       analysis.needs_grad)
+
+    def where(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.where(a > 0, a, b)
+
+    assert (moved, launches) == (_torch_backward(where, [FULL, FULL]), 2)

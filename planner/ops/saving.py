@@ -44,7 +44,9 @@ class Saves:
       of kernels with temporaries of its own (`tools/autograd/derivatives.yaml`: `pow`'s
       `grad * (exponent * self.pow(exponent - 1))` is 3 kernels and 7 passes, not the 3
       passes of one kernel reading the gradient and the input and writing the result);
-      a fused kernel computes it in one pass instead.
+      a fused kernel computes it in one pass instead;
+    - `per_input_kernels`: each input's gradient is a kernel of its own that reads the
+      output's gradient and what the op kept (Where's branches).
     """
 
     inputs: tuple[int, ...] = ()
@@ -58,6 +60,7 @@ class Saves:
     every_gradient_view: bool = False
     gradient_parts: bool = False
     eager_backward: tuple[tuple[int, float, int], ...] = ()  # (slot, passes, kernels)
+    per_input_kernels: bool = False  # each input's gradient a kernel reading all it needs
 
     def views_gradient(self, slot: int) -> bool:
         return self.every_gradient_view or slot in self.gradient_views
@@ -69,7 +72,9 @@ OUTPUT = Saves(outputs=(0,))
 INPUT_AND_OUTPUT = Saves(inputs=(0,), outputs=(0,))
 OPERANDS = Saves(operands=True)
 MASK = Saves(mask=True)
-CONDITION = Saves(inputs=(0,))  # Where keeps its condition to route the gradient
+#: Where keeps its condition to route the gradient, one kernel per branch needing one
+#: (`where(cond, grad, 0)`, `where(cond, 0, grad)`)
+CONDITION = Saves(inputs=(0,), per_input_kernels=True)
 UNKNOWN = Saves(every_output=True)
 #: Derivative formulas that run several kernels (derivatives.yaml; each counted against
 #: torch's kernels in tests/test_backward_traffic.py): (slot, passes, kernels).
@@ -230,5 +235,7 @@ def backward_kernels(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo
     written = sum(tensors[name].nbytes for name in computed)
     kept = sum(tensors[k.tensor].nbytes * (k.extra or 1.0)
                for k in kept_by(node, rule, tensors, needs_grad))
+    if rule.per_input_kernels:
+        return len(computed) * (read + kept) + written, len(computed)
     views = rule.views_gradient(0) or rule.every_gradient_view
     return read + written + kept, len(computed) if views else 1
