@@ -302,6 +302,7 @@ def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
             continue
         written += info.nbytes
     whole: set[str] = set()
+    recomputed: list[str] = []
     extra = 0.0
     for op in region:
         for item in kept_by(graph.op(op), rules[op], tensors, needs_grad):
@@ -309,9 +310,11 @@ def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
                 extra += tensors[item.tensor].nbytes * item.extra
             elif (item.tensor in produced and item.tensor not in leaving
                   and tensors[item.tensor].is_float):
-                whole |= _region_inputs(item.tensor, graph, inside)
+                recomputed.append(item.tensor)
             else:
                 whole.add(item.tensor)
+    if recomputed:  # one walk back for all of them
+        whole |= _region_inputs(recomputed, graph, inside)
     return read + written + extra + sum(tensors[name].nbytes for name in whole)
 
 
@@ -452,10 +455,11 @@ def _fuse(region: tuple[str, ...], graph: PlanningGraph, kernels: dict[str, OpKe
         kernels[op] = OpKernel(node.flops, moved, launches, BACKWARD_RATIO, False)
 
 
-def _region_inputs(name: str, graph: PlanningGraph, inside: set[str]) -> set[str]:
-    """The tensors from outside the region that `name` is computed from."""
+def _region_inputs(names: str | list[str], graph: PlanningGraph,
+                   inside: set[str]) -> set[str]:
+    """The tensors from outside the region that `names` are computed from."""
     found: set[str] = set()
-    stack = [name]
+    stack = [names] if isinstance(names, str) else list(names)
     seen: set[str] = set()
     while stack:
         tensor = stack.pop()
