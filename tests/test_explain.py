@@ -269,3 +269,16 @@ def test_the_summary_says_how_weights_are_held(tmp_path: Path) -> None:
     zero3 = plan(path, devices=2, batch=4, dims={"seq": 8}, parallel={"dp": 2, "zero": 3})
     line = next(x for x in summary(zero3).splitlines() if x.startswith("weights"))
     assert "ZeRO-3 stores each 1/2 over dp" in line
+
+
+def test_explain_names_a_separate_gradient_accumulation(
+        plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Under `--grad-accumulation separate` the optimizer term carries the gradients'
+    accumulation over micro-batches, and `explain` says so; fused, it is the optimizer."""
+    separate = plan(plans["model"], devices=4, batch=8, dims={"seq": 16},
+                    parallel={"dp": 4, "micro_batches": 2}, grad_accumulation="separate")
+    path = separate.save(tmp_path / "separate.json")
+    code, out, _ = _run(["explain", str(path)], capsys)
+    assert code == 0 and "optimizer and gradient accumulation" in out
+    code, out, _ = _run(["explain", str(plans["pipe"])], capsys)
+    assert code == 0 and "optimizer and gradient accumulation" not in out

@@ -138,7 +138,8 @@ def step_terms(plan: Plan, index: PlanIndex) -> list[Term]:
     values += [
         ("gradient synchronisation", breakdown.gradient_communication_s),
         ("hidden behind backward (overlap)", -breakdown.hidden_communication_s),
-        ("optimizer", breakdown.optimizer_s),
+        ("optimizer and gradient accumulation"
+         if plan.step.grad_accumulation == "separate" else "optimizer", breakdown.optimizer_s),
     ]
     step = plan.predicted.step_time_s
     residual = step - sum(v for _, v in values)
