@@ -18,9 +18,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from onnx import TensorProto, helper
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodels.profile import load_profile
 from planner.cost.kernels import KernelPolicy, kernel_plan
@@ -31,31 +29,9 @@ from planner.ops import record_for
 from planner.ops.saving import backward_kernels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
+from tests.traffic import NoViews
 
 ROWS, WIDTH = 64, 1024
-
-
-class _Traffic(TorchDispatchMode):
-    """Bytes each aten op reads (its distinct tensor inputs) and writes (its outputs),
-    over tensors of at least `least` elements; views move nothing."""
-
-    def __init__(self, least: int) -> None:
-        super().__init__()
-        self.least, self.bytes = least, 0
-
-    def _large(self, value: object) -> list[torch.Tensor]:
-        return [v for v in pytree.tree_leaves(value)
-                if isinstance(v, torch.Tensor) and v.numel() >= self.least]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        if returns and returns[0].alias_info is not None:
-            return out  # a view
-        seen = {id(v): v.nbytes for v in self._large((args, kwargs or {}))}
-        written = {id(v): v.nbytes for v in self._large(out)}
-        self.bytes += sum(seen.values()) + sum(written.values())
-        return out
 
 
 def _torch_backward(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]) -> int:
@@ -64,17 +40,34 @@ def _torch_backward(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...
     inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
     out = fn(*inputs)
     grad = torch.randn_like(out)
-    counter = _Traffic(least=ROWS)
+    counter = NoViews(least=ROWS)
     with counter:
         torch.autograd.grad(out, inputs, grad)
     return counter.bytes
+
+
+def _analysis(path: Path, nodes: list, inits: list,
+              outputs: tuple[str, ...] = ("y",)) -> GraphAnalysis:
+    """The graph of `nodes` on an input `x` [ROWS, WIDTH], saved to `path` and imported."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
+    outs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], outs, inits),
+                                opset_imports=[helper.make_opsetid("", 20)]), path)
+    return GraphAnalysis.of(import_model(path))
+
+
+def _op_backward(analysis: GraphAnalysis) -> tuple[float, int]:
+    """`backward_kernels` (bytes, kernels) of the op named "op", by its record's rule."""
+    node = analysis.graph.op("op")
+    record = record_for(node.op_type, node.domain)
+    assert record is not None
+    return backward_kernels(node, record.saves, analysis.graph.tensors, analysis.needs_grad)
 
 
 def _planned(tmp_path: Path, op: str, shapes: list[tuple[int, ...]],
              **attributes: object) -> tuple[float, GraphAnalysis]:
     """`backward_kernels`' bytes of one ONNX `op` whose inputs are computed from
     parameters."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     nodes, inits, names = [], [], []
     for k, shape in enumerate(shapes):
         weight = helper.make_tensor(f"p{k}", TensorProto.FLOAT, list(shape),
@@ -86,17 +79,8 @@ def _planned(tmp_path: Path, op: str, shapes: list[tuple[int, ...]],
         else:  # a small weight read as it is (a bias, a norm's scale)
             names.append(f"p{k}")
     nodes.append(helper.make_node(op, names, ["y"], name="op", **attributes))
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
-                              opset_imports=[helper.make_opsetid("", 20)])
-    path = tmp_path / f"{op}.onnx"
-    onnx.save(model, path)
-    analysis = GraphAnalysis.of(import_model(path))
-    graph = analysis.graph
-    node = graph.op("op")
-    record = record_for(node.op_type, node.domain)
-    assert record is not None
-    moved, _ = backward_kernels(node, record.saves, graph.tensors, analysis.needs_grad)
+    analysis = _analysis(tmp_path / f"{op}.onnx", nodes, inits)
+    moved, _ = _op_backward(analysis)
     return moved, analysis
 
 
@@ -148,18 +132,13 @@ def test_the_backward_multiple_of_unfused_and_fused_kernels(tmp_path: Path) -> N
     _, analysis = _planned(tmp_path, "Gelu", [FULL])
     plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
     assert plan.ops["op"].backward_ratio == pytest.approx(1.5)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     inits = [helper.make_tensor("w", TensorProto.FLOAT, [WIDTH, WIDTH], [0.1] * WIDTH * WIDTH),
              helper.make_tensor("b", TensorProto.FLOAT, [WIDTH], [0.1] * WIDTH)]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="gemm"),
              helper.make_node("Add", ["m", "b"], ["a"], name="bias"),
              helper.make_node("Gelu", ["a"], ["g"], name="gelu"),
              helper.make_node("MatMul", ["g", "w"], ["y"], name="gemm2")]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    path = tmp_path / "bias_gelu.onnx"
-    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
-                                opset_imports=[helper.make_opsetid("", 20)]), path)
-    analysis = GraphAnalysis.of(import_model(path))
+    analysis = _analysis(tmp_path / "bias_gelu.onnx", nodes, inits)
     fused = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.ELEMENTWISE))
     assert ("bias", "gelu") in fused.regions
     region_forward = fused.ops["bias"].bytes + fused.ops["gelu"].bytes
@@ -175,18 +154,13 @@ def test_a_tensor_read_by_several_kernels_pays_the_sum_of_its_gradients(
         tmp_path: Path) -> None:
     """Autograd adds the gradients a tensor gets from several consumers (r 2, w 1 per
     extra term): priced with its producer's backward."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     inits = [helper.make_tensor("p", TensorProto.FLOAT, [ROWS, WIDTH], [0.5] * ROWS * WIDTH)]
     nodes = [helper.make_node("Mul", ["x", "p"], ["t"], name="make"),
              helper.make_node("Gelu", ["t"], ["g"], name="gelu"),
              helper.make_node("Tanh", ["g"], ["a"], name="a"),
              helper.make_node("Sigmoid", ["g"], ["b"], name="b"),
              helper.make_node("Exp", ["g"], ["c"], name="c")]
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abc"]
-    path = tmp_path / "fan_out.onnx"
-    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], outs, inits),
-                                opset_imports=[helper.make_opsetid("", 20)]), path)
-    analysis = GraphAnalysis.of(import_model(path))
+    analysis = _analysis(tmp_path / "fan_out.onnx", nodes, inits, outputs=("a", "b", "c"))
     plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
     whole = ROWS * WIDTH * 4
     gelu = plan.ops["gelu"]
@@ -216,28 +190,17 @@ def test_a_backward_pays_a_launch_per_kernel_it_runs(tmp_path: Path, op: str,
 def test_a_power_runs_its_derivative_formulas_kernels(tmp_path: Path) -> None:
     """Pow by a constant exponent (an RMSNorm's square): eager torch's `pow_backward` is
     three kernels and seven passes; a fused region would run it in one."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     inits = [helper.make_tensor("p", TensorProto.FLOAT, [ROWS, WIDTH], [0.5] * ROWS * WIDTH),
              helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])]
     nodes = [helper.make_node("Mul", ["x", "p"], ["t"], name="make"),
              helper.make_node("Pow", ["t", "two"], ["y"], name="op")]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    path = tmp_path / "pow.onnx"
-    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
-                                opset_imports=[helper.make_opsetid("", 20)]), path)
-    analysis = GraphAnalysis.of(import_model(path))
-    node = analysis.graph.op("op")
-    record = record_for(node.op_type, node.domain)
-    assert record is not None
-    moved, launches = backward_kernels(node, record.saves, analysis.graph.tensors,
-                                       analysis.needs_grad)
+    moved, launches = _op_backward(_analysis(tmp_path / "pow.onnx", nodes, inits))
     assert (moved, launches) == (_torch_backward(lambda t: t.pow(2), [FULL]), 3)
 
 
 def test_a_where_runs_one_kernel_per_branch(tmp_path: Path) -> None:
     """Where with both branches needing a gradient: torch masks the output's gradient
     once per branch, each kernel reading it and the condition."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])
     inits = [helper.make_tensor(f"p{k}", TensorProto.FLOAT, [ROWS, WIDTH],
                                 [0.5] * ROWS * WIDTH) for k in range(2)]
     zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
@@ -245,16 +208,7 @@ def test_a_where_runs_one_kernel_per_branch(tmp_path: Path) -> None:
              helper.make_node("Mul", ["x", "p1"], ["b"], name="make1"),
              helper.make_node("Greater", ["a", "zero"], ["c"], name="cond"),
              helper.make_node("Where", ["c", "a", "b"], ["y"], name="op")]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    path = tmp_path / "where.onnx"
-    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], [*inits, zero]),
-                                opset_imports=[helper.make_opsetid("", 20)]), path)
-    analysis = GraphAnalysis.of(import_model(path))
-    node = analysis.graph.op("op")
-    record = record_for(node.op_type, node.domain)
-    assert record is not None
-    moved, launches = backward_kernels(node, record.saves, analysis.graph.tensors,
-                                       analysis.needs_grad)
+    moved, launches = _op_backward(_analysis(tmp_path / "where.onnx", nodes, [*inits, zero]))
 
     def where(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(a > 0, a, b)

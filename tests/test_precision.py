@@ -11,8 +11,6 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodels.precision import (
     accumulation_bytes,
@@ -30,6 +28,7 @@ from planner.importer import import_model
 from planner.kinds import AttentionKernel, Fusion, Precision
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
+from tests.traffic import NoViews, Traffic
 
 
 @pytest.mark.parametrize("precision,total", [
@@ -104,35 +103,6 @@ def test_cli_prints_the_precision_and_refuses_an_unknown_one(gpt32: Path) -> Non
     assert bad.returncode == 2 and "--precision" in bad.stderr
 
 
-class _Traffic(TorchDispatchMode):
-    """Bytes each aten op reads (its distinct tensor inputs, but the tensor `copy_`
-    overwrites) and writes (its outputs, and the arguments its schema lets it write whose
-    values it changed: a fused optimizer's update), over tensors of at least `least`
-    elements (a step counter is not memory traffic)."""
-
-    def __init__(self, least: int) -> None:
-        super().__init__()
-        self.least, self.bytes = least, 0
-
-    def _large(self, value: object) -> list[torch.Tensor]:
-        return [v for v in pytree.tree_leaves(value)
-                if isinstance(v, torch.Tensor) and v.numel() >= self.least]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        writable = [v for a, value in zip(func._schema.arguments, args, strict=False)
-                    if a.alias_info is not None and a.alias_info.is_write
-                    for v in self._large(value)]
-        before = [v.clone() for v in writable]
-        out = func(*args, **(kwargs or {}))
-        read = args[1:] if func is torch.ops.aten.copy_.default else args
-        seen = {id(v): v.nbytes for v in self._large((read, kwargs or {}))}
-        written = {id(v): v.nbytes for v in self._large(out)}
-        written.update({id(v): v.nbytes for v, old in zip(writable, before, strict=True)
-                        if not torch.equal(v, old)})
-        self.bytes += sum(seen.values()) + sum(written.values())
-        return out
-
-
 def _optimizer_steps(names: tuple[str, ...], fused: bool) -> list[tuple[str, Callable]]:
     made = {"adam": lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False, fused=fused),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False, fused=fused),
@@ -149,7 +119,7 @@ def _counted_step(make: Callable, master: torch.nn.Parameter, step: Callable[[],
     optimizer = make([master])
     for _ in range(2):
         master.grad = torch.randn(master.shape, dtype=master.dtype)
-        counter = _Traffic(least=master.numel())
+        counter = Traffic(least=master.numel())
         with counter:
             optimizer.step()
             step()
@@ -195,25 +165,13 @@ def test_a_mixed_precision_step_moves_what_its_kernels_do(precision: str) -> Non
     optimizer = torch.optim.Adam([master], lr=1e-3, fused=True)
     for _ in range(2):
         master.grad = torch.randn(4096)
-        counter = _Traffic(least=4096)
+        counter = Traffic(least=4096)
         with counter:
             unscale_update_copy_back(optimizer.step)()
     assert counter.bytes == 4096 * optimizer_step_bytes(policy(precision), "adam", True)
     # 4 B gradient, 8 master, 16 moments, 6 copied back, fp16: 8 unscaled
     assert optimizer_step_bytes(policy(precision), "adam", True) == \
         (42 if dtype == torch.float16 else 34)
-
-
-class _NoViews(_Traffic):
-    """`_Traffic` but for views (`detach`, `expand`): they move no bytes."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        returns = func._schema.returns
-        if returns and returns[0].alias_info is not None and not any(
-                a.alias_info is not None and a.alias_info.is_write
-                for a in func._schema.arguments):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2, 5])
@@ -227,7 +185,7 @@ def test_autograd_accumulates_fp32_gradients_as_priced(micro_batches: int) -> No
 
     def traffic(keep: bool) -> int:
         weight.grad = None
-        counter = _NoViews(least=4096)
+        counter = NoViews(least=4096)
         with counter:
             for _ in range(micro_batches):
                 if not keep:
@@ -247,7 +205,7 @@ def test_a_mixed_precision_accumulation_moves_what_its_kernels_do(precision: str
     dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
     main = torch.zeros(4096)
     grads = [torch.randn(4096).to(dtype) for _ in range(3)]
-    counter = _Traffic(least=4096)
+    counter = Traffic(least=4096)
     with counter:
         main.copy_(grads[0])
         for grad in grads[1:]:
