@@ -131,7 +131,8 @@ def test_the_backward_multiple_of_unfused_and_fused_kernels(tmp_path: Path) -> N
     (kept in place of what only the region reads) and writes their gradients."""
     _, analysis = _planned(tmp_path, "Gelu", [FULL])
     plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
-    assert plan.ops["op"].backward_ratio == pytest.approx(1.5)
+    gelu = plan.ops["op"]
+    assert gelu.backward_bytes == pytest.approx(1.5 * gelu.bytes)
     inits = [helper.make_tensor("w", TensorProto.FLOAT, [WIDTH, WIDTH], [0.1] * WIDTH * WIDTH),
              helper.make_tensor("b", TensorProto.FLOAT, [WIDTH], [0.1] * WIDTH)]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="gemm"),
@@ -144,10 +145,11 @@ def test_the_backward_multiple_of_unfused_and_fused_kernels(tmp_path: Path) -> N
     region_forward = fused.ops["bias"].bytes + fused.ops["gelu"].bytes
     whole = ROWS * WIDTH * 4
     assert region_forward == pytest.approx(2 * whole + WIDTH * 4)  # m and b in, g out
-    backward = region_forward * fused.ops["gelu"].backward_ratio
+    backward = fused.ops["bias"].backward_bytes + fused.ops["gelu"].backward_bytes
     # read: dg, m and b (kept); written: dm, db
     assert backward == pytest.approx(3 * whole + 2 * WIDTH * 4)
-    assert fused.ops["bias"].backward_ratio == fused.ops["gelu"].backward_ratio
+    bias, gelu = fused.ops["bias"], fused.ops["gelu"]
+    assert bias.backward_bytes / bias.bytes == pytest.approx(gelu.backward_bytes / gelu.bytes)
 
 
 def test_a_tensor_read_by_several_kernels_pays_the_sum_of_its_gradients(
@@ -164,7 +166,7 @@ def test_a_tensor_read_by_several_kernels_pays_the_sum_of_its_gradients(
     plan = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
     whole = ROWS * WIDTH * 4
     gelu = plan.ops["gelu"]
-    assert gelu.bytes * gelu.backward_ratio == pytest.approx(3 * whole + 2 * 3 * whole)
+    assert gelu.backward_bytes == pytest.approx(3 * whole + 2 * 3 * whole)
 
 
 @pytest.mark.parametrize("op,shapes,launches", [

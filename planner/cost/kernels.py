@@ -95,7 +95,9 @@ class OpKernel:
     flops: float
     bytes: float
     launches: int  # 1: it starts a kernel (pays the launch floor and a GEMM's ramp)
-    backward_ratio: float  # backward seconds over forward seconds
+    #: backward seconds over forward seconds: a GEMM's and a flash core's (a memory-bound
+    #: kernel's backward is `backward_bytes` instead)
+    backward_ratio: float
     matrix: bool
     #: of the backward, the weights' gradients' seconds over forward seconds
     #: (`weight_gradient_ratio`); the rest of the backward is the inputs' gradients
@@ -244,16 +246,14 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
             continue
         moved, launches = backward_kernels(node, rules[node.name], tensors, needs_grad)
         extra, added = sums.get(node.name, (0.0, 0))
-        kernels[node.name] = replace(kernel, backward_ratio=_ratio(moved + extra, kernel.bytes),
-                                     backward_bytes=moved + extra,
+        kernels[node.name] = replace(kernel, backward_bytes=moved + extra,
                                      backward_launches=launches + added)
     for region in regions:
         moved = _region_backward_bytes(region, graph, rules, needs_grad)
         extra, added = sums.get(region[0], (0.0, 0))
         ratio = _ratio(moved + extra, sum(kernels[op].bytes for op in region))
         for k, op in enumerate(region):  # each member its share; the first launches
-            kernels[op] = replace(kernels[op], backward_ratio=ratio,
-                                  backward_bytes=kernels[op].bytes * ratio,
+            kernels[op] = replace(kernels[op], backward_bytes=kernels[op].bytes * ratio,
                                   backward_launches=(int(moved > 0) + added) if k == 0 else 0)
 
 
@@ -281,11 +281,7 @@ def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
     only the region reads is recomputed from the region's inputs, which it keeps instead:
     `_fuse`)."""
     tensors = graph.tensors
-    inside = set(region)
-    produced = {o for op in region for o in graph.op(op).outputs if o}
-    outputs = set(graph.outputs)
-    leaving = {t for t in produced
-               if t in outputs or any(c not in inside for c in tensors[t].consumers)}
+    inside, produced, leaving = _region_bounds(region, graph)
     if not any(needs_grad.get(t, False) for t in leaving):
         return 0.0
     read = sum(tensors[t].nbytes for t in leaving
@@ -418,17 +414,26 @@ def _regions(graph: PlanningGraph, absorbed: set[str],
                  if any(not graph.op(op).is_view for op in ops))
 
 
-def _fuse(region: tuple[str, ...], graph: PlanningGraph, kernels: dict[str, OpKernel],
-          saved: SavedTensors, needs_grad: Mapping[str, bool]) -> None:
-    """One kernel for `region`: it reads each outside input once, writes what leaves it
-    and the masks and statistics it keeps, and keeps its inputs in place of the float
-    tensors only it reads."""
+def _region_bounds(region: tuple[str, ...], graph: PlanningGraph
+                   ) -> tuple[set[str], set[str], set[str]]:
+    """The region's ops, the tensors they produce, and of those the ones that leave it
+    (a graph output, or read by an op outside)."""
     tensors = graph.tensors
     inside = set(region)
     produced = {o for op in region for o in graph.op(op).outputs if o}
     outputs = set(graph.outputs)
     leaving = {t for t in produced
                if t in outputs or any(c not in inside for c in tensors[t].consumers)}
+    return inside, produced, leaving
+
+
+def _fuse(region: tuple[str, ...], graph: PlanningGraph, kernels: dict[str, OpKernel],
+          saved: SavedTensors, needs_grad: Mapping[str, bool]) -> None:
+    """One kernel for `region`: it reads each outside input once, writes what leaves it
+    and the masks and statistics it keeps, and keeps its inputs in place of the float
+    tensors only it reads."""
+    tensors = graph.tensors
+    inside, produced, leaving = _region_bounds(region, graph)
     for name in [t for t in produced if t in saved.whole and t not in leaving]:
         if not tensors[name].is_float:  # a mask: written and kept as it is
             continue
