@@ -216,7 +216,7 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
                            regions: tuple[tuple[str, ...], ...], fixed: set[str]) -> None:
     """The backward multiple of every kernel that is not a GEMM: the bytes its backward
     kernel moves over the bytes its forward moves (both are memory-bound). Unfused, each
-    op's by its rule (`planner.ops.saving.backward_bytes`: a GELU reads its input and the
+    op's by its rule (`planner.ops.saving.backward_kernels`: a GELU reads its input and the
     output's gradient and writes the input's, 1.5x its forward; a residual addition hands
     the gradient on, no kernel); a fused region's as one kernel (the gradients of what
     leaves it read, of its inputs written, what it keeps read). Where a tensor's gradient
