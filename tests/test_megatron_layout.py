@@ -103,3 +103,75 @@ def test_sequence_parallelism_pin_swaps_all_reduces_for_scatters_and_gathers(gpt
     assert (plain.parallel.sp, sp.parallel.sp) == (0, 1)
     with pytest.raises(ShardplanError, match="--parallel sp=2"):
         plan(gpt, devices=4, batch=8, dims={"seq": 128}, parallel={"tp": 2, "sp": 2})
+
+
+DENSE = str(Path(__file__).resolve().parent / "dense_models.py") + ":dense"
+
+
+@pytest.fixture(scope="module")
+def dense_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from executor.module.launch import export_builder
+
+    return export_builder(DENSE, 4, tmp_path_factory.mktemp("dense") / "dense.onnx")
+
+
+def test_megatron_splits_the_linear_layers_of_a_dynamo_export(dense_onnx: Path) -> None:
+    """The dynamo exporter writes `nn.Linear` as MatMul(x, Transpose(W)): the GEMM's weight
+    is computed from a parameter. Megatron's layout splits it all the same (q, k, v and up
+    by their output dim, out and down by the contracted one), and carries the split back
+    through the Transpose to the parameter, which is then stored split."""
+    from costmodels.profile import load_profile
+    from planner.api import load_graph
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    graph = load_graph(dense_onnx, batch=4)
+    analysis = GraphAnalysis.of(graph)
+    mesh = DeviceMesh.build({"dp": 1, "tp": 2}, 8)
+    strategies = megatron_strategies(graph, mesh, analysis.labels,
+                                     weight_roots=analysis.weight_roots)
+    producer = {o: op for op in graph.ops for o in op.outputs}
+    kinds = {}
+    for op in graph.ops:
+        if op.op_type != "MatMul" or op.inputs[1] not in producer:
+            continue
+        transpose = producer[op.inputs[1]]
+        if transpose.op_type != "Transpose":
+            continue
+        weight = transpose.inputs[0]
+        label = _tp_label(strategies, op.name)
+        assert label is not None, op.name
+        out = analysis.labels[op.name].outputs[0]
+        kinds[weight] = "column" if label == out[-1] else (
+            "row" if label in analysis.labels[op.name].sum_labels else "other")
+        assert _tp_label(strategies, transpose.name) is not None, transpose.name
+    for layer in (0, 1, 2):
+        for name, kind in (("q", "column"), ("k", "column"), ("v", "column"),
+                           ("out", "row"), ("up", "column"), ("down", "row")):
+            assert kinds[f"blocks.{layer}.{name}.weight"] == kind, (layer, name)
+    baseline = plan_baseline(graph, load_profile("a100-80g"), 2, "megatron", TrainingOptions())
+    split = {name for name, entry in baseline.tensors.items()
+             if entry.kind == "parameter" and any(entry.layout.dims)}
+    assert {f"blocks.{i}.{n}.weight" for i in (0, 1, 2)
+            for n in ("q", "k", "v", "out", "up", "down")} <= split
+
+
+@pytest.mark.slow
+def test_the_megatron_baseline_of_a_dynamo_export_trains_as_one_process(
+        dense_onnx: Path) -> None:
+    """The module executor runs that layout to one process's losses with the plan's
+    collectives, no more, no fewer (the attention's heads merged by a view of a
+    transposed DTensor whose block, one head per rank, is contiguous while the whole is
+    not: `executor.module.kernels.run_op` views a contiguous copy)."""
+    from costmodels.profile import load_profile
+    from executor.module.launch import train_module, train_module_reference
+    from planner.api import load_graph
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    baseline = plan_baseline(load_graph(dense_onnx, batch=4), load_profile("cpu"), 2,
+                             "megatron", TrainingOptions())
+    run = train_module(DENSE, baseline, steps=3, batch_size=4)
+    reference = train_module_reference(DENSE, steps=3, batch_size=4)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []

@@ -188,18 +188,20 @@ def block_slice(x: DTensor, dim: int = 0, start: int | None = None,
 
 
 def run_op(target: Any, args: Any, kwargs: Any) -> Any:
-    """A traced op on its arguments (`runnable`). A view of a DTensor whose local block is
-    not contiguous views a contiguous copy: DTensor's own strides are the whole tensor's
-    as its sharding rule derives them, so a reshape would choose a view from them and the
-    block would refuse it. A slice of a DTensor along a dim no mesh dim splits runs on
-    the blocks (`block_slice`)."""
+    """A traced op on its arguments (`runnable`). A view of a DTensor whose local block or
+    whole tensor is not contiguous views a contiguous copy: DTensor's own strides are the
+    whole tensor's as its sharding rule derives them, so a reshape would choose a view
+    from them and the block would refuse it, and its view rule refuses a view the whole
+    tensor's strides forbid even where the block allows it (one head per rank: a
+    transpose of a size-1 dim leaves the block contiguous). A slice of a DTensor along a
+    dim no mesh dim splits runs on the blocks (`block_slice`)."""
     if target is _SLICE and args and isinstance(args[0], DTensor):
         sliced = block_slice(*args, **kwargs)
         if sliced is not None:
             return sliced
     if target in VIEWS and args and isinstance(args[0], DTensor):
-        with torch.no_grad():
-            contiguous = args[0].to_local().is_contiguous()
+        with torch.no_grad():  # the block's strides, and the whole tensor's DTensor checks
+            contiguous = args[0].to_local().is_contiguous() and args[0].is_contiguous()
         if not contiguous:
             args = (torch.ops.aten.clone.default(args[0],
                                                  memory_format=torch.contiguous_format),

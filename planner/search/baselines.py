@@ -38,7 +38,8 @@ def baselines(analysis: GraphAnalysis, hardware: HardwareProfile,
     if tp > 1 and devices % tp == 0:
         mesh = DeviceMesh.build({AxisRole.DATA: devices // tp, AxisRole.TENSOR: tp}, per_node)
         try:
-            strategies = megatron_strategies(analysis.graph, mesh, analysis.labels)
+            strategies = megatron_strategies(analysis.graph, mesh, analysis.labels,
+                                             weight_roots=analysis.weight_roots)
             result["megatron"] = OpLevelDecision(mesh, strategies, BASELINE, (devices // tp, tp))
         except StrategyError:
             pass

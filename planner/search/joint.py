@@ -227,7 +227,8 @@ def model_parallel_strategies(analysis: GraphAnalysis, mesh: DeviceMesh,
         if budget is not None:
             return {}, SolverRecord(layout, "infeasible", 0.0, 0.0, 0.0), None
         pinned = megatron_strategies(analysis.graph, mesh, analysis.labels,
-                                     sequence_parallel=sequence_parallel)
+                                     sequence_parallel=sequence_parallel,
+                                     weight_roots=analysis.weight_roots)
         choice = _pinned_layout(problem, pinned, analysis)
         return (problem.strategies(choice), SolverRecord(layout, "optimal", 0.0, 0.0, 0.0),
                 problem.memory_parts(choice))

@@ -25,6 +25,7 @@ from collections.abc import Set as AbstractSet
 
 from planner.graph import OpNode, PlanningGraph
 from planner.ops import DimLabels, is_matrix_op
+from planner.sharding.analysis import weight_roots_map
 from planner.sharding.batch import data_parallel_strategies
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.outputs import resolved_output_slots
@@ -33,14 +34,45 @@ from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid, output_l
 
 def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                         labels: Mapping[str, DimLabels | None], dp_axis: str = "dp",
-                        tp_axis: str = "tp",
-                        sequence_parallel: bool = False) -> dict[str, OpStrategy]:
+                        tp_axis: str = "tp", sequence_parallel: bool = False,
+                        weight_roots: Mapping[str, frozenset[str]] | None = None
+                        ) -> dict[str, OpStrategy]:
+    """Megatron's layout of every op (see the module doc). A GEMM's weight may be a
+    parameter or computed from parameters alone (`weight_roots`, the graph's own when not
+    given): the dynamo exporter writes `nn.Linear` as `MatMul(x, Transpose(W))`; the split
+    the GEMM chooses is then carried back through those ops to the parameter."""
+    weights = weight_roots if weight_roots is not None else weight_roots_map(graph)
+    producer = {o: node for node in graph.ops for o in node.outputs if o}
     data = data_parallel_strategies(graph, DeviceMesh.build(
         {dp_axis: mesh.axis_size(dp_axis)}, mesh.devices_per_node), labels, dp_axis) \
         if dp_axis in mesh.axis_names else {}
     split: dict[str, int] = {}  # tensor -> dim split over tp
     sequence: set[str] = set()  # tensors split along the sequence (sequence parallelism)
     result: dict[str, OpStrategy] = {}
+
+    def carry_back(tensor: str, dim: int) -> None:
+        """Split `tensor`, computed from parameters alone, along `dim` over tp where it is
+        computed, and so on back to the parameters (a GEMM's transposed weight)."""
+        node = producer.get(tensor)
+        op_labels = labels.get(node.name) if node is not None else None
+        if node is None or op_labels is None or tensor in split:
+            return
+        names = op_labels.outputs[node.outputs.index(tensor)]
+        if names is None or names[dim] in op_labels.sum_labels:
+            return
+        label = names[dim]
+        candidate = OpStrategy.of({label: (tp_axis,)})
+        if not is_valid(node, op_labels, candidate, graph.tensors, mesh):
+            return
+        result[node.name] = candidate
+        split[tensor] = dim
+        for name, in_names in zip(node.inputs, op_labels.inputs, strict=False):
+            if name and in_names is not None and label in in_names:
+                if graph.tensors[name].kind == "parameter":
+                    split.setdefault(name, in_names.index(label))
+                elif name in weights:
+                    carry_back(name, in_names.index(label))
+
     resolved = resolved_output_slots(graph)
     for node in graph.ops:
         op_labels = labels.get(node.name)
@@ -49,7 +81,8 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
             result[node.name] = REPLICATED
             continue
         chosen = None
-        for label in _tp_choices(node, op_labels, graph, split, set(batch), sequence):
+        for label in _tp_choices(node, op_labels, graph, split, set(batch), sequence,
+                                 weights):
             candidate = OpStrategy.of({**batch, label: (tp_axis,)})
             if is_valid(node, op_labels, candidate, graph.tensors, mesh) and not \
                     _leaves_output_partial(node, op_labels, candidate, graph,
@@ -75,9 +108,11 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                 if along_sequence:
                     sequence.add(name)
         for name, names in zip(node.inputs, op_labels.inputs, strict=False):
-            if name and names is not None and tp_label in names \
-                    and graph.tensors[name].kind == "parameter":
-                split.setdefault(name, names.index(tp_label))  # as its first reader lays it
+            if name and names is not None and tp_label in names:
+                if graph.tensors[name].kind == "parameter":
+                    split.setdefault(name, names.index(tp_label))  # as its first reader lays it
+                elif name in weights:
+                    carry_back(name, names.index(tp_label))
     return result
 
 
@@ -109,9 +144,11 @@ def _sequence_label(node: OpNode, labels: DimLabels, graph: PlanningGraph,
 
 def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
                 split: Mapping[str, int], taken: set[str],
-                sequence: AbstractSet[str] = frozenset()) -> list[str]:
+                sequence: AbstractSet[str] = frozenset(),
+                weights: AbstractSet[str] | Mapping[str, object] = frozenset()) -> list[str]:
     """Labels to try for the tp axis, best first. A GEMM does not carry a sequence split
-    (sequence parallelism): it reads that input gathered."""
+    (sequence parallelism): it reads that input gathered. An input computed from
+    parameters alone (`weights`) counts as a weight."""
     carried: list[str] = []
     activation_labels: set[str] = set()
     weight_labels: list[str] = []
@@ -120,7 +157,7 @@ def _tp_choices(node: OpNode, labels: DimLabels, graph: PlanningGraph,
         if not name or names is None:
             continue
         info = graph.tensors[name]
-        if info.kind == "parameter":
+        if info.kind == "parameter" or name in weights:
             weight_labels += [n for n in names if n not in weight_labels]
             if name in split and not is_matrix_op(node.op_type):
                 carried.append(names[split[name]])  # a tied table's transpose, say
