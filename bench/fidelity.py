@@ -1,7 +1,7 @@
 """Fidelity: does the cost model rank and price plans as the executor measures them?
 
 1. Calibrate this machine (`shardplan calibrate --nproc 2`): a profile of its matmul and
-   memory rates and its gloo collectives.
+   memory rates, its gloo collectives and the executor's host time per op run.
 2. Plan one model for 2 ranks under several strategies with that profile: data parallel,
    tensor parallel, the automatic plan, a 2-stage pipeline (1F1B and GPipe), ZeRO-1, and
    full and selective recompute.
@@ -18,10 +18,12 @@ LLaMA of hidden 256, `examples.hf_models:llama_medium`, through `train_module`),
 nine plans of it that path runs (no pipeline stages): data and tensor parallel, the
 automatic plan at pp=1, ZeRO 1, 2 and 3, full and selective recompute, 4 micro-batches.
 
-The executor interprets the graph op by op in torch, so measured times include its
-per-op overhead, which the cost model does not price (it predicts the device's time):
-the ratio column shows how large that is, and the rank correlation whether the order of
-plans survives it.
+On a CPU the host runs every op itself: the calibration times the module executor's own
+host work per op run (plain, or through DTensor) and per step (`planner.cli.host`), and
+the plans are priced with it. The ONNX executor (without `--module`) runs its local
+programs on plain tensors, never DTensor, so its tensor-parallel rows are priced above
+what it pays there. The ratio column shows what is left unpriced, and the rank
+correlation whether the order of plans survives it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from costmodels.calibrate import calibrate
 from executor.train import train
 from planner import zoo
 from planner.api import plan
+from planner.cli.host import calibrate_host
 from planner.humanize import human_seconds
 
 STRATEGIES: list[tuple[str, dict]] = [
@@ -127,6 +130,7 @@ def main() -> None:
         profile = Path(args.profile) if args.profile else scratch / "local.json"
         if not args.profile:
             calibrate(nproc=2, output=profile)
+            calibrate_host(profile, 2)  # the executor's host time per op, as the CLI does
             print(f"calibrated this machine in {time.perf_counter() - started:.0f} s")
         if args.module:
             plans = module_rows(profile, args.steps, args.batch, scratch)

@@ -470,3 +470,96 @@ def _memory_total() -> int:
     except (ValueError, OSError, AttributeError):
         raise ShardplanError("cannot read this machine's memory size") from None
 
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """One run of the executor's host-time probe (`executor.module.host`): a model of
+    `layers` layers trained under a plan of this profile, its op runs per step counted by
+    how they run (every op forward, and backward where a gradient flows; on plain tensors
+    or through DTensor: `planner.sharding.batch.runs_as_data_parallel`)."""
+
+    plan: str  # "data" or "tensor": the probe's plan
+    layers: int
+    local_runs: int
+    distributed_runs: int
+    predicted_s: float  # the plan's step on the profile without host time
+    measured_s: float  # median step the executor took
+
+    @property
+    def unpredicted_s(self) -> float:
+        return self.measured_s - self.predicted_s
+
+
+@dataclass(frozen=True)
+class HostFit:
+    """The host's seconds per op run (on plain tensors, through DTensor) and per step."""
+
+    local_s: float
+    distributed_s: float
+    step_s: float
+
+
+def fit_host(samples: Sequence[HostSample]) -> HostFit:
+    """The host's times from the probe's runs: per plain op run, the growth of the
+    data-parallel plan's unpredicted time (measured − predicted) between its shallowest
+    and deepest run over the op runs it adds; per DTensor op run, the same growth under
+    the tensor-parallel plan less its added plain op runs; per step, what the shallowest
+    data-parallel run leaves beyond its op runs. None below 0 (noise cannot make the host
+    faster than the device), a DTensor op run never below a plain one."""
+    def ends(kind: str) -> tuple[HostSample, HostSample]:
+        runs = sorted((s for s in samples if s.plan == kind),
+                      key=lambda s: s.local_runs + s.distributed_runs)
+        if len(runs) < 2 or runs[0].layers == runs[-1].layers:
+            raise ShardplanError(f"the host-time fit needs {kind}-parallel probes of two "
+                                 "depths")
+        return runs[0], runs[-1]
+
+    low, high = ends("data")
+    added = high.local_runs - low.local_runs
+    if added <= 0 or high.distributed_runs != low.distributed_runs:
+        raise ShardplanError("the data-parallel probes must differ in plain op runs only")
+    local = max(0.0, (high.unpredicted_s - low.unpredicted_s) / added)
+    step = max(0.0, low.unpredicted_s - (low.local_runs + low.distributed_runs) * local)
+    low, high = ends("tensor")
+    added = high.distributed_runs - low.distributed_runs
+    if added <= 0:
+        raise ShardplanError("the tensor-parallel probes add no DTensor op runs")
+    distributed = max(local, (high.unpredicted_s - low.unpredicted_s
+                              - (high.local_runs - low.local_runs) * local) / added)
+    return HostFit(local, distributed, step)
+
+
+def with_host_times(data: dict[str, Any], samples: Sequence[HostSample],
+                    quick: bool = False) -> dict[str, Any]:
+    """The calibrated profile `data` with `device.host_op_s` and `device.host_step_s`
+    fitted to the executor's probes (`fit_host`), cited to a source of their own."""
+    fit = fit_host(samples)
+    date = datetime.date.today().isoformat()
+    key = f"measured-{date}-executor"
+    runs = "; ".join(
+        f"{s.plan} parallel, {s.layers} layer{'s' if s.layers > 1 else ''}: "
+        f"{s.local_runs} plain and {s.distributed_runs} DTensor op runs, measured "
+        f"{s.measured_s * 1e3:.2f} ms, predicted {s.predicted_s * 1e3:.2f} ms"
+        for s in samples)
+    sources = {**data["sources"], key: (
+        f"Measured {date} by shardplan calibrate{' --quick' if quick else ''}: the "
+        f"executor (executor.parallelize, gloo ranks) training a GPT probe "
+        f"(executor.module.host.Probe) at two depths under a data-parallel and a "
+        f"tensor-parallel plan of this profile, median step time after a warm-up step. "
+        f"{runs}.")}
+    per_op = {
+        "local": _cited(fit.local_s, key, "growth of the data-parallel probe's (measured - "
+                        "predicted) step between its depths over the op runs added; "
+                        "forward and backward taken alike"),
+        "distributed": _cited(fit.distributed_s, key, "the same under the tensor-parallel "
+                              "plan, less its added plain op runs, over the DTensor op runs "
+                              "added (DTensor's dispatch and the executor's moves per op)"),
+    }
+    device = {**data["device"], "host_op_s": {
+        f"{phase}_{kind}": per_op[kind] for phase in ("forward", "backward")
+        for kind in ("local", "distributed")},
+        "host_step_s": _cited(fit.step_s, key, "the shallow data-parallel probe's "
+                              "(measured - predicted) step beyond its op runs' host time: "
+                              "the loss, the optimizer's Python and the step's bookkeeping")}
+    return {**data, "sources": sources, "device": device}

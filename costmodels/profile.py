@@ -45,7 +45,10 @@ _TOP_FIELDS = ("schema", "name", "description", "sources", "device", "topology")
 _DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth_Bps", "peak_flops", "matmul_efficiency",
                   "memory_efficiency", "kernel_launch_s")
 _DEVICE_OPTIONAL = ("matmul_overhead_s", "compute_units", "gemm_tile", "kernels",
-                    "compute_overlap")
+                    "compute_overlap", "host_op_s", "host_step_s")
+#: `device.host_op_s`: the host's seconds per op run, by pass and by how the op runs.
+_HOST_OP_FIELDS = ("forward_local", "backward_local", "forward_distributed",
+                   "backward_distributed")
 #: `device.kernels`: the kernels the device's training stacks run (planner.cost.kernels).
 _KERNEL_FIELDS = ("attention", "fusion")
 #: Largest GEMM tile edge a profile may state (a CTA tile is at most a few hundred).
@@ -61,6 +64,25 @@ _CITED_OPTIONAL = ("note",)
 
 #: The type of a cited value: a number, a tuple of counts or a word.
 V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class HostOpSeconds:
+    """The host's own seconds for one op run, where the host runs ops one after another
+    with the device's work (a CPU rank): `local` an op on plain tensors, `distributed` one
+    through DTensor's dispatch (`planner.sharding.batch.runs_as_data_parallel` says which);
+    each in the forward pass and in its backward. Measured on the executor by `shardplan
+    calibrate` (`executor.module.host`)."""
+
+    forward_local: Cited[float]
+    backward_local: Cited[float]
+    forward_distributed: Cited[float]
+    backward_distributed: Cited[float]
+
+    def seconds(self, backward: bool, local: bool) -> float:
+        if backward:
+            return float((self.backward_local if local else self.backward_distributed).value)
+        return float((self.forward_local if local else self.forward_distributed).value)
 
 
 @dataclass(frozen=True)
@@ -169,6 +191,21 @@ class HardwareProfile:
     #: kernels; 0: on a CPU host, where gloo's threads take the cores the ranks compute
     #: on). Left out: 1, the planner's assumption before calibration measured it.
     compute_overlap: Cited[float] | None = None
+    #: The host's seconds per op run (`HostOpSeconds`) and per training step (the loss,
+    #: the optimizer's Python, the step's bookkeeping), added to the device's where the
+    #: host runs the ops itself; left out on accelerators, whose kernels run behind the
+    #: host (there `kernel_launch_s` is the floor of each kernel).
+    host_op_s: HostOpSeconds | None = None
+    host_step_s: Cited[float] | None = None
+
+    def host_seconds(self, backward: bool, local: bool) -> float:
+        """The host's seconds for one op run (0 where the profile states none)."""
+        return self.host_op_s.seconds(backward, local) if self.host_op_s else 0.0
+
+    @property
+    def step_host_seconds(self) -> float:
+        """The host's seconds per training step beside its ops (0 where none is stated)."""
+        return float(self.host_step_s.value) if self.host_step_s else 0.0
 
     @property
     def overlap_share(self) -> float:
@@ -460,7 +497,20 @@ class _Reader:
             fusion=self.kernel_word(device, "fusion", [k.value for k in Fusion]),
             compute_overlap=self.cited(device["compute_overlap"], "device.compute_overlap",
                                        self.share) if "compute_overlap" in device else None,
+            host_op_s=self.host_ops(device),
+            host_step_s=self.cited(device["host_step_s"], "device.host_step_s",
+                                   self.non_negative) if "host_step_s" in device else None,
         )
+
+    def host_ops(self, device: dict[str, Any]) -> HostOpSeconds | None:
+        """`device.host_op_s`: {forward_local, backward_local, forward_distributed,
+        backward_distributed}, each a cited time of seconds (0 allowed)."""
+        if "host_op_s" not in device:
+            return None
+        field = "device.host_op_s"
+        body = self.obj(device["host_op_s"], field, _HOST_OP_FIELDS)
+        return HostOpSeconds(*(self.cited(body[key], f"{field}.{key}", self.non_negative)
+                               for key in _HOST_OP_FIELDS))
 
     def read_sources(self, value: Any) -> dict[str, str]:
         if not isinstance(value, dict) or not value:

@@ -185,7 +185,7 @@ def test_a_backward_pays_a_launch_per_kernel_it_runs(tmp_path: Path, op: str,
     node = analysis.graph.op("op")
     tiny = 1e-6  # a millionth of the op: every kernel at its launch floor
     _, backward = op_times(node, plan, analysis.graph.tensors, [None] * len(node.inputs),
-                           tiny, DeviceMesh((1,), ("a0",), 8), profile, None, True)
+                           tiny, DeviceMesh((1,), ("a0",), 8), profile, None, True, True)
     assert backward == pytest.approx(launches * profile.kernel_launch_s.value)
 
 

@@ -9,14 +9,17 @@ from types import SimpleNamespace
 import pytest
 
 from costmodels.calibrate import (
+    HostSample,
     build_profile,
     calibrate,
     collective_fits,
+    fit_host,
     fit_ramp,
     fit_ring,
     matmul_fits,
     measurement_plan,
     overlap_share,
+    with_host_times,
 )
 from costmodels.communication import CommGroup, collective_time, ring_terms
 from costmodels.compute import op_time
@@ -324,3 +327,66 @@ def test_built_profile_prices_the_measured_points(tmp_path: Path) -> None:
     assert level.measured_seconds("all_reduce", 2, 2**22) == pytest.approx(measured, rel=1e-3)
     assert collective_time(profile, "all_reduce", 2**22, CommGroup(2, 2, 2), "ring") < \
         0.9 * measured  # the fit's line, which the point lies off
+
+
+# ------------------------------------------------------------------ the executor's host time
+
+LOCAL_S, DISTRIBUTED_S, STEP_S = 12e-6, 150e-6, 2e-3
+
+
+def _host_samples() -> list[HostSample]:
+    """Probe runs of a host that takes LOCAL_S per plain op run, DISTRIBUTED_S per DTensor
+    op run and STEP_S per step beside the predicted device time."""
+    runs = {("data", 1): (88, 0), ("tensor", 1): (36, 52), ("data", 6): (488, 0),
+            ("tensor", 6): (196, 292)}
+    samples = []
+    for (kind, layers), (local, distributed) in runs.items():
+        predicted = 1e-4 * layers
+        measured = predicted + STEP_S + local * LOCAL_S + distributed * DISTRIBUTED_S
+        samples.append(HostSample(kind, layers, local, distributed, predicted, measured))
+    return samples
+
+
+def test_host_fit_recovers_the_times_per_op_run_and_per_step() -> None:
+    fit = fit_host(_host_samples())
+    assert fit.local_s == pytest.approx(LOCAL_S)
+    assert fit.distributed_s == pytest.approx(DISTRIBUTED_S)
+    assert fit.step_s == pytest.approx(STEP_S)
+
+
+def test_host_fit_needs_two_depths_and_never_goes_below_zero() -> None:
+    samples = _host_samples()
+    with pytest.raises(ShardplanError, match="two depths"):
+        fit_host([s for s in samples if s.layers == 1])
+    faster = [HostSample(s.plan, s.layers, s.local_runs, s.distributed_runs, s.predicted_s,
+                         s.predicted_s) for s in samples]  # measured as predicted
+    fit = fit_host(faster)
+    assert (fit.local_s, fit.distributed_s, fit.step_s) == (0.0, 0.0, 0.0)
+
+
+def test_profile_with_host_times_loads_and_prices_them(tmp_path: Path) -> None:
+    data = build_profile(_synthetic_results(), measurement_plan(2, quick=True), 2, "gloo",
+                         quick=True)
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(with_host_times(data, _host_samples())), encoding="utf-8")
+    profile = load_profile(path)
+    assert profile.host_seconds(False, True) == pytest.approx(LOCAL_S, rel=1e-3)
+    assert profile.host_seconds(True, True) == pytest.approx(LOCAL_S, rel=1e-3)
+    assert profile.host_seconds(False, False) == pytest.approx(DISTRIBUTED_S, rel=1e-3)
+    assert profile.step_host_seconds == pytest.approx(STEP_S, rel=1e-3)
+    assert profile.host_op_s is not None
+    source = profile.sources[profile.host_op_s.forward_local.source]
+    assert "tensor parallel, 6 layers: 196 plain and 292 DTensor op runs" in source
+
+
+@pytest.mark.slow
+def test_calibrate_times_the_executors_host_work(tmp_path: Path) -> None:
+    """`shardplan calibrate` on gloo also runs the executor on its probe, data and tensor
+    parallel at two depths, and writes what the host adds per op run and per step: a
+    DTensor op run costs the host more than a plain one."""
+    path = tmp_path / "local.json"
+    assert main(["--quick", "-o", str(path)]) == 0
+    profile = load_profile(path)
+    assert profile.host_op_s is not None and profile.host_step_s is not None
+    assert profile.host_seconds(False, False) > profile.host_seconds(False, True)
+    assert profile.host_seconds(False, False) > 1e-6

@@ -169,7 +169,7 @@ def test_a_flash_core_is_not_priced_as_a_gemm_writing_its_scores(tmp_path: Path)
     assert shape is not None and (shape.m, shape.n, shape.k) == (4096, 4096, 128)
     assert local_gemm_shape(node, kernel, graph.tensors, whole, mesh) is None
     forward, backward = op_times(node, flash, graph.tensors, whole, 1.0, mesh, H100, None,
-                                 True)
+                                 True, True)
     flat = op_time(H100, "MatMul", kernel.flops, kernel.bytes, "bfloat16")
     assert forward == pytest.approx(flat) and backward == pytest.approx(3 * flat)
     assert op_time(H100, "MatMul", kernel.flops, kernel.bytes, "bfloat16",

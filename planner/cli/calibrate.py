@@ -1,4 +1,5 @@
-"""`shardplan calibrate`: the command line of costmodels.calibrate, which measures the machine.
+"""`shardplan calibrate`: the command line of costmodels.calibrate, which measures the machine,
+and (on gloo) of executor.module.host, which times the executor's own host work per op.
 
 The measuring and the profile it writes stay in costmodels, usable without this CLI.
 """
@@ -24,15 +25,26 @@ def add_parser(verbs: Verbs) -> None:
                                 "for trying the flow (the full run takes about a minute)")
     calibrate.add_argument("-o", "--output", type=Path, required=True,
                            help="where to write the profile JSON")
+    calibrate.add_argument("--no-executor", action="store_true",
+                           help="skip timing the executor's own host time per op on a "
+                                "small model (gloo only: about 20 s; the profile then "
+                                "prices the device's work alone)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure and write the profile, with progress on stderr; bad input is ShardplanError."""
     from costmodels.calibrate import calibrate
 
-    calibrate(args.nproc, args.backend, args.output,
-              progress=lambda text: print(f"calibrate: {text}", file=sys.stderr, flush=True),
-              quick=args.quick)
+    def say(text: str) -> None:
+        print(f"calibrate: {text}", file=sys.stderr, flush=True)
+
+    calibrate(args.nproc, args.backend, args.output, progress=say, quick=args.quick)
+    if args.backend == "gloo" and not args.no_executor:
+        # a CPU rank runs every op itself: its host time is part of each op's
+        from planner.cli.host import calibrate_host
+
+        calibrate_host(args.output, args.nproc, args.quick, progress=say)
+        say(f"wrote the executor's host times into {args.output}")
     return 0
 
 

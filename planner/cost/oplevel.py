@@ -30,6 +30,7 @@ from planner.cost.pricing import (
     op_times,
     optimizer_seconds,
     price,
+    runs_locally,
     saved_bytes,
 )
 from planner.cost.step import (
@@ -161,8 +162,10 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         node = op.node
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
         kernel = kernels.ops[node.name]
+        local = runs_locally(node, dict(op.strategy.assignment), op.outputs,
+                             sharded.analysis)
         # Every layer prices the same kernels alike: ask the cost model once per question.
-        times_key = (node.op_type, kernel, op.fraction, differentiated,
+        times_key = (node.op_type, kernel, op.fraction, differentiated, local,
                      *(tensors[o].dtype for o in node.outputs[:1] if o),
                      *((repr(node.attrs), *op.inputs[:2],
                         *(tensors[i].shape if i else None for i in node.inputs[:2]))
@@ -171,7 +174,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         if found is None:
             found = seconds_of[times_key] = op_times(node, kernels, tensors, op.inputs,
                                                      op.fraction, mesh, profile,
-                                                     options.precision, differentiated)
+                                                     options.precision, differentiated,
+                                                     local)
         forward, backward = found
         saved = 0.0 if options.inference else saved_bytes(
             node, kernels, tensors, [sharded.layouts.get(o) if o else None
@@ -211,7 +215,9 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         forward_compute_s=compute_forward, backward_compute_s=compute_backward,
         forward_communication_s=times[Phase.FORWARD],
         backward_communication_s=times[Phase.BACKWARD], recompute_s=0.0, p2p_s=0.0,
-        zero_s=0.0, sync_s=sync, hidden_s=hidden, optimizer_s=optimizer_s, in_flight=1.0,
+        zero_s=0.0, sync_s=sync, hidden_s=hidden,
+        optimizer_s=optimizer_s + (0.0 if options.inference else profile.step_host_seconds),
+        in_flight=1.0,
         memory=memory)
     return PricedGraph(sharded, tuple(costs), collectives, stage, options, kernels,
                        profile.overlap_share)

@@ -335,7 +335,9 @@ class Pricer:
         )
         return StagePrice(tuple(ranges), mode, held.forward_compute, held.backward_compute,
                           held.forward_comm, held.backward_comm, extra, held.p2p, held.zero,
-                          held.end, held.hidden, weights.optimizer, held.flight, memory,
+                          held.end, held.hidden,
+                          weights.optimizer + self.hardware.step_host_seconds, held.flight,
+                          memory,
                           self._chunks(ranges, mode, held.p2p + held.zero), held.weight)
 
     def _held(self, index: int, count: int, ranges: tuple[tuple[int, int], ...],

@@ -21,6 +21,8 @@ from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, Fusion, GradAccumulation, Phase, Precision
 from planner.ops.work import gemm_dims
 from planner.records import Collective, OpCost
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.batch import runs_as_data_parallel
 from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -70,24 +72,44 @@ def op_dtype(node: OpNode, kernel: OpKernel, tensors: Mapping[str, TensorInfo],
 def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo],
              inputs: Sequence[Layout | None], fraction: float, mesh: DeviceMesh,
              profile: HardwareProfile, precision: Precision | None,
-             differentiated: bool) -> tuple[float, float]:
+             differentiated: bool, local: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one device's share `fraction` of one op that reads
     its inputs in `inputs`, the backward when a gradient flows: a memory-bound kernel's
     as kernels of their own (the bytes they move, their launches:
-    `OpKernel.backward_bytes`), a GEMM's as its kernel's multiple of the forward."""
+    `OpKernel.backward_bytes`), a GEMM's as its kernel's multiple of the forward. Where
+    the profile states the host's time per op run (`device.host_op_s`: a CPU rank runs
+    each op itself), each pass adds it, as the op runs on plain tensors (`local`:
+    `planner.sharding.batch.runs_as_data_parallel`) or through DTensor."""
     kernel = kernels.ops[node.name]
     shape = local_gemm_shape(node, kernel, tensors, inputs, mesh)
     dtype = op_dtype(node, kernel, tensors, precision)
     forward = op_seconds(node, kernel, dtype, fraction, profile, shape)
+    host_forward = profile.host_seconds(False, local)
     if not differentiated:
-        return forward, 0.0
+        return forward + host_forward, 0.0
     if kernel.backward_bytes is None:
-        return forward, kernel.backward_ratio * forward
-    if kernel.backward_bytes <= 0 and not kernel.backward_launches:
-        return forward, 0.0
-    flops = kernel.flops * fraction if kernel.backward_bytes > 0 else 0.0
-    return forward, op_time(profile, node.op_type, flops, kernel.backward_bytes * fraction,
-                            dtype, launches=kernel.backward_launches)
+        backward = kernel.backward_ratio * forward
+    elif kernel.backward_bytes <= 0 and not kernel.backward_launches:
+        backward = 0.0
+    else:
+        flops = kernel.flops * fraction if kernel.backward_bytes > 0 else 0.0
+        backward = op_time(profile, node.op_type, flops, kernel.backward_bytes * fraction,
+                           dtype, launches=kernel.backward_launches)
+    return forward + host_forward, backward + profile.host_seconds(True, local)
+
+
+def runs_locally(node: OpNode, assigned: Mapping[str, tuple[str, ...]],
+                 outputs: Sequence[Layout | None], analysis: GraphAnalysis) -> bool:
+    """Whether the host runs `node` as a plain op (`device.host_op_s`'s local time) under
+    the assignment `assigned` writing `outputs`: it runs as data parallelism would
+    (`planner.sharding.batch.runs_as_data_parallel`), or it computes from weights alone
+    (a weight's transpose or cast, which the module executor computes with the weight's
+    read: the exporter's Transpose of an `nn.Linear` weight is inside the traced linear
+    call, whatever its layout)."""
+    if all(name in analysis.weight_roots for name in node.outputs if name):
+        return True
+    return runs_as_data_parallel(assigned, analysis.batch_labels.get(node.name, frozenset()),
+                                 outputs)
 
 
 def weight_gradient_seconds(node: OpNode, kernels: KernelPlan, cost: OpCost) -> float:

@@ -73,6 +73,8 @@ class StagePrice:
     """One pipeline device's share: its unit ranges, recompute mode, times and memory.
 
     Times are per micro-batch except `sync_s`, `hidden_s` and `optimizer_s` (per step).
+    `optimizer_s` holds, beside the optimizer pass, the host's own time per step where the
+    profile states one (`device.host_step_s`: a CPU rank's loss and Python bookkeeping).
     """
 
     ranges: tuple[tuple[int, int], ...]  # [first unit, end unit) per chunk

@@ -34,6 +34,7 @@ from planner.cost.pricing import (
     exposed,
     op_times,
     optimizer_seconds,
+    runs_locally,
     saved_bytes,
 )
 from planner.cost.step import TrainingOptions
@@ -172,7 +173,7 @@ def build_problem(
     read_by_loss = loss_read_slots(graph, not options.inference, options.loss_reads)
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
-               needs_grad, owner, kernels, once, read_by_loss)
+               needs_grad, owner, kernels, once, read_by_loss, analysis)
         for members in groups_ops
     ]
     edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
@@ -215,7 +216,7 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
            graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions, needs_grad: Mapping[str, bool],
            owner: Mapping[str, tuple[str, int]], kernels: KernelPlan, once: float,
-           read_by_loss: Mapping[str, tuple[int, ...]]) -> Group:
+           read_by_loss: Mapping[str, tuple[int, ...]], analysis: GraphAnalysis) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
     saved_total = np.zeros(count)
@@ -231,10 +232,12 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
         read = read_by_loss.get(node.name, ())
         key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o),
                kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
-               read)
+               read, analysis.batch_labels.get(node.name),
+               all(o in analysis.weight_roots for o in node.outputs if o))
         if key not in priced:
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
-                                               needs_grad, owner, kernels, once, read)
+                                               needs_grad, owner, kernels, once, read,
+                                               analysis)
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
                            values[:, 2])
@@ -262,19 +265,22 @@ def added_in_order(start: np.ndarray, terms: Sequence[np.ndarray]) -> np.ndarray
 def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, mesh: DeviceMesh,
                     profile: HardwareProfile, options: TrainingOptions,
                     needs_grad: Mapping[str, bool], owner: Mapping[str, tuple[str, int]],
-                    kernels: KernelPlan, once: float, read: tuple[int, ...] = ()
-                    ) -> tuple[float, float, float, float]:
+                    kernels: KernelPlan, once: float, read: tuple[int, ...],
+                    analysis: GraphAnalysis) -> tuple[float, float, float, float]:
     """(seconds, owned weight memory, saved activations, largest output) of one candidate;
     what the step pays once for its weights weighs `once` (1 / micro-batches). The output
     slots in `read` are read by the loss: their moves into its layout count here, as the
-    derivation lists them at this op (`loss_read_moves`)."""
+    derivation lists them at this op (`loss_read_moves`). `analysis` says whether the host
+    runs the op as a plain one (`planner.cost.pricing.runs_locally`: its time per op)."""
     tensors = graph.tensors
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
         fraction /= mesh.axis_size(axis)
     outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
+    local = runs_locally(node, dict(candidate.strategy.assignment), candidate.outputs,
+                         analysis)
     forward, backward = op_times(node, kernels, tensors, candidate.inputs, fraction, mesh,
-                                 profile, options.precision, outputs_need_grad)
+                                 profile, options.precision, outputs_need_grad, local)
     seconds = forward + backward
     for kind, axes, nbytes in candidate.forward_collectives + candidate.backward_collectives:
         seconds += collective_seconds(profile, kind, nbytes, axes, mesh)

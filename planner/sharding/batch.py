@@ -24,6 +24,7 @@ from planner.errors import StrategyError
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AxisRole
 from planner.ops import DimLabels
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
 
@@ -133,3 +134,20 @@ def dp_splits_exactly(assigned: Mapping[str, tuple[str, ...]], batch: Collection
     axes = together or (axis,)
     on_axis = {label for label, given in assigned.items() if any(a in given for a in axes)}
     return on_axis == set(batch) and all(assigned[label] == axes for label in batch)
+
+
+def runs_as_data_parallel(assigned: Mapping[str, tuple[str, ...]], batch: Collection[str],
+                          outputs: Collection[Layout | None]) -> bool:
+    """Whether a device runs an op as data parallelism would: nothing split, or exactly its
+    batch labels (`GraphAnalysis.batch_labels`) all over the same axes, with no output a
+    pending sum. Such an op needs no communication and no DTensor: the module executor
+    runs it on plain local tensors (`executor.module.local`), the others through DTensor's
+    dispatch, whose host time a calibrated profile prices (`device.host_op_s`). `outputs`
+    are the op's output layouts (None for absent ones)."""
+    if any(layout is not None and layout.partial for layout in outputs):
+        return False
+    if not assigned:
+        return True
+    if set(assigned) != set(batch):
+        return False
+    return len(set(assigned.values())) == 1

@@ -1,0 +1,98 @@
+"""The host's own time per op run and per step (`device.host_op_s`, `device.host_step_s`),
+priced where a profile states it: every op run adds a plain op's or a DTensor op's time
+(`planner.cost.pricing.runs_locally`), the step its own, and nothing else changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from costmodels.profile import load_profile
+from planner import zoo
+from planner.api import load_graph, plan
+from planner.cli.host import op_runs
+from planner.cost.step import TrainingOptions
+from planner.plans.planning import plan_baseline
+from planner.zoo.gpt import GPTConfig
+
+CPU = Path(__file__).resolve().parents[1] / "hardware_profiles" / "cpu.json"
+LOCAL_S, DISTRIBUTED_S, STEP_S = 10e-6, 200e-6, 3e-3
+
+
+def _cited(value: float) -> dict:
+    return {"value": value, "source": "measured-2026-11-29", "note": "a test's figure"}
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The bundled cpu profile, and the same with host times."""
+    folder = tmp_path_factory.mktemp("profiles")
+    data = json.loads(CPU.read_text(encoding="utf-8"))
+    data["name"] = "cpu-host"
+    data["device"]["host_op_s"] = {
+        f"{phase}_{kind}": _cited(LOCAL_S if kind == "local" else DISTRIBUTED_S)
+        for phase in ("forward", "backward") for kind in ("local", "distributed")}
+    data["device"]["host_step_s"] = _cited(STEP_S)
+    hosted = folder / "cpu-host.json"
+    hosted.write_text(json.dumps(data), encoding="utf-8")
+    return CPU, hosted
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = GPTConfig(layers=2, hidden=64, heads=4, vocab=128, max_positions=16,
+                       fused_qkv=False)
+    return zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
+
+
+def test_a_data_parallel_step_adds_a_plain_op_run_each_and_the_steps_own(
+        gpt: Path, profiles: tuple[Path, Path]) -> None:
+    bare, hosted = (plan(gpt, profile=str(p), devices=2, batch=4, dims={"seq": 16},
+                         mode="data") for p in profiles)
+    local, distributed = op_runs(gpt, hosted)
+    assert distributed == 0 and local > len(hosted.ops)  # forward, and most ops backward
+    added = hosted.predicted.step_time_s - bare.predicted.step_time_s
+    assert added == pytest.approx(local * LOCAL_S + STEP_S, rel=1e-9)
+    assert hosted.predicted.breakdown["optimizer_s"] == pytest.approx(
+        bare.predicted.breakdown["optimizer_s"] + STEP_S, rel=1e-9)
+
+
+def test_a_tensor_parallel_step_adds_its_dtensor_op_runs_at_their_own_time(
+        gpt: Path, profiles: tuple[Path, Path]) -> None:
+    """Megatron's layout: the projections and attention run through DTensor, the norms
+    and residuals on plain tensors, the weights' transposes with their reads."""
+    bare, hosted = (plan_baseline(load_graph(gpt, batch=4, dims={"seq": 16}),
+                                  load_profile(p), 2, "megatron", TrainingOptions())
+                    for p in profiles)
+    local, distributed = op_runs(gpt, hosted)
+    assert distributed > 0 and local > 0
+    added = hosted.predicted.step_time_s - bare.predicted.step_time_s
+    assert added == pytest.approx(local * LOCAL_S + distributed * DISTRIBUTED_S + STEP_S,
+                                  rel=1e-9)
+
+
+def test_a_profile_without_host_times_prices_none(gpt: Path) -> None:
+    profile = load_profile(CPU)
+    assert profile.host_op_s is None and profile.host_step_s is None
+    assert profile.host_seconds(False, False) == 0.0 and profile.step_host_seconds == 0.0
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["host_op_s"].pop("backward_local"), "host_op_s.backward_local is missing"),
+    (lambda d: d["host_op_s"]["forward_local"].update(value=-1e-6),
+     "host_op_s.forward_local.value must be a finite number >= 0"),
+    (lambda d: d["host_op_s"].update(sideways=_cited(1e-6)), "sideways is not a known field"),
+    (lambda d: d["host_step_s"].update(value="fast"), "host_step_s.value must be a number"),
+])
+def test_host_fields_are_checked(profiles: tuple[Path, Path], tmp_path: Path, edit,  # type: ignore[no-untyped-def]
+                                 message: str) -> None:
+    from costmodels.profile import ProfileError
+
+    data = json.loads(profiles[1].read_text(encoding="utf-8"))
+    edit(data["device"])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ProfileError, match=message.replace(".", r"\.")):
+        load_profile(path)
