@@ -33,7 +33,7 @@ from costmodels.profile import load_profile
 from executor.module.launch import export_builder, train_module
 from executor.module.probe import PROBE_BATCH, PROBE_LAYERS
 from planner.api import load_graph, plan
-from planner.cost.pricing import runs_locally
+from planner.cost.pricing import input_batch_axes, runs_locally
 from planner.cost.step import TrainingOptions
 from planner.plans.model import Plan
 from planner.plans.planning import plan_baseline
@@ -67,12 +67,16 @@ def op_runs(model: Path, planned: Plan) -> tuple[int, int]:
                                            dims=dict(planned.model.bound_dims)))
     needs_grad = analysis.needs_grad
     ops = {node.name: node for node in analysis.graph.ops}
+    batch_axes = input_batch_axes(planned.tensors[name].layout
+                                  for name in analysis.graph.inputs
+                                  if name in planned.tensors)
     local = distributed = 0
     for entry in planned.ops:
         node = ops[entry.name]
         runs = 1 + any(needs_grad.get(o, False) for o in node.outputs if o)
         if runs_locally(node, entry.assignment,
-                        [b.layout if b else None for b in entry.outputs], analysis):
+                        [b.layout if b else None for b in entry.outputs], analysis,
+                        batch_axes):
             local += runs
         else:
             distributed += runs

@@ -26,6 +26,7 @@ from planner.cost.buckets import (
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
 from planner.cost.pricing import (
     accumulation_seconds,
+    input_batch_axes,
     op_dtype,
     op_times,
     optimizer_seconds,
@@ -151,6 +152,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     graph = sharded.analysis.graph
     tensors, mesh = graph.tensors, sharded.mesh
     needs_grad = sharded.analysis.needs_grad if not options.inference else {}
+    batch_axes = input_batch_axes(sharded.layouts[name] for name in graph.inputs
+                                  if name in sharded.layouts)
     live_peak = _LivePeak(graph) if options.inference else None
     kernels = kernel_plan(sharded.analysis, policy_for(profile, options.attention,
                                                        options.fusion))
@@ -163,7 +166,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
         kernel = kernels.ops[node.name]
         local = runs_locally(node, dict(op.strategy.assignment), op.outputs,
-                             sharded.analysis)
+                             sharded.analysis, batch_axes)
         # Every layer prices the same kernels alike: ask the cost model once per question.
         times_key = (node.op_type, kernel, op.fraction, differentiated, local,
                      *(tensors[o].dtype for o in node.outputs[:1] if o),

@@ -7,7 +7,7 @@ so the search optimises exactly what the plan reports.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
@@ -98,18 +98,54 @@ def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo
     return forward + host_forward, backward + profile.host_seconds(True, local)
 
 
+class _Unknown:
+    """The batch's axes before a layout is chosen (`runs_locally` in the search)."""
+
+
+#: `runs_locally`'s `batch_axes` where no layout of the graph's inputs is chosen yet
+UNKNOWN_BATCH_AXES = _Unknown()
+
+
+def input_batch_axes(layouts: Iterable[Layout]) -> tuple[str, ...] | None:
+    """The mesh axes the graph's inputs are split over, along their first (batch) dim, as
+    the module executor reads them (`executor.module.local`); None where the inputs are
+    split otherwise or over different axes: the executor then runs every op through
+    DTensor."""
+    found: set[tuple[str, ...]] = set()
+    for layout in layouts:
+        if not layout.dims:
+            continue
+        if any(layout.dims[1:]) or layout.partial:
+            return None
+        found.add(layout.dims[0])
+    if len(found) > 1:
+        return None
+    return next(iter(found), ())
+
+
 def runs_locally(node: OpNode, assigned: Mapping[str, tuple[str, ...]],
-                 outputs: Sequence[Layout | None], analysis: GraphAnalysis) -> bool:
+                 outputs: Sequence[Layout | None], analysis: GraphAnalysis,
+                 batch_axes: tuple[str, ...] | _Unknown | None = UNKNOWN_BATCH_AXES) -> bool:
     """Whether the host runs `node` as a plain op (`device.host_op_s`'s local time) under
-    the assignment `assigned` writing `outputs`: it runs as data parallelism would
-    (`planner.sharding.batch.runs_as_data_parallel`), or it computes from weights alone
-    (a weight's transpose or cast, which the module executor computes with the weight's
+    the assignment `assigned` writing `outputs`: it computes from weights alone (a
+    weight's transpose or cast, which the module executor computes with the weight's
     read: the exporter's Transpose of an `nn.Linear` weight is inside the traced linear
-    call, whatever its layout)."""
+    call), or it runs as data parallelism would (`planner.sharding.batch.
+    runs_as_data_parallel`) over the graph's `batch_axes` (`input_batch_axes`), a
+    replicated op only where it holds no batch or the batch is not split. In the search,
+    before the inputs' layout is known, any axes splitting exactly the batch count."""
     if all(name in analysis.weight_roots for name in node.outputs if name):
         return True
-    return runs_as_data_parallel(assigned, analysis.batch_labels.get(node.name, frozenset()),
-                                 outputs)
+    if batch_axes is None:
+        return False
+    batch = analysis.batch_labels.get(node.name, frozenset())
+    if not runs_as_data_parallel(assigned, batch, outputs):
+        return False
+    if isinstance(batch_axes, _Unknown):
+        return True
+    if not assigned:
+        return not batch or not batch_axes
+    return set(assigned.values()) == {batch_axes}
 
 
 def weight_gradient_seconds(node: OpNode, kernels: KernelPlan, cost: OpCost) -> float:
