@@ -96,3 +96,34 @@ def test_host_fields_are_checked(profiles: tuple[Path, Path], tmp_path: Path, ed
     path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(ProfileError, match=message.replace(".", r"\.")):
         load_profile(path)
+
+
+def test_how_the_host_runs_an_op_follows_the_batchs_axes(gpt: Path) -> None:
+    """As the module executor decides (`executor.module.local`): an op splitting exactly
+    its batch over the inputs' axes runs on plain tensors, a replicated op holding the
+    batch only where the batch is not split, any op through DTensor where the inputs are
+    split otherwise; a weight's transpose always with its read."""
+    from planner.cost.pricing import input_batch_axes, runs_locally
+    from planner.sharding.analysis import GraphAnalysis
+    from planner.sharding.layout import Layout
+
+    analysis = GraphAnalysis.of(load_graph(gpt, batch=4, dims={"seq": 16}))
+    graph = analysis.graph
+    gather = next(op for op in graph.ops if op.op_type == "Gather"
+                  and analysis.batch_labels.get(op.name))
+    batch = {label: ("dp",) for label in analysis.batch_labels[gather.name]}
+    outputs = [None] * len(gather.outputs)
+    assert runs_locally(gather, batch, outputs, analysis, ("dp",))
+    assert not runs_locally(gather, batch, outputs, analysis, ("a0",))
+    assert not runs_locally(gather, {}, outputs, analysis, ("dp",))  # replicated, batch split
+    assert runs_locally(gather, {}, outputs, analysis, ())  # replicated, batch whole
+    assert not runs_locally(gather, batch, outputs, analysis, None)
+    assert runs_locally(gather, batch, outputs, analysis)  # the search: any axes
+    weights = next(op for op in graph.ops
+                   if all(o in analysis.weight_roots for o in op.outputs if o))
+    assert runs_locally(weights, {}, [None], analysis, None)
+    split, rows = Layout((("dp",), ()), ()), Layout((("dp",), ("tp",)), ())
+    assert input_batch_axes([split, split]) == ("dp",)
+    assert input_batch_axes([Layout(((), ()), ())]) == ()
+    assert input_batch_axes([rows]) is None
+    assert input_batch_axes([split, Layout((("tp",), ()), ())]) is None
