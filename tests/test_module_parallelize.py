@@ -437,3 +437,29 @@ def test_a_kept_trace_serves_later_processes_until_the_module_changes(
     monkeypatch.setattr(launch, "_saved_traces", {})
     launch.shared_trace(spec, 4)
     assert kept() == 1
+
+
+def test_megatron_baseline_with_a_vocabulary_split_embedding_trains_as_one_process(
+        llama_onnx: Path) -> None:
+    """Megatron's layout of the export (the projections by column and row, read through
+    the exporter's transposes; the token embedding split by vocabulary): the embedding is
+    looked up as Megatron does (`executor.module.embedding`: each rank its own rows, the
+    result a pending sum the plan all-reduces, the table's gradient each rank's own rows)
+    where DTensor's rule leaves a sum it cannot move to the plan's; one process's losses,
+    the plan's collectives, no move the plan does not make."""
+    from costmodels.profile import load_profile
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    chosen = plan_baseline(load_graph(llama_onnx, batch=BATCH), load_profile("cpu"), 2,
+                           "megatron", TrainingOptions())
+    table = next(e for n, e in chosen.tensors.items() if n.endswith("embed_tokens.weight"))
+    assert table.layout.dims[0]  # split by vocabulary
+    split = [n for n, e in chosen.tensors.items() if e.kind == "parameter" and
+             n.endswith("proj.weight") and any(e.layout.dims)]
+    assert len(split) == 14  # 7 projections in each of 2 layers
+    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+    assert run.unplanned == {}

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from executor.dropout import DropoutSite, keep_mask
+from executor.module.embedding import EMBEDDING, RowSplitEmbedding, row_split_dims
 from executor.module.moves import tensor_dim
 
 
@@ -195,6 +196,11 @@ def run_op(target: Any, args: Any, kwargs: Any) -> Any:
     tensor's strides forbid even where the block allows it (one head per rank: a
     transpose of a size-1 dim leaves the block contiguous). A slice of a DTensor along a
     dim no mesh dim splits runs on the blocks (`block_slice`)."""
+    if target is EMBEDDING:
+        dims = row_split_dims(args)
+        if dims:  # a table split by rows: as Megatron looks it up (`executor.module.embedding`)
+            found: DTensor = RowSplitEmbedding.apply(args[0], args[1], dims)
+            return found
     if target is _SLICE and args and isinstance(args[0], DTensor):
         sliced = block_slice(*args, **kwargs)
         if sliced is not None:

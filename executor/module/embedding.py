@@ -1,0 +1,94 @@
+"""An embedding lookup in a table split by rows (the vocabulary), as the plan lays it out.
+
+Megatron's layout splits a token embedding's table by rows over tp: each rank looks up
+the ids that fall in its own rows and zeroes the others, the result is a pending sum over
+tp (the plan's all-reduce makes it whole), and the table's gradient is each rank's own
+rows', summed over nothing but the batch's axes (Megatron-LM's VocabParallelEmbedding).
+DTensor's own rule gives a `_MaskPartial` result, which it refuses to move to the plan's
+`Partial` ("redistributing to Partial is for internal use only"), and it has no backward
+rule for a row-split table, so the executor runs this lookup itself (`row_split_dims`
+says when).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+EMBEDDING = torch.ops.aten.embedding.default
+
+
+def row_split_dims(args: Sequence[Any]) -> tuple[int, ...]:
+    """The mesh dims over which `aten.embedding(weight, ids, ...)` looks ids up in a
+    table split by rows, where this module runs it: the table split along rows only, the
+    ids whole on those dims, no padding index, frequency scaling or sparse gradient.
+    Empty: DTensor's own rule runs it."""
+    if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
+        return ()
+    weight, ids = args[0], args[1]
+    padding, scaled, sparse = (*args[2:], -1, False, False)[:3]
+    if padding != -1 or scaled or sparse or weight.ndim != 2:
+        return ()
+    dims = tuple(k for k, p in enumerate(weight.placements)
+                 if isinstance(p, Shard) and p.dim in (0, -2))  # its rows
+    if not dims or any(not isinstance(p, Replicate) for k, p in enumerate(weight.placements)
+                       if k not in dims):
+        return ()
+    if any(not isinstance(ids.placements[k], Replicate) for k in dims):
+        return ()
+    return dims
+
+
+def _output_placements(ids: DTensor, dims: tuple[int, ...]) -> tuple[Placement, ...]:
+    """The result's: a pending sum over the table's split dims, the ids' split elsewhere."""
+    return tuple(Partial() if k in dims else p for k, p in enumerate(ids.placements))
+
+
+class RowSplitEmbedding(torch.autograd.Function):
+    """`embedding(weight, ids)` for a table split by rows over `dims` (`row_split_dims`):
+    a pending sum over them forward, the own rows' gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: DTensor, ids: DTensor, dims: tuple[int, ...]) -> DTensor:
+        mesh = weight.device_mesh
+        rows = weight._local_tensor.shape[0]
+        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh,
+                                                          weight.placements)
+        start = int(offset[0])
+        local_ids = ids._local_tensor
+        outside = (local_ids < start) | (local_ids >= start + rows)
+        shifted = (local_ids - start).masked_fill(outside, 0)
+        found = torch.nn.functional.embedding(shifted, weight._local_tensor)
+        found = found.masked_fill(outside.unsqueeze(-1), 0)
+        placements = _output_placements(ids, dims)
+        ctx.save_for_backward(shifted, outside)
+        ctx.rows, ctx.dims, ctx.placements = rows, dims, placements
+        ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
+        ctx.weight_placements = weight.placements
+        ctx.batch = tuple(k for k, p in enumerate(ids.placements) if isinstance(p, Shard))
+        shape = torch.Size((*ids.shape, weight.shape[1]))
+        stride = torch.empty(shape, device="meta").stride()  # contiguous, as the lookup's
+        return DTensor.from_local(found, mesh, placements, shape=shape, stride=stride,
+                                  run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        shifted, outside = ctx.saved_tensors
+        # each rank's share of a sum has the whole sum's gradient: whole over the table's
+        # split dims, split as the result was elsewhere
+        wanted = tuple(Replicate() if k in ctx.dims else p
+                       for k, p in enumerate(ctx.placements))
+        if tuple(grad.placements) != wanted:
+            grad = grad.redistribute(grad.device_mesh, wanted)
+        local = grad._local_tensor.masked_fill(outside.unsqueeze(-1), 0)
+        table = torch.ops.aten.embedding_dense_backward(local, shifted, ctx.rows, -1, False)
+        # this rank's rows, a pending sum over the axes the ids' rows are split over
+        placements = tuple(Partial() if k in ctx.batch else p
+                           for k, p in enumerate(ctx.weight_placements))
+        return DTensor.from_local(table, grad.device_mesh, placements,
+                                  shape=ctx.weight_shape, stride=ctx.weight_stride,
+                                  run_check=False), None, None
