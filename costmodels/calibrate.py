@@ -474,7 +474,7 @@ def _memory_total() -> int:
 
 @dataclass(frozen=True)
 class HostSample:
-    """One run of the executor's host-time probe (`executor.module.host`): a model of
+    """One run of the executor's host-time probe (`planner.cli.host`): a model of
     `layers` layers trained under a plan of this profile, its op runs per step counted by
     how they run (every op forward, and backward where a gradient flows; on plain tensors
     or through DTensor: `planner.sharding.batch.runs_as_data_parallel`)."""
@@ -545,8 +545,9 @@ def with_host_times(data: dict[str, Any], samples: Sequence[HostSample],
     sources = {**data["sources"], key: (
         f"Measured {date} by shardplan calibrate{' --quick' if quick else ''}: the "
         f"executor (executor.parallelize, gloo ranks) training a GPT probe "
-        f"(executor.module.host.Probe) at two depths under a data-parallel and a "
-        f"tensor-parallel plan of this profile, median step time after a warm-up step. "
+        f"(executor.module.probe.Probe) at two depths under a data-parallel and a "
+        f"tensor-parallel plan of this profile, lower quartile of the step times after "
+        f"two warm-up steps. "
         f"{runs}.")}
     per_op = {
         "local": _cited(fit.local_s, key, "growth of the data-parallel probe's (measured - "

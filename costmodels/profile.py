@@ -72,7 +72,7 @@ class HostOpSeconds:
     with the device's work (a CPU rank): `local` an op on plain tensors, `distributed` one
     through DTensor's dispatch (`planner.sharding.batch.runs_as_data_parallel` says which);
     each in the forward pass and in its backward. Measured on the executor by `shardplan
-    calibrate` (`executor.module.host`)."""
+    calibrate` (`planner.cli.host`)."""
 
     forward_local: Cited[float]
     backward_local: Cited[float]

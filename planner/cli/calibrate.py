@@ -1,5 +1,5 @@
 """`shardplan calibrate`: the command line of costmodels.calibrate, which measures the machine,
-and (on gloo) of executor.module.host, which times the executor's own host work per op.
+and (on gloo) of planner.cli.host, which times the executor's own host work per op.
 
 The measuring and the profile it writes stay in costmodels, usable without this CLI.
 """

@@ -22,13 +22,13 @@ Forward and backward passes are taken to cost the host alike per op (a DTensor a
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from costmodels.calibrate import HostSample, with_host_times
+from costmodels.measure import lower_quartile
 from costmodels.profile import load_profile
 from executor.module.launch import export_builder, train_module
 from executor.module.probe import PROBE_BATCH, PROBE_LAYERS
@@ -86,8 +86,9 @@ def op_runs(model: Path, planned: Plan) -> tuple[int, int]:
 def measure(profile: Path, nproc: int, steps: int,
             progress: Callable[[str], None] | None = None) -> list[HostSample]:
     """Each probe depth planned data and tensor parallel on `nproc` ranks with
-    `profile`, and the median of `steps` step times the executor takes on each plan
-    after its warm-up."""
+    `profile`, and the lower quartile of `steps` step times the executor takes on each
+    plan after its warm-up (other processes only ever add time, as for every point the
+    calibration measures)."""
     say = progress or (lambda _text: None)
     samples = []
     batch = PROBE_BATCH * max(1, nproc // 2)
@@ -102,7 +103,7 @@ def measure(profile: Path, nproc: int, steps: int,
                 local, distributed = op_runs(model, planned)
                 sample = HostSample(kind, layers, local, distributed,
                                     planned.predicted.step_time_s,
-                                    statistics.median(log.step_time_s[WARM_UP:]))
+                                    lower_quartile(log.step_time_s[WARM_UP:]))
                 say(f"executor, {kind}-parallel probe of {layers} layer(s): {local} plain "
                     f"and {distributed} DTensor op runs a step, {sample.measured_s * 1e3:.1f}"
                     f" ms, {sample.predicted_s * 1e3:.1f} ms predicted")
