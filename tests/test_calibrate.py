@@ -399,3 +399,13 @@ def test_calibrate_times_the_executors_host_work(tmp_path: Path) -> None:
                     "data parallel, 6 layers: 488 plain and 0 DTensor op runs",
                     "tensor parallel, 6 layers: 196 plain and 292 DTensor op runs"):
         assert counted in runs
+
+
+def test_calibrate_without_the_executor_writes_no_host_times(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--no-executor`: the device's figures only, as before host times were measured."""
+    path = tmp_path / "local.json"
+    assert main(["--quick", "--no-executor", "-o", str(path)]) == 0
+    profile = load_profile(path)
+    assert profile.host_op_s is None and profile.host_step_s is None
+    assert "executor" not in capsys.readouterr().err
