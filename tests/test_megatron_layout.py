@@ -153,8 +153,14 @@ def test_megatron_splits_the_linear_layers_of_a_dynamo_export(dense_onnx: Path) 
     baseline = plan_baseline(graph, load_profile("a100-80g"), 2, "megatron", TrainingOptions())
     split = {name for name, entry in baseline.tensors.items()
              if entry.kind == "parameter" and any(entry.layout.dims)}
-    assert {f"blocks.{i}.{n}.weight" for i in range(6)
-            for n in ("q", "k", "v", "out", "up", "down")} <= split
+    projections = {f"blocks.{i}.{n}.weight" for i in range(6)
+                   for n in ("q", "k", "v", "out", "up", "down")}
+    assert projections <= split
+    # the pin lays the search's tp configurations out the same way
+    pinned = plan(dense_onnx, profile="a100-80g", devices=2, batch=4,
+                  parallel={"tp": 2, "layout": "megatron", "pp": 1, "micro_batches": 1})
+    assert projections <= {name for name, entry in pinned.tensors.items()
+                           if entry.kind == "parameter" and any(entry.layout.dims)}
 
 
 @pytest.mark.slow
