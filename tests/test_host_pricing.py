@@ -15,6 +15,7 @@ from planner.api import load_graph, plan
 from planner.cli.host import op_runs
 from planner.cost.step import TrainingOptions
 from planner.plans.planning import plan_baseline
+from planner.sharding.analysis import GraphAnalysis
 from planner.zoo.gpt import GPTConfig
 
 CPU = Path(__file__).resolve().parents[1] / "hardware_profiles" / "cpu.json"
@@ -47,11 +48,15 @@ def gpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
 
 
+def _analysis(model: Path) -> GraphAnalysis:
+    return GraphAnalysis.of(load_graph(model, batch=4, dims={"seq": 16}))
+
+
 def test_a_data_parallel_step_adds_a_plain_op_run_each_and_the_steps_own(
         gpt: Path, profiles: tuple[Path, Path]) -> None:
     bare, hosted = (plan(gpt, profile=str(p), devices=2, batch=4, dims={"seq": 16},
                          mode="data") for p in profiles)
-    local, distributed = op_runs(gpt, hosted)
+    local, distributed = op_runs(_analysis(gpt), hosted)
     assert distributed == 0 and local > len(hosted.ops)  # forward, and most ops backward
     added = hosted.predicted.step_time_s - bare.predicted.step_time_s
     assert added == pytest.approx(local * LOCAL_S + STEP_S, rel=1e-9)
@@ -66,7 +71,7 @@ def test_a_tensor_parallel_step_adds_its_dtensor_op_runs_at_their_own_time(
     bare, hosted = (plan_baseline(load_graph(gpt, batch=4, dims={"seq": 16}),
                                   load_profile(p), 2, "megatron", TrainingOptions())
                     for p in profiles)
-    local, distributed = op_runs(gpt, hosted)
+    local, distributed = op_runs(_analysis(gpt), hosted)
     assert distributed > 0 and local > 0
     added = hosted.predicted.step_time_s - bare.predicted.step_time_s
     assert added == pytest.approx(local * LOCAL_S + distributed * DISTRIBUTED_S + STEP_S,
@@ -104,10 +109,9 @@ def test_how_the_host_runs_an_op_follows_the_batchs_axes(gpt: Path) -> None:
     batch only where the batch is not split, any op through DTensor where the inputs are
     split otherwise; a weight's transpose always with its read."""
     from planner.cost.pricing import input_batch_axes, runs_locally
-    from planner.sharding.analysis import GraphAnalysis
     from planner.sharding.layout import Layout
 
-    analysis = GraphAnalysis.of(load_graph(gpt, batch=4, dims={"seq": 16}))
+    analysis = _analysis(gpt)
     graph = analysis.graph
     gather = next(op for op in graph.ops if op.op_type == "Gather"
                   and analysis.batch_labels.get(op.name))

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from executor.module.moves import tensor_dim
+
 EMBEDDING = torch.ops.aten.embedding.default
 
 
@@ -34,7 +36,7 @@ def row_split_dims(args: Sequence[Any]) -> tuple[int, ...]:
     if padding != -1 or scaled or sparse or weight.ndim != 2:
         return ()
     dims = tuple(k for k, p in enumerate(weight.placements)
-                 if isinstance(p, Shard) and p.dim in (0, -2))  # its rows
+                 if isinstance(p, Shard) and tensor_dim(p, weight.ndim) == 0)  # its rows
     if not dims or any(not isinstance(p, Replicate) for k, p in enumerate(weight.placements)
                        if k not in dims):
         return ()

@@ -27,8 +27,8 @@ def add_parser(verbs: Verbs) -> None:
                            help="where to write the profile JSON")
     calibrate.add_argument("--no-executor", action="store_true",
                            help="skip timing the executor's own host time per op on a "
-                                "small model (gloo only: about 20 s; the profile then "
-                                "prices the device's work alone)")
+                                "small model (gloo only: about 11 s on a 2-core machine; "
+                                "the profile then prices the device's work alone)")
 
 
 def run(args: argparse.Namespace) -> int:

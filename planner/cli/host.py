@@ -35,6 +35,7 @@ from executor.module.probe import PROBE_BATCH, PROBE_LAYERS
 from planner.api import load_graph, plan
 from planner.cost.pricing import input_batch_axes, runs_locally
 from planner.cost.step import TrainingOptions
+from planner.graph import PlanningGraph
 from planner.plans.model import Plan
 from planner.plans.planning import plan_baseline
 from planner.sharding.analysis import GraphAnalysis
@@ -52,19 +53,17 @@ PROBE_PLANS = ("data", "tensor")
 WARM_UP = 2
 
 
-def _probe_plan(model: Path, profile: Path, devices: int, batch: int, kind: str) -> Plan:
+def _probe_plan(graph: PlanningGraph, profile: Path, devices: int, kind: str) -> Plan:
     if kind == "data":
-        return plan(model, profile=str(profile), devices=devices, batch=batch, mode="data")
-    return plan_baseline(load_graph(model, batch=batch), load_profile(profile), devices,
-                         "megatron", TrainingOptions())
+        return plan(graph, profile=str(profile), devices=devices, mode="data")
+    return plan_baseline(graph, load_profile(profile), devices, "megatron", TrainingOptions())
 
 
-def op_runs(model: Path, planned: Plan) -> tuple[int, int]:
-    """(plain, DTensor) op runs of one step of `planned`: every op forward, and backward
-    where a gradient flows, as `planner.cost.pricing.runs_locally` says the host runs it:
-    what `planner.cost.pricing.op_times` prices host time for."""
-    analysis = GraphAnalysis.of(load_graph(model, batch=planned.model.batch,
-                                           dims=dict(planned.model.bound_dims)))
+def op_runs(analysis: GraphAnalysis, planned: Plan) -> tuple[int, int]:
+    """(plain, DTensor) op runs of one step of `planned`, a plan of `analysis`'s graph:
+    every op forward, and backward where a gradient flows, as `planner.cost.pricing.
+    runs_locally` says the host runs it: what `planner.cost.pricing.op_times` prices host
+    time for."""
     needs_grad = analysis.needs_grad
     ops = {node.name: node for node in analysis.graph.ops}
     batch_axes = input_batch_axes(planned.tensors[name].layout
@@ -96,11 +95,12 @@ def measure(profile: Path, nproc: int, steps: int,
         for layers in PROBE_LAYERS:
             spec = _spec(layers)
             model = export_builder(spec, batch, Path(scratch) / f"probe{layers}.onnx")
+            analysis = GraphAnalysis.of(load_graph(model, batch=batch))  # once per depth
             for kind in PROBE_PLANS:
-                planned = _probe_plan(model, profile, nproc, batch, kind)
+                planned = _probe_plan(analysis.graph, profile, nproc, kind)
                 log = train_module(spec, planned, steps=steps + WARM_UP, batch_size=batch,
                                    optimizer="adamw", lr=1e-3, count_steps=1)
-                local, distributed = op_runs(model, planned)
+                local, distributed = op_runs(analysis, planned)
                 sample = HostSample(kind, layers, local, distributed,
                                     planned.predicted.step_time_s,
                                     lower_quartile(log.step_time_s[WARM_UP:]))

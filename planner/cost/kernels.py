@@ -214,8 +214,8 @@ def weight_gradient_ratio(node: OpNode, matrix: bool,
 def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
                            rules: Mapping[str, Saves], needs_grad: Mapping[str, bool],
                            regions: tuple[tuple[str, ...], ...], fixed: set[str]) -> None:
-    """The backward multiple of every kernel that is not a GEMM: the bytes its backward
-    kernel moves over the bytes its forward moves (both are memory-bound). Unfused, each
+    """The backward of every kernel that is not a GEMM, as the bytes its backward kernels
+    move and the kernels it launches (both are memory-bound). Unfused, each
     op's by its rule (`planner.ops.saving.backward_kernels`: a GELU reads its input and the
     output's gradient and writes the input's, 1.5x its forward; a residual addition hands
     the gradient on, no kernel); a fused region's as one kernel (the gradients of what

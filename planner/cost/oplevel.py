@@ -152,8 +152,10 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     graph = sharded.analysis.graph
     tensors, mesh = graph.tensors, sharded.mesh
     needs_grad = sharded.analysis.needs_grad if not options.inference else {}
+    # how the host runs each op matters only where the profile prices the host's time
+    hosted = profile.host_op_s is not None
     batch_axes = input_batch_axes(sharded.layouts[name] for name in graph.inputs
-                                  if name in sharded.layouts)
+                                  if name in sharded.layouts) if hosted else ()
     live_peak = _LivePeak(graph) if options.inference else None
     kernels = kernel_plan(sharded.analysis, policy_for(profile, options.attention,
                                                        options.fusion))
@@ -165,8 +167,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         node = op.node
         differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
         kernel = kernels.ops[node.name]
-        local = runs_locally(node, dict(op.strategy.assignment), op.outputs,
-                             sharded.analysis, batch_axes)
+        local = hosted and runs_locally(node, dict(op.strategy.assignment), op.outputs,
+                                        sharded.analysis, batch_axes)
         # Every layer prices the same kernels alike: ask the cost model once per question.
         times_key = (node.op_type, kernel, op.fraction, differentiated, local,
                      *(tensors[o].dtype for o in node.outputs[:1] if o),

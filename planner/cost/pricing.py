@@ -79,7 +79,7 @@ def op_times(node: OpNode, kernels: KernelPlan, tensors: Mapping[str, TensorInfo
     `OpKernel.backward_bytes`), a GEMM's as its kernel's multiple of the forward. Where
     the profile states the host's time per op run (`device.host_op_s`: a CPU rank runs
     each op itself), each pass adds it, as the op runs on plain tensors (`local`:
-    `planner.sharding.batch.runs_as_data_parallel`) or through DTensor."""
+    `runs_locally`) or through DTensor."""
     kernel = kernels.ops[node.name]
     shape = local_gemm_shape(node, kernel, tensors, inputs, mesh)
     dtype = op_dtype(node, kernel, tensors, precision)

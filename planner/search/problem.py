@@ -277,8 +277,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     for axis in candidate.strategy.used_axes:
         fraction /= mesh.axis_size(axis)
     outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
-    local = runs_locally(node, dict(candidate.strategy.assignment), candidate.outputs,
-                         analysis)
+    local = profile.host_op_s is None or runs_locally(
+        node, dict(candidate.strategy.assignment), candidate.outputs, analysis)
     forward, backward = op_times(node, kernels, tensors, candidate.inputs, fraction, mesh,
                                  profile, options.precision, outputs_need_grad, local)
     seconds = forward + backward
