@@ -463,3 +463,27 @@ def test_megatron_baseline_with_a_vocabulary_split_embedding_trains_as_one_proce
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert run.differences == []
     assert run.unplanned == {}
+
+
+def test_gpt2_megatron_baseline_with_dropout_trains_as_one_process(tmp_path: Path) -> None:
+    """GPT-2's Megatron baseline on 2 ranks: its row-split Conv1D GEMMs add their bias to a
+    pending sum (the bias read as one, its gradient summed at the bias as the plan lists),
+    and the residual adds cut replicated dropout outputs by the hidden dim (each rank's
+    gradient block all-gathered in backward, as planned; left a pending sum it reached the
+    layer below as if whole). One process's losses, exactly the plan's collectives."""
+    from costmodels.profile import load_profile
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    spec = "examples.hf_models:gpt2"
+    path = export_builder(spec, BATCH, tmp_path / "gpt2.onnx")
+    chosen = plan_baseline(load_graph(path, batch=BATCH), load_profile("cpu"), 2,
+                           "megatron", TrainingOptions())
+    biases = [c for c in chosen.collectives if c.tensor.endswith("mlp.c_proj.bias")]
+    assert biases and all(tuple(c.axes) == ("tp",) for c in biases)  # summed at the bias
+    assert any(c.kind == "all_gather" and c.phase == "backward" for c in chosen.collectives)
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-5)
+    assert run.differences == []
+    assert run.unplanned == {}

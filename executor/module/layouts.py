@@ -34,6 +34,10 @@ class NodeLayouts:
     #: pending sum over other axes stays pending: the plan reduces it later, e.g. at the
     #: weight it comes from, in the gradient phase)
     reduced: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: value -> the mesh axes over which the plan all-gathers the gradient of its read
+    #: here, in backward (the read cut a replicated activation: each rank's gradient is
+    #: its block, gathered back whole)
+    gathered: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,17 +176,22 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
             if binding is not None and binding.tensor in values:
                 wanted.setdefault(binding.tensor, binding.layout)
     reduced: dict[str, dict[str, tuple[str, ...]]] = {}
+    gathered: dict[str, dict[str, tuple[str, ...]]] = {}
     for c in plan.collectives:
         node = owner.get(c.op)
-        if c.phase == Phase.BACKWARD and node is not None and c.kind in (
-                CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
-            here = reduced.setdefault(node, {})
+        if c.phase != Phase.BACKWARD or node is None:
+            continue
+        found = reduced if c.kind in (CollectiveKind.ALL_REDUCE,
+                                      CollectiveKind.REDUCE_SCATTER) else \
+            gathered if c.kind == CollectiveKind.ALL_GATHER else None
+        if found is not None:
+            here = found.setdefault(node, {})
             here[c.tensor] = tuple(dict.fromkeys((*here.get(c.tensor, ()), *c.axes)))
     nodes = {}
     for node in traced:
         entry = plan.tensors.get(node)
         nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
-                                  reduced.get(node, {}))
+                                  reduced.get(node, {}), gathered.get(node, {}))
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},

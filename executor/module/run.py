@@ -9,6 +9,7 @@ counted as unplanned (`Unplanned`), so a difference is reported, never silent.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -161,6 +162,52 @@ class _Split(torch.autograd.Function):
         done[ctx.axis] = Partial()
         return DTensor.from_local(whole, ctx.mesh, done, shape=ctx.shape, stride=ctx.stride,
                                   run_check=False), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    """A replicated value read as a pending sum over some mesh dims (each rank holds a
+    share; no communication), its gradient left a pending sum there too, as the plan
+    prices it: the sum is made later, at the weight the value comes from (a bias a
+    row-split GEMM adds before its partial output is reduced). DTensor's own move turns
+    the gradient back into a replicated one, so the weight would arrive already summed,
+    and the plan's reduction of it would have nothing to reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, mesh: TorchMesh, wanted: tuple[Placement, ...],
+                axes: tuple[int, ...]) -> DTensor:
+        ctx.axes, ctx.shares = axes, math.prod(mesh.size(a) for a in axes)
+        ctx.placements = value.placements
+        # each rank holds value / shares (DTensor keeps moves into a pending sum to itself)
+        return DTensor.from_local(value.to_local() / ctx.shares, mesh, wanted,
+                                  shape=value.shape, stride=value.stride(), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
+        # d(value / shares) on each rank: a replicated gradient g becomes the pending sum
+        # of g / shares; a pending one already is the sum of its ranks' pieces
+        replicated = [a for a in ctx.axes if isinstance(grad.placements[a], Replicate)]
+        local = grad.to_local()
+        if replicated:
+            local = local / math.prod(grad.device_mesh.size(a) for a in replicated)
+        done = [Partial() if a in ctx.axes else p for a, p in enumerate(grad.placements)]
+        return DTensor.from_local(local, grad.device_mesh, done, shape=grad.shape,
+                                  stride=grad.stride(), run_check=False), None, None, None
+
+
+def _partial_axes(value: DTensor, wanted: Sequence[Placement]) -> tuple[int, ...]:
+    """The mesh dims on which `wanted` reads a replicated `value` as a pending sum, where
+    it changes nothing else; empty otherwise."""
+    changed = [a for a, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
+               if have != want]
+    if changed and all(isinstance(value.placements[a], Replicate)
+                       and isinstance(wanted[a], Partial) for a in changed):
+        return tuple(changed)
+    return ()
+
+
+#: the argument holding the bias of the GEMMs that add one
+_BIAS_SLOT: dict[object, int] = {torch.ops.aten.addmm.default: 0, torch.ops.aten.baddbmm.default: 0,
+              torch.ops.aten.linear.default: 2}
 
 
 def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
@@ -625,7 +672,8 @@ class PlannedRun(TracedRun):
             held = self.frame.moved.setdefault(arg, {})
             if layout not in held:  # reads of one value in one layout share one move
                 wanted = self._wanted(arg.name, layout)
-                moved = value if _normalised(value, wanted) else self._move(value, wanted)
+                moved = value if _normalised(value, wanted) else self._move(
+                    value, wanted, planned.gathered.get(arg.name, ()))
                 axes = planned.reduced.get(arg.name, ())
                 dims = tuple(self.plan_mesh.axis_names.index(a) for a in axes)
                 held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims,
@@ -642,6 +690,8 @@ class PlannedRun(TracedRun):
             # split ones: it is the same on every rank, so it is a replicated DTensor,
             # also to the backward pass that saves it.
             args, kwargs = pytree.tree_map(lambda v: replicated(v, self.mesh), (args, kwargs))
+        if planned is not None and planned.output is not None and planned.output.partial:
+            args = self._bias_as_pending(n, args, planned.output)
         split = None
         if n.target is _SDPA:
             args, kwargs = masks.resolved(n, args, kwargs)
@@ -655,12 +705,41 @@ class PlannedRun(TracedRun):
                 result = redistribute(result, self.mesh, wanted)
         return result
 
-    def _move(self, value: DTensor, wanted: tuple[Placement, ...]) -> DTensor:
-        axis = _split_axis(value, wanted) if value.requires_grad else None
-        if axis is None:
+    def _bias_as_pending(self, n: Node, args: Any, output: Layout) -> Any:
+        """A GEMM whose output the plan leaves a pending sum adds its bias to one share of
+        it: the bias is read as a pending sum there too, and so is its gradient, which the
+        plan sums at the bias (DTensor's own move of the bias, inside the op, would hand
+        the gradient back summed)."""
+        slot = _BIAS_SLOT.get(n.target)
+        if slot is None or len(args) <= slot or not isinstance(args[slot], DTensor):
+            return args
+        bias = args[slot]
+        wanted = tuple(Partial() if isinstance(want, Partial) else have for have, want in
+                       zip(bias.placements, self._wanted(n.name, output), strict=True))
+        axes = _partial_axes(bias, wanted) if bias.requires_grad else ()
+        if not axes:
+            return args
+        return (*args[:slot], _ToPartial.apply(bias, self.mesh, wanted, axes),
+                *args[slot + 1:])
+
+    def _move(self, value: DTensor, wanted: tuple[Placement, ...],
+              gathered: tuple[str, ...] = ()) -> DTensor:
+        """`value` in the placements `wanted`, its gradient as the plan reduces it: a cut
+        of a replicated value leaves it a pending sum for the plan to make later (at the
+        weight it comes from) unless the plan all-gathers it here over that axis
+        (`gathered`: DTensor's own move does); a read as a pending sum leaves it one."""
+        if not value.requires_grad:
             return redistribute(value, self.mesh, wanted)
-        moved: DTensor = _Split.apply(value, self.mesh, wanted, axis)
-        return moved
+        axis = _split_axis(value, wanted)
+        names = self.mesh.mesh_dim_names or ()
+        if axis is not None and names[axis] not in gathered:
+            moved: DTensor = _Split.apply(value, self.mesh, wanted, axis)
+            return moved
+        axes = _partial_axes(value, wanted)
+        if axes:
+            shared: DTensor = _ToPartial.apply(value, self.mesh, wanted, axes)
+            return shared
+        return redistribute(value, self.mesh, wanted)
 
     # -- ops on local tensors (executor.module.local) -------------------------------------
 
