@@ -182,3 +182,23 @@ def test_the_megatron_baseline_of_a_dynamo_export_trains_as_one_process(
     reference = train_module_reference(DENSE, steps=3, batch_size=4)
     assert run.losses == pytest.approx(reference, rel=1e-4)
     assert run.differences == []
+
+
+def test_the_pin_plans_gpt2s_conv1d_export_without_sequence_parallelism(
+        tmp_path: Path) -> None:
+    """GPT-2's Conv1D GEMMs read the sequence merged with the batch (a [batch·seq, h]
+    view), which tp never splits: Megatron's sequence parallelism has no layout there.
+    Unpinned, the search leaves those configurations out and plans the rest (it refused
+    the whole pin); pinned, `sp=1` is refused by name."""
+    from executor.module.launch import export_builder
+
+    path = export_builder("examples.hf_models:gpt2", 8, tmp_path / "gpt2.onnx")
+    pinned = {"layout": "megatron", "tp": 2, "dp": 1, "pp": 1}
+    found = plan(path, devices=2, batch=8, profile="cpu", parallel=pinned)
+    assert (found.parallel.tp, found.parallel.sp) == (2, 0)
+    projections = {n for n, e in found.tensors.items() if e.kind == "parameter"
+                   and n.endswith(("c_fc.weight", "mlp.c_proj.weight")) and any(e.layout.dims)}
+    assert len(projections) == 4  # the MLP's two GEMMs in both layers, split by tp
+    with pytest.raises(ShardplanError, match=r"layout=megatron: op \S+ has no Megatron-LM "
+                                             r"split on this mesh"):
+        plan(path, devices=2, batch=8, profile="cpu", parallel={**pinned, "sp": 1})

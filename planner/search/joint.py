@@ -472,6 +472,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
+    #: (tp, local micro-batch, cp, ep) -> why Megatron's sequence parallelism, unpinned,
+    #: has no layout there
+    inexpressible: dict[tuple[int, int, int, int], str] = {}
     Layout = tuple[tuple[UnitProfile, ...] | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, bool, MemoryBudget | None, int, int], Layout] = {}
 
@@ -484,9 +487,19 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         if key not in profiles:
             small = graphs.at(local)
             mesh = stage_mesh(1, tp, per_node, cp=cp, ep=ep)
-            strategies, _, memory = model_parallel_strategies(
-                small, mesh, hardware, training, batch, time_limit, budget=budget,
-                layout=pins.layout, sequence_parallel=sp, context_kind=pins.cp_kind)
+            try:
+                strategies, _, memory = model_parallel_strategies(
+                    small, mesh, hardware, training, batch, time_limit, budget=budget,
+                    layout=pins.layout, sequence_parallel=sp, context_kind=pins.cp_kind)
+            except ShardplanError as exc:
+                if not (sp and pins.sp is None):
+                    raise
+                # Megatron's sequence parallelism, tried beside the pinned layout, has no
+                # split here (GPT-2's Conv1D GEMMs read the sequence merged with the batch,
+                # which tp never splits): its configurations are out, the rest stand
+                inexpressible[(tp, local, cp, ep)] = str(exc).split(": ", 1)[-1]
+                profiles[key] = (None, small.units, None)
+                return profiles[key]
             if memory is None:
                 profiles[key] = (None, small.units, memory)
             else:
@@ -495,6 +508,14 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     priced_on_kinds(small, mesh, strategies, kinds, training)),
                     small.units, memory)
         return profiles[key]
+
+    def _sequence_split_refused(choice: Choice, local: int) -> bool:
+        """Whether the configuration runs Megatron's sequence parallelism where it has no
+        layout (found when its layout was first asked for)."""
+        if not choice.sequence_parallel:
+            return False
+        layout_of(choice.tp, choice.cp, choice.ep, local, True)
+        return (choice.tp, local, choice.cp, choice.ep) in inexpressible
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
                    sp: bool) -> tuple[tuple[UnitProfile, ...], Units, tuple[float, float]]:
@@ -553,6 +574,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         exact = solve or (choice.tp, local, choice.sequence_parallel, None,
                           choice.cp, choice.ep) in profiles
         if exact:
+            if _sequence_split_refused(choice, local):
+                return math.inf, True
             found, _, _ = profile_of(choice.tp, choice.cp, choice.ep, local,
                                      choice.sequence_parallel)
             *works, share = profile_share(found)
@@ -588,6 +611,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         sp = choice.sequence_parallel
+        if _sequence_split_refused(choice, local):
+            reason = (f"sp=1 under layout=megatron at tp={choice.tp}: "
+                      f"{inexpressible[(choice.tp, local, choice.cp, choice.ep)]}")
+            unformed[reason] = unformed.get(reason, 0) + 1
+            continue
         found_profiles, small_units, layout_memory = profile_of(
             choice.tp, choice.cp, choice.ep, local, sp)
         partitioner = partitioner_of(choice, found_profiles)
