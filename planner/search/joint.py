@@ -472,9 +472,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
     batch = root.batch_labels
-    #: (tp, local micro-batch, cp, ep) -> why Megatron's sequence parallelism, unpinned,
-    #: has no layout there
-    inexpressible: dict[tuple[int, int, int, int], str] = {}
+    #: (tp, local micro-batch, sp, cp, ep) -> why Megatron's sequence parallelism, not
+    #: pinned, has no layout there
+    inexpressible: dict[tuple[int, int, bool, int, int], ShardplanError] = {}
     Layout = tuple[tuple[UnitProfile, ...] | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, bool, MemoryBudget | None, int, int], Layout] = {}
 
@@ -497,7 +497,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 # Megatron's sequence parallelism, tried beside the pinned layout, has no
                 # split here (GPT-2's Conv1D GEMMs read the sequence merged with the batch,
                 # which tp never splits): its configurations are out, the rest stand
-                inexpressible[(tp, local, cp, ep)] = str(exc).split(": ", 1)[-1]
+                inexpressible[(tp, local, sp, cp, ep)] = exc
                 profiles[key] = (None, small.units, None)
                 return profiles[key]
             if memory is None:
@@ -509,13 +509,14 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     small.units, memory)
         return profiles[key]
 
-    def _sequence_split_refused(choice: Choice, local: int) -> bool:
-        """Whether the configuration runs Megatron's sequence parallelism where it has no
-        layout (found when its layout was first asked for)."""
+    def refusal(choice: Choice, local: int) -> ShardplanError | None:
+        """Why Megatron's sequence parallelism has no split for the configuration (found
+        when its layout is first asked for); None where it has one, or does not run."""
         if not choice.sequence_parallel:
-            return False
-        layout_of(choice.tp, choice.cp, choice.ep, local, True)
-        return (choice.tp, local, choice.cp, choice.ep) in inexpressible
+            return None
+        layout_of(choice.tp, choice.cp, choice.ep, local, choice.sequence_parallel)
+        return inexpressible.get((choice.tp, local, choice.sequence_parallel, choice.cp,
+                                  choice.ep))
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
                    sp: bool) -> tuple[tuple[UnitProfile, ...], Units, tuple[float, float]]:
@@ -574,7 +575,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         exact = solve or (choice.tp, local, choice.sequence_parallel, None,
                           choice.cp, choice.ep) in profiles
         if exact:
-            if _sequence_split_refused(choice, local):
+            if refusal(choice, local) is not None:
                 return math.inf, True
             found, _, _ = profile_of(choice.tp, choice.cp, choice.ep, local,
                                      choice.sequence_parallel)
@@ -611,9 +612,10 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             continue
         local = graph.batch // (choice.dp * choice.micro_batches)
         sp = choice.sequence_parallel
-        if _sequence_split_refused(choice, local):
-            reason = (f"sp=1 under layout=megatron at tp={choice.tp}: "
-                      f"{inexpressible[(choice.tp, local, choice.cp, choice.ep)]}")
+        refused = refusal(choice, local)
+        if refused is not None:
+            what = str(refused).split("layout=megatron: ", 1)[-1].split(";")[0]
+            reason = f"sp=1 under layout=megatron at tp={choice.tp}: {what}"
             unformed[reason] = unformed.get(reason, 0) + 1
             continue
         found_profiles, small_units, layout_memory = profile_of(
