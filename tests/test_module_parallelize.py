@@ -487,3 +487,28 @@ def test_gpt2_megatron_baseline_with_dropout_trains_as_one_process(tmp_path: Pat
     assert run.losses == pytest.approx(reference, rel=1e-5)
     assert run.differences == []
     assert run.unplanned == {}
+
+
+def test_bert_megatron_baseline_trains_as_one_process(tmp_path: Path) -> None:
+    """BERT's Megatron baseline on 2 ranks: its token table, split by vocabulary, is looked
+    up with a padding index (its row keeps a zero gradient); the eager attention merges
+    heads whose gradient arrives permuted (viewed back from a contiguous copy); the
+    row-split projections add their bias after the planned all-reduce, as Megatron does
+    (one traced `linear` owns the MatMul, the sum and the Add). One process's losses, the
+    plan's collectives, no move the plan does not make."""
+    from costmodels.profile import load_profile
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    spec = "examples.hf_models:bert"
+    path = export_builder(spec, BATCH, tmp_path / "bert.onnx")
+    chosen = plan_baseline(load_graph(path, batch=BATCH), load_profile("cpu"), 2,
+                           "megatron", TrainingOptions())
+    # the token table (tied to the head, under the head's name) split by vocabulary
+    table = chosen.tensors["model.cls.predictions.decoder.weight"]
+    assert table.layout.dims[0]
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-5)
+    assert run.differences == []
+    assert run.unplanned == {}

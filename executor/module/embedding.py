@@ -7,12 +7,13 @@ rows', summed over nothing but the batch's axes (Megatron-LM's VocabParallelEmbe
 DTensor's own rule gives a `_MaskPartial` result, which it refuses to move to the plan's
 `Partial` ("redistributing to Partial is for internal use only"), and it has no backward
 rule for a row-split table, so the executor runs this lookup itself (`row_split_dims`
-says when).
+says when). A padding index (BERT's `pad_token_id`) keeps its row's gradient zero, as
+torch's lookup does: the rank holding that row skips it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,16 +25,20 @@ from executor.module.moves import tensor_dim
 EMBEDDING = torch.ops.aten.embedding.default
 
 
-def row_split_dims(args: Sequence[Any]) -> tuple[int, ...]:
+def row_split_dims(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+                   ) -> tuple[int, ...]:
     """The mesh dims over which `aten.embedding(weight, ids, ...)` looks ids up in a
     table split by rows, where this module runs it: the table split along rows only, the
-    ids whole on those dims, no padding index, frequency scaling or sparse gradient.
-    Empty: DTensor's own rule runs it."""
+    ids whole on those dims, no frequency scaling or sparse gradient. Empty: DTensor's own
+    rule runs it."""
     if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
         return ()
     weight, ids = args[0], args[1]
-    padding, scaled, sparse = (*args[2:], -1, False, False)[:3]
-    if padding != -1 or scaled or sparse or weight.ndim != 2:
+    named = kwargs or {}
+    defaults = (named.get("padding_idx", -1), named.get("scale_grad_by_freq", False),
+                named.get("sparse", False))
+    padding, scaled, sparse = (*args[2:5], *defaults[len(args[2:5]):])
+    if not isinstance(padding, int) or scaled or sparse or weight.ndim != 2:
         return ()
     dims = tuple(k for k, p in enumerate(weight.placements)
                  if isinstance(p, Shard) and tensor_dim(p, weight.ndim) == 0)  # its rows
@@ -55,7 +60,8 @@ class RowSplitEmbedding(torch.autograd.Function):
     a pending sum over them forward, the own rows' gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, weight: DTensor, ids: DTensor, dims: tuple[int, ...]) -> DTensor:
+    def forward(ctx: Any, weight: DTensor, ids: DTensor, dims: tuple[int, ...],
+                padding: int = -1) -> DTensor:
         mesh = weight.device_mesh
         rows = weight._local_tensor.shape[0]
         _, offset = compute_local_shape_and_global_offset(weight.shape, mesh,
@@ -69,6 +75,9 @@ class RowSplitEmbedding(torch.autograd.Function):
         placements = _output_placements(ids, dims)
         ctx.save_for_backward(shifted, outside)
         ctx.rows, ctx.dims, ctx.placements = rows, dims, placements
+        # the padding row's index among this rank's rows (-1: another rank holds it)
+        padding = padding % weight.shape[0] if padding != -1 else -1
+        ctx.padding = padding - start if start <= padding < start + rows else -1
         ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
         ctx.weight_placements = weight.placements
         ctx.batch = tuple(k for k, p in enumerate(ids.placements) if isinstance(p, Shard))
@@ -78,7 +87,7 @@ class RowSplitEmbedding(torch.autograd.Function):
                                   run_check=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
         shifted, outside = ctx.saved_tensors
         # each rank's share of a sum has the whole sum's gradient: whole over the table's
         # split dims, split as the result was elsewhere
@@ -87,10 +96,11 @@ class RowSplitEmbedding(torch.autograd.Function):
         if tuple(grad.placements) != wanted:
             grad = grad.redistribute(grad.device_mesh, wanted)
         local = grad._local_tensor.masked_fill(outside.unsqueeze(-1), 0)
-        table = torch.ops.aten.embedding_dense_backward(local, shifted, ctx.rows, -1, False)
+        table = torch.ops.aten.embedding_dense_backward(local, shifted, ctx.rows,
+                                                        ctx.padding, False)
         # this rank's rows, a pending sum over the axes the ids' rows are split over
         placements = tuple(Partial() if k in ctx.batch else p
                            for k, p in enumerate(ctx.weight_placements))
         return DTensor.from_local(table, grad.device_mesh, placements,
                                   shape=ctx.weight_shape, stride=ctx.weight_stride,
-                                  run_check=False), None, None
+                                  run_check=False), None, None, None

@@ -126,6 +126,27 @@ def runnable(target: Any) -> Any:
 _SLICE = torch.ops.aten.slice.Tensor
 
 
+class _BlockView(torch.autograd.Function):
+    """A view of a DTensor whose gradient is reshaped back from a contiguous copy.
+    Autograd's own backward of a view reshapes the incoming gradient by its global
+    strides, which DTensor derives for the whole tensor: where the gradient arrives
+    permuted (the heads of an eager attention merged back after a transpose) the whole
+    tensor's strides allow a view its block's do not, and the block refuses it."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, target: Any, shape: Any) -> DTensor:
+        ctx.shape = value.shape
+        found: DTensor = target(value, shape)
+        return found
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if not (grad.is_contiguous() and local.is_contiguous()):
+            grad = grad.contiguous()
+        return grad.view(ctx.shape), None, None
+
+
 class _BlockSlice(torch.autograd.Function):
     """`aten.slice` of a DTensor along a dim no mesh dim splits, on each rank's block, in
     both passes. DTensor's rule for the backward op (`slice_backward`) takes only a
@@ -194,12 +215,14 @@ def run_op(target: Any, args: Any, kwargs: Any) -> Any:
     whole tensor's as its sharding rule derives them, so a reshape would choose a view
     from them and the block would refuse it, and its view rule refuses a view the whole
     tensor's strides forbid even where the block allows it (one head per rank: a
-    transpose of a size-1 dim leaves the block contiguous). A slice of a DTensor along a
+    transpose of a size-1 dim leaves the block contiguous); its gradient is viewed back
+    from a contiguous copy alike (`_BlockView`). A slice of a DTensor along a
     dim no mesh dim splits runs on the blocks (`block_slice`)."""
     if target is EMBEDDING:
-        dims = row_split_dims(args)
+        dims = row_split_dims(args, kwargs)
         if dims:  # a table split by rows: as Megatron looks it up (`executor.module.embedding`)
-            found: DTensor = RowSplitEmbedding.apply(args[0], args[1], dims)
+            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+            found: DTensor = RowSplitEmbedding.apply(args[0], args[1], dims, padding)
             return found
     if target is _SLICE and args and isinstance(args[0], DTensor):
         sliced = block_slice(*args, **kwargs)
@@ -212,5 +235,8 @@ def run_op(target: Any, args: Any, kwargs: Any) -> Any:
             args = (torch.ops.aten.clone.default(args[0],
                                                  memory_format=torch.contiguous_format),
                     *args[1:])
+        if args[0].requires_grad and len(args) == 2 and not kwargs:
+            viewed: DTensor = _BlockView.apply(args[0], target, args[1])
+            return viewed
         return target(*args, **kwargs)
     return runnable(target)(*args, **kwargs)

@@ -205,9 +205,13 @@ def _partial_axes(value: DTensor, wanted: Sequence[Placement]) -> tuple[int, ...
     return ()
 
 
-#: the argument holding the bias of the GEMMs that add one
-_BIAS_SLOT: dict[object, int] = {torch.ops.aten.addmm.default: 0, torch.ops.aten.baddbmm.default: 0,
-              torch.ops.aten.linear.default: 2}
+#: the argument holding the bias of the GEMMs that add one, and each one's GEMM alone
+_BIAS_SLOT: dict[object, int] = {torch.ops.aten.addmm.default: 0,
+                                 torch.ops.aten.baddbmm.default: 0,
+                                 torch.ops.aten.linear.default: 2}
+_UNBIASED: dict[object, object] = {torch.ops.aten.addmm.default: torch.ops.aten.mm.default,
+                                   torch.ops.aten.baddbmm.default: torch.ops.aten.bmm.default,
+                                   torch.ops.aten.linear.default: torch.ops.aten.linear.default}
 
 
 def _split_axis(value: DTensor, wanted: Sequence[Placement]) -> int | None:
@@ -263,6 +267,17 @@ def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
     mean = DTensor.from_local(local, first.device_mesh, placements, run_check=False,
                               shape=first.shape, stride=first.stride())
     return mean.full_tensor()
+
+
+def _laid_out(value: Any) -> Any:
+    """A DTensor output as the loss reads it: its block contiguous, as its global strides
+    (a split GEMM with a bias can leave its block transposed), so the views a loss takes
+    of it (`logits[:, :-1].flatten(0, 1)`) and their gradients' reshapes are views of the
+    block too; any other value as it is."""
+    if isinstance(value, DTensor) and not (value.is_contiguous()
+                                           and value._local_tensor.is_contiguous()):
+        return value.contiguous()
+    return value
 
 
 def _plain(value: Any) -> bool:
@@ -644,8 +659,8 @@ class PlannedRun(TracedRun):
     def run_node(self, n: Node) -> Any:
         if n.op == "output":  # the loss sees global values
             if self.plan.local.degree == 1:  # the batch is not split: a local value is
-                return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
-            return map_arg(n.args[0], self._as_dtensor)
+                return map_arg(n.args[0], lambda a: _laid_out(self.env[a]))  # the whole
+            return map_arg(n.args[0], lambda a: _laid_out(self._as_dtensor(a)))
         if n.op == "get_attr":  # a weight read, straight to its synchronisation (the
             # interpreter's generic path costs more than the read, once per weight)
             name = self.plan.reads.get(str(n.target))
@@ -690,8 +705,13 @@ class PlannedRun(TracedRun):
             # split ones: it is the same on every rank, so it is a replicated DTensor,
             # also to the backward pass that saves it.
             args, kwargs = pytree.tree_map(lambda v: replicated(v, self.mesh), (args, kwargs))
-        if planned is not None and planned.output is not None and planned.output.partial:
-            args = self._bias_as_pending(n, args, planned.output)
+        if planned is not None and planned.output is not None and n.target in _BIAS_SLOT:
+            if planned.output.partial:
+                args = self._bias_as_pending(n, args, planned.output)
+            else:
+                reduced = self._bias_after_sum(n, args, kwargs, planned.output)
+                if reduced is not None:
+                    return reduced
         split = None
         if n.target is _SDPA:
             args, kwargs = masks.resolved(n, args, kwargs)
@@ -704,6 +724,32 @@ class PlannedRun(TracedRun):
                 self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = redistribute(result, self.mesh, wanted)
         return result
+
+    def _bias_after_sum(self, n: Node, args: Any, kwargs: Any, output: Layout) -> Any:
+        """A GEMM with a bias whose product is a pending sum the plan reduces before the
+        bias is added (Megatron's row-parallel layer: MatMul, the all-reduce, then Add, the
+        three ops one traced node owns): the product, the plan's move of it, then the
+        bias, whole on every rank. None where the plan leaves no such sum to resolve here
+        (the op runs as it is)."""
+        slot = _BIAS_SLOT[n.target]
+        if kwargs or len(args) != 3 or not all(isinstance(a, DTensor) for a in args):
+            return None
+        left, right = [a for k, a in enumerate(args) if k != slot]
+        bias = args[slot]
+        # the contracted dims: the left's last, the right's first of its last two
+        # (linear's weight is [out, in]: its last)
+        inner = -1 if n.target is torch.ops.aten.linear.default else -2
+        wanted = self._wanted(n.name, output)
+        summed = [axis for axis, (a, b, want) in enumerate(zip(
+            left.placements, right.placements, wanted, strict=True))
+            if isinstance(a, Shard) and isinstance(b, Shard) and not isinstance(want, Partial)
+            and tensor_dim(a, left.ndim) == left.ndim - 1
+            and tensor_dim(b, right.ndim) == right.ndim + inner]
+        if not summed or any(not isinstance(bias.placements[a], Replicate) for a in summed):
+            return None
+        product = run_op(_UNBIASED[n.target], (left, right), {})
+        product = redistribute(product, self.mesh, wanted)
+        return run_op(torch.ops.aten.add.Tensor, (product, bias), {})
 
     def _bias_as_pending(self, n: Node, args: Any, output: Layout) -> Any:
         """A GEMM whose output the plan leaves a pending sum adds its bias to one share of
