@@ -512,3 +512,22 @@ def test_bert_megatron_baseline_trains_as_one_process(tmp_path: Path) -> None:
     assert run.losses == pytest.approx(reference, rel=1e-5)
     assert run.differences == []
     assert run.unplanned == {}
+
+
+def test_bert_sequence_parallel_megatron_with_recompute_trains_as_one_process(
+        tmp_path: Path) -> None:
+    """Megatron's layout with its sequence parallelism and full recompute on BERT: the
+    position and token-type ids, tensors the graph makes, are read split along the
+    sequence (each rank cuts its block), and their whole tables' gradients are each
+    rank's share, summed by the plan (DTensor's own lookup gathered them whole). One
+    process's losses. (Its attention's collectives still differ from the plan's: the
+    run reports them; docs/guide/executor.md.)"""
+    spec = "examples.hf_models:bert"
+    path = export_builder(spec, BATCH, tmp_path / "bert.onnx")
+    chosen = plan(path, batch=BATCH, devices=2, profile="a100-80g",
+                  parallel={"tp": 2, "pp": 1, "layout": "megatron", "sp": 1,
+                            "recompute": "full", "micro_batches": 2})
+    assert chosen.parallel.sp == 1
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-5)

@@ -104,3 +104,59 @@ class RowSplitEmbedding(torch.autograd.Function):
         return DTensor.from_local(table, grad.device_mesh, placements,
                                   shape=ctx.weight_shape, stride=ctx.weight_stride,
                                   run_check=False), None, None, None
+
+
+def split_ids_dims(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+                   ) -> tuple[int, ...]:
+    """The mesh dims along which `aten.embedding(weight, ids, ...)` looks split ids up in
+    a whole (replicated) table, where this module runs it; empty: DTensor's own rule runs
+    it. DTensor's rule for the lookup's backward may gather the gradient and the ids to
+    make the table's gradient whole: moves the plan does not list, where the plan sums
+    each rank's share at the table instead (the positions of a sequence-parallel run)."""
+    if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
+        return ()
+    weight, ids = args[0], args[1]
+    named = kwargs or {}
+    scaled = (*args[3:4], named.get("scale_grad_by_freq", False))[0]
+    sparse = (*args[4:5], named.get("sparse", False))[0]
+    if scaled or sparse or weight.ndim != 2 or not weight.requires_grad:
+        return ()
+    if any(not isinstance(p, Replicate) for p in weight.placements):
+        return ()
+    if any(not isinstance(p, (Shard, Replicate)) for p in ids.placements):
+        return ()
+    return tuple(k for k, p in enumerate(ids.placements) if isinstance(p, Shard))
+
+
+class SplitIdsEmbedding(torch.autograd.Function):
+    """`embedding(weight, ids)` of a whole table at ids split over `dims`
+    (`split_ids_dims`): each rank looks its own ids up; the table's gradient is each
+    rank's share, a pending sum over `dims` for the plan to reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: DTensor, ids: DTensor, dims: tuple[int, ...],
+                padding: int = -1) -> DTensor:
+        local_ids = ids._local_tensor
+        found = torch.nn.functional.embedding(local_ids, weight._local_tensor)
+        ctx.save_for_backward(local_ids)
+        ctx.rows, ctx.dims = weight.shape[0], dims
+        ctx.padding = padding % weight.shape[0] if padding != -1 else -1
+        ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
+        ctx.placements = tuple(ids.placements)
+        shape = torch.Size((*ids.shape, weight.shape[1]))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(found, weight.device_mesh, ctx.placements, shape=shape,
+                                  stride=stride, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
+        (local_ids,) = ctx.saved_tensors
+        if tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        table = torch.ops.aten.embedding_dense_backward(grad._local_tensor, local_ids,
+                                                        ctx.rows, ctx.padding, False)
+        placements = tuple(Partial() if k in ctx.dims else Replicate()
+                           for k in range(grad.device_mesh.ndim))
+        return DTensor.from_local(table, grad.device_mesh, placements,
+                                  shape=ctx.weight_shape, stride=ctx.weight_stride,
+                                  run_check=False), None, None, None

@@ -22,7 +22,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from executor.dropout import DropoutSite, keep_mask
-from executor.module.embedding import EMBEDDING, RowSplitEmbedding, row_split_dims
+from executor.module.embedding import (
+    EMBEDDING,
+    RowSplitEmbedding,
+    SplitIdsEmbedding,
+    row_split_dims,
+    split_ids_dims,
+)
 from executor.module.moves import tensor_dim
 
 
@@ -143,7 +149,9 @@ class _BlockView(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if not (grad.is_contiguous() and local.is_contiguous()):
-            grad = grad.contiguous()
+            # a clone, not `contiguous()`: a DTensor whose whole tensor is contiguous
+            # returns itself from that, its block as it was
+            grad = torch.ops.aten.clone.default(grad, memory_format=torch.contiguous_format)
         return grad.view(ctx.shape), None, None
 
 
@@ -224,6 +232,11 @@ def run_op(target: Any, args: Any, kwargs: Any) -> Any:
             padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
             found: DTensor = RowSplitEmbedding.apply(args[0], args[1], dims, padding)
             return found
+        split = split_ids_dims(args, kwargs)
+        if split:  # split ids in a whole table: each rank's share of its gradient pending
+            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+            looked: DTensor = SplitIdsEmbedding.apply(args[0], args[1], split, padding)
+            return looked
     if target is _SLICE and args and isinstance(args[0], DTensor):
         sliced = block_slice(*args, **kwargs)
         if sliced is not None:

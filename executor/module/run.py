@@ -269,17 +269,6 @@ def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return mean.full_tensor()
 
 
-def _laid_out(value: Any) -> Any:
-    """A DTensor output as the loss reads it: its block contiguous, as its global strides
-    (a split GEMM with a bias can leave its block transposed), so the views a loss takes
-    of it (`logits[:, :-1].flatten(0, 1)`) and their gradients' reshapes are views of the
-    block too; any other value as it is."""
-    if isinstance(value, DTensor) and not (value.is_contiguous()
-                                           and value._local_tensor.is_contiguous()):
-        return value.contiguous()
-    return value
-
-
 def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
@@ -659,8 +648,8 @@ class PlannedRun(TracedRun):
     def run_node(self, n: Node) -> Any:
         if n.op == "output":  # the loss sees global values
             if self.plan.local.degree == 1:  # the batch is not split: a local value is
-                return map_arg(n.args[0], lambda a: _laid_out(self.env[a]))  # the whole
-            return map_arg(n.args[0], lambda a: _laid_out(self._as_dtensor(a)))
+                return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
+            return map_arg(n.args[0], self._as_dtensor)
         if n.op == "get_attr":  # a weight read, straight to its synchronisation (the
             # interpreter's generic path costs more than the read, once per weight)
             name = self.plan.reads.get(str(n.target))
@@ -679,10 +668,16 @@ class PlannedRun(TracedRun):
 
         def load(arg: Node) -> Any:
             value = self._as_dtensor(arg)
-            if planned is None or not isinstance(value, DTensor):
+            if planned is None:
                 return value
             layout = planned.inputs.get(arg.name)
             if layout is None:
+                return value
+            if _plain(value) and not layout.is_replicated:
+                # a tensor the graph made (positions, a mask), the same on every rank,
+                # read split: each rank cuts its block (the plan moves nothing here)
+                value = replicated(value, self.mesh)
+            if not isinstance(value, DTensor):
                 return value
             held = self.frame.moved.setdefault(arg, {})
             if layout not in held:  # reads of one value in one layout share one move
