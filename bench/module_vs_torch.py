@@ -1,6 +1,6 @@
 """Step time of `executor.parallelize` next to torch written by hand, on the same module.
 
-Run: python bench/module_vs_torch.py [--steps 6] [--batch 8]
+Run: python bench/module_vs_torch.py [--steps 6] [--batch 8] [--rounds 3]
 Model: `examples.hf_models:llama` (transformers LLaMA, 2 layers, hidden 64, GQA), SGD,
 next-token cross-entropy, CPU (gloo), one thread per rank. One table:
   a one-device plan, 1 rank (what `run --nproc 1`  vs  torch eager, 1 process
@@ -15,7 +15,8 @@ next-token cross-entropy, CPU (gloo), one thread per rank. One table:
                                                          (Colwise q/k/v/gate/up, Rowwise
                                                          o/down), 2 processes
 Each figure is the median step time (forward, loss, backward, SGD) after one warm-up step
-(for shardplan's rows the step whose collectives are counted: counting sees every op).
+(for shardplan's rows the step whose collectives are counted: counting sees every op),
+the fastest of `--rounds` rounds, each of which measures every row once in turn.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,16 +122,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure everything this many times, keeping each one's fastest")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    module, make_batch, loss_fn = load_builder(LLAMA)()
+    eager_module, make_batch, loss_fn = load_builder(LLAMA)()
+    eager_module.train()
+    module, _, _ = load_builder(LLAMA)()
     module.train()
-    eager = _steps(module, make_batch, loss_fn, args.batch, args.steps)
-    module, make_batch, loss_fn = load_builder(LLAMA)()
-    module.train()
-    traced = _steps(unsplit(module, make_batch(0, args.batch)), make_batch, loss_fn,
-                    args.batch, args.steps)
+    traced_module = unsplit(module, make_batch(0, args.batch))
     with tempfile.TemporaryDirectory() as scratch:
         path = export_builder(LLAMA, args.batch, Path(scratch) / "llama.onnx")
         one = plan(path, batch=args.batch, devices=1, profile="cpu", mode="data")
@@ -139,29 +141,44 @@ def main() -> None:
                      parallel={"dp": 2, "tp": 1, "pp": 1, "zero": 3})
         tensor = plan(path, batch=args.batch, devices=2, profile="a100-80g", mode="semi",
                       strategies=megatron_strategies(load_graph(path, batch=args.batch)), mesh=(2,))
-    def ours(chosen: Plan, local: bool = True) -> list[float]:
-        # the collectives are counted over the first step, which is not timed
-        return train_module(LLAMA, chosen, steps=args.steps + 1, batch_size=args.batch,
-                            local=local, count_steps=1).step_time_s[1:]
 
-    ddp = _torch_ranks("ddp", args.batch, args.steps)
+    def ours(chosen: Plan, local: bool = True) -> Callable[[], list[float]]:
+        # the collectives are counted over the first step, which is not timed
+        return lambda: train_module(LLAMA, chosen, steps=args.steps + 1,
+                                    batch_size=args.batch, local=local,
+                                    count_steps=1).step_time_s[1:]
+
+    measures: dict[str, Callable[[], list[float]]] = {
+        "eager": lambda: _steps(eager_module, make_batch, loss_fn, args.batch, args.steps),
+        "traced": lambda: _steps(traced_module, make_batch, loss_fn, args.batch, args.steps),
+        "one": ours(one), "data": ours(data), "data, DTensors": ours(data, local=False),
+        "zero3": ours(zero3), "tensor": ours(tensor),
+        "ddp": lambda: _torch_ranks("ddp", args.batch, args.steps),
+        "fsdp": lambda: _torch_ranks("fsdp", args.batch, args.steps),
+        "tp": lambda: _torch_ranks("tp", args.batch, args.steps),
+    }
+    # Every measurement once per round, in the same order; each keeps its fastest round's
+    # median: this shared host only slows a run down, and one pass moved the data-parallel
+    # ratio between 0.8 and 1.4 from run to run.
+    best: dict[str, float] = {}
+    for _ in range(max(1, args.rounds)):
+        for name, measure in measures.items():
+            median = statistics.median(measure())
+            best[name] = min(best.get(name, median), median)
     rows = [
-        ("one-device plan, 1 rank", ours(one), "torch eager, 1 process", eager),
-        ("the module's trace, 1 process", traced, "torch eager, 1 process", eager),
-        ("data-parallel plan, 2 ranks", ours(data), "torch DDP, 2 processes", ddp),
-        ("the same, every op on DTensors", ours(data, local=False),
-         "torch DDP, 2 processes", ddp),
-        ("ZeRO 3 plan, 2 ranks", ours(zero3), "torch fully_shard, 2 processes",
-         _torch_ranks("fsdp", args.batch, args.steps)),
-        ("tensor-parallel plan, 2 ranks", ours(tensor),
-         "torch parallelize_module, 2 procs", _torch_ranks("tp", args.batch, args.steps)),
+        ("one-device plan, 1 rank", "one", "torch eager, 1 process", "eager"),
+        ("the module's trace, 1 process", "traced", "torch eager, 1 process", "eager"),
+        ("data-parallel plan, 2 ranks", "data", "torch DDP, 2 processes", "ddp"),
+        ("the same, every op on DTensors", "data, DTensors", "torch DDP, 2 processes", "ddp"),
+        ("ZeRO 3 plan, 2 ranks", "zero3", "torch fully_shard, 2 processes", "fsdp"),
+        ("tensor-parallel plan, 2 ranks", "tensor", "torch parallelize_module, 2 procs", "tp"),
     ]
     print(f"LLaMA (2 layers, hidden 64, GQA), batch {args.batch} x seq 16, SGD, CPU/gloo; "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps, fastest of {max(1, args.rounds)} round(s)")
     print(f"{'shardplan':34s} {'ms':>7s}   {'torch':34s} {'ms':>7s} {'ratio':>6s}")
-    for ours, our_times, theirs, their_times in rows:
-        a, b = statistics.median(our_times) * 1e3, statistics.median(their_times) * 1e3
-        print(f"{ours:34s} {a:7.1f}   {theirs:34s} {b:7.1f} {a / b:6.2f}")
+    for label, key, theirs, their_key in rows:
+        a, b = best[key] * 1e3, best[their_key] * 1e3
+        print(f"{label:34s} {a:7.1f}   {theirs:34s} {b:7.1f} {a / b:6.2f}")
     print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
 
 
