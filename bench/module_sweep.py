@@ -10,7 +10,7 @@ the wrong gradients of GPT-2's and the crashes of BERT's Megatron runs were foun
     python bench/module_sweep.py                                  # every model, every kind
     python bench/module_sweep.py --models gpt2 bert --kinds megatron2 z3_tp2
 
-Each row takes 5-15 s on this machine.
+Each row takes about 4 s on this 2-core machine (33 rows: 2 min 12 s).
 """
 
 from __future__ import annotations
