@@ -187,9 +187,12 @@ def test_the_megatron_baseline_of_a_dynamo_export_trains_as_one_process(
 def test_the_pin_plans_gpt2s_conv1d_export_without_sequence_parallelism(
         tmp_path: Path) -> None:
     """GPT-2's Conv1D GEMMs read the sequence merged with the batch (a [batch·seq, h]
-    view), which tp never splits: Megatron's sequence parallelism has no layout there.
-    Unpinned, the search leaves those configurations out and plans the rest (it refused
-    the whole pin); pinned, `sp=1` is refused by name."""
+    view), which tp never splits: Megatron's sequence parallelism has no layout there
+    but at a micro-batch of one row, and what it lays out there is no sequence split by
+    the plan's reading. Unpinned, the search leaves the configurations without a layout
+    out and plans the rest (it refused the whole pin); pinned, `sp=1` is refused in one
+    line that says why (it said that no plan fits in 11.8 GiB, while the smallest needed
+    1.3 MiB)."""
     from executor.module.launch import export_builder
 
     path = export_builder("examples.hf_models:gpt2", 8, tmp_path / "gpt2.onnx")
@@ -199,6 +202,29 @@ def test_the_pin_plans_gpt2s_conv1d_export_without_sequence_parallelism(
     projections = {n for n, e in found.tensors.items() if e.kind == "parameter"
                    and n.endswith(("c_fc.weight", "mlp.c_proj.weight")) and any(e.layout.dims)}
     assert len(projections) == 4  # the MLP's two GEMMs in both layers, split by tp
-    with pytest.raises(ShardplanError, match=r"layout=megatron: op \S+ has no Megatron-LM "
-                                             r"split on this mesh"):
+    with pytest.raises(ShardplanError, match=r"sp=1: \d+ plan\(s\) fit, but none splits "
+                                             r"the activations between blocks along the "
+                                             r"sequence") as refused:
         plan(path, devices=2, batch=8, profile="cpu", parallel={**pinned, "sp": 1})
+    assert "\n" not in str(refused.value)
+
+
+def test_sequence_parallelism_pins_plan_llamas_dynamo_export(tmp_path: Path) -> None:
+    """Megatron's sequence parallelism on LLaMA's dynamo export, down to one row per
+    micro-batch: the rotary tables (computed from positions alone) stay whole, and a
+    micro-batch of one row keeps its own dims' labels (a size-1 batch labels the graph's
+    dims apart from the whole batch's: the kv heads' split was refused as if it split the
+    batch). Both had refused the pin."""
+    from executor.module.launch import export_builder
+
+    path = export_builder("examples.hf_models:llama", 8, tmp_path / "llama.onnx")
+    for micro_batches in (1, 8):
+        found = plan(path, devices=2, batch=8, profile="a100-80g",
+                     parallel={"layout": "megatron", "tp": 2, "dp": 1, "pp": 1, "sp": 1,
+                               "micro_batches": micro_batches})
+        assert (found.parallel.tp, found.parallel.sp) == (2, 1)
+        assert found.parallel.micro_batches == micro_batches
+        rotary = [op for op in found.ops if op.op_type == "Mul" and any(
+            b is not None and b.tensor.endswith("inv_freq") for b in op.inputs)]
+        assert rotary and all(not any(b.layout.dims[d] for b in op.outputs if b
+                                      for d in range(len(b.layout.dims))) for op in rotary)

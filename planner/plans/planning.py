@@ -62,10 +62,13 @@ class Finalists:
         self.rows: list[tuple[Alternative, int | None]] = []  # row, finalist number
         self.best: Finalist | None = None
         self.best_number: int | None = None
+        self.other_sp = 0  # finalists that fit but split the sequence otherwise than pinned
 
     def add(self, derived: Derived, record: SolverRecord) -> None:
         number = sum(1 for _, n in self.rows if n is not None)
         self.rows.append((_alternative(derived, record), number))
+        if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
+            self.other_sp += 1
         if (derived.predicted.fits and self.sp in (None, derived.sections.parallel.sp)
                 and (self.best is None or derived.predicted.step_time_s
                      < self.best.derived.predicted.step_time_s)):
@@ -167,6 +170,11 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     # `sp=0` pins the plan's sequence split off: a searched layout could still split the
     # activations between blocks along the sequence, which the plan would then name
     best = finalists.best
+    if best is None and finalists.other_sp:
+        raise ShardplanError(
+            f"{graph.path}: --parallel sp={pins.sp}: {finalists.other_sp} plan(s) fit, but "
+            f"none {'splits' if pins.sp else 'keeps'} the activations between blocks along "
+            "the sequence as Megatron's sequence parallelism does; drop the sp pin")
     if best is None:
         raise no_plan(analysis, hardware, devices, options.strategies, options.time_limit,
                       training, meshes, reasons, joint,

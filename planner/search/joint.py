@@ -471,7 +471,6 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         return JointResult([], 0, math.inf, "", 0, {
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
-    batch = root.batch_labels
     #: (tp, local micro-batch, sp, cp, ep) -> why Megatron's sequence parallelism, not
     #: pinned, has no layout there
     inexpressible: dict[tuple[int, int, bool, int, int], ShardplanError] = {}
@@ -489,7 +488,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             mesh = stage_mesh(1, tp, per_node, cp=cp, ep=ep)
             try:
                 strategies, _, memory = model_parallel_strategies(
-                    small, mesh, hardware, training, batch, time_limit, budget=budget,
+                    small, mesh, hardware, training, small.batch_labels, time_limit,
+                    budget=budget,
                     layout=pins.layout, sequence_parallel=sp, context_kind=pins.cp_kind)
             except ShardplanError as exc:
                 if not (sp and pins.sp is None):

@@ -74,6 +74,9 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                     carry_back(name, in_names.index(label))
 
     resolved = resolved_output_slots(graph)
+    # Sequence parallelism splits the activations (what the model's inputs flow into),
+    # not what the graph computes from constants alone (rotary tables from positions)
+    activations = set(graph.inputs)
     for node in graph.ops:
         op_labels = labels.get(node.name)
         batch = dict(data[node.name].assignment) if node.name in data else {}
@@ -90,7 +93,10 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                 chosen = candidate
                 break
         along_sequence = False
-        if chosen is None and sequence_parallel:
+        flowing = any(name in activations for name in node.inputs if name)
+        if flowing:
+            activations.update(name for name in node.outputs if name)
+        if chosen is None and sequence_parallel and flowing:
             along = _sequence_label(node, op_labels, graph, set(batch))
             sliced = OpStrategy.of({**batch, along: (tp_axis,)}) if along else None
             if sliced and is_valid(node, op_labels, sliced, graph.tensors, mesh):
