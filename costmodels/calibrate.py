@@ -109,7 +109,8 @@ def fit_ring(kind: str, points: Sequence[tuple[int, float, float]],
     """Fit t = steps(p) a + factor(p) n / B to (p, nbytes, seconds) points.
 
     Least squares on the relative error, so the latency (small messages) and the bandwidth
-    (large ones) both count; a coefficient the data drive negative is fixed at 0. A point
+    (large ones) both count; a latency the data drive negative is the smallest message's
+    time per step instead (a profile's latency is positive). A point
     more than `outlier` off the fit is dropped and the fit redone, for at most a third of
     the points: one burst of load on a shared host must not set the link's numbers.
     """
@@ -134,8 +135,16 @@ def _solve_ring(kind: str, points: Sequence[tuple[int, float, float]],
                      for p, n, t in points])
     target = np.ones(len(points))
     solution = np.linalg.lstsq(rows, target, rcond=None)[0]
-    if solution[0] < 0:  # no measurable latency: bandwidth only
-        solution = np.array([0.0, float(rows[:, 1] @ target / (rows[:, 1] @ rows[:, 1]))])
+    if solution[0] <= 0:
+        # The sizes leave no latency the fit can see (load noise on the small messages).
+        # A profile's latency is positive, so take it from the smallest message, which is
+        # little else (the quick and full runs start at 8 B): an upper bound, measured;
+        # the bandwidth is fitted to what that latency leaves of each point.
+        smallest = min(points, key=lambda point: point[1])
+        latency = smallest[2] / max(ring_terms(kind, smallest[0])[0], 1e-12)
+        rest = target - rows[:, 0] * latency
+        per_byte = float(rows[:, 1] @ rest / (rows[:, 1] @ rows[:, 1]))
+        solution = np.array([latency, per_byte])
     if solution[1] <= 0:
         # Time did not grow with size (load noise on a shared host): take the latency from
         # the smallest message and the bandwidth from the largest, a conservative fit.
