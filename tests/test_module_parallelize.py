@@ -439,6 +439,26 @@ def test_a_kept_trace_serves_later_processes_until_the_module_changes(
     assert kept() == 1
 
 
+def _megatron_baseline(path: Path) -> Plan:
+    """The Megatron baseline of an export on 2 ranks, priced on the `cpu` profile."""
+    from costmodels.profile import load_profile
+    from planner.cost.step import TrainingOptions
+    from planner.plans.planning import plan_baseline
+
+    return plan_baseline(load_graph(path, batch=BATCH), load_profile("cpu"), 2, "megatron",
+                         TrainingOptions())
+
+
+def _trains_as_one_process(spec: str, chosen: Plan, rel: float) -> None:
+    """`chosen` trains `spec` to one process's losses with exactly the plan's collectives
+    and no move the plan does not make."""
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=rel)
+    assert run.differences == []
+    assert run.unplanned == {}
+
+
 def test_megatron_baseline_with_a_vocabulary_split_embedding_trains_as_one_process(
         llama_onnx: Path) -> None:
     """Megatron's layout of the export (the projections by column and row, read through
@@ -447,22 +467,13 @@ def test_megatron_baseline_with_a_vocabulary_split_embedding_trains_as_one_proce
     result a pending sum the plan all-reduces, the table's gradient each rank's own rows)
     where DTensor's rule leaves a sum it cannot move to the plan's; one process's losses,
     the plan's collectives, no move the plan does not make."""
-    from costmodels.profile import load_profile
-    from planner.cost.step import TrainingOptions
-    from planner.plans.planning import plan_baseline
-
-    chosen = plan_baseline(load_graph(llama_onnx, batch=BATCH), load_profile("cpu"), 2,
-                           "megatron", TrainingOptions())
+    chosen = _megatron_baseline(llama_onnx)
     table = next(e for n, e in chosen.tensors.items() if n.endswith("embed_tokens.weight"))
     assert table.layout.dims[0]  # split by vocabulary
     split = [n for n, e in chosen.tensors.items() if e.kind == "parameter" and
              n.endswith("proj.weight") and any(e.layout.dims)]
     assert len(split) == 14  # 7 projections in each of 2 layers
-    run = train_module(LLAMA, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(LLAMA, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-4)
-    assert run.differences == []
-    assert run.unplanned == {}
+    _trains_as_one_process(LLAMA, chosen, rel=1e-4)
 
 
 def test_gpt2_megatron_baseline_with_dropout_trains_as_one_process(tmp_path: Path) -> None:
@@ -471,22 +482,12 @@ def test_gpt2_megatron_baseline_with_dropout_trains_as_one_process(tmp_path: Pat
     and the residual adds cut replicated dropout outputs by the hidden dim (each rank's
     gradient block all-gathered in backward, as planned; left a pending sum it reached the
     layer below as if whole). One process's losses, exactly the plan's collectives."""
-    from costmodels.profile import load_profile
-    from planner.cost.step import TrainingOptions
-    from planner.plans.planning import plan_baseline
-
     spec = "examples.hf_models:gpt2"
-    path = export_builder(spec, BATCH, tmp_path / "gpt2.onnx")
-    chosen = plan_baseline(load_graph(path, batch=BATCH), load_profile("cpu"), 2,
-                           "megatron", TrainingOptions())
+    chosen = _megatron_baseline(export_builder(spec, BATCH, tmp_path / "gpt2.onnx"))
     biases = [c for c in chosen.collectives if c.tensor.endswith("mlp.c_proj.bias")]
     assert biases and all(tuple(c.axes) == ("tp",) for c in biases)  # summed at the bias
     assert any(c.kind == "all_gather" and c.phase == "backward" for c in chosen.collectives)
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-5)
-    assert run.differences == []
-    assert run.unplanned == {}
+    _trains_as_one_process(spec, chosen, rel=1e-5)
 
 
 def test_bert_megatron_baseline_trains_as_one_process(tmp_path: Path) -> None:
@@ -496,22 +497,12 @@ def test_bert_megatron_baseline_trains_as_one_process(tmp_path: Path) -> None:
     row-split projections add their bias after the planned all-reduce, as Megatron does
     (one traced `linear` owns the MatMul, the sum and the Add). One process's losses, the
     plan's collectives, no move the plan does not make."""
-    from costmodels.profile import load_profile
-    from planner.cost.step import TrainingOptions
-    from planner.plans.planning import plan_baseline
-
     spec = "examples.hf_models:bert"
-    path = export_builder(spec, BATCH, tmp_path / "bert.onnx")
-    chosen = plan_baseline(load_graph(path, batch=BATCH), load_profile("cpu"), 2,
-                           "megatron", TrainingOptions())
+    chosen = _megatron_baseline(export_builder(spec, BATCH, tmp_path / "bert.onnx"))
     # the token table (tied to the head, under the head's name) split by vocabulary
     table = chosen.tensors["model.cls.predictions.decoder.weight"]
     assert table.layout.dims[0]
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-5)
-    assert run.differences == []
-    assert run.unplanned == {}
+    _trains_as_one_process(spec, chosen, rel=1e-5)
 
 
 def test_bert_sequence_parallel_megatron_with_recompute_trains_as_one_process(

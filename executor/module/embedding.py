@@ -25,21 +25,40 @@ from executor.module.moves import tensor_dim
 EMBEDDING = torch.ops.aten.embedding.default
 
 
+def lookup_options(args: Sequence[Any], kwargs: Mapping[str, Any]
+                   ) -> tuple[Any, Any, Any]:
+    """`aten.embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False,
+    sparse=False)`'s last three arguments, given by position or by name."""
+    defaults = (kwargs.get("padding_idx", -1), kwargs.get("scale_grad_by_freq", False),
+                kwargs.get("sparse", False))
+    given = tuple(args[2:5])
+    padding, scaled, sparse = (*given, *defaults[len(given):])
+    return padding, scaled, sparse
+
+
+def _runs_here(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether this module may run the lookup itself: a 2-D table and ids, both DTensors,
+    an integer padding index, no frequency scaling or sparse gradient."""
+    if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
+        return False
+    padding, scaled, sparse = lookup_options(args, kwargs)
+    return isinstance(padding, int) and not scaled and not sparse and args[0].ndim == 2
+
+
+def _table_padding(padding: int, rows: int) -> int:
+    """The padding row's index in a table of `rows` rows (-1: none)."""
+    return padding % rows if padding != -1 else -1
+
+
 def row_split_dims(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
                    ) -> tuple[int, ...]:
     """The mesh dims over which `aten.embedding(weight, ids, ...)` looks ids up in a
     table split by rows, where this module runs it: the table split along rows only, the
     ids whole on those dims, no frequency scaling or sparse gradient. Empty: DTensor's own
     rule runs it."""
-    if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
+    if not _runs_here(args, kwargs or {}):
         return ()
     weight, ids = args[0], args[1]
-    named = kwargs or {}
-    defaults = (named.get("padding_idx", -1), named.get("scale_grad_by_freq", False),
-                named.get("sparse", False))
-    padding, scaled, sparse = (*args[2:5], *defaults[len(args[2:5]):])
-    if not isinstance(padding, int) or scaled or sparse or weight.ndim != 2:
-        return ()
     dims = tuple(k for k, p in enumerate(weight.placements)
                  if isinstance(p, Shard) and tensor_dim(p, weight.ndim) == 0)  # its rows
     if not dims or any(not isinstance(p, Replicate) for k, p in enumerate(weight.placements)
@@ -76,7 +95,7 @@ class RowSplitEmbedding(torch.autograd.Function):
         ctx.save_for_backward(shifted, outside)
         ctx.rows, ctx.dims, ctx.placements = rows, dims, placements
         # the padding row's index among this rank's rows (-1: another rank holds it)
-        padding = padding % weight.shape[0] if padding != -1 else -1
+        padding = _table_padding(padding, weight.shape[0])
         ctx.padding = padding - start if start <= padding < start + rows else -1
         ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
         ctx.weight_placements = weight.placements
@@ -113,15 +132,11 @@ def split_ids_dims(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
     it. DTensor's rule for the lookup's backward may gather the gradient and the ids to
     make the table's gradient whole: moves the plan does not list, where the plan sums
     each rank's share at the table instead (the positions of a sequence-parallel run)."""
-    if len(args) < 2 or not isinstance(args[0], DTensor) or not isinstance(args[1], DTensor):
+    if not _runs_here(args, kwargs or {}):
         return ()
     weight, ids = args[0], args[1]
-    named = kwargs or {}
-    scaled = (*args[3:4], named.get("scale_grad_by_freq", False))[0]
-    sparse = (*args[4:5], named.get("sparse", False))[0]
-    if scaled or sparse or weight.ndim != 2 or not weight.requires_grad:
-        return ()
-    if any(not isinstance(p, Replicate) for p in weight.placements):
+    if not weight.requires_grad or any(not isinstance(p, Replicate)
+                                       for p in weight.placements):
         return ()
     if any(not isinstance(p, (Shard, Replicate)) for p in ids.placements):
         return ()
@@ -140,7 +155,7 @@ class SplitIdsEmbedding(torch.autograd.Function):
         found = torch.nn.functional.embedding(local_ids, weight._local_tensor)
         ctx.save_for_backward(local_ids)
         ctx.rows, ctx.dims = weight.shape[0], dims
-        ctx.padding = padding % weight.shape[0] if padding != -1 else -1
+        ctx.padding = _table_padding(padding, weight.shape[0])
         ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
         ctx.placements = tuple(ids.placements)
         shape = torch.Size((*ids.shape, weight.shape[1]))

@@ -26,6 +26,7 @@ from executor.module.embedding import (
     EMBEDDING,
     RowSplitEmbedding,
     SplitIdsEmbedding,
+    lookup_options,
     row_split_dims,
     split_ids_dims,
 )
@@ -227,14 +228,13 @@ def run_op(target: Any, args: Any, kwargs: Any) -> Any:
     from a contiguous copy alike (`_BlockView`). A slice of a DTensor along a
     dim no mesh dim splits runs on the blocks (`block_slice`)."""
     if target is EMBEDDING:
+        padding = lookup_options(args, kwargs)[0]
         dims = row_split_dims(args, kwargs)
         if dims:  # a table split by rows: as Megatron looks it up (`executor.module.embedding`)
-            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
             found: DTensor = RowSplitEmbedding.apply(args[0], args[1], dims, padding)
             return found
         split = split_ids_dims(args, kwargs)
         if split:  # split ids in a whole table: each rank's share of its gradient pending
-            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
             looked: DTensor = SplitIdsEmbedding.apply(args[0], args[1], split, padding)
             return looked
     if target is _SLICE and args and isinstance(args[0], DTensor):

@@ -176,7 +176,6 @@ class _ToPartial(torch.autograd.Function):
     def forward(ctx: Any, value: DTensor, mesh: TorchMesh, wanted: tuple[Placement, ...],
                 axes: tuple[int, ...]) -> DTensor:
         ctx.axes, ctx.shares = axes, math.prod(mesh.size(a) for a in axes)
-        ctx.placements = value.placements
         # each rank holds value / shares (DTensor keeps moves into a pending sum to itself)
         return DTensor.from_local(value.to_local() / ctx.shares, mesh, wanted,
                                   shape=value.shape, stride=value.stride(), run_check=False)
@@ -751,8 +750,8 @@ class PlannedRun(TracedRun):
         it: the bias is read as a pending sum there too, and so is its gradient, which the
         plan sums at the bias (DTensor's own move of the bias, inside the op, would hand
         the gradient back summed)."""
-        slot = _BIAS_SLOT.get(n.target)
-        if slot is None or len(args) <= slot or not isinstance(args[slot], DTensor):
+        slot = _BIAS_SLOT[n.target]
+        if len(args) <= slot or not isinstance(args[slot], DTensor):
             return args
         bias = args[slot]
         wanted = tuple(Partial() if isinstance(want, Partial) else have for have, want in

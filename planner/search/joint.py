@@ -471,9 +471,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         return JointResult([], 0, math.inf, "", 0, {
             f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
             f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
-    #: (tp, local micro-batch, sp, cp, ep) -> why Megatron's sequence parallelism, not
+    #: (tp, local micro-batch, cp, ep) -> why Megatron's sequence parallelism, not
     #: pinned, has no layout there
-    inexpressible: dict[tuple[int, int, bool, int, int], ShardplanError] = {}
+    inexpressible: dict[tuple[int, int, int, int], ShardplanError] = {}
     Layout = tuple[tuple[UnitProfile, ...] | None, Units, tuple[float, float] | None]
     profiles: dict[tuple[int, int, bool, MemoryBudget | None, int, int], Layout] = {}
 
@@ -497,7 +497,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 # Megatron's sequence parallelism, tried beside the pinned layout, has no
                 # split here (GPT-2's Conv1D GEMMs read the sequence merged with the batch,
                 # which tp never splits): its configurations are out, the rest stand
-                inexpressible[(tp, local, sp, cp, ep)] = exc
+                inexpressible[(tp, local, cp, ep)] = exc
                 profiles[key] = (None, small.units, None)
                 return profiles[key]
             if memory is None:
@@ -514,9 +514,8 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         when its layout is first asked for); None where it has one, or does not run."""
         if not choice.sequence_parallel:
             return None
-        layout_of(choice.tp, choice.cp, choice.ep, local, choice.sequence_parallel)
-        return inexpressible.get((choice.tp, local, choice.sequence_parallel, choice.cp,
-                                  choice.ep))
+        layout_of(choice.tp, choice.cp, choice.ep, local, True)
+        return inexpressible.get((choice.tp, local, choice.cp, choice.ep))
 
     def profile_of(tp: int, cp: int, ep: int, local: int,
                    sp: bool) -> tuple[tuple[UnitProfile, ...], Units, tuple[float, float]]:
