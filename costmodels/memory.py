@@ -5,19 +5,22 @@ optimizer's moments take the bytes per parameter of the training precision
 (`costmodels.precision`: bf16-mixed Adam is Megatron's 2 + 4 + 4 + 8 = 18 bytes). ZeRO
 stage 1 shards the optimizer (moments and master) over each weight's gradient group,
 stage 2 gradients too, stage 3 weights too. Activations are those saved for the backward
-pass.
+pass. A precision whose optimizer reads fp32 main gradients cast from 16-bit ones at the
+step (Megatron-LM's fp16) holds them only there, when no activations are kept: they
+raise the transient `workspace` by what they need beyond the activations' bytes, so the
+peak is the larger of the backward pass's and the step's. They are sharded with the
+optimizer states (ZeRO 1 and up, Megatron-LM's distributed optimizer).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar, cast
+
+import numpy as np
 
 from costmodels.precision import parameter_bytes as per_parameter
 from planner.kinds import Precision
 from planner.records import MemoryBreakdown
-
-if TYPE_CHECKING:
-    import numpy as np
 
 #: Bytes or element counts: one number, or one per stage range (the stage search).
 Amount = TypeVar("Amount", float, "np.ndarray")
@@ -70,6 +73,9 @@ def training_memory(
     states = (sharded_elements if zero >= 1 else parameter_elements) * per.optimizer
     gradients = (sharded_elements if zero >= 2 else parameter_elements) * per.gradients
     parameters = sharded_bytes if zero >= 3 else parameter_bytes
+    if per.main_gradients:
+        main = (sharded_elements if zero >= 1 else parameter_elements) * per.main_gradients
+        workspace_bytes = cast(Amount, np.maximum(workspace_bytes, main - activation_bytes))
     parts = (parameters, gradients, states, activation_bytes, workspace_bytes)
     if rounded:
         return MemoryBreakdown(*(round(float(part)) for part in parts))

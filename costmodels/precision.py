@@ -6,17 +6,27 @@ the dtype activations are kept in, and the peak the GEMMs run at.
 | fp32 | fp32 | fp32 peak (CUDA cores on NVIDIA) | 4 | 4 | 0 | 4 | 16 |
 | tf32 | fp32 | tf32 peak (tensor cores) | 4 | 4 | 0 | 4 | 16 |
 | bf16, fp16 | 16-bit | 16-bit peak | 2 | 2 | 0 | 2 | 8 |
-| bf16-mixed, fp16-mixed | 16-bit | 16-bit peak | 2 | 4 | 4 | 4 | 18 |
+| bf16-mixed | 16-bit | 16-bit peak | 2 | 4 | 4 | 4 | 18 |
+| fp16-mixed | 16-bit | 16-bit peak | 2 | 2 (+ 4 fp32 at the step) | 4 | 4 | 20 |
 | fp8 | bf16 | fp8 peak | 2 | 4 | 4 | 4 | 18 |
 
 Sources. Pure 16-bit (`model.to(torch.bfloat16)` with torch.optim.AdamW): the moments are
 `torch.zeros_like(param)`, in the parameter's dtype, and there is no master copy.
-`-mixed` follows Megatron-LM: 16-bit weights for compute, fp32 main gradients
-(`accumulate_allreduce_grads_in_fp32` is set for bf16), fp32 main parameters and fp32
-Adam moments: "bf16 param, fp32 grads: 18 bytes per parameter" (Megatron-LM,
+`-mixed` follows Megatron-LM: 16-bit weights for compute, fp32 main parameters and fp32
+Adam moments, and the optimizer reads fp32 main gradients. Under bf16 the gradients are
+accumulated and all-reduced in fp32 (`accumulate_allreduce_grads_in_fp32`, which
+Megatron-LM sets for bf16): "bf16 param, fp32 grads: 18 bytes per parameter". Under fp16
+they are not (the flag is off by default): the 16-bit gradients are accumulated and
+all-reduced as they are, and cast into fp32 main gradients at the optimizer step
+(`_copy_model_grads_to_main_grads`, `main_param.grad = model_param.main_grad.float()`):
+"fp16 param, fp16 grads: 20 bytes per parameter" (Megatron-LM,
 docs/source/distrib_optimizer.md, the table of theoretical bytes per parameter; fp32
-params and grads: 16). fp8 follows Transformer Engine's recipe inside Megatron: GEMM
-inputs are cast to fp8 per kernel (transient), everything else is bf16-mixed.
+params and grads: 16; megatron/arguments.py and megatron/optimizer/optimizer.py at
+de7dc40, the commit of the SC'21 runs, and still the default of `grad_reduce_in_fp32`).
+The main gradients live from the step to the next step's `zero_grad`, while no
+activations are held (`costmodels.memory`). fp8 follows Transformer Engine's recipe
+inside Megatron: GEMM inputs are cast to fp8 per kernel (transient), everything else is
+bf16-mixed.
 
 A precision not given is the graph's own: an fp32 graph trains in fp32, a 16-bit graph in
 its `-mixed` form (what frameworks do when training a 16-bit model: fp32 master weights).
@@ -40,10 +50,22 @@ class PrecisionPolicy:
     gradient_bytes: int
     master_bytes: int  # fp32 copy the optimizer updates (0: it updates the weights)
     moment_bytes: int  # per optimizer moment
+    main_gradient_bytes: int = 0  # the gradient the optimizer reads (0: the kept one)
 
     @property
     def mixed(self) -> bool:
         return self.master_bytes > 0
+
+    @property
+    def step_gradient_bytes(self) -> int:
+        """Bytes of the gradient element the optimizer step reads: the fp32 main
+        gradient the kept 16-bit one is cast into, or the kept one itself."""
+        return self.main_gradient_bytes or self.gradient_bytes
+
+    @property
+    def cast_at_step(self) -> bool:
+        """Whether the step casts the kept gradients into main gradients of their own."""
+        return self.step_gradient_bytes != self.gradient_bytes
 
 
 _POLICIES = {
@@ -54,7 +76,7 @@ _POLICIES = {
     Precision.BF16_MIXED: PrecisionPolicy(Precision.BF16_MIXED, "bfloat16", "bfloat16",
                                           2, 4, 4, 4),
     Precision.FP16_MIXED: PrecisionPolicy(Precision.FP16_MIXED, "float16", "float16",
-                                          2, 4, 4, 4),
+                                          2, 2, 4, 4, main_gradient_bytes=4),
     Precision.FP8: PrecisionPolicy(Precision.FP8, "bfloat16", "float8e4m3fn", 2, 4, 4, 4),
 }
 
@@ -101,23 +123,28 @@ OPTIMIZER_TRAFFIC = {
 
 
 def optimizer_step_bytes(chosen: PrecisionPolicy, optimizer: str, fused: bool) -> float:
-    """Bytes one parameter element's optimizer step reads and writes under `chosen`: the
-    update (`OptimizerTraffic`) of the copy it updates (the fp32 master under `-mixed`)
-    from the gradient in its stored width; under `-mixed`, the 16-bit weights written
-    back from the master (Megatron-LM's `_copy_main_params_to_model_params`: r 4, w 2);
-    under fp16, the loss scaler's unscale and inf/NaN check of every gradient (torch's
+    """Bytes one parameter element's optimizer step reads and writes under `chosen`: where
+    the kept gradient is 16-bit and the optimizer reads fp32, its cast into the main
+    gradient (Megatron-LM's `_copy_model_grads_to_main_grads`: r 2, w 4); under fp16, the
+    loss scaler's unscale and inf/NaN check of every gradient the optimizer reads (torch's
     `_amp_foreach_non_finite_check_and_unscale_`, as in Megatron-LM's `_unscale_main_
-    grads_and_check_for_nan` and torch.amp's GradScaler: r + w). Gradient-norm clipping
-    is not counted: it is a choice of the training script, not of the precision, and the
-    executor does not clip."""
+    grads_and_check_for_nan` and torch.amp's GradScaler: r + w); the update
+    (`OptimizerTraffic`) of the copy it updates (the fp32 master under `-mixed`) from
+    that gradient; under `-mixed`, the 16-bit weights written back from the master
+    (Megatron-LM's `_copy_main_params_to_model_params`: r 4, w 2). Gradient-norm
+    clipping is not counted: it is a choice of the training script, not of the
+    precision, and the executor does not clip."""
     updated, gradient, state = OPTIMIZER_TRAFFIC[optimizer].accesses(fused)
+    read = chosen.step_gradient_bytes
     moved = (updated * (chosen.master_bytes or chosen.weight_bytes)
-             + gradient * chosen.gradient_bytes
+             + gradient * read
              + state * OPTIMIZER_MOMENTS[optimizer] * chosen.moment_bytes)
+    if chosen.cast_at_step:
+        moved += chosen.gradient_bytes + read
     if chosen.mixed:
         moved += chosen.master_bytes + chosen.weight_bytes
     if chosen.storage_dtype == "float16":
-        moved += 2 * chosen.gradient_bytes
+        moved += 2 * read
     return moved
 
 
@@ -155,6 +182,7 @@ class ParameterBytes:
     gradients: float
     master: float
     moments: float
+    main_gradients: float = 0.0  # fp32 copies made at the step, while no activations live
 
     @property
     def optimizer(self) -> float:
@@ -163,7 +191,9 @@ class ParameterBytes:
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer
+        """Bytes at the optimizer step, the main gradients included (Megatron-LM's
+        table of theoretical bytes per parameter counts them)."""
+        return self.weights + self.gradients + self.optimizer + self.main_gradients
 
 
 def parameter_bytes(precision: Precision | None, weight_itemsize: int,
@@ -177,7 +207,8 @@ def parameter_bytes(precision: Precision | None, weight_itemsize: int,
                          f"{sorted(OPTIMIZER_MOMENTS)}") from None
     chosen = resolve(precision, weight_itemsize)
     return ParameterBytes(chosen.weight_bytes, chosen.gradient_bytes, chosen.master_bytes,
-                          moments * chosen.moment_bytes)
+                          moments * chosen.moment_bytes,
+                          chosen.step_gradient_bytes if chosen.cast_at_step else 0)
 
 
 def accumulation_bytes(chosen: PrecisionPolicy, micro_batches: int) -> float:

@@ -23,9 +23,11 @@ def _kernels(plan: Plan) -> list[str]:
     line = f"precision  {step.precision}"
     if step.kind == "training":
         per = parameter_bytes(step.precision, 4, plan.parallel.optimizer)
+        main = (f" + {per.main_gradients:g} B fp32 gradients at the step"
+                if per.main_gradients else "")
         line += (f": {per.weights:g} B weights + {per.gradients:g} B gradients + "
-                 f"{per.master:g} B master + {per.moments:g} B {plan.parallel.optimizer} "
-                 f"= {per.total:g} B per parameter")
+                 f"{per.master:g} B master + {per.moments:g} B {plan.parallel.optimizer}"
+                 f"{main} = {per.total:g} B per parameter")
     lines = [line, f"kernels    attention {step.attention}, fusion {step.fusion}"]
     if step.kind == "training" and step.bucket_mb is not None:
         buckets = f"{step.bucket_mb:g} MiB buckets" if step.bucket_mb else "one per tensor"
