@@ -64,12 +64,17 @@ def _bus(profile: HardwareProfile, kind: str, nbytes: float, group: CommGroup,
 # -- compute ------------------------------------------------------------------------------
 
 
+#: The A100 profile's large-GEMM efficiency (cuBLAS 8192^3 on random operands, 257 / 312).
+A100_E = 0.824
+
+
 def test_large_gemm_runs_at_the_profile_asymptote() -> None:
+    assert float(A100.matmul_efficiency.value) == A100_E
     flops = 2.0 * 16384**3
     seconds = op_time(A100, "MatMul", flops, 3 * 16384**2 * 2, "bfloat16")
-    ideal = flops / (312e12 * 0.87)
+    ideal = flops / (312e12 * A100_E)
     assert seconds == pytest.approx(ideal + MATMUL_RAMP_S)
-    assert matmul_efficiency(A100, flops, "bfloat16") == pytest.approx(0.87, rel=0.001)
+    assert matmul_efficiency(A100, flops, "bfloat16") == pytest.approx(A100_E, rel=0.001)
 
 
 @pytest.mark.parametrize("name", list_profiles())
@@ -89,9 +94,9 @@ def test_gemm_efficiency_rises_and_time_never_falls_with_size(name: str) -> None
 
 
 def test_gemm_of_half_efficiency_work_runs_at_half_the_asymptote() -> None:
-    asymptote = 0.87 * 312e12
+    asymptote = A100_E * 312e12
     f_half = MATMUL_RAMP_S * asymptote
-    assert matmul_efficiency(A100, f_half, "bfloat16") == pytest.approx(0.87 / 2)
+    assert matmul_efficiency(A100, f_half, "bfloat16") == pytest.approx(A100_E / 2)
 
 
 def test_launch_floor_bounds_every_op() -> None:
@@ -438,10 +443,10 @@ PUBLISHED = [
      _algbw(ASCEND_910B, "all_gather", GB, CommGroup(8, 8, 8)) / GB, 149.0, 0.10, "limulidae"),
     ("8x910B all_reduce algBW, 1 GB",
      _algbw(ASCEND_910B, "all_reduce", GB, CommGroup(8, 8, 8)) / GB, 72.0, 0.05, "limulidae"),
+    ("A100 8192^3 GEMM on random operands, TFLOP/s",
+     _tflops(A100, "bfloat16", 8192, 8192, 8192), 257.0, 0.05, "thonking-mm-power"),
     ("A100 BF16 8192^3 GEMM, TFLOP/s",
      _tflops(A100, "bfloat16", 8192, 8192, 8192), 271.32, 0.10, "HARDWARE-SOURCES.md s.4"),
-    ("A800 (A100 compute) BF16 best-shape GEMM, TFLOP/s",
-     _tflops(A100, "bfloat16", 8192, 8192, 8192), 286.0, 0.10, "limulidae"),
     ("H800 (H100 compute) FP16 8192x16384x8192 GEMM, TFLOP/s",
      _tflops(H100, "float16", 8192, 16384, 8192), 766.0, 0.10, "tilelang benchmark/matmul"),
     ("910B BF16 best-shape GEMM, TFLOP/s",
@@ -475,16 +480,20 @@ def test_known_gaps_stay_documented() -> None:
     fp32_910a = _tflops(ASCEND_910A, "float32", 8192, 8192, 8192)
     assert 2.4 < fp32_910a / 39.83 < 3.2  # fp32 on the fp16 cube (MindSpore's default), not
     #                                       torch_npu's fp32 (zzc0721-910proa)
+    burst = _tflops(A100, "bfloat16", 8192, 8192, 8192)
+    assert 0.85 < burst / 286.0 < 0.92  # a best-shape burst (limulidae's A800) runs above
+    #                                     the power-limited rate the profile prices
 
 
 def test_efficiency_curve_against_calculon_assumptions() -> None:
     """Calculon's A100 table: 0.6 of peak from 1 GFLOP, 0.9 from 16, 0.95 from 128.
 
     Its steps sit at bin edges, so we only ask for the same order of magnitude at 1 GFLOP
-    and agreement within 15% of its value from 16 GFLOP up (our asymptote is 0.87).
+    and agreement within 20% of its value from 16 GFLOP up: our asymptote is the
+    power-limited 0.824 (cuBLAS 8192^3 on random operands), its 0.95 near the boost peak.
     """
     calculon = {1e9: 0.6, 16e9: 0.9, 128e9: 0.95}
     ours = {f: matmul_efficiency(A100, f, "float16") for f in calculon}
     assert 0.4 < ours[1e9] / calculon[1e9] < 1.0
-    assert all(abs(ours[f] / calculon[f] - 1) < 0.15 for f in (16e9, 128e9))
-    assert math.isclose(matmul_efficiency(A100, 1e15, "float16"), 0.87, rel_tol=1e-3)
+    assert all(abs(ours[f] / calculon[f] - 1) < 0.20 for f in (16e9, 128e9))
+    assert math.isclose(matmul_efficiency(A100, 1e15, "float16"), A100_E, rel_tol=1e-3)

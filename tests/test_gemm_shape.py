@@ -261,10 +261,9 @@ VLLM = "vllm-project/vllm#49363 (H100, torch BF16, N = 12288, K = 5376)"
 SWEEP = [
     *[(f"H800 FP16 8192x8192x{k}", _tflops(H100, "float16", 8192, 8192, k), measured, 0.10,
        TILELANG)
-      for k, measured in ((512, 520), (1024, 628), (2048, 705), (4096, 736), (8192, 758),
-                          (16384, 766))],
+      for k, measured in ((1024, 628), (2048, 705), (4096, 736), (8192, 758), (16384, 766))],
     *[(f"H100 BF16 {n}^3", _tflops(H100, "bfloat16", n, n, n), measured, 0.10, ZZC_H100)
-      for n, measured in ((4096, 788.72), (8192, 797.51), (10240, 719.72))],
+      for n, measured in ((8192, 797.51), (10240, 719.72))],
     *[(f"H100 BF16 {m}x12288x5376", _tflops(H100, "bfloat16", m, 12288, 5376), measured, 0.10,
        VLLM)
       for m, measured in ((1, 2.870333), (16, 46.541434), (64, 182.588263), (128, 352.560566))],
@@ -298,3 +297,9 @@ def test_shape_gaps_stay_documented() -> None:
     assert 1.1 < tiny < 1.25  # split-K partials assumed free in L2
     ascend = _tflops(ASCEND_910B, "bfloat16", 1024, 1024, 1024) / 99.86
     assert 1.1 < ascend < 1.25  # was 1.56 flat
+    # Short kernels (0.1-0.2 ms) timed alone run at the boost clock, above the sustained,
+    # power-limited rate the Hopper profiles price (ml-engineering's MSMF): bursts.
+    burst_low_k = _tflops(H100, "float16", 8192, 8192, 512) / 520
+    assert 0.85 < burst_low_k < 0.92
+    burst_square = _tflops(H100, "bfloat16", 4096, 4096, 4096) / 788.72
+    assert 0.82 < burst_square < 0.90
