@@ -12,6 +12,7 @@ import onnx
 import pytest
 import torch
 
+from costmodels.memory import training_memory
 from costmodels.precision import (
     accumulation_bytes,
     default_precision,
@@ -39,6 +40,30 @@ def test_adam_bytes_per_parameter(precision: str, total: float) -> None:
     with fp32 main gradients 18 B, fp16 weights with fp16 gradients 20 B (the fp32 main
     gradients made at the step); pure 16-bit AdamW keeps 16-bit moments: 8 B."""
     assert parameter_bytes(Precision(precision), 4, "adam").total == total
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_fp16_main_gradients_count_only_where_they_outgrow_the_activations(zero: int) -> None:
+    """fp16-mixed keeps 16-bit gradients through the backward pass; the fp32 main
+    gradients exist at the step, when no activations are held. So the peak is the larger
+    of the backward pass's (activations) and the step's (main gradients), which shard
+    with the optimizer states under ZeRO 1 (Megatron-LM's distributed optimizer)."""
+    elements, dp = 1_000_000, 4
+    main = 4 * (elements / dp if zero else elements)
+
+    def peak(activations: float) -> float:
+        return training_memory(parameter_bytes=2 * elements, parameter_elements=elements,
+                               parameter_itemsize=2, activation_bytes=activations,
+                               workspace_bytes=0.0, zero=zero, dp=dp,
+                               precision=Precision.FP16_MIXED, rounded=False).peak
+
+    states = 2 * elements + 2 * elements + 12 * (elements / dp if zero else elements)
+    assert peak(10 * main) == pytest.approx(states + 10 * main)  # the backward pass's
+    assert peak(main / 4) == pytest.approx(states + main)  # the step's
+    bf16 = training_memory(parameter_bytes=2 * elements, parameter_elements=elements,
+                           parameter_itemsize=2, activation_bytes=0.0, workspace_bytes=0.0,
+                           precision=Precision.BF16_MIXED, rounded=False)
+    assert bf16.peak == 18 * elements and bf16.workspace == 0
 
 
 def test_a_precision_left_unset_is_the_graphs_own() -> None:
@@ -99,6 +124,10 @@ def test_cli_prints_the_precision_and_refuses_an_unknown_one(gpt32: Path) -> Non
     assert "precision  bf16-mixed: 2 B weights + 4 B gradients + 4 B master + 8 B adam " \
            "= 18 B per parameter" in done.stdout
     assert "kernels    attention eager, fusion elementwise" in done.stdout
+    fp16 = subprocess.run([*base, "--precision", "fp16-mixed"], capture_output=True,
+                          text=True, timeout=120)
+    assert "precision  fp16-mixed: 2 B weights + 2 B gradients + 4 B master + 8 B adam " \
+           "+ 4 B fp32 gradients at the step = 20 B per parameter" in fp16.stdout
     bad = subprocess.run([*base, "--precision", "fp4"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--precision" in bad.stderr
