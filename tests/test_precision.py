@@ -310,3 +310,39 @@ def test_megatron_fusion_keeps_a_norm_apart(gpt32: Path) -> None:
 
     assert any(len(r) > 1 for r in norm_regions(Fusion.ELEMENTWISE))
     assert norm_regions(Fusion.MEGATRON) == []
+
+
+@pytest.fixture(scope="module")
+def gpt16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("precision16") / "gpt16.onnx"
+    onnx.save(zoo.build("gpt2-small", layers=2, hidden=256, heads=4, vocab=2048,
+                        dtype="bfloat16"), path)
+    return path
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradient_reductions_move_the_gradient_the_precision_keeps(gpt16: Path,
+                                                                   zero: int) -> None:
+    """A weight's gradient reduction moves the gradient the precision keeps: fp32 under
+    bf16-mixed (Megatron-LM for bf16, NeMo's `grad_reduce_in_fp32`), 16-bit under
+    fp16-mixed; a ZeRO gather moves the weights as stored. The plan lists those bytes and
+    prices them: the bf16-mixed reductions take longer."""
+    def planned(precision: str):
+        return plan(gpt16, devices=2, batch=8, dims={"seq": 128}, profile="a100-80g",
+                    mode="auto", parallel={"dp": 2, "tp": 1, "pp": 1, "zero": zero},
+                    precision=precision)
+
+    bf16, fp16 = planned("bf16-mixed"), planned("fp16-mixed")
+    weights = {name: math.prod(t.shape) * 2 for name, t in bf16.tensors.items()
+               if t.kind == "parameter"}
+    for chosen, per_element in ((bf16, 4), (fp16, 2)):
+        synced = [c for c in chosen.collectives if c.tensor in weights]
+        assert synced
+        for collective in synced:
+            expected = weights[collective.tensor] * (
+                1 if collective.kind == "all_gather" else per_element / 2)
+            assert collective.bytes == pytest.approx(expected, abs=1), collective
+    reductions = [c for c in bf16.collectives if c.tensor in weights and c.kind != "all_gather"]
+    assert reductions
+    assert sum(c.time_s for c in reductions) > sum(
+        c.time_s for c in fp16.collectives if c.tensor in weights and c.kind != "all_gather")

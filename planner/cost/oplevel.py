@@ -33,6 +33,7 @@ from planner.cost.pricing import (
     price,
     runs_locally,
     saved_bytes,
+    synced_bytes,
 )
 from planner.cost.step import (
     PipelineConfig,
@@ -42,7 +43,7 @@ from planner.cost.step import (
     step_price,
 )
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import Phase, Recompute
+from planner.kinds import Phase, Precision, Recompute
 from planner.ops import is_matrix_op
 from planner.records import Collective, MemoryBreakdown, OpCost
 from planner.sharding.analysis import GraphAnalysis
@@ -203,7 +204,8 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         costs.append(cost)
     collectives = (*(price(spec, mesh, profile) for op in sharded.ops
                      for spec in op.collectives),
-                   *gradient_collectives(sharded, profile, options.bucket_mb))
+                   *gradient_collectives(sharded, profile, options.bucket_mb,
+                                         options.precision))
     # Activation collectives need their own buffer (the gathered or unreduced tensor);
     # gradient reductions run in place on the gradient buffers.
     workspace = max([workspace, *(c.bytes for c in collectives if c.phase != Phase.GRADIENT)])
@@ -229,22 +231,30 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
 
 
 def gradient_collectives(sharded: ShardedGraph, profile: HardwareProfile,
-                         bucket_mb: float) -> tuple[Collective, ...]:
-    """The weights' gradient all-reduces of an op-level plan, each priced as its share of
-    its bucket and numbered with it; buckets fill in the order the backward pass issues
-    them (last weight first)."""
+                         bucket_mb: float, precision: Precision | None
+                         ) -> tuple[Collective, ...]:
+    """The weights' gradient all-reduces of an op-level plan, each moving the gradient
+    the precision keeps (`synced_bytes`), priced as its share of its bucket and numbered
+    with it; buckets fill in the order the backward pass issues them (last weight
+    first)."""
     mesh = sharded.mesh
     bucket = bucket_bytes(bucket_mb)
     specs = sharded.gradients
+    moved = [synced_bytes(spec.kind, spec.nbytes, _itemsize(sharded, spec.tensor), precision)
+             for spec in specs]
     issued = sorted(range(len(specs)), key=lambda k: _first_use(sharded, specs[k].tensor),
                     reverse=True)
-    numbers = assign_buckets((Issue((specs[k].kind, specs[k].axes), specs[k].nbytes)
+    numbers = assign_buckets((Issue((specs[k].kind, specs[k].axes), moved[k])
                               for k in issued), bucket)
     bucket_of = dict(zip(issued, numbers, strict=True))
-    return tuple(Collective(spec.kind, spec.tensor, spec.axes, int(spec.nbytes), spec.phase,
-                            spec.op, bucketed_seconds(profile, spec.kind, spec.nbytes,
+    return tuple(Collective(spec.kind, spec.tensor, spec.axes, int(moved[k]), spec.phase,
+                            spec.op, bucketed_seconds(profile, spec.kind, moved[k],
                                                       spec.axes, mesh, bucket), bucket_of[k])
                  for k, spec in enumerate(specs))
+
+
+def _itemsize(sharded: ShardedGraph, tensor: str) -> int:
+    return sharded.analysis.graph.tensors[tensor].itemsize
 
 
 def _first_use(sharded: ShardedGraph, tensor: str) -> int:

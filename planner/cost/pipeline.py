@@ -35,6 +35,7 @@ from planner.cost.pricing import (
     collective_seconds,
     exposed,
     optimizer_seconds,
+    synced_bytes,
 )
 from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import ParamShare, UnitProfile
@@ -148,7 +149,8 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
     forward = gather = reduce = end = 0.0
     if axes:
         for step in sync_steps(config.zero):
-            seconds = prices.bucketed(step.kind, param.bytes, axes)
+            seconds = prices.bucketed(step.kind, synced_bytes(
+                step.kind, param.bytes, param.itemsize, config.precision), axes)
             if step.phase == Phase.FORWARD:
                 forward += seconds
             elif step.phase == Phase.BACKWARD and step.kind == CollectiveKind.ALL_GATHER:

@@ -238,22 +238,39 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
                  mesh: DeviceMesh, profile: HardwareProfile, requires_grad: bool,
                  partial_axes: tuple[str, ...], weight_derived: bool,
                  overlap: float, bucket: float = 0.0,
-                 once: float = 1.0) -> tuple[float, float]:
+                 once: float = 1.0, precision: Precision | None = None
+                 ) -> tuple[float, float]:
     """Seconds of reading `info` in `dst` when stored in `src` (forward and backward moves,
-    and `once` times the exposed part of a deferred weight-gradient sum, in buckets of
-    `bucket` bytes), and the largest collective buffer the move needs."""
+    and `once` times the exposed part of a deferred weight-gradient sum of the gradient
+    `precision` keeps, in buckets of `bucket` bytes), and the largest collective buffer
+    the move needs."""
     found, deferred = edge_steps(info, src, dst, consumer, mesh, requires_grad, partial_axes,
                                  weight_derived)
     priced = [price(spec, mesh, profile) for spec in found]
     seconds = sum(c.time_s for c in priced)
     buffer = max([0.0, *(float(c.bytes) for c in priced)])
     if deferred:
-        local = info.nbytes * fraction_of_layout(src, mesh)
+        local = synced_bytes(CollectiveKind.ALL_REDUCE,
+                             info.nbytes * fraction_of_layout(src, mesh), info.itemsize,
+                             precision)
         gradient = CollectiveSpec(CollectiveKind.ALL_REDUCE, info.name, tuple(sorted(deferred)),
                                   local, Phase.GRADIENT, OPTIMIZER_OP)
         seconds += once * exposed(bucketed_seconds(profile, gradient.kind, gradient.nbytes,
                                                    gradient.axes, mesh, bucket), overlap)[0]
     return seconds, buffer
+
+
+def synced_bytes(kind: CollectiveKind, weight_bytes: float, itemsize: int,
+                 precision: Precision | None) -> float:
+    """Bytes one collective synchronising a weight of `weight_bytes` (elements of
+    `itemsize` bytes) moves: a gather moves the weights as stored; a reduction (all-reduce,
+    reduce-scatter, the sum between two stages holding a tied weight) moves the gradient
+    the precision keeps (`PrecisionPolicy.gradient_bytes`: under bf16-mixed fp32, as
+    Megatron-LM reduces it for bf16, NeMo's `grad_reduce_in_fp32` and FSDP's fp32
+    `reduce_dtype` do; under fp16-mixed the 16-bit gradient, as Megatron-LM's fp16 runs)."""
+    if kind == CollectiveKind.ALL_GATHER:
+        return weight_bytes
+    return weight_bytes * resolve(precision, itemsize).gradient_bytes / itemsize
 
 
 def optimizer_seconds(profile: HardwareProfile, elements: float, itemsize: int,

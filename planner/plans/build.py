@@ -23,10 +23,11 @@ from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice, priced_on_kinds
 from planner.cost.pipeline import PlacedPricer, Pricer, Prices
+from planner.cost.pricing import synced_bytes
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, LossReads, Phase, Recompute, StepKind
+from planner.kinds import AxisRole, LossReads, Phase, Precision, Recompute, StepKind
 from planner.layers import Units
 from planner.plans.model import Plan
 from planner.plans.sections import (
@@ -240,7 +241,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     op_collectives = priced.collectives if len(priceds) == 1 else _placed_collectives(
         priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op, strict=True)})
     collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
-                   *_weight_collectives(profile, stages, choice.zero, prices_of),
+                   *_weight_collectives(profile, stages, choice.zero, prices_of,
+                                       training.precision),
                    *_send_collectives(sends, stages, graph, prices_of))
     limits = None
     if placement is not None:
@@ -373,7 +375,8 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
 
 
 def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
-                        prices_of: Callable[[int], Prices]) -> list[Collective]:
+                        prices_of: Callable[[int], Prices],
+                        precision: Precision | None) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
     holding it, each priced as its share of its bucket and numbered with it (buckets of
     one stage, kind, phase and group fill in the order the step issues them), and the sum
@@ -390,15 +393,16 @@ def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero
         first = param.units[0] if param.units else 0
         for step in weight_steps(axes, tuple(holders.get(param.name, [0])), zero):
             prices = prices_of(step.holder)
+            moved = synced_bytes(step.kind, param.bytes, param.itemsize, precision)
             if step.number < 0:  # the sum between two holders: one exchange with the other
-                seconds = prices.p2p(param.bytes)
+                seconds = prices.p2p(moved)
             else:
-                seconds = prices.bucketed(step.kind, param.bytes, axes)
+                seconds = prices.bucketed(step.kind, moved, axes)
                 # Forward gathers run in layer order; the rest in the backward pass's order.
                 position = first if step.phase == Phase.FORWARD else -first
                 issues.append(((step.holder, step.number, position, param.name), len(result),
-                               Issue((step.holder, step.kind, step.phase, axes), param.bytes)))
-            result.append(Collective(step.kind, param.name, step.axes, round(param.bytes),
+                               Issue((step.holder, step.kind, step.phase, axes), moved)))
+            result.append(Collective(step.kind, param.name, step.axes, round(moved),
                                      step.phase, OPTIMIZER_OP, seconds))
     issues.sort(key=lambda item: item[0])
     buckets = assign_buckets((issue for _, _, issue in issues), prices_of(0).bucket)

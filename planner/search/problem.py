@@ -39,7 +39,7 @@ from planner.cost.pricing import (
 )
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import CollectiveKind
+from planner.kinds import CollectiveKind, Precision
 from planner.ops import DimLabels, replicated_labels
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
@@ -370,7 +370,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
                 matrix, buffer = _edge_matrix(
                     candidates[source_op], source_slot, candidates[node.name], slot, info, node,
                     mesh, profile, grad, derived, options.overlap, cache,
-                    bucket_bytes(options.bucket_mb), once)
+                    bucket_bytes(options.bucket_mb), once, options.precision)
                 found = matrices[signature] = (
                     matrix, buffer, bool(matrix.any() or buffer.any()),
                     *((np.diag(matrix), np.diag(buffer)) if u == v else (matrix, buffer)))
@@ -403,7 +403,8 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
                  slot: int, info, consumer: OpNode, mesh: DeviceMesh,
                  profile: HardwareProfile, grad: bool, derived: bool, overlap: float,
                  cache: dict[tuple, tuple[float, float]],
-                 bucket: float = 0.0, once: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                 bucket: float = 0.0, once: float = 1.0,
+                 precision: Precision | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Seconds, and the largest collective buffer, of moving one tensor for every
     (source choice, target choice)."""
     kind, index = source_slot
@@ -420,7 +421,7 @@ def _edge_matrix(source: list[Candidate], source_slot: tuple[str, int], target: 
             key = (info.shape, info.dtype, src, dst, axes, grad, derived)
             if key not in cache:
                 cache[key] = edge_seconds(info, src, dst, consumer.name, mesh, profile, grad,
-                                          axes, derived, overlap, bucket, once)
+                                          axes, derived, overlap, bucket, once, precision)
             matrix[a, b], buffer[a, b] = cache[key]
     return matrix, buffer
 
