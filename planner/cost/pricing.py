@@ -267,8 +267,9 @@ def synced_bytes(kind: CollectiveKind, weight_bytes: float, itemsize: int,
     reduce-scatter, the sum between two stages holding a tied weight) moves the gradient
     the precision keeps (`PrecisionPolicy.gradient_bytes`: under bf16-mixed fp32, as
     Megatron-LM reduces it for bf16, NeMo's `grad_reduce_in_fp32` and FSDP's fp32
-    `reduce_dtype` do; under fp16-mixed the 16-bit gradient, as Megatron-LM's fp16 runs)."""
-    if kind == CollectiveKind.ALL_GATHER:
+    `reduce_dtype` do; under fp16-mixed the 16-bit gradient, as Megatron-LM's fp16 runs).
+    A float64 weight, which no precision describes, reduces a gradient as wide as itself."""
+    if kind == CollectiveKind.ALL_GATHER or itemsize > 4:
         return weight_bytes
     return weight_bytes * resolve(precision, itemsize).gradient_bytes / itemsize
 
