@@ -375,6 +375,20 @@ class RunRecord:
     recomputed: int = 0
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of a run of nodes (`ModulePlan.program`): the nodes from `start` on,
+    `span` of them, as a recompute segment (`segment`), a compiled region or one node;
+    the weights whose last reader it holds (`freed`) and the values no later node
+    reads (`dead`)."""
+
+    start: int
+    span: int
+    segment: bool
+    freed: tuple[str, ...]
+    dead: tuple[Node, ...]
+
+
 @dataclass
 class ModulePlan:
     """What a planned run reads, derived once from the plan and the trace: the layouts,
@@ -397,6 +411,8 @@ class ModulePlan:
     _placements: dict[tuple[str, Layout], tuple[Placement, ...]] = field(
         default_factory=dict)
     _regions: dict[tuple[Any, ...], Mapping[int, Region]] = field(default_factory=dict)
+    _programs: dict[tuple[Any, ...], tuple[Any, Any, tuple[Step, ...]]] = field(
+        default_factory=dict)
 
     @classmethod
     def of(cls, graph: GraphModule, layouts: ModuleLayouts, mesh: DeviceMesh,
@@ -438,6 +454,33 @@ class ModulePlan:
             compiled = frozenset(self.local.nodes) - {n.name for n in self.constants}
             self._regions[key] = regions_of(nodes, compiled, cuts, keep)
         return self._regions[key]
+
+    def program(self, nodes: Sequence[Node], spans: Mapping[str, int],
+                keep: frozenset[Node], dies: Mapping[Node, Sequence[Node]]
+                ) -> tuple[Step, ...]:
+        """A run of `nodes` as its steps: each recompute segment, compiled region or
+        single node with the weights and values done once it ran (`release`, `dies`),
+        gathered once per run so the forward does not revisit every node of a region."""
+        key = (nodes[0] if nodes else None, len(nodes), keep, id(spans), id(dies))
+        found = self._programs.get(key)
+        if found is not None and found[0] is spans and found[1] is dies:
+            return found[2]
+        regions = self.regions(nodes, spans, keep)
+        steps: list[Step] = []
+        k = 0
+        while k < len(nodes):
+            span = spans.get(nodes[k].name)
+            segment = span is not None
+            if span is None:
+                region = regions.get(k)
+                span = 1 if region is None else len(region.nodes)
+            done = nodes[k:k + span]
+            freed = tuple(name for n in done for name in self.release.get(n.name, ()))
+            dead = tuple(d for n in done for d in dies.get(n, ()))
+            steps.append(Step(k, span, segment, freed, dead))
+            k += span
+        self._programs[key] = (spans, dies, tuple(steps))
+        return tuple(steps)
 
     def folded(self, shapes: tuple[Any, ...]) -> dict[Node, tuple[Any, bool]]:
         """The constant nodes' values (and whether each is a local block) computed at the
@@ -557,25 +600,17 @@ class PlannedRun(TracedRun):
         self.env = env
         self._keep = keep
         regions = self.plan.regions(nodes, spans, keep)
-        release = self.plan.release
-        k = 0
-        while k < len(nodes):
-            node = nodes[k]
-            span = spans.get(node.name)
-            if span is not None:
-                done = list(nodes[k:k + span])
-                self._checkpointed(done, nodes[k + span:])
+        for step in self.plan.program(nodes, spans, keep, dies):
+            k, span = step.start, step.span
+            if step.segment:
+                self._checkpointed(nodes[k:k + span], nodes[k + span:])
             else:
-                span = self._run_at(nodes, k, regions)
-                done = list(nodes[k:k + span])
-            k += span
-            for finished in done:
-                freed = release.get(finished.name)
-                if freed:
-                    self.plan.weights.release(freed)
-                for dead in dies.get(finished, ()):
-                    self.env.pop(dead, None)
-                    self.frame.forget(dead)
+                self._run_at(nodes, k, regions)
+            if step.freed:
+                self.plan.weights.release(step.freed)
+            for dead in step.dead:
+                self.env.pop(dead, None)
+                self.frame.forget(dead)
         return self.env
 
     def _checkpointed(self, segment: Sequence[Node], after: Sequence[Node]) -> None:
