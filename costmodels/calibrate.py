@@ -140,20 +140,24 @@ def _solve_ring(kind: str, points: Sequence[tuple[int, float, float]],
         # A profile's latency is positive, so take it from the smallest message, which is
         # little else (the quick and full runs start at 8 B): an upper bound, measured;
         # the bandwidth is fitted to what that latency leaves of each point.
-        smallest = min(points, key=lambda point: point[1])
-        latency = smallest[2] / max(ring_terms(kind, smallest[0])[0], 1e-12)
+        latency = _smallest_message_latency(kind, points)
         rest = target - rows[:, 0] * latency
         per_byte = float(rows[:, 1] @ rest / (rows[:, 1] @ rows[:, 1]))
         solution = np.array([latency, per_byte])
     if solution[1] <= 0:
         # Time did not grow with size (load noise on a shared host): take the latency from
         # the smallest message and the bandwidth from the largest, a conservative fit.
-        smallest = min(points, key=lambda point: point[1])
         largest = max(points, key=lambda point: point[1])
-        latency = smallest[2] / max(ring_terms(kind, smallest[0])[0], 1e-12)
         seconds_per_byte = largest[2] / (ring_terms(kind, largest[0])[1] * largest[1])
-        solution = np.array([latency, seconds_per_byte])
+        solution = np.array([_smallest_message_latency(kind, points), seconds_per_byte])
     return solution, rows @ solution - 1.0
+
+
+def _smallest_message_latency(kind: str, points: Sequence[tuple[int, float, float]]
+                              ) -> float:
+    """The smallest message's time per latency step: an upper bound of the latency."""
+    smallest = min(points, key=lambda point: point[1])
+    return smallest[2] / max(ring_terms(kind, smallest[0])[0], 1e-12)
 
 
 def fit_ramp(points: Sequence[tuple[float, float]], peak: float) -> float:

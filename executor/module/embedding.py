@@ -74,6 +74,23 @@ def _output_placements(ids: DTensor, dims: tuple[int, ...]) -> tuple[Placement, 
     return tuple(Partial() if k in dims else p for k, p in enumerate(ids.placements))
 
 
+def _looked_up(found: torch.Tensor, weight: DTensor, ids: DTensor,
+               placements: tuple[Placement, ...]) -> DTensor:
+    """A lookup's local rows as the DTensor of the whole result: one row of the table's
+    width per id, contiguous as the lookup writes it."""
+    shape = torch.Size((*ids.shape, weight.shape[1]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(found, weight.device_mesh, placements, shape=shape,
+                              stride=stride, run_check=False)
+
+
+def _table_gradient(ctx: Any, table: torch.Tensor, grad: DTensor,
+                    placements: tuple[Placement, ...]) -> DTensor:
+    """This rank's block of the table's gradient as a DTensor of the table's shape."""
+    return DTensor.from_local(table, grad.device_mesh, placements, shape=ctx.weight_shape,
+                              stride=ctx.weight_stride, run_check=False)
+
+
 class RowSplitEmbedding(torch.autograd.Function):
     """`embedding(weight, ids)` for a table split by rows over `dims` (`row_split_dims`):
     a pending sum over them forward, the own rows' gradient backward."""
@@ -100,10 +117,7 @@ class RowSplitEmbedding(torch.autograd.Function):
         ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
         ctx.weight_placements = weight.placements
         ctx.batch = tuple(k for k, p in enumerate(ids.placements) if isinstance(p, Shard))
-        shape = torch.Size((*ids.shape, weight.shape[1]))
-        stride = torch.empty(shape, device="meta").stride()  # contiguous, as the lookup's
-        return DTensor.from_local(found, mesh, placements, shape=shape, stride=stride,
-                                  run_check=False)
+        return _looked_up(found, weight, ids, placements)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
@@ -120,9 +134,7 @@ class RowSplitEmbedding(torch.autograd.Function):
         # this rank's rows, a pending sum over the axes the ids' rows are split over
         placements = tuple(Partial() if k in ctx.batch else p
                            for k, p in enumerate(ctx.weight_placements))
-        return DTensor.from_local(table, grad.device_mesh, placements,
-                                  shape=ctx.weight_shape, stride=ctx.weight_stride,
-                                  run_check=False), None, None, None
+        return _table_gradient(ctx, table, grad, placements), None, None, None
 
 
 def split_ids_dims(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
@@ -158,10 +170,7 @@ class SplitIdsEmbedding(torch.autograd.Function):
         ctx.padding = _table_padding(padding, weight.shape[0])
         ctx.weight_shape, ctx.weight_stride = weight.shape, weight.stride()
         ctx.placements = tuple(ids.placements)
-        shape = torch.Size((*ids.shape, weight.shape[1]))
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(found, weight.device_mesh, ctx.placements, shape=shape,
-                                  stride=stride, run_check=False)
+        return _looked_up(found, weight, ids, ctx.placements)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
@@ -172,6 +181,4 @@ class SplitIdsEmbedding(torch.autograd.Function):
                                                         ctx.rows, ctx.padding, False)
         placements = tuple(Partial() if k in ctx.dims else Replicate()
                            for k in range(grad.device_mesh.ndim))
-        return DTensor.from_local(table, grad.device_mesh, placements,
-                                  shape=ctx.weight_shape, stride=ctx.weight_stride,
-                                  run_check=False), None, None, None
+        return _table_gradient(ctx, table, grad, placements), None, None, None

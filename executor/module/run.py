@@ -479,8 +479,9 @@ class ModulePlan:
             dead = tuple(d for n in done for d in dies.get(n, ()))
             steps.append(Step(k, span, segment, freed, dead))
             k += span
-        self._programs[key] = (spans, dies, tuple(steps))
-        return tuple(steps)
+        program = tuple(steps)
+        self._programs[key] = (spans, dies, program)
+        return program
 
     def folded(self, shapes: tuple[Any, ...]) -> dict[Node, tuple[Any, bool]]:
         """The constant nodes' values (and whether each is a local block) computed at the
