@@ -188,7 +188,7 @@ class ModuleChunks:
         running.fold_at(("chunk", chunk.index, *(tuple(getattr(v, "shape", ()))
                                                  for v in env.values())))
         with self.phases("forward"), implicit_replication(), \
-                self.run.weights.saved_weights():
+                self.run.weights.forward_pass():
             values = running.run_nodes(plan.nodes, env, plan.keep, plan.spans, plan.dies)
             sent = {name: self._leaving(running, node, values[node])
                     for name, node in plan.sent.items()}

@@ -983,5 +983,5 @@ def run_planned(graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
                 step: int, micro: int = 0) -> Any:
     """The traced graph's flat outputs for `flat_inputs` (DTensors in the plan's layouts),
     micro-batch `micro` of training step `step`."""
-    with plan.weights.saved_weights():
+    with plan.weights.forward_pass():
         return PlannedRun(graph, plan, mesh, record, seed, step, micro).run(*flat_inputs)

@@ -167,9 +167,21 @@ class WeightSync:
             if isinstance(whole, DTensor) and self._reduced_over(name, batch_axes):
                 self.leaves[name] = whole._local_tensor.detach().requires_grad_(
                     whole.requires_grad)
+        # leaves whose gradient no collective touches (ZeRO 0, a gradient group of one
+        # rank): the parameter's gradient is the leaf's, bound once (`_bind_gradients`)
+        self._bound: dict[str, tuple[torch.Tensor, DTensor]] = {}
+        self._binding = False  # a binding is queued for the end of this backward pass
         for name, tensor in self.whole.items():
-            target = self.leaves.get(name, tensor)
-            if target.requires_grad:
+            leaf = self.leaves.get(name)
+            target = tensor if leaf is None else leaf
+            if not target.requires_grad:
+                continue
+            if leaf is not None and name not in self.weights and \
+                    (name, *self.reduction) not in self._by_weight:
+                assert isinstance(tensor, DTensor)
+                self._bound[name] = (leaf, tensor)
+                leaf.register_post_accumulate_grad_hook(self._bind_later)
+            else:
                 target.register_post_accumulate_grad_hook(self._accumulated(name))
         self._chunks = frozenset(id(w.chunk) for w in self.weights.values())
         if zero == 3:
@@ -241,9 +253,13 @@ class WeightSync:
                     weight.free()
 
     @contextmanager
-    def saved_weights(self) -> Iterator[None]:
-        """ZeRO 3: a saved tensor that is (a view of) a freed weight is gathered back,
-        with its bucket, when autograd unpacks it."""
+    def forward_pass(self) -> Iterator[None]:
+        """Around a forward pass (not a recompute): bound gradients follow what the user
+        did to the parameters' gradients since the last backward pass
+        (`_follow_parameter_gradients`); under ZeRO 3 a saved tensor that is (a view of)
+        a freed weight is gathered back, with its bucket, when autograd unpacks it."""
+        if self._bound:
+            self._follow_parameter_gradients()
         if self.zero != 3:
             yield
             return
@@ -264,6 +280,41 @@ class WeightSync:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+    def _bind_later(self, _: torch.Tensor) -> None:
+        if not self._binding:
+            self._binding = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._bind_gradients)
+
+    def _bind_gradients(self) -> None:
+        """The end of a backward pass: each bound parameter's gradient is its leaf's
+        gradient, the same storage wrapped once as a DTensor in the parameter's spec.
+        Later micro-batches and steps accumulate into it in place, as autograd does into
+        any gradient, so nothing is handed over per weight and backward pass (DDP's
+        ranks and eager torch do no more); a new gradient (the first backward pass after
+        `zero_grad`, or one autograd made out of place) is wrapped again."""
+        self._binding = False
+        for leaf, param in self._bound.values():
+            local = leaf.grad
+            if local is None:
+                continue
+            grad = param.grad
+            if grad is None or not isinstance(grad, DTensor) or grad._local_tensor is not local:
+                param.grad = DTensor(local, param._spec, requires_grad=False)
+
+    def _follow_parameter_gradients(self) -> None:
+        """Before a forward pass: a parameter whose gradient the user cleared
+        (`zero_grad()`) lets its leaf's go, so that the next backward pass starts anew;
+        one whose gradient the user set has the leaf accumulate into it."""
+        for leaf, param in self._bound.values():
+            grad = param.grad
+            if grad is None:
+                if leaf.grad is not None:
+                    leaf.grad = None
+                continue
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            if leaf.grad is not local:
+                leaf.grad = local
 
     def _bucket(self, name: str, kind: CollectiveKind, phase: Phase) -> _Bucket:
         bucket = self._by_weight.get((name, kind, phase))
@@ -290,30 +341,23 @@ class WeightSync:
         return done
 
     def _keep_local_gradient(self, name: str) -> None:
-        """A weight no collective synchronises (its gradient group is one rank): under
-        ZeRO its chunk is its whole block, and takes the gradient as it is; a leaf's
-        gradient becomes its parameter's."""
+        """A ZeRO weight no collective synchronises (its gradient group is one rank): its
+        chunk is its whole block, and takes the gradient (its leaf's or its whole
+        copy's) as it is. (A ZeRO 0 weight's is bound, `_bind_gradients`.)"""
         weight = self.weights.get(name)
+        if weight is None:
+            return
         leaf = self.leaves.get(name)
         if leaf is not None:
             local = leaf.grad
             leaf.grad = None
-        elif weight is not None and weight.whole.grad is not None:
+        elif weight.whole.grad is not None:
             grad = weight.whole.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             weight.whole.grad = None
         else:
             return
         if local is None:
-            return
-        if weight is None:  # ZeRO 0: the leaf's gradient, summed into the parameter's
-            param = self.whole[name]
-            if param.grad is None:
-                self._set_gradient(name, local, self._placements(param))
-            else:
-                assert isinstance(param.grad, DTensor)
-                with torch.no_grad():
-                    param.grad._local_tensor.add_(local)
             return
         part = local.reshape(-1)
         weight.chunk.grad = part if weight.chunk.grad is None else weight.chunk.grad + part
