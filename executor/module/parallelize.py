@@ -51,6 +51,7 @@ from torch.fx import GraphModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils import _pytree as pytree
 
+from executor.module.grouped import group_attention
 from executor.module.layouts import (
     ModuleLayouts,
     WeightBucket,
@@ -568,6 +569,9 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     tied = tied_groups(comm, stage.shared) if plan.pipeline is not None else {}
     reads = {alias: name for name, names in aliases.items() for alias in names}
     found = LocalPlan.of(graph, layouts, stage.mesh, reads) if local else LocalPlan.none()
+    if staged is None:  # a pipeline's stages are cut at the trace's node names
+        group_attention(graph, found.nodes,
+                        {name for seg in layouts.recompute for name in (seg[0], seg[-1])})
     weights = WeightSync(plan.parallel.zero, stage.buckets(layouts.weights), comm,
                          placed, {name: tied[name] for name in placed if name in tied},
                          found.local_weights(graph, reads), found.batch_axes)
