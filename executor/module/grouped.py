@@ -35,8 +35,10 @@ def _step(node: object, *targets: object) -> Node | None:
 
 def _whole_slice(node: Node) -> bool:
     """`x[...]`'s no-op part: a slice from 0 to the end, step 1."""
-    start, end, step = (list(node.args[2:]) + [0, None, 1][len(node.args) - 2:])[:3]
-    return start in (0, None) and (end is None or end >= 2 ** 62) and step == 1
+    given = list(node.args[2:5])
+    start, end, step = given + [None, None, 1][len(given):]
+    return start in (0, None) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
 def _repeated(node: object, local: Collection[str]) -> tuple[Node, int, list[Node]] | None:
