@@ -37,7 +37,7 @@ def _whole_slice(node: Node) -> bool:
     """`x[...]`'s no-op part: a slice from 0 to the end, step 1."""
     given = list(node.args[2:5])
     start, end, step = given + [None, None, 1][len(given):]
-    return start in (0, None) and step == 1 and (
+    return bool(start in (0, None) and step == 1) and (
         end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
