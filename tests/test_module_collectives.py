@@ -22,7 +22,7 @@ from executor.module import attention
 from executor.module.counting import CollectiveCount, group_axes
 from executor.module.kernels import attention_math, dropout, run_op
 from executor.module.moves import all_to_all_axis, redistribute
-from executor.module.run import step_loss
+from executor.module.run import settled, step_loss
 from executor.ranks import run_ranks
 from executor.train import free_port
 
@@ -37,12 +37,14 @@ def _checks(rank: int, port: int, result_path: str) -> None:
     found: dict[str, object] = {}
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        # a step's loss pending a sum over the ranks, 2 micro-batches: reduced once, and
-        # nothing left registered for the caller to wait for (it need not read the loss)
+        # a step's loss pending a sum over the ranks, 2 micro-batches: reduced once, in
+        # flight until settled (after the optimizer step), then nothing left registered
         pending = torch._C._distributed_c10d._get_work_registry_size
         before = pending()
         loss = step_loss([DTensor.from_local(torch.tensor(float(rank + k)), mesh, [Partial()])
                           for k in range(2)])
+        found["loss_in_flight"] = pending() - before
+        settled(loss)
         found["loss_pending"] = pending() - before
         found["loss"] = float(loss)
         torch.manual_seed(0)
@@ -172,7 +174,8 @@ def test_dtensor_internal_collectives_are_counted_and_head_split_attention_issue
     assert found["moved_backward"] == {"all_to_all|tp|backward": 1}
     assert found["grad_error"] == 0.0 and found["grad_placements"] == "(Shard(dim=0),)"
     assert found["uneven"]  # 3 columns on 2 ranks: DTensor's own move
-    assert found["loss"] == 2.0 and found["loss_pending"] == 0  # mean of (0+1) and (1+2)
+    assert found["loss"] == 2.0  # the mean of (0 + 1) and (1 + 2)
+    assert found["loss_in_flight"] == 1 and found["loss_pending"] == 0
     assert found["slice_collectives"] == {}
     assert found["slice_placements"] == ["(Shard(dim=0),)"] * 3
     assert found["slice_shapes"] == [[4, 2, 6, 4], [4, 2, 6, 4], [4, 2, 6, 8]]

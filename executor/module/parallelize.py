@@ -70,6 +70,7 @@ from executor.module.run import (
     replicated,
     run_planned,
     run_unsplit,
+    settled,
     step_loss,
 )
 from executor.module.trace import SavedTrace, export_program, save_model
@@ -115,11 +116,13 @@ class ParallelModule:
     record: RunRecord = field(default_factory=RunRecord)
     seed: int = 0
     draws: int = 0  # forwards and training steps run: each draws its own dropout masks
-    hook: Any = None  # ZeRO 1/2: the optimizer-step hook that rebuilds the whole weights
+    hook: Any = None  # the optimizer-step hook (`after_optimizer_step`)
     pipeline: ScheduleEngine | None = None  # a plan's stages: this rank's schedule
     chunks: ModuleChunks | None = None  # ... and what its chunks run
     row_loss: RowLoss | None = None  # the loss on this rank's rows (executor.module.rowloss)
     loss_probed: bool = False  # whether DTensor has shown if it may be
+    #: the last step's loss, its reduction possibly in flight (`step_loss`)
+    last_loss: torch.Tensor | None = None
 
     @property
     def layouts(self) -> ModuleLayouts:
@@ -176,7 +179,9 @@ class ParallelModule:
         plan's micro-batches in turn (rows split evenly along dim 0), each loss divided by
         their number so the gradients are the whole batch's (`loss_fn` averages over its
         rows, as gradient accumulation assumes), the plan's weight collectives issued as
-        the plan says. Returns the step's loss (detached); call `optimizer.step()` next.
+        the plan says. Returns the step's loss (detached; its reduction over the batch's ranks
+        may still be in flight, and reading it waits: `step_loss`); call `optimizer.step()`
+        next.
         `phases(name)`, when given, is entered around each "forward", "loss" and
         "backward" part (to count collectives by phase)."""
         count = self.plan.micro_batches
@@ -208,7 +213,17 @@ class ParallelModule:
             finally:
                 self.weights.micro_batch_last = True
             losses.append(reported)
-        return step_loss(losses)
+        settled(self.last_loss)  # (a step with no optimizer step between)
+        self.last_loss = step_loss(losses)
+        return self.last_loss
+
+    def after_optimizer_step(self) -> None:
+        """After `optimizer.step()` on this module's parameters: the step's loss reduction
+        (issued behind the backward pass, `step_loss`) waited for, so that none is in
+        flight when a rank leaves (a rank tearing its process group down while a peer
+        still reduces aborts the peer); ZeRO 1 and 2's whole weights rebuilt."""
+        settled(self.last_loss)
+        self.weights.after_optimizer_step()
 
     def _step_loss(self, loss_fn: Callable[..., torch.Tensor], output: Any,
                    micro_batch: Mapping[str, torch.Tensor], count: int
@@ -597,10 +612,9 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
          for name in user_inputs}, seed=seed)
     if staged is not None:
         state.pipeline, state.chunks = _schedule(state, staged)
-    if plan.parallel.zero in (1, 2):
-        state.hook = register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: weights.after_optimizer_step()
-            if weights.updates(optimizer) else None)
+    state.hook = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: state.after_optimizer_step()
+        if weights.updates(optimizer) else None)
 
     def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
         return state.forward(trace.inputs(args, kwargs))

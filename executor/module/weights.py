@@ -183,7 +183,7 @@ class WeightSync:
                 leaf.register_post_accumulate_grad_hook(self._bind_later)
             else:
                 target.register_post_accumulate_grad_hook(self._accumulated(name))
-        self._chunks = frozenset(id(w.chunk) for w in self.weights.values())
+        self._registered = frozenset(id(p) for p in self.parameters().values())
         if zero == 3:
             for weight in self.weights.values():
                 if weight.ranks > 1:
@@ -529,6 +529,7 @@ class WeightSync:
                    if name not in self.weights or self.weights[name].present)
 
     def updates(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether `optimizer` updates this module's chunks (asked after every step)."""
-        return any(id(p) in self._chunks for group in optimizer.param_groups
+        """Whether `optimizer` updates this module's parameters (its weights, or under
+        ZeRO its chunks; asked after every step)."""
+        return any(id(p) in self._registered for group in optimizer.param_groups
                    for p in group["params"])
