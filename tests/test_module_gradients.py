@@ -3,6 +3,7 @@ what eager torch gives the same module, however the loop clears them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from executor.module.launch import export_builder, load_builder
 from executor.module.parallelize import parallelize
+from executor.ranks import run_ranks
 from executor.train import free_port
 from planner.api import plan
 
@@ -61,3 +63,56 @@ def test_a_one_device_plan_gives_the_gradients_eager_gives(tmp_path: Path,
                                            msg=lambda m, n=name, s=step: f"{n}, step {s}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+def _data_parallel_gradients(rank: int, port: int, plan_file: str, out: str) -> None:
+    """Rank `rank` of 2 under a data-parallel plan: for each way of clearing, the largest
+    relative difference of any parameter's gradient from eager's on the whole batch."""
+    from planner.plans.model import Plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        chosen = Plan.load(plan_file)
+        found: dict[str, float] = {}
+        for clearing in ("none", "zeros", "accumulate"):
+            eager, make_batch, loss_fn = load_builder(LLAMA)()
+            eager.train()
+            module, _, _ = load_builder(LLAMA)()
+            module.train()
+            module = parallelize(module, chosen, make_batch(0, BATCH))
+            state = module.shardplan
+            worst = 0.0
+            for step in range(3):
+                data = make_batch(step, BATCH)
+                for model in (eager, module):
+                    if clearing == "none":
+                        model.zero_grad()
+                    elif clearing == "zeros":
+                        model.zero_grad(set_to_none=False)
+                loss_fn(eager(**data), data).backward()
+                state.loss(loss_fn, module(**data), data).backward()
+                ours, theirs = _gradients(module), _gradients(eager)
+                worst = max(worst, *(float((ours[n] - g).abs().max() / g.abs().max())
+                                     for n, g in theirs.items()))
+            found[clearing] = worst
+        if rank == 0:
+            Path(out).write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_data_parallel_plan_gives_the_gradients_eager_gives(tmp_path: Path) -> None:
+    """The same on 2 ranks of a data-parallel plan (each rank's share summed by the plan's
+    all-reduce): a gradient the user does not clear has the next step's sum added to it,
+    as eager's and DDP's do, not replaced by it."""
+    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
+                  devices=2, profile="cpu", mode="data", parallel={"zero": 0})
+    plan_file, out = tmp_path / "plan.json", tmp_path / "found.json"
+    chosen.save(plan_file)
+    run_ranks(_data_parallel_gradients, (free_port(), str(plan_file), str(out)), 2,
+              timeout_s=300)
+    found = json.loads(out.read_text())
+    assert all(worst < 1e-4 for worst in found.values()), found

@@ -171,6 +171,12 @@ class WeightSync:
         # rank): the parameter's gradient is the leaf's, bound once (`_bind_gradients`)
         self._bound: dict[str, tuple[torch.Tensor, DTensor]] = {}
         self._binding = False  # a binding is queued for the end of this backward pass
+        # ZeRO 0 weights whose gradient the plan all-reduces: a gradient the user kept
+        # from earlier steps (no `zero_grad`) is set aside while the step's is summed,
+        # then added to the sum (`_carried`), as eager torch and DDP accumulate
+        self._summed = tuple(name for name in self.whole if name not in self.weights and
+                             (name, *self.reduction) in self._by_weight)
+        self._carried: dict[str, torch.Tensor] = {}
         for name, tensor in self.whole.items():
             leaf = self.leaves.get(name)
             target = tensor if leaf is None else leaf
@@ -260,6 +266,8 @@ class WeightSync:
         a freed weight is gathered back, with its bucket, when autograd unpacks it."""
         if self._bound:
             self._follow_parameter_gradients()
+        if self.zero == 0:
+            self._set_aside_kept_gradients()
         if self.zero != 3:
             yield
             return
@@ -301,6 +309,16 @@ class WeightSync:
             grad = param.grad
             if grad is None or not isinstance(grad, DTensor) or grad._local_tensor is not local:
                 param.grad = DTensor(local, param._spec, requires_grad=False)
+
+    def _set_aside_kept_gradients(self) -> None:
+        """Before a forward pass: each summed weight's gradient the user kept, moved
+        aside until the step's sum is set (`_set_gradient`): the backward pass must not
+        accumulate into it, or the plan's sum would count it once per rank."""
+        for name in self._summed:
+            param = self.whole[name]
+            if param.grad is not None:
+                self._carried[name] = param.grad
+                param.grad = None
 
     def _follow_parameter_gradients(self) -> None:
         """Before a forward pass: a parameter whose gradient the user cleared
@@ -408,10 +426,19 @@ class WeightSync:
         assert isinstance(param, DTensor)
         if tuple(placements) == tuple(param.placements) and local.dtype == param.dtype \
                 and local.shape == param._local_tensor.shape:
-            param.grad = DTensor(local, param._spec, requires_grad=False)
-            return
-        param.grad = DTensor.from_local(local, param.device_mesh, placements,
-                                        shape=param.shape, stride=param.stride())
+            grad = DTensor(local, param._spec, requires_grad=False)
+        else:
+            grad = DTensor.from_local(local, param.device_mesh, placements,
+                                      shape=param.shape, stride=param.stride())
+        kept = self._carried.pop(name, None)
+        if kept is None:
+            param.grad = grad
+        elif isinstance(kept, DTensor) and kept.placements == grad.placements:
+            with torch.no_grad():
+                kept._local_tensor.add_(grad._local_tensor)  # (zero_grad(set_to_none=False))
+            param.grad = kept
+        else:
+            param.grad = kept + grad
 
     def _pending(self, name: str, plan: WeightBucket) -> DTensor:
         grad = self.whole[name].grad
