@@ -133,12 +133,13 @@ class MeshComm:
 
     def all_reduce_async(self, tensor: torch.Tensor, axes: Sequence[str], phase: str
                          ) -> tuple[dist.Work | None, torch.Tensor]:
-        """`all_reduce`, issued without waiting: the work to wait for (None where the
+        """`all_reduce` of a buffer the caller gives up (a fresh flat bucket: summed in
+        place, no copy), issued without waiting: the work to wait for (None where the
         group is one rank) and the buffer the sum lands in."""
         group = self.group(axes)
         if group is None:
             return None, tensor
-        result = tensor.detach().clone().contiguous()
+        result = tensor.detach().contiguous()
         work = dist.all_reduce(result, group=group, async_op=True)
         self.counters.add(CollectiveKind.ALL_REDUCE, axes, phase)
         return work, result
