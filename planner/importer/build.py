@@ -23,6 +23,7 @@ from planner.importer.names import recover_names
 from planner.importer.order import canonical_order
 from planner.importer.source import ModelSource
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
+from planner.importer.views import merge_view_transposes
 from planner.ops import cost_op
 
 #: Largest element count of one tensor: beyond 2**53, float64 sizes and FLOPs are inexact.
@@ -96,6 +97,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
                          "): they are inputs or constants, so there is nothing to plan")
     _check_sizes(tensors, name)
     _check_views(ops, tensors, name)
+    ops = merge_view_transposes(ops, tensors, graph_outputs)
     for table in _rotary_frequencies(ops, tensors):
         tensors[table] = replace(tensors[table], kind="buffer")
     ops = canonical_order(ops, tensors, name)
