@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -146,9 +146,10 @@ class ParallelModule:
                                                 list(batch)))
 
     def forward(self, given: Sequence[torch.Tensor], micro: int = 0,
-                step: int | None = None) -> Any:
+                step: int | None = None, rows_out: bool = False) -> Any:
         """The traced graph on one batch (or micro-batch `micro` of training step
-        `step`), each input split as the plan's input layout says."""
+        `step`), each input split as the plan's input layout says; with `rows_out`,
+        outputs that are this rank's rows as plain tensors (for `_step_loss`)."""
         if self.pipeline is not None:
             raise ShardplanError("a pipeline plan runs whole training steps, each stage its "
                                  "own layers: call module.shardplan.train_step(loss_fn, "
@@ -167,7 +168,7 @@ class ParallelModule:
             step = self.draws
         with implicit_replication():
             outputs = run_planned(self.trace.graph, self.run, self.mesh, flat,
-                                  self.record, self.seed, step, micro)
+                                  self.record, self.seed, step, micro, rows_out)
         result = self.trace.outputs(outputs)
         # the loss's read of the outputs, where the plan lists it with the forward pass
         return for_the_loss(result) if self.layouts.loss_reads_planned else result
@@ -200,8 +201,10 @@ class ParallelModule:
             micro_batch = dict(zip(self.trace.user_inputs, rows, strict=True))
             self.weights.micro_batch_last = micro == count - 1
             try:
-                with part("forward"):
-                    output = self.forward(rows, micro, self.draws)
+                with part("forward"):  # (once the loss is known to be the rows': the
+                    # outputs as this rank's rows, the loss computed on them)
+                    output = self.forward(rows, micro, self.draws,
+                                          rows_out=self.row_loss is not None)
                 with part("loss"):
                     roots, grads, reported = self._step_loss(loss_fn, output, micro_batch,
                                                              count)
@@ -234,6 +237,14 @@ class ParallelModule:
         collectives in its own backward pass, taken apart (`output_gradients`) so that
         they count as the loss's."""
         dims = batch_mesh_dims(self.mesh, self.run.local.batch_axes)
+        if self.row_loss is not None and self.run.local.degree > 1 and not any(
+                isinstance(v, DTensor) for v in pytree.tree_leaves(output)):
+            found = self.row_loss.on_rows(loss_fn, output, (micro_batch,), self.mesh, dims)
+            if found is not None:
+                term, reported = found
+                return [term / count], [None], reported
+            whole = next(int(v.shape[0]) for v in micro_batch.values() if v.dim())
+            output = pytree.tree_map(lambda v: self._as_rows(v, dims, whole), output)
         if not self.layouts.loss_reads_planned:  # moved here, counted as the loss's
             output = for_the_loss(output)
         if self.row_loss is not None:
@@ -250,6 +261,16 @@ class ParallelModule:
             self.loss_probed = True
         roots, grads = _loss_roots(loss / count, output)
         return roots, grads, loss.detach()
+
+    def _as_rows(self, value: Any, dims: Sequence[int], whole: int) -> Any:
+        """A plain output (this rank's rows of `whole`: `forward`'s `rows_out`) as the
+        DTensor it is a block of."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        placements = [Shard(0) if dim in dims else Replicate() for dim in range(self.mesh.ndim)]
+        shape = torch.Size((whole, *value.shape[1:]))
+        return DTensor.from_local(value, self.mesh, placements, run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
 
     def _on_device(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The step's batch on the mesh's device, copied once for all its micro-batches and

@@ -555,6 +555,10 @@ class PlannedRun(TracedRun):
         self.plan, self.mesh, self.record = plan, mesh, record
         self.layouts, self.plan_mesh = plan.layouts, plan.mesh
         self.micro = micro  # this micro-batch's place in the step
+        #: return outputs that are this rank's rows (local values split along dim 0 over
+        #: the batch axes only) as those rows, for a loss computed on them
+        #: (`executor.module.rowloss.RowLoss.on_rows`); else as DTensors
+        self.rows_out = False
         self.frame = _Frame()
         self._keep: frozenset[Node] = frozenset()
         #: the constant nodes' values at this run's input shapes (`fold_at`; None: each
@@ -696,6 +700,8 @@ class PlannedRun(TracedRun):
         if n.op == "output":  # the loss sees global values
             if self.plan.local.degree == 1:  # the batch is not split: a local value is
                 return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
+            if self.rows_out and all(self._rows_only(a) for a in n.all_input_nodes):
+                return map_arg(n.args[0], lambda a: self.env[a])  # no DTensor round trip
             return map_arg(n.args[0], self._as_dtensor)
         if n.op == "get_attr":  # a weight read, straight to its synchronisation (the
             # interpreter's generic path costs more than the read, once per weight)
@@ -830,6 +836,16 @@ class PlannedRun(TracedRun):
         return redistribute(value, self.mesh, wanted)
 
     # -- ops on local tensors (executor.module.local) -------------------------------------
+
+    def _rows_only(self, node: Node) -> bool:
+        """Whether `node`'s value is local and this rank's rows: split along dim 0 over
+        the batch's axes, whole along every other dim."""
+        if node not in self.frame.held_local:
+            return False
+        value = node.meta.get("val")
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and \
+            self.plan.local.natural(value) == Layout.split(value.dim(), 0,
+                                                           self.plan.local.batch_axes)
 
     def _natural(self, node: Node) -> tuple[Placement, ...]:
         value = node.meta["val"]
@@ -992,8 +1008,11 @@ class _Frame:
 
 def run_planned(graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
                 flat_inputs: Sequence[torch.Tensor], record: RunRecord, seed: int,
-                step: int, micro: int = 0) -> Any:
+                step: int, micro: int = 0, rows_out: bool = False) -> Any:
     """The traced graph's flat outputs for `flat_inputs` (DTensors in the plan's layouts),
-    micro-batch `micro` of training step `step`."""
+    micro-batch `micro` of training step `step`; with `rows_out`, outputs that are this
+    rank's rows as those rows (`PlannedRun.rows_out`)."""
     with plan.weights.forward_pass():
-        return PlannedRun(graph, plan, mesh, record, seed, step, micro).run(*flat_inputs)
+        running = PlannedRun(graph, plan, mesh, record, seed, step, micro)
+        running.rows_out = rows_out
+        return running.run(*flat_inputs)
