@@ -48,6 +48,8 @@ def test_a_one_device_plan_gives_the_gradients_eager_gives(tmp_path: Path,
         module, _, _ = load_builder(LLAMA)()
         module.train()
         module = parallelize(module, chosen, make_batch(0, BATCH))
+        # the token ids only local ops read: given as they are, not made a DTensor
+        assert module.shardplan.run.local_inputs == {"input_ids"}
         for step in range(3):
             data = make_batch(step, BATCH)
             for model in (eager, module):

@@ -162,7 +162,8 @@ class ParallelModule:
                 f"a batch of {sorted(rows)} rows: the plan is for {whole}"
                 + (f", {self.plan.micro_batches} micro-batches of {wanted}"
                    if step is not None and self.plan.micro_batches > 1 else ""))
-        flat = place_inputs(given, self.trace.user_inputs, self.mesh, self.inputs)
+        flat = place_inputs(given, self.trace.user_inputs, self.mesh, self.inputs,
+                            self.run.local_inputs)
         if step is None:
             self.draws += 1
             step = self.draws

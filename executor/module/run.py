@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -415,6 +415,10 @@ class ModulePlan:
     release: Mapping[str, tuple[str, ...]]  # node -> weights it is the last reader of
     local: LocalPlan  # the ops that run on local tensors (`executor.module.local`)
     batch_index: int  # this rank's block of the batch
+    #: inputs (placeholders) that only local ops read (and sizes, and the export's
+    #: guards): given as the batch's plain tensors, whose rows each local read takes
+    #: (`PlannedRun._as_local`), not as DTensors made and taken apart again
+    local_inputs: frozenset[str] = frozenset()
     #: nodes whose values are the same at every step (`executor.module.constants`):
     #: computed once per shape of the step's inputs, then reused
     constants: frozenset[Node] = frozenset()
@@ -448,8 +452,11 @@ class ModulePlan:
         index = 0
         for axis in found.batch_axes:
             index = index * mesh.axis_size(axis) + int(coord[axis])
+        local_inputs = frozenset(
+            n.name for n in nodes if n.op == "placeholder" and found.nodes and all(
+                u.name in found.nodes or is_size(u) or _guard(u) for u in n.users))
         return cls(layouts, mesh, weights, reads, spans,
-                   {k: tuple(v) for k, v in release.items()}, found, index,
+                   {k: tuple(v) for k, v in release.items()}, found, index, local_inputs,
                    # sizes stay with the run: it keeps each one's global and local value
                    frozenset(n for n in constant_nodes(nodes, reads) if not is_size(n)))
 
@@ -523,12 +530,21 @@ def last_uses(nodes: Sequence[Node], keep: frozenset[Node]) -> dict[Node, tuple[
 
 
 def place_inputs(values: Sequence[torch.Tensor], names: Sequence[str], mesh: TorchMesh,
-                 wanted: Mapping[str, tuple[Placement, ...]]) -> list[DTensor]:
+                 wanted: Mapping[str, tuple[Placement, ...]],
+                 plain: Collection[str] = ()) -> list[torch.Tensor]:
     """The batch's tensors (the same on every rank) as DTensors in the plan's input
-    placements: each rank keeps its block, nothing is sent."""
-    return [distribute_tensor(value.to(mesh.device_type), mesh, wanted[name],
+    placements: each rank keeps its block, nothing is sent. Those named in `plain` (read
+    by local ops only: `ModulePlan.local_inputs`) stay the plain tensors they are."""
+    return [value.to(mesh.device_type) if name in plain else
+            distribute_tensor(value.to(mesh.device_type), mesh, wanted[name],
                               src_data_rank=None)
             for name, value in zip(names, values, strict=True)]
+
+
+def _guard(node: Node) -> bool:
+    """Whether `node` is the export's check of its inputs' shapes (`_guards_fn`), which
+    reads the whole inputs."""
+    return node.op == "call_module" and str(node.target).startswith("_guards")
 
 
 def _storage_readers(node: Node) -> set[Node]:
@@ -937,6 +953,8 @@ class PlannedRun(TracedRun):
             return self.frame.sizes[node]
         if isinstance(value, DTensor):
             return value._local_tensor
+        if node.name in self.plan.local_inputs:  # an input given whole: its rows' size
+            return self._as_local(node)
         return value
 
     def _run_local(self, n: Node) -> Any:
