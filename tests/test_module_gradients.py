@@ -118,3 +118,34 @@ def test_a_data_parallel_plan_gives_the_gradients_eager_gives(tmp_path: Path) ->
               timeout_s=300)
     found = json.loads(out.read_text())
     assert all(worst < 1e-4 for worst in found.values()), found
+
+
+def test_a_parallelized_module_is_not_kept_alive_by_its_optimizer_hook(
+        tmp_path: Path) -> None:
+    """The optimizer-step hook `parallelize` registers (torch's are global) holds the
+    module weakly: once the module is gone it can be collected, and the next optimizer
+    step anywhere removes the hook."""
+    import gc
+    import weakref
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
+                  devices=1, profile="cpu", mode="data")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        before = len(_global_optimizer_post_hooks)
+        module, make_batch, _ = load_builder(LLAMA)()
+        module = parallelize(module, chosen, make_batch(0, BATCH))
+        assert len(_global_optimizer_post_hooks) == before + 1
+        state = weakref.ref(module.shardplan)
+        del module
+        gc.collect()
+        assert state() is None
+        other = torch.nn.Parameter(torch.ones(2))
+        other.grad = torch.ones(2)
+        torch.optim.SGD([other], lr=0.1).step()
+        assert len(_global_optimizer_post_hooks) == before
+    finally:
+        dist.destroy_process_group()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import types
+import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -552,6 +553,25 @@ class _Trace:
         self.graph.recompile()
 
 
+def _after_optimizer_steps(state: ParallelModule) -> Any:
+    """`state.after_optimizer_step()` after every optimizer step on the module's
+    parameters (torch's hook is global: it sees every optimizer). The hook holds the
+    module weakly and removes itself once the module is gone, so a process that
+    parallelizes many modules (a notebook, a test session) neither keeps them alive nor
+    pays a hook per module ever made."""
+    held = weakref.ref(state)
+
+    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        found = held()
+        if found is None:
+            handle.remove()
+        elif found.weights.updates(optimizer):
+            found.after_optimizer_step()
+
+    handle = register_optimizer_step_post_hook(after)
+    return handle
+
+
 def unsplit(module: nn.Module, example: Mapping[str, torch.Tensor], seed: int = 0,
             saved: SavedTrace | None = None) -> nn.Module:
     """`module` running its trace on one device, dropout drawn as a split run draws it:
@@ -634,9 +654,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
          for name in user_inputs}, seed=seed)
     if staged is not None:
         state.pipeline, state.chunks = _schedule(state, staged)
-    state.hook = register_optimizer_step_post_hook(
-        lambda optimizer, args, kwargs: state.after_optimizer_step()
-        if weights.updates(optimizer) else None)
+    state.hook = _after_optimizer_steps(state)
 
     def forward(self: nn.Module, *args: Any, **kwargs: torch.Tensor) -> Any:
         return state.forward(trace.inputs(args, kwargs))
