@@ -553,22 +553,28 @@ class _Trace:
         self.graph.recompile()
 
 
+#: the optimizer-step hooks `parallelize` registered, each with its module held weakly
+_STEP_HOOKS: list[tuple[weakref.ref, Any]] = []
+
+
 def _after_optimizer_steps(state: ParallelModule) -> Any:
     """`state.after_optimizer_step()` after every optimizer step on the module's
     parameters (torch's hook is global: it sees every optimizer). The hook holds the
-    module weakly and removes itself once the module is gone, so a process that
-    parallelizes many modules (a notebook, a test session) neither keeps them alive nor
-    pays a hook per module ever made."""
+    module weakly, so a process that parallelizes many modules (a notebook, a test
+    session) does not keep them alive; the hooks of modules gone are removed at the next
+    `parallelize` (not from inside a hook: torch is iterating over them then)."""
+    for entry in [e for e in _STEP_HOOKS if e[0]() is None]:
+        entry[1].remove()
+        _STEP_HOOKS.remove(entry)
     held = weakref.ref(state)
 
     def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         found = held()
-        if found is None:
-            handle.remove()
-        elif found.weights.updates(optimizer):
+        if found is not None and found.weights.updates(optimizer):
             found.after_optimizer_step()
 
     handle = register_optimizer_step_post_hook(after)
+    _STEP_HOOKS.append((held, handle))
     return handle
 
 

@@ -172,10 +172,10 @@ class WeightSync:
         self._bound: dict[str, tuple[torch.Tensor, DTensor]] = {}
         self._binding = False  # a binding is queued for the end of this backward pass
         # ZeRO 0 weights whose gradient the plan all-reduces: a gradient the user kept
-        # from earlier steps (no `zero_grad`) is set aside while the step's is summed,
-        # then added to the sum (`_carried`), as eager torch and DDP accumulate
-        self._summed = tuple(name for name in self.whole if name not in self.weights and
-                             (name, *self.reduction) in self._by_weight)
+        # from earlier steps (no `zero_grad`) is added to the step's sum, as eager torch
+        # and DDP accumulate (`_set_gradient`); on a weight read as a DTensor, whose
+        # gradient autograd accumulates on the parameter itself, it is set aside first
+        # (`_carried`), or the plan's sum would count it once per rank
         self._carried: dict[str, torch.Tensor] = {}
         for name, tensor in self.whole.items():
             leaf = self.leaves.get(name)
@@ -189,6 +189,9 @@ class WeightSync:
                 leaf.register_post_accumulate_grad_hook(self._bind_later)
             else:
                 target.register_post_accumulate_grad_hook(self._accumulated(name))
+                if leaf is None and name not in self.weights and \
+                        (name, *self.reduction) in self._by_weight:
+                    target.register_hook(self._set_aside(name))
         self._registered = frozenset(id(p) for p in self.parameters().values())
         if zero == 3:
             for weight in self.weights.values():
@@ -266,8 +269,6 @@ class WeightSync:
         a freed weight is gathered back, with its bucket, when autograd unpacks it."""
         if self._bound:
             self._follow_parameter_gradients()
-        if self.zero == 0:
-            self._set_aside_kept_gradients()
         if self.zero != 3:
             yield
             return
@@ -310,15 +311,22 @@ class WeightSync:
             if grad is None or not isinstance(grad, DTensor) or grad._local_tensor is not local:
                 param.grad = DTensor(local, param._spec, requires_grad=False)
 
-    def _set_aside_kept_gradients(self) -> None:
-        """Before a forward pass: each summed weight's gradient the user kept, moved
-        aside until the step's sum is set (`_set_gradient`): the backward pass must not
-        accumulate into it, or the plan's sum would count it once per rank."""
-        for name in self._summed:
-            param = self.whole[name]
-            if param.grad is not None:
-                self._carried[name] = param.grad
-                param.grad = None
+    def _set_aside(self, name: str) -> Callable[[torch.Tensor], None]:
+        """A hook run before autograd accumulates into `name`'s parameter: a gradient it
+        holds that is no pending sum (the user kept an earlier step's) moves aside until
+        the step's sum is set (`_set_gradient`)."""
+        param = self.whole[name]
+
+        def aside(_: torch.Tensor) -> None:
+            kept = param.grad
+            if kept is None or name in self._carried:
+                return
+            if isinstance(kept, DTensor) and any(isinstance(p, Partial)
+                                                 for p in kept.placements):
+                return  # this step's own, from an earlier micro-batch
+            self._carried[name] = kept
+            param.grad = None
+        return aside
 
     def _follow_parameter_gradients(self) -> None:
         """Before a forward pass: a parameter whose gradient the user cleared
@@ -431,6 +439,8 @@ class WeightSync:
             grad = DTensor.from_local(local, param.device_mesh, placements,
                                       shape=param.shape, stride=param.stride())
         kept = self._carried.pop(name, None)
+        if kept is None and name in self.leaves:  # (autograd accumulates on the leaf:
+            kept = param.grad  # the parameter's is what the user kept)
         if kept is None:
             param.grad = grad
         elif isinstance(kept, DTensor) and kept.placements == grad.placements:
