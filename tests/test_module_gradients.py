@@ -140,6 +140,8 @@ def test_a_parallelized_module_is_not_kept_alive_by_its_optimizer_hook(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
+        gc.collect()  # (modules of earlier tests in this process: gone, their hooks
+        # removed by the next parallelize)
         module, make_batch, _ = load_builder(LLAMA)()
         module = parallelize(module, chosen, make_batch(0, BATCH))
         after_one = len(_global_optimizer_post_hooks)
