@@ -22,6 +22,15 @@ LLAMA = "examples.hf_models:llama"
 BATCH = 4
 
 
+def _clear(model: torch.nn.Module, clearing: str) -> None:
+    """What the user's loop does to the gradients before a step: "none" clears them
+    (`zero_grad()`), "zeros" zeroes them in place, "accumulate" leaves them."""
+    if clearing == "none":
+        model.zero_grad()
+    elif clearing == "zeros":
+        model.zero_grad(set_to_none=False)
+
+
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     found = {}
     for name, param in module.named_parameters():
@@ -54,10 +63,7 @@ def test_a_one_device_plan_gives_the_gradients_eager_gives(tmp_path: Path,
         for step in range(3):
             data = make_batch(step, BATCH)
             for model in (eager, module):
-                if clearing == "none":
-                    model.zero_grad()
-                elif clearing == "zeros":
-                    model.zero_grad(set_to_none=False)
+                _clear(model, clearing)
                 loss_fn(model(**data), data).backward()
             ours, theirs = _gradients(module), _gradients(eager)
             assert ours.keys() == theirs.keys()
@@ -94,10 +100,7 @@ def _data_parallel_gradients(rank: int, port: int, plan_file: str, out: str) -> 
             for step in range(3):
                 data = make_batch(step, BATCH)
                 for model in (eager, module):
-                    if clearing == "none":
-                        model.zero_grad()
-                    elif clearing == "zeros":
-                        model.zero_grad(set_to_none=False)
+                    _clear(model, clearing)
                 loss_fn(eager(**data), data).backward()
                 state.loss(loss_fn, module(**data), data).backward()
                 ours, theirs = _gradients(module), _gradients(eager)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -79,9 +80,8 @@ def _looked_up(found: torch.Tensor, weight: DTensor, ids: DTensor,
     """A lookup's local rows as the DTensor of the whole result: one row of the table's
     width per id, contiguous as the lookup writes it."""
     shape = torch.Size((*ids.shape, weight.shape[1]))
-    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(found, weight.device_mesh, placements, shape=shape,
-                              stride=stride, run_check=False)
+                              stride=make_contiguous_strides_for(shape), run_check=False)
 
 
 def _table_gradient(ctx: Any, table: torch.Tensor, grad: DTensor,

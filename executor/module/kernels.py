@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -189,16 +190,8 @@ class _BlockSlice(torch.autograd.Function):
         # a fresh contiguous block: its global strides are the contiguous ones (DTensor
         # decides later views by them; the input's may be a transpose's)
         return (DTensor.from_local(whole, ctx.mesh, ctx.placements, shape=ctx.shape,
-                                   stride=_contiguous_strides(ctx.shape), run_check=False),
+                                   stride=make_contiguous_strides_for(ctx.shape), run_check=False),
                 None, None, None, None)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
 
 
 def block_slice(x: DTensor, dim: int = 0, start: int | None = None,

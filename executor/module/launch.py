@@ -250,8 +250,6 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             if saving.resume else 0
         counted = run.steps if run.count_steps is None else min(run.count_steps, run.steps)
         weight_calls: Counter = Counter()
-        losses: list[torch.Tensor] = []  # read once the steps ran: each step's reduction
-        # runs behind the next step's start (`step_loss`), as DDP's loop reads none
         for k, step in enumerate(range(done, done + run.steps)):
             batch = make_batch(step, run.batch_size)
             started = time.perf_counter()
@@ -261,13 +259,12 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             optimizer.zero_grad()
             if k + 1 == counted:  # (ZeRO 1 and 2 rebuild the whole weights in step())
                 weight_calls = Counter(state.weight_calls)
-            losses.append(loss)
+            log.losses.append(_scalar(loss))  # (its reduction settled by optimizer.step())
             log.step_time_s.append(time.perf_counter() - started)
             if saving.save and saving.every and (step + 1) % saving.every == 0:
                 checkpoints.save(saving.save, state, optimizer, step + 1, marker)
         if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
             checkpoints.save(saving.save, state, optimizer, done + run.steps, marker)
-        log.losses = [_scalar(loss) for loss in losses]
         issued.update(weight_calls)
         issued = _stage_sums(issued, state.comm)
         if rank == 0:

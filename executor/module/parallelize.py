@@ -44,9 +44,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -61,7 +62,7 @@ from executor.module.layouts import (
 )
 from executor.module.local import LocalPlan
 from executor.module.pipeline import ModuleChunks, chunk_nodes
-from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss
+from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss, row_placements
 from executor.module.run import (
     ModulePlan,
     RunRecord,
@@ -269,10 +270,10 @@ class ParallelModule:
         DTensor it is a block of."""
         if not isinstance(value, torch.Tensor):
             return value
-        placements = [Shard(0) if dim in dims else Replicate() for dim in range(self.mesh.ndim)]
         shape = torch.Size((whole, *value.shape[1:]))
-        return DTensor.from_local(value, self.mesh, placements, run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(value, self.mesh, row_placements(self.mesh, dims),
+                                  run_check=False, shape=shape,
+                                  stride=make_contiguous_strides_for(shape))
 
     def _on_device(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The step's batch on the mesh's device, copied once for all its micro-batches and

@@ -175,12 +175,17 @@ def _rows(leaves: Sequence[Any], batch: Sequence[Any], mesh: TorchMesh,
     return int(offset[0]), int(shape[0])
 
 
+def row_placements(mesh: TorchMesh, batch_dims: Sequence[int]) -> tuple[Placement, ...]:
+    """A tensor split along its rows (dim 0) over the mesh dims `batch_dims` and whole
+    over the others, as DTensor places it."""
+    return tuple(Shard(0) if dim in batch_dims else Replicate() for dim in range(mesh.ndim))
+
+
 @functools.lru_cache(maxsize=64)
 def _block_rows(whole: int, mesh: TorchMesh, batch_dims: tuple[int, ...]) -> tuple[int, int]:
     """(first row, rows) of this rank's block of `whole` rows split over `batch_dims`."""
-    placements = tuple(Shard(0) if dim in batch_dims else Replicate()
-                       for dim in range(mesh.ndim))
-    shape, offset = compute_local_shape_and_global_offset((whole,), mesh, placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        (whole,), mesh, row_placements(mesh, batch_dims))
     return int(offset[0]), int(shape[0])
 
 

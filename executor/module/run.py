@@ -566,7 +566,8 @@ class PlannedRun(TracedRun):
     the plan's recompute segments run under activation checkpointing."""
 
     def __init__(self, graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
-                 record: RunRecord, seed: int, step: int, micro: int = 0) -> None:
+                 record: RunRecord, seed: int, step: int, micro: int = 0,
+                 rows_out: bool = False) -> None:
         super().__init__(graph, seed, step)
         self.plan, self.mesh, self.record = plan, mesh, record
         self.layouts, self.plan_mesh = plan.layouts, plan.mesh
@@ -574,7 +575,7 @@ class PlannedRun(TracedRun):
         #: return outputs that are this rank's rows (local values split along dim 0 over
         #: the batch axes only) as those rows, for a loss computed on them
         #: (`executor.module.rowloss.RowLoss.on_rows`); else as DTensors
-        self.rows_out = False
+        self.rows_out = rows_out
         self.frame = _Frame()
         self._keep: frozenset[Node] = frozenset()
         #: the constant nodes' values at this run's input shapes (`fold_at`; None: each
@@ -714,10 +715,11 @@ class PlannedRun(TracedRun):
 
     def run_node(self, n: Node) -> Any:
         if n.op == "output":  # the loss sees global values
-            if self.plan.local.degree == 1:  # the batch is not split: a local value is
-                return map_arg(n.args[0], lambda a: self.env[a])  # the whole, as it is
-            if self.rows_out and all(self._rows_only(a) for a in n.all_input_nodes):
-                return map_arg(n.args[0], lambda a: self.env[a])  # no DTensor round trip
+            # the batch not split (a local value is the whole, as it is), or outputs
+            # wanted as this rank's rows: no DTensor round trip
+            if self.plan.local.degree == 1 or (self.rows_out and all(
+                    self._rows_only(a) for a in n.all_input_nodes)):
+                return map_arg(n.args[0], lambda a: self.env[a])
             return map_arg(n.args[0], self._as_dtensor)
         if n.op == "get_attr":  # a weight read, straight to its synchronisation (the
             # interpreter's generic path costs more than the read, once per weight)
@@ -1031,6 +1033,5 @@ def run_planned(graph: GraphModule, plan: ModulePlan, mesh: TorchMesh,
     micro-batch `micro` of training step `step`; with `rows_out`, outputs that are this
     rank's rows as those rows (`PlannedRun.rows_out`)."""
     with plan.weights.forward_pass():
-        running = PlannedRun(graph, plan, mesh, record, seed, step, micro)
-        running.rows_out = rows_out
-        return running.run(*flat_inputs)
+        return PlannedRun(graph, plan, mesh, record, seed, step, micro,
+                          rows_out).run(*flat_inputs)

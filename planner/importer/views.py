@@ -14,6 +14,7 @@ it), so that every dim keeps its own label and a split of the heads passes throu
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import replace
 
@@ -34,18 +35,14 @@ def merge_view_transposes(ops: list[OpNode], tensors: MutableMapping[str, Tensor
     """`ops` with each Reshape (merging leading dims) → Transpose (keeping the merged dim
     first) → Reshape (unmerging them again), whose two inner tensors nothing else reads,
     replaced by one Transpose (module docstring); `tensors` loses the inner tensors."""
-    readers: dict[str, int] = {}
-    for node in ops:
-        for name in node.inputs:
-            if name:
-                readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in ops for name in node.inputs if name)
     producer = {out: node for node in ops for out in node.outputs if out}
     replaced: dict[str, OpNode | None] = {}  # op name -> its replacement (None: removed)
     for node in ops:
-        fused = _fused(node, producer, readers, tensors, outputs)
-        if fused is None:
+        found = _fused(node, producer, readers, tensors, outputs)
+        if found is None:
             continue
-        transpose, merge = producer[node.inputs[0]], producer[producer[node.inputs[0]].inputs[0]]
+        merge, transpose, fused = found
         if any(n.name in replaced for n in (node, transpose, merge)):
             continue
         replaced[merge.name] = None
@@ -67,8 +64,10 @@ def merge_view_transposes(ops: list[OpNode], tensors: MutableMapping[str, Tensor
 
 
 def _fused(unmerge: OpNode, producer: Mapping[str, OpNode], readers: Mapping[str, int],
-           tensors: Mapping[str, TensorInfo], outputs: Collection[str]) -> OpNode | None:
-    """The one Transpose `unmerge` ends (module docstring), or None."""
+           tensors: Mapping[str, TensorInfo], outputs: Collection[str]
+           ) -> tuple[OpNode, OpNode, OpNode] | None:
+    """(the merge, the transpose, the one Transpose they and `unmerge` are: module
+    docstring), or None."""
     if unmerge.op_type != "Reshape" or not unmerge.inputs or not unmerge.outputs[0]:
         return None
     transpose = producer.get(unmerge.inputs[0])
@@ -90,5 +89,6 @@ def _fused(unmerge: OpNode, producer: Mapping[str, OpNode], readers: Mapping[str
     if tensors[unmerge.outputs[0]].shape != (*source[:lead], *moved[1:]):
         return None
     full = [*range(lead), *(lead - 1 + int(p) for p in perm[1:])]
-    return OpNode(transpose.name, "Transpose", transpose.domain, (merge.inputs[0],),
-                  (unmerge.outputs[0],), {**transpose.attrs, "perm": full})
+    return merge, transpose, OpNode(transpose.name, "Transpose", transpose.domain,
+                                    (merge.inputs[0],), (unmerge.outputs[0],),
+                                    {**transpose.attrs, "perm": full})
