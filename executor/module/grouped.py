@@ -13,7 +13,9 @@ each K/V head for `heads // kv_heads` query heads, as `repeat_kv` does), by eage
 
 Only where attention runs on plain local tensors (`executor.module.local`: the batch's
 rows, every head whole), so that a rank's query and K/V blocks hold whole groups; never
-across a recompute segment's edge or in a pipeline's trace (whose cuts name nodes).
+across a recompute segment's edge or in a pipeline's trace (whose cuts name nodes). The
+dropout draws keep the numbers of the export's nodes (`executor.module.run.node_places`):
+erasing nodes must not renumber them, or the masks would differ from the unsplit run's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from executor.module.masks import SDPA, shape_only
+from executor.module.run import node_places
 
 _aten = torch.ops.aten
 _MERGES = frozenset({_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default})
@@ -89,6 +92,7 @@ def group_attention(graph: GraphModule, local: Collection[str],
     """Rewrite each local SDPA of `graph` whose K and V are repeated heads to read them
     grouped (`enable_gqa=True`), the repeats erased (module docstring); `fixed`: node
     names that must stay (a recompute segment's ends). Returns how many were rewritten."""
+    node_places(graph)  # the dropout draws keep the export's numbers
     rewritten = 0
     for node in list(graph.graph.nodes):
         if node.target is not SDPA or node.name not in local or \

@@ -294,6 +294,18 @@ def replicated(value: Any, mesh: TorchMesh) -> Any:
 
 
 _FACTS = "shardplan.graph_facts"
+_PLACES = "shardplan.node_places"  # node name -> its place in the export (`node_places`)
+
+
+def node_places(graph: GraphModule) -> dict[str, int]:
+    """Each node's place in the graph as first asked (the export's order): the number of
+    its dropout draws (`DropoutSite`). Kept in the graph's meta, so that a rewrite of the
+    trace (`executor.module.grouped`, which asks first) moves no draw: a split run draws
+    the masks the unsplit reference draws."""
+    places = graph.meta.get(_PLACES)
+    if places is None:
+        places = graph.meta[_PLACES] = {n.name: k for k, n in enumerate(graph.graph.nodes)}
+    return places
 
 
 def _graph_facts(graph: GraphModule
@@ -307,7 +319,7 @@ def _graph_facts(graph: GraphModule
         nodes = list(graph.graph.nodes)
         facts = ({user: list(values) for user, values in
                   last_uses(nodes, frozenset()).items()},
-                 {n.name: k for k, n in enumerate(nodes)}, dict(graph.named_modules()))
+                 node_places(graph), dict(graph.named_modules()))
         graph.meta[_FACTS] = facts
     return facts
 
