@@ -46,6 +46,7 @@ from planner.graph import PlanningGraph
 from planner.importer import import_model, rebind
 from planner.kinds import AxisRole
 from planner.plans.model import Plan
+from planner.plans.stagemesh import refuse_stage_meshes
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import check_model_digest, check_plan_matches
 
@@ -371,6 +372,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     from planner.validate import refuse_invalid
 
     check_degrees(plan.parallel)
+    refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
     graph = graph_for(model, plan)
     check_plan_matches(plan, graph)
     check_supported(graph)

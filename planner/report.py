@@ -9,6 +9,7 @@ from planner.graph import dtype_itemsize
 from planner.humanize import human_bytes, human_count, human_seconds
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
+from planner.plans.stagemesh import describe_stage_meshes, per_stage_meshes
 from planner.sharding.derive import OPTIMIZER_OP
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
@@ -52,6 +53,7 @@ def summary(plan: Plan) -> str:
         f"batch {plan.model.batch}, dims {plan.model.bound_dims})",
         f"cluster    {_cluster(plan)}",
         f"mesh       {mesh}",
+        *_stage_meshes(plan),
         f"parallel   dp={parallel.dp} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
         + (f"cp={parallel.cp} " + (f"{parallel.cp_kind} " if parallel.cp_kind else "")
            if parallel.cp > 1 else "")
@@ -110,6 +112,23 @@ def summary(plan: Plan) -> str:
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _stage_meshes(plan: Plan) -> list[str]:
+    """Per-stage meshes: each stage's own shape (the plan's mesh and parallel section are
+    stage 0's), and where activations are resharded between them."""
+    pipeline = plan.pipeline
+    if pipeline is None or not per_stage_meshes(pipeline):
+        return []
+    lines = ["stages     each on a mesh of its own shape: "
+             + describe_stage_meshes(plan.mesh, pipeline)]
+    resharded = sum(1 for send in pipeline.sends
+                    if (pipeline.stages[send.from_stage].mesh or plan.mesh)
+                    != (pipeline.stages[send.to_stage].mesh or plan.mesh))
+    if resharded:
+        lines.append(f"           {resharded} activation(s) resharded between stages of "
+                     "different shapes (sent whole to every rank of the receiver)")
+    return lines
 
 
 def _routing(plan: Plan) -> list[str]:

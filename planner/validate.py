@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from costmodels.orders import chunks_per_device, misplaced
@@ -34,13 +34,15 @@ from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
-from planner.plans.sections import PipelineSection
+from planner.plans.sections import PipelineSection, SendEntry
 from planner.plans.sequence import sequence_split
+from planner.plans.stagemesh import op_meshes, tensor_meshes
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout
+from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import (
     OpNames,
     chunk_of_units,
@@ -285,8 +287,12 @@ def _pipeline(plan: Plan, report: Report) -> None:
         if send.tensor not in plan.tensors:
             report.add(f"pipeline send of unknown tensor {send.tensor!r}")
         entry = plan.tensors.get(send.tensor)
-        if send.scatter_axes and entry is not None:
-            split = send_split(entry.layout, entry.shape, plan.mesh)
+        if send.scatter_axes and entry is not None and _resharded(plan, send):
+            report.add(f"pipeline send of {send.tensor}: scattered over "
+                       f"{list(send.scatter_axes)}, but it crosses to a stage of another "
+                       "mesh shape, which receives it whole")
+        elif send.scatter_axes and entry is not None:
+            split = send_split(entry.layout, entry.shape, _stage_mesh(plan, send.to_stage))
             if split is None or split.axes != send.scatter_axes \
                     or split.dim != send.scatter_dim:
                 report.add(f"pipeline send of {send.tensor}: scattered over "
@@ -303,6 +309,23 @@ def _pipeline(plan: Plan, report: Report) -> None:
                        f"{send.to_chunk} are not op ranges of stages {send.from_stage} → "
                        f"{send.to_stage}")
     report.checked["stages"] = len(stages)
+
+
+def _stage_mesh(plan: Plan, stage: int) -> DeviceMesh:
+    """The mesh of device stage `stage` (its own under per-stage meshes)."""
+    stages = plan.pipeline.stages if plan.pipeline is not None else ()
+    return (stages[stage].mesh or plan.mesh) if 0 <= stage < len(stages) else plan.mesh
+
+
+def _resharded(plan: Plan, send: SendEntry) -> bool:
+    """Whether a send crosses between stages of different meshes (it arrives whole)."""
+    return _stage_mesh(plan, send.from_stage) != _stage_mesh(plan, send.to_stage)
+
+
+def _meshes(plan: Plan) -> tuple[list[DeviceMesh], dict[str, DeviceMesh]]:
+    """Each op's mesh and each tensor's (`planner.plans.stagemesh`)."""
+    return (op_meshes(plan.mesh, plan.pipeline, len(plan.ops)),
+            tensor_meshes(plan.mesh, plan.pipeline, _op_names(plan, None)))
 
 
 def _check_placement(pipe: PipelineSection, chunks: Sequence[tuple[tuple[int, int], int]],
@@ -384,7 +407,11 @@ def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
         entry = plan.tensors.get(send.tensor)
         if entry is None:
             continue
-        size = round(entry.local_bytes(plan.mesh))
+        if _resharded(plan, send):  # arrives whole: its producer is replicated there
+            size = round(replace(entry, layout=Layout.replicated(len(entry.shape)))
+                         .local_bytes(plan.mesh))
+        else:
+            size = round(entry.local_bytes(_stage_mesh(plan, send.to_stage)))
         if send.bytes != size:
             report.add(f"pipeline send of {send.tensor}: {send.bytes} bytes, but its layout "
                        f"holds {size} per rank")
@@ -448,17 +475,20 @@ def _edges(plan: Plan, report: Report) -> None:
                 readers.setdefault((binding.tensor, binding.layout), []).append(op.name)
     needed: Counter = Counter()
     moves = 0
-    for op in plan.ops:
+    on_op, on_tensor = _meshes(plan)
+    for index, op in enumerate(plan.ops):
+        mesh = on_op[index]
         for binding in op.inputs:
             if binding is None:
                 continue
             entry = plan.tensors[binding.tensor]
-            if entry.layout == binding.layout:
+            stored = entry.layout if on_tensor.get(binding.tensor, plan.mesh) == mesh \
+                else Layout.replicated(len(entry.shape))  # arrived whole from another mesh
+            if stored == binding.layout:
                 continue
             itemsize = dtype_itemsize(entry.dtype)  # the importer's: the schema refuses others
             try:
-                steps = redistribute(entry.layout, binding.layout, entry.shape, itemsize,
-                                     plan.mesh)
+                steps = redistribute(stored, binding.layout, entry.shape, itemsize, mesh)
             except Exception as exc:
                 report.add(f"op {op.name} reads {binding.tensor} in a layout no "
                            f"redistribution reaches from its stored one ({exc})")
@@ -527,7 +557,10 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     strategies: dict[str, OpStrategy] = {}
     before = len(report.problems)
     cosmetic = 0  # strategy tuples out of step with layouts: the collectives still follow
+    on_op, _ = _meshes(plan)
+    mesh_of = {op.name: mesh for op, mesh in zip(plan.ops, on_op, strict=True)}
     for node in graph.ops:
+        mesh = mesh_of.get(node.name, plan.mesh)
         entry = entries.get(node.name)
         if entry is None:
             report.add(f"op {node.name} of {graph.path} has no entry in the plan")
@@ -541,12 +574,12 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
                 report.add(f"op {node.name} ({node.op_type}) has no sharding rule but the "
                            f"plan splits it: {_assignment_text(entry.assignment)}")
             continue
-        if not is_valid(node, labels, strategy, graph.tensors, plan.mesh):
+        if not is_valid(node, labels, strategy, graph.tensors, mesh):
             report.add(f"op {node.name} ({node.op_type}): assignment "
                        f"{_assignment_text(entry.assignment)} is not a valid strategy of its "
                        "sharding rule on this mesh")
             continue
-        tuples = [list(b.layout.split_factors(plan.mesh)) if b else [] for b in entry.inputs]
+        tuples = [list(b.layout.split_factors(mesh)) if b else [] for b in entry.inputs]
         if [list(t) for t in entry.strategy] != tuples:
             cosmetic += 1
             report.add(f"op {node.name}: strategy {[list(t) for t in entry.strategy]} does not "
@@ -565,16 +598,23 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     _context_kind(plan, analysis, strategies, report)
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
-    again = derive(analysis, plan.mesh, strategies,
-                   training=plan.step.kind == StepKind.TRAINING,
-                   loss_reads=plan.step.loss_reads)
+    # Per-stage meshes: each mesh's stages derived from their own ops' strategies, every
+    # other op replicated (`planner.search.joint.stage_layouts`); one mesh: the graph's.
+    again: dict[DeviceMesh, ShardedGraph] = {}
+    for mesh in dict.fromkeys(on_op):
+        again[mesh] = derive(analysis, mesh, {name: strategy for name, strategy
+                                              in strategies.items() if mesh_of[name] == mesh},
+                             training=plan.step.kind == StepKind.TRAINING,
+                             loss_reads=plan.step.loss_reads)
 
     def op_level(collectives) -> Counter:
         return Counter(_key(c) for c in collectives
                        if c.phase in (Phase.FORWARD, Phase.BACKWARD) and c.op != OPTIMIZER_OP
                        and c.kind != CollectiveKind.SEND_RECV and c.op != SEND_OP)
 
-    expected, got = op_level(again.collectives), op_level(plan.collectives)
+    expected = op_level(c for mesh, sharded in again.items() for c in sharded.collectives
+                        if mesh_of.get(c.op, plan.mesh) == mesh)
+    got = op_level(plan.collectives)
     _differences(report, expected, got,
                  "missing {phase} {kind} of {tensor} over {axes} at op {op} ({count}×): the "
                  "assignments need it",
@@ -588,14 +628,16 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
 WeightKey = tuple[str, str, tuple[str, ...], str]  # weight, kind, axes, phase
 
 
-def _weight_steps(plan: Plan, graph: PlanningGraph, again: ShardedGraph) -> Counter:
+def _weight_steps(plan: Plan, graph: PlanningGraph,
+                  again: Mapping[DeviceMesh, ShardedGraph]) -> Counter:
     """The weight collectives the plan must list, as the builder derives them: an op-level
     plan's gradient all-reduces (`derive`), or a pipeline plan's ZeRO steps of every
     weight its ops read over its synced gradient axes, once per stage holding it, with
     the sum between two holders (`weight_steps`)."""
     if plan.pipeline is None:
         return Counter((c.tensor, str(c.kind), tuple(c.axes), str(c.phase))
-                       for c in again.gradients)
+                       for c in again[plan.mesh].gradients)
+    meshes = [stage.mesh or plan.mesh for stage in plan.pipeline.stages]
     ops = _op_names(plan, graph)
     holders: dict[str, list[int]] = {}
     for stage in plan.pipeline.stages:
@@ -605,8 +647,10 @@ def _weight_steps(plan: Plan, graph: PlanningGraph, again: ShardedGraph) -> Coun
             if name and graph.tensors[name].kind == "parameter"}
     found: Counter = Counter()
     for name in sorted(read):
-        axes = synced_axes(again.gradient_axes.get(name, ()), plan.mesh)
-        for step in weight_steps(axes, tuple(holders.get(name, [0])), plan.parallel.zero):
+        held_by = tuple(holders.get(name, [0]))
+        mesh = meshes[held_by[0]] if held_by[0] < len(meshes) else plan.mesh
+        axes = synced_axes(again[mesh].gradient_axes.get(name, ()), mesh)
+        for step in weight_steps(axes, held_by, plan.parallel.zero):
             found[(name, str(step.kind), step.axes, str(step.phase))] += 1
     return found
 

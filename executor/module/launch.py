@@ -50,6 +50,7 @@ from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.train import RunLog, check_checkpoints, free_port, issues_per_run
 from planner.errors import ShardplanError
 from planner.plans.model import Plan
+from planner.plans.stagemesh import refuse_stage_meshes
 from planner.sharding.derive import OPTIMIZER_OP
 from planner.validate import refuse_invalid
 
@@ -333,6 +334,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     # checked as the ranks build); context parallelism this runner does not run, by name.
     refuse_invalid(plan, None, "")
     check_degrees(plan.parallel, graph=False)
+    refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
     if plan.pipeline is not None:
         check_runnable(plan.pipeline.schedule)  # a zero-bubble schedule, by name
     saving = checkpoints or Checkpoints()

@@ -87,6 +87,7 @@ from planner.graph import PlanningGraph
 from planner.importer import import_model
 from planner.kinds import AxisRole
 from planner.plans.model import Plan
+from planner.plans.stagemesh import refuse_stage_meshes
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 
@@ -610,6 +611,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         raise ShardplanError("executor.parallelize needs an initialised process group "
                              "(torchrun, or torch.distributed.init_process_group)")
     check_degrees(plan.parallel, graph=False)
+    refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")

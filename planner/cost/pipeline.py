@@ -11,7 +11,7 @@ follows from the one step model (`planner.cost.step`). The partition search
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,11 +51,17 @@ class Prices:
     """Collective times on one mesh (`collective_seconds` memoises them per profile).
 
     `link`: the link the sends between stages cross instead of the mesh's own (a mixed
-    cluster's link between device groups, `costmodels.cluster`); None: the mesh's."""
+    cluster's link between device groups, `costmodels.cluster`); None: the mesh's.
+    `resharded`: the activations arrive from a stage of another (dp, tp) shape
+    (`ShapedPricer`): each rank receives its own local tensor whole, from whichever ranks
+    of the sender hold its rows, never a slice to all-gather (the sender's slices are
+    not the receiver's)."""
 
     def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh,
-                 bucket_mb: float = 0.0, link: LinkLevel | None = None) -> None:
+                 bucket_mb: float = 0.0, link: LinkLevel | None = None,
+                 resharded: bool = False) -> None:
         self.hardware, self.mesh, self.link = hardware, mesh, link
+        self.resharded = resharded
         self.bucket = bucket_bytes(bucket_mb)  # weight collectives' bucket, bytes (0: none)
         self._sends: dict[tuple[float, SendSplit | None], Send] = {}  # layers repeat them
 
@@ -86,7 +92,8 @@ class Prices:
 
     def _send(self, nbytes: float, split: SendSplit | None) -> Send:
         whole = Send(None, nbytes, self.p2p(nbytes), 0.0)
-        if split is None or PIPELINE_AXIS not in self.mesh.axis_names or nbytes <= 0:
+        if (split is None or self.resharded or PIPELINE_AXIS not in self.mesh.axis_names
+                or nbytes <= 0):
             return whole
         piece = nbytes / self.mesh.group_size(split.axes)
         scattered = Send(split, piece, self.p2p(piece),
@@ -286,13 +293,14 @@ class _Held:
 
 
 class Pricer:
-    """Prices devices of a pipeline (one configuration on one mesh); `link`: what the
-    sends into the devices it prices cross (`Prices`)."""
+    """Prices devices of a pipeline (one configuration on one mesh); `link` and
+    `resharded`: how the sends into the devices it prices arrive (`Prices`)."""
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
-                 mesh: DeviceMesh, link: LinkLevel | None = None) -> None:
+                 mesh: DeviceMesh, link: LinkLevel | None = None,
+                 resharded: bool = False) -> None:
         self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
-        self.prices = Prices(hardware, mesh, config.bucket_mb, link)
+        self.prices = Prices(hardware, mesh, config.bucket_mb, link, resharded)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
         self.arrivals = Arrivals(profile, self.prices)
         # A device's price depends on its own ranges, its place in the pipeline and which
@@ -528,5 +536,44 @@ def kind_seconds(profiles: Sequence[UnitProfile]) -> list[float]:
     return [float((p.forward + p.backward).sum()) for p in profiles]
 
 
-#: What prices a pipeline: one kind of device, or a mixed cluster's placement.
-AnyPricer = Pricer | PlacedPricer
+class ShapedPricer:
+    """Prices a pipeline whose device stages run on meshes of different (dp, tp) shapes
+    over the same number of devices each (Alpa's inter-operator pass gives each stage
+    its own submesh): stage k by the `Pricer` of its shape (`pricers[k]`, its unit
+    profile solved and priced on that mesh). A stage that an earlier stage of another
+    shape sends to receives its activations resharded (`Prices`): with equal device
+    counts every rank still receives, and sends back, its own local tensor's bytes."""
+
+    def __init__(self, pricers: Sequence[Pricer]) -> None:
+        self._stages = list(pricers)
+        first = self._stages[0]
+        self.config, self.profile, self.mesh = first.config, first.profile, first.mesh
+
+    @classmethod
+    def of_shapes(cls, shapes: Sequence[Hashable],
+                  pricer_of: Callable[[Hashable, bool], Pricer]) -> ShapedPricer:
+        """The pricer of stages of `shapes` (one per device stage, in order), stage k by
+        `pricer_of(shape, resharded)`: resharded where an earlier stage (which may send
+        to it) has another shape."""
+        return cls([pricer_of(shape, any(other != shape for other in shapes[:k]))
+                    for k, shape in enumerate(shapes)])
+
+    def stage_pricer(self, stage: int) -> Pricer:
+        return self._stages[stage]
+
+    def limit_ratio(self, stage: int) -> float:
+        return 1.0
+
+    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
+               mode: Recompute) -> StagePrice:
+        return self._stages[index].device(index, devices, mode)
+
+    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
+              recompute: Sequence[Recompute]) -> StepPrice:
+        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
+        return step_price(stages, self.config)
+
+
+#: What prices a pipeline: one kind of device, a mixed cluster's placement, or stages of
+#: several mesh shapes.
+AnyPricer = Pricer | PlacedPricer | ShapedPricer

@@ -19,6 +19,7 @@ from planner.explain.model import SAME, Explanation, Rival
 from planner.explain.rivals import rivals
 from planner.explain.units import find_units
 from planner.plans.model import Plan
+from planner.plans.stagemesh import describe_stage_meshes, per_stage_meshes
 
 
 def explain(plan: Plan, source: str = "plan", top: int = 5) -> Explanation:
@@ -33,7 +34,9 @@ def explain(plan: Plan, source: str = "plan", top: int = 5) -> Explanation:
                "bound_dims": dict(plan.model.bound_dims)},
         cluster={**asdict(plan.cluster), "described": plan.cluster.describe()},
         mesh={"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
-              "intra_node": [plan.mesh.intra_node(a) for a in plan.mesh.axis_names]},
+              "intra_node": [plan.mesh.intra_node(a) for a in plan.mesh.axis_names],
+              **({"stages": describe_stage_meshes(plan.mesh, plan.pipeline)}
+                 if plan.pipeline is not None and per_stage_meshes(plan.pipeline) else {})},
         parallel={**degrees(plan), "global_batch": plan.global_batch},
         solver={"name": plan.solver.name, "status": plan.solver.status,
                 "gap": plan.solver.gap, "chosen": plan.solver.detail.chosen},

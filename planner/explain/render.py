@@ -54,10 +54,13 @@ def _header(ex: Explanation) -> list[str]:
     if p.get("schedule") and p["pp"] > 1:
         pipe = f", schedule {p['schedule']}" + (
             f" ×{p['virtual_stages']} chunks" if (p.get("virtual_stages") or 1) > 1 else "")
+    stages = ex.mesh.get("stages")
     return [
         f"plan       {ex.source}: {ex.model['path']} ({ex.model['parameters'] / 1e6:,.1f} M "
         f"parameters, global batch {p.get('global_batch')})",
         f"cluster    {ex.cluster['described']}, mesh {mesh}",
+        *(["stages     each on a mesh of its own shape: "
+           + "; ".join(f"{k}: {shape}" for k, shape in enumerate(stages))] if stages else []),
         f"strategy   dp={p['dp']} tp={p['tp']} pp={p['pp']}{_degrees_beyond(p)} "
         f"micro_batches={p['micro_batches']} zero={p['zero']} recompute={p['recompute']}{pipe}",
         f"step time  {human_seconds(ex.step_time_s)}; peak memory "

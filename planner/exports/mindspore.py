@@ -7,6 +7,7 @@ from typing import Any
 
 from planner.plans.model import Plan
 from planner.plans.sections import OpEntry
+from planner.plans.stagemesh import refuse_stage_meshes
 from planner.sharding.convert import flat_form, to_mindspore_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -83,6 +84,7 @@ def to_mindspore_checkpoint(plan: Plan, name_prefix: str = "") -> dict[str, Any]
     A parameter whose dim is split by mesh axes that are not neighbours in mesh order has no
     flat tensor map: its "tensor_map" is then the nested, one-list-per-dim form.
     """
+    refuse_stage_meshes(plan.mesh, plan.pipeline, "the MindSpore export")
     mesh = plan.mesh
     producers = {b.tensor: op for op in plan.ops for b in op.outputs if b is not None}
     strategies: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from costmodels.schedule import bubble_fraction
 from planner.cost.buckets import Issue, assign_buckets
 from planner.cost.kernels import KernelPlan
 from planner.cost.oplevel import PricedGraph, priced_choice, priced_on_kinds
-from planner.cost.pipeline import PlacedPricer, Pricer, Prices
+from planner.cost.pipeline import PlacedPricer, Pricer, Prices, ShapedPricer
 from planner.cost.pricing import synced_bytes
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
@@ -49,9 +49,16 @@ from planner.plans.sections import (
     chunks_of,
 )
 from planner.plans.sequence import sequence_parallel
+from planner.plans.stagemesh import tensor_sites
 from planner.records import Collective, OpCost, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
-from planner.search.joint import choice_mesh, kinds_of, pipeline_config
+from planner.search.joint import (
+    choice_mesh,
+    kinds_of,
+    pipeline_config,
+    shaped_pricer,
+    stage_layouts,
+)
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
@@ -182,30 +189,48 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     training = context.training
     per_node = int(context.hardware.devices_per_node.value)
     mesh = choice_mesh(choice, per_node)
-    kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
-        context.hardware,)
-    priceds = priced_on_kinds(analysis, mesh, decision.strategies, kinds, training)
-    priced = priceds[0] if len(kinds) == 1 else priceds[kinds.index(context.hardware)]
-    sharded = priced.sharded
-    profiles = [unit_profile(p, analysis.units) for p in priceds]
-    profile = profiles[0]
     config = pipeline_config(choice, training)
-    pricer: Pricer | PlacedPricer
+    pricer: Pricer | PlacedPricer | ShapedPricer
     placement = None
-    if decision.order:
-        assert context.cluster is not None, "a placed decision comes from a mixed cluster"
-        placement = Placement(context.cluster, decision.order, mesh.size // choice.pp)
-        pricer = PlacedPricer(profiles, config, placement, mesh,
-                              training.memory_limit_bytes is not None, decision.rows)
+    stage_meshes: list[DeviceMesh | None] = [None] * choice.pp
+    if decision.shapes:
+        # Per-stage meshes: each distinct shape's layout, in the order stages first use
+        # them (stage 0's first: the plan's mesh and parallel section are its).
+        picked = [(shape.dp, shape.tp) for shape in decision.shapes]
+        order = list(dict.fromkeys(picked))
+        layouts = stage_layouts(analysis, context.hardware, choice, training,
+                                decision.shapes, decision.devices)
+        priceds = [layouts[key].priced for key in order]
+        profiles = [layouts[key].profile for key in order]
+        pricer = shaped_pricer(layouts, picked, config, context.hardware)
+        kind_of_stage = [order.index(key) for key in picked]
+        stage_meshes = [layouts[key].mesh for key in picked]
+        lead = 0
     else:
-        pricer = Pricer(profile, config, context.hardware, mesh)
+        kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
+            context.hardware,)
+        priceds = list(priced_on_kinds(analysis, mesh, decision.strategies, kinds, training))
+        lead = kinds.index(context.hardware)  # the plan's sections are the lead kind's
+        profiles = [unit_profile(p, analysis.units) for p in priceds]
+        if decision.order:
+            assert context.cluster is not None, "a placed decision comes from a mixed cluster"
+            placement = Placement(context.cluster, decision.order, mesh.size // choice.pp)
+            pricer = PlacedPricer(profiles, config, placement, mesh,
+                                  training.memory_limit_bytes is not None, decision.rows)
+        else:
+            pricer = Pricer(profiles[0], config, context.hardware, mesh)
+        kind_of_stage = [pricer.groups[d] if isinstance(pricer, PlacedPricer) else 0
+                         for d in range(choice.pp)]
+    priced = priceds[lead]
+    sharded = priced.sharded
     price = pricer.price(decision.devices, decision.recompute)
     stage_of_op = _stage_of_op(decision, analysis.units, len(graph.ops))
-    kind_of_stage = [pricer.groups[d] if isinstance(pricer, PlacedPricer) else 0
-                     for d in range(choice.pp)]
 
     def prices_of(stage: int) -> Prices:
         return pricer.stage_pricer(stage).prices
+
+    def profile_of(stage: int) -> UnitProfile:
+        return pricer.stage_pricer(stage).profile
 
     warnings = list(_warnings(graph, sharded, context.hardware))
     tp = choice.tp
@@ -219,7 +244,9 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
                    for s in stage_of_op]
     ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
         priceds, kind_of_op, scale_of_op)
-    tensors, units = _tensor_entries(sharded), _layer_units(analysis.units)
+    tensors = _tensor_entries(sharded) if not decision.shapes else _shaped_tensor_entries(
+        [p.sharded for p in priceds], kind_of_op)
+    units = _layer_units(analysis.units)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
@@ -228,8 +255,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None, dp_shares=decision.rows)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
-                            mesh.size // choice.pp, placement)
-    sends = _sends(analysis, profile, stages, prices_of)
+                            mesh.size // choice.pp, placement, stage_meshes)
+    sends = _sends(analysis, profile_of, stages, prices_of)
     global_batch = decision.micro_batch_size * choice.micro_batches
     section = PipelineSection(
         schedule=config.schedule, micro_batches=config.micro_batches,
@@ -241,8 +268,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     op_collectives = priced.collectives if len(priceds) == 1 else _placed_collectives(
         priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op, strict=True)})
     collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
-                   *_weight_collectives(profile, stages, choice.zero, prices_of,
-                                       training.precision),
+                   *_weight_collectives(profile_of, stages, choice.zero, prices_of,
+                                        training.precision),
                    *_send_collectives(sends, stages, graph, prices_of))
     limits = None
     if placement is not None:
@@ -253,6 +280,16 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         collectives=collectives, predicted=predicted(price, context.limit, limits),
         solver=UNREPORTED, warnings=tuple(warnings), step=_step(training), pipeline=section,
         units=units), price)
+
+
+def _shaped_tensor_entries(shardeds: Sequence[ShardedGraph],
+                           kind_of_op: Sequence[int]) -> dict[str, TensorEntry]:
+    """Per-stage meshes: each tensor as the layout of its site's stage stores it (the op
+    producing it, else the first reading it: `planner.plans.stagemesh.tensor_sites`)."""
+    every = [_tensor_entries(sharded) for sharded in shardeds]
+    sites = tensor_sites(_op_names(shardeds[0].analysis.graph))
+    return {name: every[kind_of_op[sites[name]] if name in sites else 0][name]
+            for name in every[0]}
 
 
 def _stage_of_op(decision: PipelineDecision, units: Units, ops: int) -> list[int]:
@@ -300,7 +337,8 @@ def _placed_collectives(priceds: Sequence[PricedGraph],
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,
                    price: StepPrice, decision: PipelineDecision,
-                   stage_size: int, placement: Placement | None) -> tuple[StageEntry, ...]:
+                   stage_size: int, placement: Placement | None,
+                   meshes: Sequence[DeviceMesh | None]) -> tuple[StageEntry, ...]:
     units = analysis.units
     rows = []
     for d, (stage, ranges, mode) in enumerate(zip(price.stages, decision.devices,
@@ -317,7 +355,7 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: Kern
             gradient_sync_s=stage.sync_s, optimizer_s=stage.optimizer_s,
             in_flight=stage.in_flight, weight_gradient_s=stage.weight_s,
             groups=tuple(placement.cluster.groups[g].name for g in placement.stage_groups(d))
-            if placement is not None else ()))
+            if placement is not None else (), mesh=meshes[d]))
     return tuple(rows)
 
 
@@ -349,11 +387,13 @@ def _op_names(graph: PlanningGraph) -> list[tuple[tuple[str, ...], tuple[str, ..
     return [(tuple(node.inputs), tuple(node.outputs)) for node in graph.ops]
 
 
-def _sends(analysis: GraphAnalysis, profile: UnitProfile,
+def _sends(analysis: GraphAnalysis, profile_of: Callable[[int], UnitProfile],
            stages: Sequence[StageEntry],
            prices_of: Callable[[int], Prices]) -> tuple[SendEntry, ...]:
     """Every activation a device stage receives from another, chunk to chunk, scattered
-    over the axes it is replicated on where that is faster (`Prices.send`).
+    over the axes it is replicated on where that is faster (`Prices.send`), its bytes the
+    receiving stage's local tensor (`profile_of(stage)`: under per-stage meshes each
+    stage's own layout).
 
     A tensor that carries a gradient goes to every chunk reading it (each chunk's
     backward pass returns its own gradient); one without reaches a device once, at the
@@ -362,36 +402,42 @@ def _sends(analysis: GraphAnalysis, profile: UnitProfile,
     chunks = chunks_of(stages)
     chunk_of_unit = chunk_of_units(analysis.units.bounds, chunks)
     sends = []
-    for crossing in profile.crossings:
+    for index, crossing in enumerate(profile_of(0).crossings):
         routes = send_routes(UnitCrossing(crossing.tensor, crossing.producer,
                                           crossing.consumers),
                              crossing.grad, chunk_of_unit, chunks)
         for source, target in routes:
-            split = prices_of(chunks[target][1]).send(crossing.bytes, crossing.split).split
-            sends.append(SendEntry(crossing.tensor, chunks[source][1], chunks[target][1],
-                                   round(crossing.bytes), crossing.grad, source, target,
+            stage = chunks[target][1]
+            arriving = profile_of(stage).crossings[index]
+            split = prices_of(stage).send(arriving.bytes, arriving.split).split
+            sends.append(SendEntry(crossing.tensor, chunks[source][1], stage,
+                                   round(arriving.bytes), crossing.grad, source, target,
                                    split.axes if split else (), split.dim if split else -1))
     return tuple(sends)
 
 
-def _weight_collectives(profile: UnitProfile, stages: Sequence[StageEntry], zero: int,
+def _weight_collectives(profile_of: Callable[[int], UnitProfile],
+                        stages: Sequence[StageEntry], zero: int,
                         prices_of: Callable[[int], Prices],
                         precision: Precision | None) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
     holding it, each priced as its share of its bucket and numbered with it (buckets of
     one stage, kind, phase and group fill in the order the step issues them), and the sum
     between the holders of a weight two stages read (a tied embedding), priced as one
-    exchange with the other holder."""
+    exchange with the other holder. Each weight as its (first) holder's layout shares
+    it over that stage's mesh (`profile_of`)."""
     holders: dict[str, list[int]] = {}
     for stage in stages:
         for name in stage.holds:
             holders.setdefault(name, []).append(stage.device_stage)
     result: list[Collective] = []
     issues: list[tuple[tuple, int, Issue]] = []  # (issue order, record index, bucket key)
-    for param in profile.params:
-        axes = param.synced_axes(prices_of(0).mesh)
+    for index, param in enumerate(profile_of(0).params):
+        held_by = tuple(holders.get(param.name, [0]))
+        param = profile_of(held_by[0]).params[index]
+        axes = param.synced_axes(prices_of(held_by[0]).mesh)
         first = param.units[0] if param.units else 0
-        for step in weight_steps(axes, tuple(holders.get(param.name, [0])), zero):
+        for step in weight_steps(axes, held_by, zero):
             prices = prices_of(step.holder)
             moved = synced_bytes(step.kind, param.bytes, param.itemsize, precision)
             if step.number < 0:  # the sum between two holders: one exchange with the other

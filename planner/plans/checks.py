@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from planner.errors import PlanFileError
 from planner.plans.schema import REMEDY
 from planner.plans.sections import ClusterRef, OpEntry, PipelineSection, TensorEntry, UnitEntry
+from planner.plans.stagemesh import op_meshes, tensor_meshes
 from planner.records import Collective
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -19,15 +20,33 @@ from planner.sharding.mesh import DeviceMesh
 
 def check_plan_fits(cluster: ClusterRef, mesh: DeviceMesh, tensors: Mapping[str, TensorEntry],
                     ops: Sequence[OpEntry], collectives: Sequence[Collective],
-                    source: str) -> None:
-    """Refuse layouts the plan's mesh cannot hold and bindings to unknown tensors."""
+                    source: str, pipeline: PipelineSection | None = None) -> None:
+    """Refuse layouts the plan's mesh (or, under per-stage meshes, the op's or tensor's
+    stage's: `planner.plans.stagemesh`) cannot hold and bindings to unknown tensors."""
     if cluster.devices != mesh.size:
         raise PlanFileError(f"{source}: mesh {list(mesh.shape)} has {mesh.size} devices but "
                             f"cluster.devices is {cluster.devices}; {REMEDY}")
+    meshes = [mesh]
+    for s, stage in enumerate(pipeline.stages if pipeline is not None else ()):
+        if stage.mesh is None:
+            continue
+        if stage.mesh.size != mesh.size or stage.mesh.axis_names[:1] != mesh.axis_names[:1] \
+                or stage.mesh.shape[:1] != mesh.shape[:1]:
+            raise PlanFileError(f"{source}: pipeline.stages[{s}].mesh {list(stage.mesh.shape)} "
+                                f"({list(stage.mesh.axis_names)}) is not a shape of the "
+                                f"plan's {mesh.size} devices with its pipeline axis "
+                                f"{list(mesh.shape)} ({list(mesh.axis_names)}); {REMEDY}")
+        meshes.append(stage.mesh)
+    bound = [([b.tensor if b else None for b in op.inputs],
+              [b.tensor if b else None for b in op.outputs]) for op in ops]
+    on_tensor = tensor_meshes(mesh, pipeline, bound)
+    on_op = op_meshes(mesh, pipeline, len(ops))
     for name, entry in tensors.items():
-        _check_layout(entry.layout, entry.shape, mesh, f"{source}: tensors.{name}.layout")
+        _check_layout(entry.layout, entry.shape, on_tensor.get(name, mesh),
+                      f"{source}: tensors.{name}.layout")
     seen: set[str] = set()
     for index, op in enumerate(ops):
+        mesh = on_op[index]
         where = f"{source}: ops[{index}] ({op.name})"
         if op.name in seen:
             raise PlanFileError(f"{where}: a second entry for op {op.name}; {REMEDY}")
@@ -42,15 +61,16 @@ def check_plan_fits(cluster: ClusterRef, mesh: DeviceMesh, tensors: Mapping[str,
                                         f"is not in the plan's tensors; {REMEDY}")
                 _check_layout(binding.layout, tensor.shape, mesh,
                               f"{where}.{side}[{slot}].layout")
+    names = list(dict.fromkeys(axis for m in meshes for axis in m.axis_names))
     for index, collective in enumerate(collectives):
-        _check_axes(collective.axes, mesh, f"{source}: collectives[{index}].axes")
+        _check_axes(collective.axes, names, f"{source}: collectives[{index}].axes")
 
 
-def _check_axes(axes: Sequence[str], mesh: DeviceMesh, where: str) -> None:
+def _check_axes(axes: Sequence[str], names: Sequence[str], where: str) -> None:
     for axis in axes:
-        if axis not in mesh.axis_names:
+        if axis not in names:
             raise PlanFileError(f"{where}: mesh axis {axis!r} is not one of the mesh's axes "
-                                f"{list(mesh.axis_names)}; {REMEDY}")
+                                f"{list(names)}; {REMEDY}")
 
 
 def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where: str) -> None:
@@ -59,7 +79,7 @@ def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where:
         raise PlanFileError(f"{where}: {layout.rank} dims for a tensor of shape {list(shape)}; "
                             f"{REMEDY}")
     used = layout.used_axes
-    _check_axes(used, mesh, where)
+    _check_axes(used, mesh.axis_names, where)
     twice = sorted({a for a in used if used.count(a) > 1})
     if twice:
         raise PlanFileError(f"{where}: mesh axis {twice[0]!r} is used twice; {REMEDY}")

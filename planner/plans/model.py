@@ -188,7 +188,7 @@ class Plan:
         except (TypeError, ValueError, AttributeError) as exc:
             raise PlanFileError(f"{source}: malformed plan ({exc})") from None
         check_plan_fits(plan.cluster, plan.mesh, plan.tensors, plan.ops, plan.collectives,
-                        source)
+                        source, plan.pipeline)
         check_op_ranges(plan.units, plan.pipeline, len(plan.ops), plan.mesh.size, source)
         check_groups(plan.cluster, plan.pipeline, source)
         return plan

@@ -474,6 +474,9 @@ class StageEntry:
     weight_gradient_s: float = 0.0
     #: on a mixed cluster, the device groups its ranks are on (`cluster.groups`' names)
     groups: tuple[str, ...] = ()
+    #: where the stages' (dp, tp) shapes differ, this stage's own mesh (its ops' layouts
+    #: and collectives are over it, `planner.plans.stagemesh`); None: the plan's mesh
+    mesh: DeviceMesh | None = None
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -494,6 +497,7 @@ class StageEntry:
             "gradient_sync_s": self.gradient_sync_s, "optimizer_s": self.optimizer_s,
             "in_flight": self.in_flight, "weight_gradient_s": self.weight_gradient_s,
             **({"groups": list(self.groups)} if self.groups else {}),
+            **({"mesh": self.mesh.to_json()} if self.mesh is not None else {}),
         }
 
     @classmethod
@@ -509,6 +513,7 @@ class StageEntry:
             units=tuple((str(a), str(b)) for a, b in data.get("units", ())),
             **{key: float(data.get(key, 0.0)) for key in _STAGE_FIGURES},
             groups=tuple(str(g) for g in data.get("groups", ())),
+            mesh=DeviceMesh.from_json(data["mesh"]) if "mesh" in data else None,
         )
 
 

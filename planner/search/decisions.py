@@ -66,6 +66,18 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class StageShape:
+    """A device stage's own mesh shape and op-level choice, where the stages' shapes
+    differ (per-stage meshes, `planner.search.joint.shaped_decision`): dp × tp is the
+    same for every stage; the strategies are solved on this shape for the whole graph,
+    and the stage runs those of its own ops."""
+
+    dp: int
+    tp: int
+    strategies: Mapping[str, OpStrategy]
+
+
+@dataclass(frozen=True)
 class PipelineDecision:
     """A configuration of the joint search: the op-level choice of one stage (on the
     graph at the micro-batch), and each device stage's unit ranges and recompute mode."""
@@ -83,6 +95,9 @@ class PipelineDecision:
     #: on a mixed cluster, the rows of each micro-batch each data-parallel replica takes
     #: where shared by speed (`planner.search.stages.speed_rows`); empty: even shares
     rows: tuple[int, ...] = ()
+    #: per device stage, its own (dp, tp) shape and strategies where the stages' shapes
+    #: differ; empty: every stage runs `choice`'s shape with `strategies`
+    shapes: tuple[StageShape, ...] = ()
 
 
 Decision = OpLevelDecision | PipelineDecision

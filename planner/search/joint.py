@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
 
@@ -37,14 +37,15 @@ from costmodels.cluster import Cluster
 from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
-from planner.cost.oplevel import gemm_floor_s, priced_on_kinds
+from planner.cost.oplevel import PricedGraph, gemm_floor_s, priced_on_kinds
+from planner.cost.pipeline import Pricer, ShapedPricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
 from planner.kinds import RECOMPUTE_MODES, AxisRole, ContextKind, Recompute, Schedule
 from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
-from planner.search.decisions import Choice, PipelineDecision
+from planner.search.decisions import Choice, PipelineDecision, StageShape
 from planner.search.layers import tie_classes
 from planner.search.megatron import megatron_strategies
 from planner.search.options import PIPELINED_ONLY, Pins
@@ -59,7 +60,10 @@ from planner.search.stages import (
     OrderedPartitioner,
     Partition,
     Partitioner,
+    StageTables,
+    contiguous,
     partitioner_for,
+    solve_shaped,
 )
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
@@ -771,6 +775,153 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                             tp_pinned, found.order, found.rows)
 
 
+#: Schedules whose stages run on meshes of their own shapes (`shaped_decision`): each
+#: stage sends only to the next one (and gradients back), where the activations are
+#: resharded; interleaved and V schedules wrap chunks around every device.
+SHAPED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ZB_H1)
+
+
+def stage_shapes(choice: Choice, micro_size: int, per_node: int) -> list[tuple[int, int]]:
+    """The (dp, tp) shapes a device stage of `choice` may take on its dp × tp devices:
+    tp within a node, dp dividing the micro-batch; the choice's own shape first."""
+    size = choice.dp * choice.tp
+    found = [(size // tp, tp) for tp in _divisors(size)
+             if tp <= per_node and micro_size % (size // tp) == 0]
+    own = (choice.dp, choice.tp)
+    return [own, *(shape for shape in found if shape != own)]
+
+
+@dataclass(frozen=True)
+class ShapeLayout:
+    """One stage shape's op-level layout of the micro-batch's graph: priced on the
+    pipeline's mesh of that shape, and its unit profile."""
+
+    priced: PricedGraph
+    profile: UnitProfile
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.priced.sharded.mesh
+
+
+def shape_layout(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choice,
+                 training: TrainingOptions, dp: int, tp: int,
+                 strategies: Mapping[str, OpStrategy]) -> ShapeLayout:
+    """`strategies` (solved on a (dp, tp) stage) priced on `choice`'s pipeline mesh with
+    that shape."""
+    per_node = int(hardware.devices_per_node.value)
+    mesh = choice_mesh(replace(choice, dp=dp, tp=tp), per_node)
+    priced = priced_on_kinds(micro, mesh, strategies, (hardware,), training)[0]
+    return ShapeLayout(priced, unit_profile(priced, micro.units))
+
+
+def stage_layouts(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choice,
+                  training: TrainingOptions, shapes: Sequence[StageShape],
+                  devices: Sequence[Sequence[tuple[int, int]]]
+                  ) -> dict[tuple[int, int], ShapeLayout]:
+    """Each distinct shape of per-stage meshes laid out for the stages that run it: the
+    strategies of their own ops (`devices[k]`: stage k's unit ranges), every other op
+    replicated. So an activation from a stage of another shape arrives whole (its
+    producer replicated on this mesh: the send reshards it to every rank), and what each
+    stage lists follows from its own ops' strategies alone (what validate re-derives)."""
+    bounds = micro.units.bounds
+    names = [node.name for node in micro.graph.ops]
+    owned: dict[tuple[int, int], set[str]] = {}
+    for shape, ranges in zip(shapes, devices, strict=True):
+        mine = owned.setdefault((shape.dp, shape.tp), set())
+        for a, b in ranges:
+            mine.update(names[bounds[a]:bounds[b]])
+    layouts: dict[tuple[int, int], ShapeLayout] = {}
+    for shape in shapes:
+        key = (shape.dp, shape.tp)
+        if key not in layouts:
+            mine = owned[key]
+            strategies = {name: s for name, s in shape.strategies.items() if name in mine}
+            layouts[key] = shape_layout(micro, hardware, choice, training, *key, strategies)
+    return layouts
+
+
+def shaped_pricer(layouts: Mapping[tuple[int, int], ShapeLayout],
+                  picked: Sequence[tuple[int, int]], config: PipelineConfig,
+                  hardware: HardwareProfile) -> ShapedPricer:
+    """The exact pricer of stages of the `picked` shapes (`ShapedPricer`) on their
+    `stage_layouts`, for the search and the plan builder alike."""
+    pricers: dict[tuple[Hashable, bool], Pricer] = {}
+
+    def pricer_of(shape: Hashable, resharded: bool) -> Pricer:
+        key = (shape, resharded)
+        if key not in pricers:
+            layout = layouts[shape]  # type: ignore[index]
+            pricers[key] = Pricer(layout.profile, config, hardware, layout.mesh,
+                                  resharded=resharded)
+        return pricers[key]
+
+    return ShapedPricer.of_shapes(list(picked), pricer_of)
+
+
+def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: PipelineDecision,
+                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
+                    layout: str | None = None) -> PipelineDecision | None:
+    """Per-stage meshes (Alpa's inter-operator pass): the configuration of `shared` with
+    each device stage on a (dp, tp) shape of its own over the same devices
+    (`stage_shapes`), each shape's op-level layout solved for it; the partition DP takes,
+    for every range of units, the shape and recompute mode of least load that fits
+    (`solve_shaped`), and the result is priced exactly with the activations resharded
+    between stages of different shapes (`ShapedPricer`). Returned only where the stages'
+    shapes differ and the step is faster than `shared`'s: the search compares both.
+
+    Not tried for interleaved or V schedules, context, expert or sequence parallelism,
+    replicas, a mixed cluster, or weights read by several units (a tied embedding: its
+    holders would sum gradients sharded differently); there every stage shares a shape."""
+    choice = shared.choice
+    if (choice.pp < 2 or choice.schedule not in SHAPED_SCHEDULES or choice.cp > 1
+            or choice.ep > 1 or choice.replicas > 1 or choice.sequence_parallel
+            or shared.order or shared.rows or shared.shapes):
+        return None
+    per_node = int(hardware.devices_per_node.value)
+    micro = graphs.at(shared.micro_batch_size)
+    shapes = stage_shapes(choice, shared.micro_batch_size, per_node)
+    if len(shapes) < 2 or choice.pp > micro.units.count:
+        return None
+    config = pipeline_config(choice, training)
+    limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
+    solved: dict[tuple[int, int], Mapping[str, OpStrategy]] = {}
+    layouts: dict[tuple[int, int], ShapeLayout] = {}
+    for dp, tp in shapes:
+        strategies: Mapping[str, OpStrategy] = shared.strategies
+        if (dp, tp) != (choice.dp, choice.tp):
+            strategies = model_parallel_strategies(
+                micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
+                time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
+        solved[(dp, tp)] = strategies
+        layouts[(dp, tp)] = shape_layout(micro, hardware, choice, training, dp, tp,
+                                         strategies)
+    if any(len(param.units) > 1 for param in layouts[shapes[0]].profile.params):
+        return None
+    tables = [StageTables(Pricer(layouts[shape].profile, config, hardware,
+                                 layouts[shape].mesh)) for shape in shapes]
+    found = solve_shaped([tables] * choice.pp, [limit] * choice.pp, modes)
+    if found is None:
+        return None
+    cuts, chosen, picks = found
+    picked = [shapes[k] for k in picks]
+    if len(set(picked)) < 2:
+        return None  # one shape for every stage: a configuration of its own
+    devices = contiguous(cuts)
+    stages = tuple(StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked)
+    exact = stage_layouts(micro, hardware, choice, training, stages, devices)
+    price = shaped_pricer(exact, picked, config, hardware).price(devices, chosen)
+    if price.peak_memory > limit or price.step_time_s >= shared.solver.objective:
+        return None
+    first = picked[0]
+    step = price.step_time_s
+    return replace(
+        shared, choice=replace(choice, dp=first[0], tp=first[1]),
+        strategies=solved[first], devices=tuple(tuple(r) for r in devices),
+        recompute=tuple(chosen), solver=replace(shared.solver, objective=step, bound=step),
+        shapes=stages)
+
+
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     training: TrainingOptions, pins: Pins,
                     time_limit: float = 60.0, top_k: int = 3,
@@ -794,4 +945,9 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                   pins.layout, pins.cp_kind, cluster, pins.dp_shares)
         if decision is not None:
             decisions.append(decision)
+            if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared":
+                shaped = shaped_decision(graphs, hardware, decision, training, modes,
+                                         time_limit, pins.layout)
+                if shaped is not None:
+                    decisions.append(shaped)
     return decisions, result

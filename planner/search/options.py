@@ -10,13 +10,13 @@ from planner.errors import ShardplanError
 from planner.kinds import RECOMPUTE_MODES, ContextKind, Recompute, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-                 "layout", "sp", "cp", "cp_kind", "ep", "dp_shares")
+                 "layout", "sp", "cp", "cp_kind", "ep", "dp_shares", "stage_mesh")
 #: Pins whose values are words, not integers.
-TEXT_PINS = ("recompute", "schedule", "layout", "cp_kind", "dp_shares")
+TEXT_PINS = ("recompute", "schedule", "layout", "cp_kind", "dp_shares", "stage_mesh")
 #: Schedules of several stages only (one stage has no bubble to fill).
 PIPELINED_ONLY = (Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZBV)
 JOINT_KEYS = ("pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
-              "layout", "sp", "cp_kind")  # joint only (and cp above 1)
+              "layout", "sp", "cp_kind", "stage_mesh")  # joint only (and cp above 1)
 #: `layout=megatron`: the tp axis splits as Megatron-LM does (`planner.search.megatron`)
 #: instead of the fastest layout the op-level search finds.
 LAYOUTS = ("megatron",)
@@ -24,6 +24,10 @@ LAYOUTS = ("megatron",)
 #: each (what the executor runs), or "speed": in proportion to each one's speed
 #: (`planner.search.stages.speed_rows`); unpinned, the search keeps the faster.
 DP_SHARES = ("even", "speed")
+#: `stage_mesh=shared`: every pipeline stage on the same (dp, tp) shape (what the
+#: executor runs); unpinned, the joint search also tries a shape per stage
+#: (`planner.search.joint.shaped_decision`) and keeps the faster.
+STAGE_MESHES = ("shared",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Pins:
     cp_kind: ContextKind | None = None
     ep: int | None = None  # expert parallel degree (an axis "ep" inside dp)
     dp_shares: str | None = None  # "even" or "speed" on a mixed cluster (DP_SHARES)
+    stage_mesh: str | None = None  # "shared": one (dp, tp) shape for every stage
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
@@ -83,7 +88,7 @@ class Pins:
                 and self.schedule in (None, Schedule.ONE_F_ONE_B) and self.vpp is None
                 and self.layout is None and self.sp in (None, 0) and self.cp in (None, 1)
                 and self.cp_kind is None and self.ep in (None, 1)
-                and self.dp_shares in (None, "even"))
+                and self.dp_shares in (None, "even") and self.stage_mesh in (None, "shared"))
 
     def admit(self, dp: int, tp: int, layout: str | None = None) -> bool:
         """Whether an op-level plan of these degrees (with Megatron's layout when `layout`
@@ -119,7 +124,7 @@ def check_pins(parallel: Mapping[str, int | str]) -> Pins:
         if key in TEXT_PINS:
             allowed = {"recompute": [str(m) for m in RECOMPUTE_MODES], "schedule": SCHEDULES,
                        "layout": list(LAYOUTS), "cp_kind": [str(k) for k in ContextKind],
-                       "dp_shares": list(DP_SHARES)}[key]
+                       "dp_shares": list(DP_SHARES), "stage_mesh": list(STAGE_MESHES)}[key]
             if value not in allowed:
                 raise ShardplanError(f"--parallel {key}={value}: choose one of "
                                      f"{', '.join(allowed)}")

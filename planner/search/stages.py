@@ -360,40 +360,55 @@ def solve_stages(tables: Sequence[StageTables], limits: Sequence[float],
     """The DP over cut points: stage k takes its times and memory from `tables[k]` and
     fits `limits[k]`; the cuts and each stage's recompute mode that minimise the largest
     stage load, or None when no partition fits."""
-    first = tables[0]
+    found = solve_shaped([[table] for table in tables], limits, modes)
+    return None if found is None else (found[0], found[1])
+
+
+def solve_shaped(options: Sequence[Sequence[StageTables]], limits: Sequence[float],
+                 modes: Sequence[Recompute]
+                 ) -> tuple[list[int], list[Recompute], list[int]] | None:
+    """`solve_stages` where stage k may take any of `options[k]` (the tables of its
+    mesh shapes, over the same units): for each range the option and recompute mode of
+    least load that fits. Returns the cuts, each stage's mode and the index of its
+    option, or None when no partition fits."""
+    first = options[0][0]
     config, n = first.config, first.n
     m = config.micro_batches
     starts, rows = first.starts, len(first.starts)
     valid = starts[:, None] < np.arange(n + 1)[None, :]
     best = np.full(rows, np.inf)
     best[0] = 0.0
-    back: list[tuple[np.ndarray, np.ndarray]] = []
+    back: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     ending = np.full(n + 1, np.inf)
     for stage in range(config.pp):
-        table = tables[stage]
         load = np.full((rows, n + 1), np.inf)
         mode_of = np.zeros((rows, n + 1), dtype=np.int64)
-        for index, mode in enumerate(RECOMPUTE_MODES):
-            if mode not in modes:
-                continue
-            per_micro = table.time[mode] + table.p2p + table.totals.micro
-            cost = m * per_micro + table.totals.end + table.totals.optimizer
-            fits = valid & (table.memory(mode, stage) <= limits[stage])
-            better = fits & (cost < load)
-            load = np.where(better, cost, load)
-            mode_of = np.where(better, index, mode_of)
+        option_of = np.zeros((rows, n + 1), dtype=np.int64)
+        for option, table in enumerate(options[stage]):
+            for index, mode in enumerate(RECOMPUTE_MODES):
+                if mode not in modes:
+                    continue
+                per_micro = table.time[mode] + table.p2p + table.totals.micro
+                cost = m * per_micro + table.totals.end + table.totals.optimizer
+                fits = valid & (table.memory(mode, stage) <= limits[stage])
+                better = fits & (cost < load)
+                load = np.where(better, cost, load)
+                mode_of = np.where(better, index, mode_of)
+                option_of = np.where(better, option, option_of)
         through = np.maximum(best[:, None], load)
         choice = np.argmin(through, axis=0)
         ending = through[choice, np.arange(n + 1)]  # the best load of units [0, i)
         best = ending[starts]
-        back.append((starts[choice], mode_of[choice, np.arange(n + 1)]))
+        columns = np.arange(n + 1)
+        back.append((starts[choice], mode_of[choice, columns], option_of[choice, columns]))
     if not np.isfinite(ending[n]):
         return None
-    cuts, chosen = [n], []
+    cuts, chosen, picked = [n], [], []
     end = n
-    for choice, mode_index in reversed(back):
+    for choice, mode_index, option_index in reversed(back):
         start = int(choice[end])
         chosen.append(RECOMPUTE_MODES[int(mode_index[end])])
+        picked.append(int(option_index[end]))
         cuts.append(start)
         end = start
-    return cuts[::-1], chosen[::-1]
+    return cuts[::-1], chosen[::-1], picked[::-1]

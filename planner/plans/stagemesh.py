@@ -1,0 +1,91 @@
+"""Which mesh each op and tensor of a plan lives on: the plan's own, or, where a
+pipeline's stages run on meshes of different (dp, tp) shapes (per-stage meshes), its
+stage's. One answer for the builder, the loader's checks, validate and explain.
+
+A tensor's stored layout is the one its producing op lays it out in (or, for weights and
+inputs, the first op reading it): it lives on that op's stage's mesh. An activation a
+stage of another shape reads arrives resharded by the send between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.errors import ShardplanError
+from planner.kinds import AxisRole
+from planner.plans.sections import PipelineSection
+from planner.sharding.mesh import DeviceMesh
+
+#: (input names, output names) of each op, in the plan's op order
+OpNames = tuple[Sequence[str | None], Sequence[str | None]]
+
+
+def per_stage_meshes(pipeline: PipelineSection | None) -> bool:
+    """Whether the plan's stages run on meshes of their own."""
+    return pipeline is not None and any(stage.mesh is not None for stage in pipeline.stages)
+
+
+def describe_stage_meshes(mesh: DeviceMesh, pipeline: PipelineSection) -> str:
+    """Each stage's shape, pipeline axis left out: "0: tp=4; 1: dp=4"."""
+    shapes = []
+    for stage in pipeline.stages:
+        own = stage.mesh or mesh
+        shapes.append(" × ".join(f"{a}={n}" for a, n in zip(own.axis_names, own.shape,
+                                                           strict=True)
+                                 if a != AxisRole.PIPELINE) or "one device")
+    return "; ".join(f"{k}: {shape}" for k, shape in enumerate(shapes))
+
+
+def refuse_stage_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
+                        what: str) -> None:
+    """Refuse, naming the stages' shapes, a plan whose stages run on meshes of their own
+    where `what` (a reader: an executor, an export) runs one shape for every stage."""
+    if pipeline is not None and per_stage_meshes(pipeline):
+        raise ShardplanError(
+            f"pipeline.stages[].mesh: the stages run on meshes of their own shapes "
+            f"({describe_stage_meshes(mesh, pipeline)}), which {what} does not support yet "
+            "(it takes one (dp, tp) shape for every stage); re-plan with --parallel "
+            "stage_mesh=shared")
+
+
+def stage_of_ops(pipeline: PipelineSection | None, count: int) -> list[int]:
+    """The device stage running each of `count` ops (0 outside every stage's ranges)."""
+    found = [0] * count
+    if pipeline is not None:
+        for stage in pipeline.stages:
+            for first, end in stage.ops:
+                for k in range(max(0, first), min(end, count)):
+                    found[k] = stage.device_stage
+    return found
+
+
+def op_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
+              count: int) -> list[DeviceMesh]:
+    """The mesh each of `count` ops is laid out on."""
+    if not per_stage_meshes(pipeline):
+        return [mesh] * count
+    assert pipeline is not None
+    meshes = {stage.device_stage: stage.mesh or mesh for stage in pipeline.stages}
+    return [meshes.get(stage, mesh) for stage in stage_of_ops(pipeline, count)]
+
+
+def tensor_sites(ops: Sequence[OpNames]) -> dict[str, int]:
+    """Each tensor's site: the op producing it, else the first op reading it."""
+    sites: dict[str, int] = {}
+    for index, (_, outputs) in enumerate(ops):
+        for name in outputs:
+            if name:
+                sites.setdefault(name, index)
+    for index, (inputs, _) in enumerate(ops):
+        for name in inputs:
+            if name:
+                sites.setdefault(name, index)
+    return sites
+
+
+def tensor_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
+                  ops: Sequence[OpNames]) -> dict[str, DeviceMesh]:
+    """The mesh each tensor the ops name is stored on (`tensor_sites`); tensors no op
+    names are on the plan's mesh (callers default to it)."""
+    meshes = op_meshes(mesh, pipeline, len(ops))
+    return {name: meshes[site] for name, site in tensor_sites(ops).items()}
