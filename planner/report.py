@@ -104,6 +104,8 @@ def summary(plan: Plan) -> str:
                          f"recompute={par.recompute}")
                 if alt.brief.schedule and par.pp > 1:
                     shape += f" {alt.brief.schedule}"
+                if alt.brief.stage_meshes:
+                    shape += f" (stage meshes {alt.brief.stage_meshes})"
                 if alt.chosen:
                     shape += " (this plan)"
             figure = (human_seconds(alt.objective) if alt.objective != float("inf")

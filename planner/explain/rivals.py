@@ -37,8 +37,9 @@ def _looks_like(plan: Plan, alt: Alternative) -> bool:
 def alternative_name(alt: Alternative) -> str:
     if alt.brief is not None:
         p = alt.brief.parallel
+        meshes = f" (stage meshes {alt.brief.stage_meshes})" if alt.brief.stage_meshes else ""
         return (f"pp={p.pp} dp={p.dp} tp={p.tp} mb={p.micro_batches} "
-                f"zero={p.zero} recompute={p.recompute}")
+                f"zero={p.zero} recompute={p.recompute}{meshes}")
     return f"mesh {'x'.join(map(str, alt.mesh))} ({','.join(alt.axes)}, op-level)"
 
 

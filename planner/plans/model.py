@@ -36,6 +36,7 @@ from planner.plans.sections import (
     collective_from_json,
     collective_to_json,
 )
+from planner.plans.stagemesh import describe_stage_meshes, per_stage_meshes
 from planner.plans.upgrade import upgrade_parallel, upgrade_pipeline
 from planner.records import Collective, Predicted, SolverRecord
 from planner.sharding.mesh import DeviceMesh
@@ -106,7 +107,9 @@ class Plan:
             peak_memory_bytes=int(self.predicted.memory.peak), fits=self.predicted.fits,
             memory=self.predicted.memory, breakdown=self.predicted.breakdown,
             schedule=self.pipeline.schedule if self.pipeline else None,
-            virtual_stages=self.pipeline.virtual_stages if self.pipeline else 1)
+            virtual_stages=self.pipeline.virtual_stages if self.pipeline else 1,
+            stage_meshes=describe_stage_meshes(self.mesh, self.pipeline)
+            if self.pipeline is not None and per_stage_meshes(self.pipeline) else "")
 
     @property
     def micro_batches(self) -> int:

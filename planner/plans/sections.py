@@ -373,6 +373,8 @@ class Brief:
     breakdown: StepBreakdown
     schedule: Schedule | None = None
     virtual_stages: int = 1
+    #: per-stage meshes, each stage's shape ("0: tp=4; 1: dp=4"); "" where they share one
+    stage_meshes: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"mesh": list(self.mesh), "axes": list(self.axes),
@@ -381,7 +383,8 @@ class Brief:
                 "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
                 "memory": self.memory.to_json(), "breakdown": self.breakdown.to_json(),
                 "schedule": str(self.schedule) if self.schedule is not None else None,
-                "virtual_stages": self.virtual_stages}
+                "virtual_stages": self.virtual_stages,
+                **({"stage_meshes": self.stage_meshes} if self.stage_meshes else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Brief:
@@ -393,7 +396,7 @@ class Brief:
                    MemoryBreakdown.from_json(data["memory"]),
                    StepBreakdown.from_json(data.get("breakdown", {})),
                    _enum(Schedule, schedule, "schedule") if schedule is not None else None,
-                   int(data.get("virtual_stages", 1)))
+                   int(data.get("virtual_stages", 1)), str(data.get("stage_meshes", "")))
 
 
 @dataclass(frozen=True)

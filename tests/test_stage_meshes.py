@@ -1,0 +1,172 @@
+"""Per-stage meshes: pipeline stages on (dp, tp) shapes of their own (issue 17, item 4).
+
+The model: a LLaMA whose head (a 256k vocabulary) outweighs a small body (hidden 1024), on
+8 A100s in two stages of four. Under a 5 GiB limit the body fits only split over tp, while
+the head stage is fastest split over dp: the search finds a plan with a mesh per stage that
+beats every plan sharing one shape, and keeps the faster.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from costmodels.profile import load_profile
+from planner.api import load_graph, plan
+from planner.cost.pipeline import Pricer, ShapedPricer
+from planner.cost.step import TrainingOptions
+from planner.errors import PlanFileError, ShardplanError
+from planner.explain.explanation import explain
+from planner.explain.render import render
+from planner.exports.dtensor import to_dtensor_placements
+from planner.exports.mindspore import to_mindspore_checkpoint
+from planner.kinds import RECOMPUTE_MODES
+from planner.plans.model import Plan
+from planner.plans.stagemesh import op_meshes, per_stage_meshes, refuse_stage_meshes
+from planner.report import summary
+from planner.search.decisions import Choice
+from planner.search.joint import pipeline_config, shape_layout
+from planner.search.stages import StageTables, solve_shaped, solve_stages
+from planner.sharding.analysis import GraphAnalysis
+from planner.validate import validate
+from planner.zoo import build
+
+SETTINGS = dict(profile="a100-80g", devices=8, batch=32, dims={"seq": 2048},
+                memory_limit_gib=5.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("stage_meshes") / "llama_wide_head.onnx"
+    onnx.save(build("llama", layers=8, hidden=1024, heads=16, vocab=256000,
+                    max_positions=2048), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shaped(model: Path) -> Plan:
+    return plan(model, parallel={"pp": 2}, **SETTINGS)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def shared(model: Path) -> Plan:
+    return plan(model, parallel={"pp": 2, "stage_mesh": "shared"},
+                **SETTINGS)  # type: ignore[arg-type]
+
+
+def _shapes(chosen: Plan) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    assert chosen.pipeline is not None
+    return [(tuple((s.mesh or chosen.mesh).axis_names), tuple((s.mesh or chosen.mesh).shape))
+            for s in chosen.pipeline.stages]
+
+
+def test_the_search_keeps_stage_meshes_where_faster(shaped: Plan, shared: Plan) -> None:
+    assert per_stage_meshes(shaped.pipeline)
+    shapes = _shapes(shaped)
+    assert len(set(shapes)) == 2 and all(size == (2, 4) for _, size in shapes)
+    assert shaped.mesh == shaped.pipeline.stages[0].mesh  # the plan's mesh is stage 0's
+    assert not per_stage_meshes(shared.pipeline)
+    assert shaped.predicted.fits and shared.predicted.fits
+    assert shaped.predicted.step_time_s < shared.predicted.step_time_s
+    # the stage of another shape receives its activation whole, with no scatter
+    resharded = [s for s in shaped.pipeline.sends if s.from_stage != s.to_stage]
+    assert resharded and all(not s.scatter_axes for s in resharded)
+
+
+def test_each_op_is_laid_on_its_stages_mesh(shaped: Plan, model: Path) -> None:
+    assert shaped.pipeline is not None
+    meshes = op_meshes(shaped.mesh, shaped.pipeline, len(shaped.ops))
+    for stage in shaped.pipeline.stages:
+        for first, end in stage.ops:
+            used = {axis for op in shaped.ops[first:end] for b in op.inputs if b
+                    for axis in b.layout.used_axes}
+            assert used <= set(stage.mesh.axis_names)
+            assert all(meshes[k] == stage.mesh for k in range(first, end))
+    graph = load_graph(model, batch=shaped.model.batch, dims=shaped.model.bound_dims)
+    report = validate(shaped, graph)
+    assert report.ok, report.problems
+    assert report.checked["collectives"] > 0
+
+
+def test_a_plan_with_stage_meshes_round_trips(shaped: Plan, tmp_path: Path) -> None:
+    path = shaped.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert _shapes(again) == _shapes(shaped)
+    assert validate(again).ok
+    # a stage mesh that is not the plan's devices, and layouts over an axis its stage lacks
+    data = json.loads(path.read_text())
+    data["pipeline"]["stages"][1]["mesh"]["shape"] = [2, 2]
+    with pytest.raises(PlanFileError, match=r"stages\[1\]\.mesh"):
+        Plan.from_json(data, "edited.json")
+    data = json.loads(path.read_text())
+    data["pipeline"]["stages"][1]["mesh"] = data["pipeline"]["stages"][0]["mesh"]
+    with pytest.raises(PlanFileError, match="is not one of the mesh's axes"):
+        Plan.from_json(data, "edited.json")
+
+
+def test_validate_checks_a_resharded_send(shaped: Plan) -> None:
+    assert shaped.pipeline is not None
+    sends = list(shaped.pipeline.sends)
+    sends[0] = replace(sends[0], bytes=sends[0].bytes // 4)  # as if it arrived split by dp
+    edited = replace(shaped, pipeline=replace(shaped.pipeline, sends=tuple(sends)))
+    problems = validate(edited).problems
+    assert any("bytes, but its layout holds" in p for p in problems)
+
+
+def test_readers_name_the_stage_meshes(shaped: Plan) -> None:
+    assert "stages     each on a mesh of its own shape: 0: " in summary(shaped)
+    assert "stages     each on a mesh of its own shape:" in render(explain(shaped))
+    for reader in (lambda: refuse_stage_meshes(shaped.mesh, shaped.pipeline, "the executor"),
+                   lambda: to_dtensor_placements(shaped),
+                   lambda: to_mindspore_checkpoint(shaped)):
+        with pytest.raises(ShardplanError, match="stage_mesh=shared"):
+            reader()
+
+
+def _replicated_tables(model: Path, micro_batch_size: int) -> tuple[Pricer, StageTables]:
+    """A (dp=4, tp=1) stage's pricer and DP tables of the model, every op replicated."""
+    micro = GraphAnalysis.of(load_graph(model, batch=micro_batch_size, dims={"seq": 2048}))
+    hardware, training = load_profile("a100-80g"), TrainingOptions()
+    choice = Choice(pp=2, dp=4, tp=1, micro_batches=8, zero=1)
+    layout = shape_layout(micro, hardware, choice, training, 4, 1, {})
+    pricer = Pricer(layout.profile, pipeline_config(choice, training), hardware, layout.mesh)
+    return pricer, StageTables(pricer)
+
+
+def test_one_shape_for_every_stage_prices_as_the_shared_pricer(model: Path) -> None:
+    """ShapedPricer over stages of one shape is the plain Pricer, figure for figure; the
+    DP over one option per stage is `solve_stages`."""
+    plain, table = _replicated_tables(model, 4)
+    shaped = ShapedPricer.of_shapes(
+        [(4, 1), (4, 1)], lambda _, resharded: Pricer(plain.profile, plain.config,
+                                                     plain.hardware, plain.mesh,
+                                                     resharded=resharded))
+    devices = [[(0, 5)], [(5, plain.profile.count)]]
+    modes = [RECOMPUTE_MODES[0]] * 2
+    assert shaped.price(devices, modes) == plain.price(devices, modes)
+    limits = [float(80 * 2**30)] * 2
+    alone = solve_stages([table, table], limits, RECOMPUTE_MODES)
+    both = solve_shaped([[table], [table]], limits, RECOMPUTE_MODES)
+    assert both is not None and alone is not None
+    assert (both[0], both[1]) == alone and both[2] == [0, 0]
+
+
+def test_solve_shaped_takes_the_lighter_option_per_stage(model: Path) -> None:
+    """Two options: one halves every range that starts at the first unit (stage 0's) and
+    doubles the rest, the other the reverse: each stage takes its lighter one."""
+    _, base = _replicated_tables(model, 4)
+    options = []
+    for first, rest in ((0.5, 2.0), (2.0, 0.5)):
+        table = StageTables.__new__(StageTables)
+        table.__dict__.update(base.__dict__)
+        factor = np.where(base.starts == 0, first, rest)[:, None]
+        table.time = {mode: values * factor for mode, values in base.time.items()}
+        options.append(table)
+    found = solve_shaped([options] * 2, [np.inf, np.inf], RECOMPUTE_MODES)
+    assert found is not None
+    assert found[2] == [0, 1]
