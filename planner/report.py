@@ -129,7 +129,7 @@ def _stage_meshes(plan: Plan) -> list[str]:
                     != (pipeline.stages[send.to_stage].mesh or plan.mesh))
     if resharded:
         lines.append(f"           {resharded} activation(s) resharded between stages of "
-                     "different shapes (sent whole to every rank of the receiver)")
+                     "different shapes (each rank receives its own block)")
     return lines
 
 

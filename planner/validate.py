@@ -36,7 +36,7 @@ from planner.ops import replicated_labels
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection, SendEntry
 from planner.plans.sequence import sequence_split
-from planner.plans.stagemesh import op_meshes, tensor_meshes
+from planner.plans.stagemesh import arrival_layouts, op_meshes, tensor_meshes
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.context import context_kind
@@ -318,14 +318,17 @@ def _stage_mesh(plan: Plan, stage: int) -> DeviceMesh:
 
 
 def _resharded(plan: Plan, send: SendEntry) -> bool:
-    """Whether a send crosses between stages of different meshes (it arrives whole)."""
+    """Whether a send crosses between stages of different meshes (resharded on arrival)."""
     return _stage_mesh(plan, send.from_stage) != _stage_mesh(plan, send.to_stage)
 
 
-def _meshes(plan: Plan) -> tuple[list[DeviceMesh], dict[str, DeviceMesh]]:
-    """Each op's mesh and each tensor's (`planner.plans.stagemesh`)."""
-    return (op_meshes(plan.mesh, plan.pipeline, len(plan.ops)),
-            tensor_meshes(plan.mesh, plan.pipeline, _op_names(plan, None)))
+def _meshes(plan: Plan) -> tuple[list[DeviceMesh], dict[str, DeviceMesh],
+                                 dict[tuple[DeviceMesh, str], Layout]]:
+    """Each op's mesh, each tensor's, and how tensors arrive on the meshes of other
+    stages reading them (`planner.plans.stagemesh`)."""
+    on_op = op_meshes(plan.mesh, plan.pipeline, len(plan.ops))
+    on_tensor = tensor_meshes(plan.mesh, plan.pipeline, _op_names(plan, None))
+    return on_op, on_tensor, arrival_layouts(plan.ops, on_op, on_tensor)
 
 
 def _check_placement(pipe: PipelineSection, chunks: Sequence[tuple[tuple[int, int], int]],
@@ -403,15 +406,15 @@ def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
         report.add(f"pipeline: the send of {tensor} from stage {a} to stage {b} (chunk {ca} "
                    f"→ {cb}{', gradient back' if grad else ''}) is not one the stages' ops "
                    f"need ({count}× too many)")
+    _, _, arrivals = _meshes(plan)
     for send in pipe.sends:
         entry = plan.tensors.get(send.tensor)
         if entry is None:
             continue
-        if _resharded(plan, send):  # arrives whole: its producer is replicated there
-            size = round(replace(entry, layout=Layout.replicated(len(entry.shape)))
-                         .local_bytes(plan.mesh))
-        else:
-            size = round(entry.local_bytes(_stage_mesh(plan, send.to_stage)))
+        mesh = _stage_mesh(plan, send.to_stage)
+        arriving = arrivals.get((mesh, send.tensor)) if _resharded(plan, send) else None
+        size = round((replace(entry, layout=arriving) if arriving is not None else entry)
+                     .local_bytes(mesh))
         if send.bytes != size:
             report.add(f"pipeline send of {send.tensor}: {send.bytes} bytes, but its layout "
                        f"holds {size} per rank")
@@ -475,7 +478,7 @@ def _edges(plan: Plan, report: Report) -> None:
                 readers.setdefault((binding.tensor, binding.layout), []).append(op.name)
     needed: Counter = Counter()
     moves = 0
-    on_op, on_tensor = _meshes(plan)
+    on_op, on_tensor, arrivals = _meshes(plan)
     for index, op in enumerate(plan.ops):
         mesh = on_op[index]
         for binding in op.inputs:
@@ -483,7 +486,7 @@ def _edges(plan: Plan, report: Report) -> None:
                 continue
             entry = plan.tensors[binding.tensor]
             stored = entry.layout if on_tensor.get(binding.tensor, plan.mesh) == mesh \
-                else Layout.replicated(len(entry.shape))  # arrived whole from another mesh
+                else arrivals[(mesh, binding.tensor)]  # resharded from another mesh
             if stored == binding.layout:
                 continue
             itemsize = dtype_itemsize(entry.dtype)  # the importer's: the schema refuses others
@@ -557,7 +560,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     strategies: dict[str, OpStrategy] = {}
     before = len(report.problems)
     cosmetic = 0  # strategy tuples out of step with layouts: the collectives still follow
-    on_op, _ = _meshes(plan)
+    on_op, _, _ = _meshes(plan)
     mesh_of = {op.name: mesh for op, mesh in zip(plan.ops, on_op, strict=True)}
     for node in graph.ops:
         mesh = mesh_of.get(node.name, plan.mesh)
@@ -599,13 +602,15 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
     # Per-stage meshes: each mesh's stages derived from their own ops' strategies, every
-    # other op replicated (`planner.search.joint.stage_layouts`); one mesh: the graph's.
+    # other op foreign to it (`planner.search.joint.stage_layouts`); one mesh: the graph's.
     again: dict[DeviceMesh, ShardedGraph] = {}
     for mesh in dict.fromkeys(on_op):
         again[mesh] = derive(analysis, mesh, {name: strategy for name, strategy
                                               in strategies.items() if mesh_of[name] == mesh},
                              training=plan.step.kind == StepKind.TRAINING,
-                             loss_reads=plan.step.loss_reads)
+                             loss_reads=plan.step.loss_reads,
+                             foreign=frozenset(name for name, on in mesh_of.items()
+                                               if on != mesh))
 
     def op_level(collectives) -> Counter:
         return Counter(_key(c) for c in collectives

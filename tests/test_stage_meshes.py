@@ -9,6 +9,7 @@ beats every plan sharing one shape, and keeps the faster.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from planner.explain.explanation import explain
 from planner.explain.render import render
 from planner.exports.dtensor import to_dtensor_placements
 from planner.exports.mindspore import to_mindspore_checkpoint
+from planner.graph import dtype_itemsize
 from planner.kinds import RECOMPUTE_MODES
 from planner.plans.model import Plan
 from planner.plans.stagemesh import op_meshes, per_stage_meshes, refuse_stage_meshes
@@ -73,9 +75,16 @@ def test_the_search_keeps_stage_meshes_where_faster(shaped: Plan, shared: Plan) 
     assert not per_stage_meshes(shared.pipeline)
     assert shaped.predicted.fits and shared.predicted.fits
     assert shaped.predicted.step_time_s < shared.predicted.step_time_s
-    # the stage of another shape receives its activation whole, with no scatter
-    resharded = [s for s in shaped.pipeline.sends if s.from_stage != s.to_stage]
-    assert resharded and all(not s.scatter_axes for s in resharded)
+    # the search's exact price is the built plan's
+    assert shaped.solver.objective == pytest.approx(shaped.predicted.step_time_s, rel=1e-12)
+    # the stage of another shape receives the block its first reader wants (the head
+    # stage splits the batch over dp=4: a quarter of the activation), never scattered
+    sends = shaped.pipeline.sends
+    assert sends and all(not s.scatter_axes for s in sends)
+    for send in sends:
+        entry = shaped.tensors[send.tensor]
+        whole = math.prod(entry.shape) * dtype_itemsize(entry.dtype)
+        assert send.bytes * 4 == whole
 
 
 def test_each_op_is_laid_on_its_stages_mesh(shaped: Plan, model: Path) -> None:

@@ -77,18 +77,19 @@ class PricedGraph:
 
 def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
                   strategies: Mapping[str, OpStrategy], profile: HardwareProfile,
-                  options: TrainingOptions) -> PricedGraph:
+                  options: TrainingOptions, foreign: frozenset[str] = frozenset()
+                  ) -> PricedGraph:
     """`strategies` on `mesh` derived (`planner.sharding.derive`) and priced, once per graph:
     the joint search prices a finalist's exact choice and the plan builder builds the same
     choice from the same derivation (kept on the analysis; one per device kind, so the
     kinds of a mixed cluster do not evict each other's)."""
-    key = (mesh, frozenset(strategies.items()), options, profile)
+    key = (mesh, frozenset(strategies.items()), options, profile, foreign)
     kept = analysis.memo.setdefault(DERIVATIONS, {})
     found = kept.get(key)
     if found is not None and found[0] is profile:
         return found[1]
     priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference,
-                                loss_reads=options.loss_reads),
+                                loss_reads=options.loss_reads, foreign=foreign),
                          profile, options)
     if len(kept) > memo_limit(len(analysis.graph.ops)):
         kept.clear()
@@ -155,7 +156,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     needs_grad = sharded.analysis.needs_grad if not options.inference else {}
     # how the host runs each op matters only where the profile prices the host's time
     hosted = profile.host_op_s is not None
-    batch_axes = input_batch_axes(sharded.layouts[name] for name in graph.inputs
+    batch_axes = input_batch_axes(sharded.layout(name) for name in graph.inputs
                                   if name in sharded.layouts) if hosted else ()
     live_peak = _LivePeak(graph) if options.inference else None
     kernels = kernel_plan(sharded.analysis, policy_for(profile, options.attention,
@@ -190,7 +191,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
         compute_backward += backward
         saved_total += saved
         output_bytes = sum(kernels.written_bytes(
-            o, tensors[o].nbytes * fraction_of_layout(sharded.layouts[o], mesh))
+            o, tensors[o].nbytes * fraction_of_layout(sharded.layout(o), mesh))
             for o in node.outputs if o)
         workspace = max(workspace, output_bytes)
         if live_peak is not None:

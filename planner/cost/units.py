@@ -269,7 +269,7 @@ def _crossings(priced: PricedGraph,
     for crossing in _unit_crossings(analysis, units):
         name = crossing.tensor
         info = graph.tensors[name]
-        layout = sharded.layouts[name]
+        layout = sharded.layout(name)
         local = info.nbytes * fraction_of_layout(layout, sharded.mesh)
         grad = needs_grad.get(name, False)
         result.append(Crossing(name, local, crossing.producer, crossing.consumers, grad,
@@ -302,7 +302,7 @@ def _params(priced: PricedGraph, units: Units) -> tuple[ParamShare, ...]:
     result = []
     for name, readers in _param_readers(analysis, units):
         info = graph.tensors[name]
-        share = fraction_of_layout(sharded.layouts[name], mesh)
+        share = fraction_of_layout(sharded.layout(name), mesh)
         result.append(ParamShare(name, info.nbytes * share, info.numel * share, info.itemsize,
                                  sharded.gradient_axes.get(name, ()), readers))
     return tuple(result)

@@ -4,16 +4,18 @@ stage's. One answer for the builder, the loader's checks, validate and explain.
 
 A tensor's stored layout is the one its producing op lays it out in (or, for weights and
 inputs, the first op reading it): it lives on that op's stage's mesh. An activation a
-stage of another shape reads arrives resharded by the send between them.
+stage of another shape reads arrives resharded by the send between them, in the layout
+the first op of that stage reading it wants (`arrival_layouts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from planner.errors import ShardplanError
 from planner.kinds import AxisRole
-from planner.plans.sections import PipelineSection
+from planner.plans.sections import OpEntry, PipelineSection
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
 #: (input names, output names) of each op, in the plan's op order
@@ -89,3 +91,16 @@ def tensor_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
     names are on the plan's mesh (callers default to it)."""
     meshes = op_meshes(mesh, pipeline, len(ops))
     return {name: meshes[site] for name, site in tensor_sites(ops).items()}
+
+
+def arrival_layouts(ops: Sequence[OpEntry], on_op: Sequence[DeviceMesh],
+                    on_tensor: Mapping[str, DeviceMesh]) -> dict[tuple[DeviceMesh, str], Layout]:
+    """How each tensor stored on one stage mesh arrives on another that reads it: as the
+    first op there reading it reads it (the send reshards it to that layout, each rank
+    receiving its own block: `derive`'s foreign ops)."""
+    found: dict[tuple[DeviceMesh, str], Layout] = {}
+    for op, mesh in zip(ops, on_op, strict=True):
+        for binding in op.inputs:
+            if binding is not None and on_tensor.get(binding.tensor, mesh) != mesh:
+                found.setdefault((mesh, binding.tensor), binding.layout)
+    return found

@@ -37,7 +37,13 @@ from costmodels.cluster import Cluster
 from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
-from planner.cost.oplevel import PricedGraph, gemm_floor_s, priced_on_kinds
+from planner.cost.oplevel import (
+    PricedGraph,
+    gemm_floor_s,
+    mesh_on,
+    priced_choice,
+    priced_on_kinds,
+)
 from planner.cost.pipeline import Pricer, ShapedPricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
@@ -806,12 +812,14 @@ class ShapeLayout:
 
 def shape_layout(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choice,
                  training: TrainingOptions, dp: int, tp: int,
-                 strategies: Mapping[str, OpStrategy]) -> ShapeLayout:
+                 strategies: Mapping[str, OpStrategy],
+                 foreign: frozenset[str] = frozenset()) -> ShapeLayout:
     """`strategies` (solved on a (dp, tp) stage) priced on `choice`'s pipeline mesh with
-    that shape."""
+    that shape; `foreign` ops run on other stages' meshes (`derive`)."""
     per_node = int(hardware.devices_per_node.value)
     mesh = choice_mesh(replace(choice, dp=dp, tp=tp), per_node)
-    priced = priced_on_kinds(micro, mesh, strategies, (hardware,), training)[0]
+    priced = priced_choice(micro, mesh_on(mesh, hardware), strategies, hardware, training,
+                           foreign)
     return ShapeLayout(priced, unit_profile(priced, micro.units))
 
 
@@ -821,9 +829,10 @@ def stage_layouts(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choic
                   ) -> dict[tuple[int, int], ShapeLayout]:
     """Each distinct shape of per-stage meshes laid out for the stages that run it: the
     strategies of their own ops (`devices[k]`: stage k's unit ranges), every other op
-    replicated. So an activation from a stage of another shape arrives whole (its
-    producer replicated on this mesh: the send reshards it to every rank), and what each
-    stage lists follows from its own ops' strategies alone (what validate re-derives)."""
+    foreign to it (`derive`). So an activation from a stage of another shape arrives as
+    the first op of this shape reading it wants it (the send reshards it: each rank
+    receives its own block), and what each stage lists follows from its own ops'
+    strategies alone (what validate re-derives)."""
     bounds = micro.units.bounds
     names = [node.name for node in micro.graph.ops]
     owned: dict[tuple[int, int], set[str]] = {}
@@ -837,7 +846,8 @@ def stage_layouts(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choic
         if key not in layouts:
             mine = owned[key]
             strategies = {name: s for name, s in shape.strategies.items() if name in mine}
-            layouts[key] = shape_layout(micro, hardware, choice, training, *key, strategies)
+            layouts[key] = shape_layout(micro, hardware, choice, training, *key, strategies,
+                                        frozenset(names) - mine)
     return layouts
 
 

@@ -106,10 +106,16 @@ class ShardedGraph:
 
 
 def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, OpStrategy],
-           training: bool = True, loss_reads: LossReads = LossReads.AS_IS) -> ShardedGraph:
+           training: bool = True, loss_reads: LossReads = LossReads.AS_IS,
+           foreign: frozenset[str] = frozenset()) -> ShardedGraph:
     """The layouts and collectives of `strategies` (missing ops run replicated); in
     training, with `loss_reads` rows, the moves of each output into the layout the loss
-    reads (`planner.sharding.outputs`), listed with the op writing it under `LOSS_OP`."""
+    reads (`planner.sharding.outputs`), listed with the op writing it under `LOSS_OP`.
+
+    `foreign` ops run elsewhere (on another pipeline stage's mesh: per-stage meshes): they
+    place, store, move and reduce nothing here, so a tensor they produce arrives as this
+    mesh's first op reading it wants it, as a graph input does (the send between the
+    meshes reshards it)."""
     graph = analysis.graph
     read_by_loss = loss_read_slots(graph, training, loss_reads)
     tensors = graph.tensors
@@ -140,6 +146,10 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
         own, fraction, own_specs = found
         wanted, produced = own.inputs, own.outputs
         specs: list[CollectiveSpec] = []
+        if node.name in foreign:
+            ops.append(OpSharding(node, labels, rule is not None, strategy, wanted, produced,
+                                  fraction, ()))
+            continue
         for index, (name, want) in enumerate(zip(node.inputs, wanted, strict=True)):
             if not name or want is None:
                 continue
