@@ -19,6 +19,7 @@ import pytest
 
 from costmodels.profile import load_profile
 from planner.api import load_graph, plan
+from planner.cli import main
 from planner.cost.pipeline import Pricer, ShapedPricer
 from planner.cost.step import TrainingOptions
 from planner.errors import PlanFileError, ShardplanError
@@ -179,3 +180,16 @@ def test_solve_shaped_takes_the_lighter_option_per_stage(model: Path) -> None:
     found = solve_shaped([options] * 2, [np.inf, np.inf], RECOMPUTE_MODES)
     assert found is not None
     assert found[2] == [0, 1]
+
+
+def test_the_cli_refuses_to_run_or_export_stage_meshes(shaped: Plan, model: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """Before any rank starts: exit 2 and one line naming the stages' shapes and the pin."""
+    path = shaped.save(tmp_path / "plan.json")
+    for argv in (["run", str(model), "--plan", str(path), "--nproc", "8", "--steps", "1"],
+                 ["export", str(path), "--format", "mindspore", "-o", str(tmp_path / "m.json")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "stage_mesh=shared" in err
+        assert "0: tp=4; 1: dp=4" in err or "0: dp=4; 1: tp=4" in err
