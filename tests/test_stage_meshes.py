@@ -1,9 +1,9 @@
 """Per-stage meshes: pipeline stages on (dp, tp) shapes of their own (issue 17, item 4).
 
 The model: a LLaMA whose head (a 256k vocabulary) outweighs a small body (hidden 1024), on
-8 A100s in two stages of four. Under a 5 GiB limit the body fits only split over tp, while
-the head stage is fastest split over dp: the search finds a plan with a mesh per stage that
-beats every plan sharing one shape, and keeps the faster.
+8 A100s in two stages of four. Under a 5 GiB limit the body fits without recompute only
+split over tp, while the head stage is fastest split over dp: the search finds a plan with
+a mesh per stage that beats every plan sharing one shape, and keeps the faster.
 """
 
 from __future__ import annotations
