@@ -59,8 +59,7 @@ def _header(ex: Explanation) -> list[str]:
         f"plan       {ex.source}: {ex.model['path']} ({ex.model['parameters'] / 1e6:,.1f} M "
         f"parameters, global batch {p.get('global_batch')})",
         f"cluster    {ex.cluster['described']}, mesh {mesh}",
-        *(["stages     each on a mesh of its own shape: "
-           + "; ".join(f"{k}: {shape}" for k, shape in enumerate(stages))] if stages else []),
+        *([f"stages     each on a mesh of its own shape: {stages}"] if stages else []),
         f"strategy   dp={p['dp']} tp={p['tp']} pp={p['pp']}{_degrees_beyond(p)} "
         f"micro_batches={p['micro_batches']} zero={p['zero']} recompute={p['recompute']}{pipe}",
         f"step time  {human_seconds(ex.step_time_s)}; peak memory "
