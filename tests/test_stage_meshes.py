@@ -194,3 +194,19 @@ def test_the_cli_refuses_to_run_or_export_stage_meshes(shaped: Plan, model: Path
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "stage_mesh=shared" in err
         assert "0: tp=4; 1: dp=4" in err or "0: dp=4; 1: tp=4" in err
+
+
+def test_stage_meshes_on_a_dynamo_export(tmp_path: Path) -> None:
+    """The main input: torch's default exporter's graph of a transformers LLaMA (hidden
+    256, vocabulary 2048), on 8 A100s in two stages. The head stage runs dp=4 where the
+    body runs dp=2 × tp=2, and the plan validates against the export op by op."""
+    from executor.module.launch import export_builder
+
+    path = export_builder("examples.hf_models:llama_medium", 16, tmp_path / "llama.onnx")
+    chosen = plan(path, batch=16, devices=8, parallel={"pp": 2})
+    assert per_stage_meshes(chosen.pipeline)
+    assert len(set(_shapes(chosen))) == 2
+    graph = load_graph(path, batch=chosen.model.batch, dims=chosen.model.bound_dims)
+    report = validate(chosen, graph)
+    assert report.ok, report.problems
+    assert report.checked["ops"] == len(graph.ops)
