@@ -210,3 +210,24 @@ def test_stage_meshes_on_a_dynamo_export(tmp_path: Path) -> None:
     report = validate(chosen, graph)
     assert report.ok, report.problems
     assert report.checked["ops"] == len(graph.ops)
+
+
+def test_stage_meshes_with_interleaved_chunks(model: Path) -> None:
+    """Interleaved chunks wrap around the devices: each device takes its fastest shape
+    for its chunks (`best_per_device`), the sends between shapes are resharded, and the
+    plan validates against the model."""
+    pins = {"pp": 4, "schedule": "interleaved"}
+    chosen = plan(model, parallel=pins, **SETTINGS)  # type: ignore[arg-type]
+    one = plan(model, parallel={**pins, "stage_mesh": "shared"},
+               **SETTINGS)  # type: ignore[arg-type]
+    assert chosen.pipeline is not None and chosen.pipeline.virtual_stages == 2
+    assert all(len(stage.ops) == 2 for stage in chosen.pipeline.stages)
+    assert len(set(_shapes(chosen))) == 2 and not per_stage_meshes(one.pipeline)
+    assert chosen.predicted.step_time_s < one.predicted.step_time_s
+    assert chosen.solver.objective == pytest.approx(chosen.predicted.step_time_s, rel=1e-12)
+    meshes = {s.device_stage: s.mesh for s in chosen.pipeline.stages}
+    assert all(not send.scatter_axes for send in chosen.pipeline.sends
+               if meshes[send.from_stage] != meshes[send.to_stage])
+    graph = load_graph(model, batch=chosen.model.batch, dims=chosen.model.bound_dims)
+    report = validate(chosen, graph)
+    assert report.ok, report.problems

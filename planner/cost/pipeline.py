@@ -551,12 +551,15 @@ class ShapedPricer:
 
     @classmethod
     def of_shapes(cls, shapes: Sequence[Hashable],
-                  pricer_of: Callable[[Hashable, bool], Pricer]) -> ShapedPricer:
+                  pricer_of: Callable[[Hashable, bool], Pricer],
+                  wraps: bool = False) -> ShapedPricer:
         """The pricer of stages of `shapes` (one per device stage, in order), stage k by
-        `pricer_of(shape, resharded)`: resharded where an earlier stage (which may send
-        to it) has another shape."""
-        return cls([pricer_of(shape, any(other != shape for other in shapes[:k]))
-                    for k, shape in enumerate(shapes)])
+        `pricer_of(shape, resharded)`: resharded where a stage that may send to it has
+        another shape: an earlier one, or with chunks that wrap around the devices
+        (interleaved, V) any other."""
+        return cls([pricer_of(shape, any(other != shape for other in (
+            [*shapes[:k], *shapes[k + 1:]] if wraps else shapes[:k])))
+            for k, shape in enumerate(shapes)])
 
     def stage_pricer(self, stage: int) -> Pricer:
         return self._stages[stage]

@@ -67,7 +67,10 @@ from planner.search.stages import (
     Partition,
     Partitioner,
     StageTables,
+    best_per_device,
+    chunk_layer_counts,
     contiguous,
+    interleaved,
     partitioner_for,
     solve_shaped,
 )
@@ -781,12 +784,6 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                             tp_pinned, found.order, found.rows)
 
 
-#: Schedules whose stages run on meshes of their own shapes (`shaped_decision`): each
-#: stage sends only to the next one (and gradients back), where the activations are
-#: resharded; interleaved and V schedules wrap chunks around every device.
-SHAPED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ZB_H1)
-
-
 def stage_shapes(choice: Choice, micro_size: int, per_node: int) -> list[tuple[int, int]]:
     """The (dp, tp) shapes a device stage of `choice` may take on its dp × tp devices:
     tp within a node, dp dividing the micro-batch; the choice's own shape first."""
@@ -866,7 +863,8 @@ def shaped_pricer(layouts: Mapping[tuple[int, int], ShapeLayout],
                                   resharded=resharded)
         return pricers[key]
 
-    return ShapedPricer.of_shapes(list(picked), pricer_of)
+    return ShapedPricer.of_shapes(list(picked), pricer_of, config.schedule in (
+        Schedule.INTERLEAVED, Schedule.ZBV))
 
 
 def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: PipelineDecision,
@@ -874,19 +872,21 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
                     layout: str | None = None) -> PipelineDecision | None:
     """Per-stage meshes (Alpa's inter-operator pass): the configuration of `shared` with
     each device stage on a (dp, tp) shape of its own over the same devices
-    (`stage_shapes`), each shape's op-level layout solved for it; the partition DP takes,
-    for every range of units, the shape and recompute mode of least load that fits
-    (`solve_shaped`), and the result is priced exactly with the activations resharded
-    between stages of different shapes (`ShapedPricer`). Returned only where the stages'
-    shapes differ and the step is faster than `shared`'s: the search compares both.
+    (`stage_shapes`), each shape's op-level layout solved for it. For consecutive stages
+    the partition DP takes, for every range of units, the shape and recompute mode of
+    least load that fits (`solve_shaped`); for interleaved and V chunks (a fixed
+    assignment per chunking, `chunk_layer_counts`) each device takes its fastest shape and
+    mode (`best_per_device`). Each candidate is priced exactly, with the activations
+    resharded between stages of different shapes (`ShapedPricer`); the fastest is
+    returned where the stages' shapes differ and its step is faster than `shared`'s: the
+    search compares both.
 
-    Not tried for interleaved or V schedules, context, expert or sequence parallelism,
-    replicas, a mixed cluster, or weights read by several units (a tied embedding: its
-    holders would sum gradients sharded differently); there every stage shares a shape."""
+    Not tried with context, expert or sequence parallelism, replicas, a mixed cluster, or
+    weights read by several units (a tied embedding: its holders would sum gradients
+    sharded differently); there every stage shares a shape."""
     choice = shared.choice
-    if (choice.pp < 2 or choice.schedule not in SHAPED_SCHEDULES or choice.cp > 1
-            or choice.ep > 1 or choice.replicas > 1 or choice.sequence_parallel
-            or shared.order or shared.rows or shared.shapes):
+    if (choice.pp < 2 or choice.cp > 1 or choice.ep > 1 or choice.replicas > 1
+            or choice.sequence_parallel or shared.order or shared.rows or shared.shapes):
         return None
     per_node = int(hardware.devices_per_node.value)
     micro = graphs.at(shared.micro_batch_size)
@@ -896,7 +896,7 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
     config = pipeline_config(choice, training)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     solved: dict[tuple[int, int], Mapping[str, OpStrategy]] = {}
-    layouts: dict[tuple[int, int], ShapeLayout] = {}
+    pricers: list[Pricer] = []
     for dp, tp in shapes:
         strategies: Mapping[str, OpStrategy] = shared.strategies
         if (dp, tp) != (choice.dp, choice.tp):
@@ -904,32 +904,55 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
                 micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
                 time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
         solved[(dp, tp)] = strategies
-        layouts[(dp, tp)] = shape_layout(micro, hardware, choice, training, dp, tp,
-                                         strategies)
-    if any(len(param.units) > 1 for param in layouts[shapes[0]].profile.params):
+        whole = shape_layout(micro, hardware, choice, training, dp, tp, strategies)
+        pricers.append(Pricer(whole.profile, config, hardware, whole.mesh))
+    if any(len(param.units) > 1 for param in pricers[0].profile.params):
         return None
-    tables = [StageTables(Pricer(layouts[shape].profile, config, hardware,
-                                 layouts[shape].mesh)) for shape in shapes]
-    found = solve_shaped([tables] * choice.pp, [limit] * choice.pp, modes)
-    if found is None:
+    best: tuple[StepPrice, list[tuple[int, int]], list[list[tuple[int, int]]],
+                list[Recompute]] | None = None
+    for devices, chosen, picks in _shaped_candidates(pricers, micro.units, config, limit,
+                                                     modes):
+        picked = [shapes[k] for k in picks]
+        if len(set(picked)) < 2:
+            continue  # one shape for every stage: a configuration of its own
+        stages = [StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked]
+        exact = stage_layouts(micro, hardware, choice, training, stages, devices)
+        price = shaped_pricer(exact, picked, config, hardware).price(devices, chosen)
+        if price.peak_memory <= limit and (best is None or price.step_time_s
+                                           < best[0].step_time_s):
+            best = (price, picked, devices, chosen)
+    if best is None or best[0].step_time_s >= shared.solver.objective:
         return None
-    cuts, chosen, picks = found
-    picked = [shapes[k] for k in picks]
-    if len(set(picked)) < 2:
-        return None  # one shape for every stage: a configuration of its own
-    devices = contiguous(cuts)
-    stages = tuple(StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked)
-    exact = stage_layouts(micro, hardware, choice, training, stages, devices)
-    price = shaped_pricer(exact, picked, config, hardware).price(devices, chosen)
-    if price.peak_memory > limit or price.step_time_s >= shared.solver.objective:
-        return None
+    price, picked, devices, chosen = best
     first = picked[0]
     step = price.step_time_s
     return replace(
         shared, choice=replace(choice, dp=first[0], tp=first[1]),
         strategies=solved[first], devices=tuple(tuple(r) for r in devices),
         recompute=tuple(chosen), solver=replace(shared.solver, objective=step, bound=step),
-        shapes=stages)
+        shapes=tuple(StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked))
+
+
+def _shaped_candidates(pricers: Sequence[Pricer], units: Units, config: PipelineConfig,
+                       limit: float, modes: Sequence[Recompute]
+                       ) -> list[tuple[list[list[tuple[int, int]]], list[Recompute], list[int]]]:
+    """Per-stage mesh candidates, each (the devices' unit ranges, their recompute modes,
+    the index of each one's shape among `pricers`), priced on each shape's whole-graph
+    layout: the DP's one for consecutive stages, one per chunking for interleaved and V
+    chunks."""
+    pp = config.pp
+    if config.schedule not in (Schedule.INTERLEAVED, Schedule.ZBV):
+        tables = [StageTables(pricer) for pricer in pricers]
+        found = solve_shaped([tables] * pp, [limit] * pp, modes)
+        return [] if found is None else [(contiguous(found[0]), found[1], found[2])]
+    found_all = []
+    v = chunks_per_device(config.schedule, config.virtual_stages)
+    for counts in chunk_layer_counts(len(units.layer_units), pp * v):
+        devices = interleaved(units, pp, v, counts, config.schedule)
+        laid = best_per_device(pricers, devices, [limit] * pp, modes) if devices else None
+        if devices is not None and laid is not None:
+            found_all.append((devices, [stage.recompute for stage in laid[1]], laid[0]))
+    return found_all
 
 
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,

@@ -28,7 +28,7 @@ from costmodels.orders import chunk_device, chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import in_flight
 from planner.cost.pipeline import AnyPricer, PlacedPricer, Pricer, WeightTerms, kind_seconds
-from planner.cost.step import PipelineConfig, StepPrice, step_price
+from planner.cost.step import PipelineConfig, StagePrice, StepPrice, step_price
 from planner.cost.units import UnitProfile
 from planner.kinds import RECOMPUTE_MODES, AxisRole, Recompute, Schedule
 from planner.layers import Units
@@ -253,14 +253,31 @@ def partition(pricer: AnyPricer, limit: float,
 def _best_modes(pricer: AnyPricer, devices: list[list[tuple[int, int]]],
                 limits: Sequence[float], modes: Sequence[Recompute]) -> Partition | None:
     """Per device, the fastest recompute mode that fits (devices are priced apart)."""
-    stages = []
+    found = best_per_device([pricer], devices, limits, modes)
+    if found is None:
+        return None
+    stages = found[1]
+    return Partition(devices, [s.recompute for s in stages], step_price(stages, pricer.config))
+
+
+def best_per_device(options: Sequence[AnyPricer], devices: Sequence[Sequence[tuple[int, int]]],
+                    limits: Sequence[float], modes: Sequence[Recompute]
+                    ) -> tuple[list[int], list[StagePrice]] | None:
+    """Per device of a fixed assignment (interleaved or V chunks), the option (a pricer:
+    a mesh shape, for per-stage meshes) and recompute mode of least time per micro-batch
+    that fit, the first of equals; devices are priced apart. None when a device fits
+    under none."""
+    picks, stages = [], []
     for d in range(len(devices)):
-        fitting = [stage for stage in (pricer.device(d, devices, mode) for mode in modes)
+        fitting = [(stage, k) for k, pricer in enumerate(options)
+                   for stage in (pricer.device(d, devices, mode) for mode in modes)
                    if stage.memory.peak <= limits[d]]
         if not fitting:
             return None
-        stages.append(min(fitting, key=lambda s: s.per_micro_batch_s))
-    return Partition(devices, [s.recompute for s in stages], step_price(stages, pricer.config))
+        stage, k = min(fitting, key=lambda found: found[0].per_micro_batch_s)
+        picks.append(k)
+        stages.append(stage)
+    return picks, stages
 
 
 class StageTables:
