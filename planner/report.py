@@ -9,7 +9,7 @@ from planner.graph import dtype_itemsize
 from planner.humanize import human_bytes, human_count, human_seconds
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
-from planner.plans.stagemesh import describe_stage_meshes, per_stage_meshes
+from planner.plans.stagemesh import describe_stage_meshes, per_stage_meshes, resharded
 from planner.sharding.derive import OPTIMIZER_OP
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "workspace")
@@ -124,11 +124,9 @@ def _stage_meshes(plan: Plan) -> list[str]:
         return []
     lines = ["stages     each on a mesh of its own shape: "
              + describe_stage_meshes(plan.mesh, pipeline)]
-    resharded = sum(1 for send in pipeline.sends
-                    if (pipeline.stages[send.from_stage].mesh or plan.mesh)
-                    != (pipeline.stages[send.to_stage].mesh or plan.mesh))
-    if resharded:
-        lines.append(f"           {resharded} activation(s) resharded between stages of "
+    crossing = sum(1 for send in pipeline.sends if resharded(plan.mesh, pipeline, send))
+    if crossing:
+        lines.append(f"           {crossing} activation(s) resharded between stages of "
                      "different shapes (each rank receives its own block)")
     return lines
 

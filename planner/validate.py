@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from costmodels.orders import chunks_per_device, misplaced
 from planner.errors import PlanFileError, ShardplanError
@@ -34,9 +34,15 @@ from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
-from planner.plans.sections import PipelineSection, SendEntry
+from planner.plans.sections import PipelineSection
 from planner.plans.sequence import sequence_split
-from planner.plans.stagemesh import arrival_layouts, op_meshes, tensor_meshes
+from planner.plans.stagemesh import (
+    arrival_layouts,
+    op_meshes,
+    resharded,
+    stage_mesh,
+    tensor_meshes,
+)
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.context import context_kind
@@ -79,6 +85,7 @@ def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
     """Every problem found in `plan` (and against `graph`, the model imported at the plan's
     dims, when given)."""
     report = Report()
+    meshes = _Meshes.of(plan)
     _parallel(plan, report)
     _costs(plan, report)
     before = len(report.problems)
@@ -86,11 +93,11 @@ def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
     if plan.pipeline is not None and len(report.problems) == before:
         matched = graph if graph is not None and _matches(plan, graph) else None
         _stage_holds(plan, matched, report)
-        _sends(plan, matched, report)
+        _sends(plan, matched, report, meshes)
     _send_collectives(plan, report)
-    _edges(plan, report)
+    _edges(plan, report, meshes)
     if graph is not None:
-        _model(plan, graph, report)
+        _model(plan, graph, report, meshes)
     return report
 
 
@@ -287,12 +294,13 @@ def _pipeline(plan: Plan, report: Report) -> None:
         if send.tensor not in plan.tensors:
             report.add(f"pipeline send of unknown tensor {send.tensor!r}")
         entry = plan.tensors.get(send.tensor)
-        if send.scatter_axes and entry is not None and _resharded(plan, send):
+        if send.scatter_axes and entry is not None and resharded(plan.mesh, pipe, send):
             report.add(f"pipeline send of {send.tensor}: scattered over "
                        f"{list(send.scatter_axes)}, but it crosses to a stage of another "
                        "mesh shape, which receives it whole")
         elif send.scatter_axes and entry is not None:
-            split = send_split(entry.layout, entry.shape, _stage_mesh(plan, send.to_stage))
+            split = send_split(entry.layout, entry.shape,
+                               stage_mesh(plan.mesh, pipe, send.to_stage))
             if split is None or split.axes != send.scatter_axes \
                     or split.dim != send.scatter_dim:
                 report.add(f"pipeline send of {send.tensor}: scattered over "
@@ -311,24 +319,19 @@ def _pipeline(plan: Plan, report: Report) -> None:
     report.checked["stages"] = len(stages)
 
 
-def _stage_mesh(plan: Plan, stage: int) -> DeviceMesh:
-    """The mesh of device stage `stage` (its own under per-stage meshes)."""
-    stages = plan.pipeline.stages if plan.pipeline is not None else ()
-    return (stages[stage].mesh or plan.mesh) if 0 <= stage < len(stages) else plan.mesh
-
-
-def _resharded(plan: Plan, send: SendEntry) -> bool:
-    """Whether a send crosses between stages of different meshes (resharded on arrival)."""
-    return _stage_mesh(plan, send.from_stage) != _stage_mesh(plan, send.to_stage)
-
-
-def _meshes(plan: Plan) -> tuple[list[DeviceMesh], dict[str, DeviceMesh],
-                                 dict[tuple[DeviceMesh, str], Layout]]:
+class _Meshes(NamedTuple):
     """Each op's mesh, each tensor's, and how tensors arrive on the meshes of other
-    stages reading them (`planner.plans.stagemesh`)."""
-    on_op = op_meshes(plan.mesh, plan.pipeline, len(plan.ops))
-    on_tensor = tensor_meshes(plan.mesh, plan.pipeline, _op_names(plan, None))
-    return on_op, on_tensor, arrival_layouts(plan.ops, on_op, on_tensor)
+    stages reading them (`planner.plans.stagemesh`): found once per `validate`."""
+
+    on_op: list[DeviceMesh]
+    on_tensor: dict[str, DeviceMesh]
+    arrivals: dict[tuple[DeviceMesh, str], Layout]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Meshes:
+        on_op = op_meshes(plan.mesh, plan.pipeline, len(plan.ops))
+        on_tensor = tensor_meshes(plan.mesh, plan.pipeline, _op_names(plan, None))
+        return cls(on_op, on_tensor, arrival_layouts(plan.ops, on_op, on_tensor))
 
 
 def _check_placement(pipe: PipelineSection, chunks: Sequence[tuple[tuple[int, int], int]],
@@ -368,7 +371,7 @@ def _stage_holds(plan: Plan, graph: PlanningGraph | None, report: Report) -> Non
                        f"read {len(wanted)} (first difference: {odd[0]})")
 
 
-def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
+def _sends(plan: Plan, graph: PlanningGraph | None, report: Report, meshes: _Meshes) -> None:
     """The pipeline's sends are the ones its partition implies (`send_routes`): each
     activation crossing to another device stage, chunk to chunk, with its gradient when it
     carries one (known from the model; without it, as the plan's sends say), of its
@@ -406,13 +409,13 @@ def _sends(plan: Plan, graph: PlanningGraph | None, report: Report) -> None:
         report.add(f"pipeline: the send of {tensor} from stage {a} to stage {b} (chunk {ca} "
                    f"→ {cb}{', gradient back' if grad else ''}) is not one the stages' ops "
                    f"need ({count}× too many)")
-    _, _, arrivals = _meshes(plan)
     for send in pipe.sends:
         entry = plan.tensors.get(send.tensor)
         if entry is None:
             continue
-        mesh = _stage_mesh(plan, send.to_stage)
-        arriving = arrivals.get((mesh, send.tensor)) if _resharded(plan, send) else None
+        mesh = stage_mesh(plan.mesh, pipe, send.to_stage)
+        arriving = meshes.arrivals.get((mesh, send.tensor)) \
+            if resharded(plan.mesh, pipe, send) else None
         size = round((replace(entry, layout=arriving) if arriving is not None else entry)
                      .local_bytes(mesh))
         if send.bytes != size:
@@ -464,7 +467,7 @@ def _differences(report: Report, wanted: Counter, listed: Counter, lacking: str,
                                        phase=phase, op=op, count=count))
 
 
-def _edges(plan: Plan, report: Report) -> None:
+def _edges(plan: Plan, report: Report, meshes: _Meshes) -> None:
     """Each read in another layout than the stored one has its forward moves listed, at
     its op or at another op reading the tensor in the same layout (reads in one layout
     may share one move: `planner.sharding.derive.shared_read_key`; which ones exactly is
@@ -478,7 +481,7 @@ def _edges(plan: Plan, report: Report) -> None:
                 readers.setdefault((binding.tensor, binding.layout), []).append(op.name)
     needed: Counter = Counter()
     moves = 0
-    on_op, on_tensor, arrivals = _meshes(plan)
+    on_op, on_tensor, arrivals = meshes
     for index, op in enumerate(plan.ops):
         mesh = on_op[index]
         for binding in op.inputs:
@@ -548,7 +551,7 @@ def _context_kind(plan: Plan, analysis: GraphAnalysis, strategies: Mapping[str, 
                    f"layouts run attention over cp as {runs}")
 
 
-def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
+def _model(plan: Plan, graph: PlanningGraph, report: Report, meshes: _Meshes) -> None:
 
     try:
         check_plan_matches(plan, graph)
@@ -560,7 +563,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report) -> None:
     strategies: dict[str, OpStrategy] = {}
     before = len(report.problems)
     cosmetic = 0  # strategy tuples out of step with layouts: the collectives still follow
-    on_op, _, _ = _meshes(plan)
+    on_op = meshes.on_op
     mesh_of = {op.name: mesh for op, mesh in zip(plan.ops, on_op, strict=True)}
     for node in graph.ops:
         mesh = mesh_of.get(node.name, plan.mesh)

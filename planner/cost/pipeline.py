@@ -454,7 +454,31 @@ class Pricer:
         return 1.0
 
 
-class PlacedPricer:
+class _StagedPricer:
+    """A pipeline priced stage by stage, each device stage by a `Pricer` of its own
+    (`_stages`), the step from the one step model."""
+
+    config: PipelineConfig
+    _stages: list[Pricer]
+
+    def stage_pricer(self, stage: int) -> Pricer:
+        return self._stages[stage]
+
+    def limit_ratio(self, stage: int) -> float:
+        """Stage `stage`'s memory limit over the pipeline's."""
+        return 1.0
+
+    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
+               mode: Recompute) -> StagePrice:
+        return self._stages[index].device(index, devices, mode)
+
+    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
+              recompute: Sequence[Recompute]) -> StepPrice:
+        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
+        return step_price(stages, self.config)
+
+
+class PlacedPricer(_StagedPricer):
     """Prices a pipeline whose device stages run on different device kinds (a mixed
     cluster's `Placement`): each stage by the `Pricer` of its kind, with the unit profile
     its hardware prices (`profiles[group]`) and the sends into it over the link between
@@ -514,20 +538,8 @@ class PlacedPricer:
                              key=lambda found: found[0])
         return group, pace, max(self.rows) / even
 
-    def stage_pricer(self, stage: int) -> Pricer:
-        return self._stages[stage]
-
     def limit_ratio(self, stage: int) -> float:
         return self._ratios[stage]
-
-    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
-               mode: Recompute) -> StagePrice:
-        return self._stages[index].device(index, devices, mode)
-
-    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
-              recompute: Sequence[Recompute]) -> StepPrice:
-        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
-        return step_price(stages, self.config)
 
 
 def kind_seconds(profiles: Sequence[UnitProfile]) -> list[float]:
@@ -536,7 +548,7 @@ def kind_seconds(profiles: Sequence[UnitProfile]) -> list[float]:
     return [float((p.forward + p.backward).sum()) for p in profiles]
 
 
-class ShapedPricer:
+class ShapedPricer(_StagedPricer):
     """Prices a pipeline whose device stages run on meshes of different (dp, tp) shapes
     over the same number of devices each (Alpa's inter-operator pass gives each stage
     its own submesh): stage k by the `Pricer` of its shape (`pricers[k]`, its unit
@@ -560,21 +572,6 @@ class ShapedPricer:
         return cls([pricer_of(shape, any(other != shape for other in (
             [*shapes[:k], *shapes[k + 1:]] if wraps else shapes[:k])))
             for k, shape in enumerate(shapes)])
-
-    def stage_pricer(self, stage: int) -> Pricer:
-        return self._stages[stage]
-
-    def limit_ratio(self, stage: int) -> float:
-        return 1.0
-
-    def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
-               mode: Recompute) -> StagePrice:
-        return self._stages[index].device(index, devices, mode)
-
-    def price(self, devices: Sequence[Sequence[tuple[int, int]]],
-              recompute: Sequence[Recompute]) -> StepPrice:
-        stages = [self.device(d, devices, mode) for d, mode in enumerate(recompute)]
-        return step_price(stages, self.config)
 
 
 #: What prices a pipeline: one kind of device, a mixed cluster's placement, or stages of

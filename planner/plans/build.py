@@ -62,6 +62,7 @@ from planner.search.joint import (
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
+from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import (
     UnitCrossing,
@@ -286,10 +287,9 @@ def _shaped_tensor_entries(shardeds: Sequence[ShardedGraph],
                            kind_of_op: Sequence[int]) -> dict[str, TensorEntry]:
     """Per-stage meshes: each tensor as the layout of its site's stage stores it (the op
     producing it, else the first reading it: `planner.plans.stagemesh.tensor_sites`)."""
-    every = [_tensor_entries(sharded) for sharded in shardeds]
     sites = tensor_sites(_op_names(shardeds[0].analysis.graph))
-    return {name: every[kind_of_op[sites[name]] if name in sites else 0][name]
-            for name in every[0]}
+    return _tensor_entries(shardeds[0], lambda name: shardeds[
+        kind_of_op[sites[name]] if name in sites else 0].layout(name))
 
 
 def _stage_of_op(decision: PipelineDecision, units: Units, ops: int) -> list[int]:
@@ -504,8 +504,11 @@ def _op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
     return tuple(entries)
 
 
-def _tensor_entries(sharded: ShardedGraph) -> dict[str, TensorEntry]:
-    return {name: TensorEntry(tuple(info.shape), info.dtype, info.kind, sharded.layout(name),
+def _tensor_entries(sharded: ShardedGraph,
+                    layout: Callable[[str], Layout] | None = None) -> dict[str, TensorEntry]:
+    """Every tensor as stored: in `sharded`'s layout, or `layout(name)` where given."""
+    stored = layout or sharded.layout
+    return {name: TensorEntry(tuple(info.shape), info.dtype, info.kind, stored(name),
                               info.source)
             for name, info in sharded.analysis.graph.tensors.items()}
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from planner.errors import ShardplanError
 from planner.kinds import AxisRole
-from planner.plans.sections import OpEntry, PipelineSection
+from planner.plans.sections import OpEntry, PipelineSection, SendEntry
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
@@ -50,6 +50,18 @@ def refuse_stage_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
             "stage_mesh=shared")
 
 
+def stage_mesh(mesh: DeviceMesh, pipeline: PipelineSection | None, stage: int) -> DeviceMesh:
+    """The mesh of device stage `stage`: its own under per-stage meshes, else `mesh`."""
+    stages = pipeline.stages if pipeline is not None else ()
+    return (stages[stage].mesh or mesh) if 0 <= stage < len(stages) else mesh
+
+
+def resharded(mesh: DeviceMesh, pipeline: PipelineSection | None, send: SendEntry) -> bool:
+    """Whether `send` crosses between stages of different meshes (resharded on arrival)."""
+    return stage_mesh(mesh, pipeline, send.from_stage) != stage_mesh(mesh, pipeline,
+                                                                     send.to_stage)
+
+
 def stage_of_ops(pipeline: PipelineSection | None, count: int) -> list[int]:
     """The device stage running each of `count` ops (0 outside every stage's ranges)."""
     found = [0] * count
@@ -66,9 +78,7 @@ def op_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,
     """The mesh each of `count` ops is laid out on."""
     if not per_stage_meshes(pipeline):
         return [mesh] * count
-    assert pipeline is not None
-    meshes = {stage.device_stage: stage.mesh or mesh for stage in pipeline.stages}
-    return [meshes.get(stage, mesh) for stage in stage_of_ops(pipeline, count)]
+    return [stage_mesh(mesh, pipeline, stage) for stage in stage_of_ops(pipeline, count)]
 
 
 def tensor_sites(ops: Sequence[OpNames]) -> dict[str, int]:
