@@ -446,7 +446,7 @@ def _burst_text(plan: Plan) -> str:
     if not plan.step_burst_s:
         return ", the calls back to back"
     return (f", each call after {plan.step_burst_s * 1e3:g} ms of fp32 "
-            f"{plan.overlap_matmul}^3 matmuls whose own time (measured alike) is taken off, "
+            f"{plan.overlap_matmul}^3 matmuls, only the call timed, "
             f"as a training step issues its collectives after its kernels")
 
 

@@ -67,7 +67,7 @@ class Plan:
     overlap_bytes: int = 0
     overlap_matmul: int = 256  # n of the n x n fp32 matmuls run beside it
     #: each timed collective follows a burst of fp32 matmuls about this long (0: the calls
-    #: back to back), whose own time is taken off: a collective as a step issues it
+    #: back to back), run untimed before each call: a collective as a step issues it
     step_burst_s: float = 0.0
 
 
@@ -228,21 +228,30 @@ class _Rank:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def timed(self, call: Callable[[], object]) -> float:
+    def timed(self, call: Callable[[], object],
+              before: Callable[[], None] | None = None) -> float:
+        """Seconds of one `call`; `before`, when given, runs first, untimed."""
+        if before is not None:
+            before()
+            self.sync()
         t0 = time.perf_counter()
         call()
         self.sync()
         return time.perf_counter() - t0
 
-    def measure(self, key: tuple[Any, ...], call: Callable[[], object], group: Any) -> float:
+    def measure(self, key: tuple[Any, ...], call: Callable[[], object], group: Any,
+                before: Callable[[], None] | None = None) -> float:
         """Time `call` the agreed number of times, add the samples to `key`; lower quartile.
 
         One warm-up call, then one timed call whose slowest-member time sets the repeat
         count, so every member issues the same calls and runs them at the same moments.
+        `before` runs ahead of every call, outside the timed span.
         """
+        if before is not None:
+            before()
         call()
         self.sync()
-        slowest = self.torch.tensor([self.timed(call)], dtype=self.torch.float64,
+        slowest = self.torch.tensor([self.timed(call, before)], dtype=self.torch.float64,
                                     device=self.device)
         self.dist.all_reduce(slowest, op=self.dist.ReduceOp.MAX, group=group)
         plan = self.plan
@@ -250,7 +259,7 @@ class _Rank:
         reps = max(plan.min_reps, min(plan.max_reps,
                                       math.ceil(share / max(float(slowest.item()), 1e-9))))
         self.dist.barrier(group=group)
-        times = [self.timed(call) for _ in range(reps)]
+        times = [self.timed(call, before) for _ in range(reps)]
         self.samples.setdefault(key, []).extend(times)
         return lower_quartile(times)
 
@@ -278,11 +287,6 @@ class _Rank:
         for key, times in self.samples.items():
             seconds = lower_quartile(times)
             section, *rest = key
-            if section == "step-burst":
-                continue
-            if section == "collective" and ("step-burst", rest[1]) in self.samples:
-                burst = lower_quartile(self.samples[("step-burst", rest[1])])
-                seconds = max(seconds - burst, min(times) * 1e-3)
             if section == "matmul":
                 out.matmul.append({"dtype": rest[0], "n": rest[1], "seconds": seconds})
             elif section == "copy":
@@ -376,27 +380,19 @@ class _Rank:
     def collectives(self, size: int, group: Any) -> None:
         """Each collective of the plan at each size in the group of `size` ranks. With
         `Plan.step_burst_s`, each timed call follows a burst of compute, as a training
-        step's collectives follow its kernels, and the burst's own time (measured alike)
-        is taken off: back to back, the calls of a gloo group keep its threads awake and
-        its caches warm, which a step does not (here a 512 KB all_reduce took 0.73 ms
-        back to back and 1.8-2.0 ms after 2 ms of matmuls)."""
+        step's collectives follow its kernels; only the call is timed. Back to back, the
+        calls of a gloo group keep its threads awake and its caches warm, which a step does
+        not (here a 512 KB all_reduce took 0.73 ms back to back and 1.8-2.0 ms after 2 ms
+        of matmuls). Timing the call alone, rather than burst and call less the burst's
+        own time, keeps the burst's jitter (a loaded host's milliseconds) out of the
+        point: subtracted, it once left a 4 MiB all_reduce 20 us and the fit 200 GB/s."""
         burst = self.step_burst_call()
-        if burst is not None:
-            self.measure(("step-burst", size), burst, group)
         for kind in self.plan.collectives:
             for nbytes in self.plan.collective_bytes:
                 call, moved = self.collective(kind, max(nbytes, 4 * size), size, group)
-                timed = call if burst is None else self.after(burst, call)
-                seconds = self.measure(("collective", kind, size, moved), timed, group)
+                seconds = self.measure(("collective", kind, size, moved), call, group, burst)
                 self.say(f"{kind} p={size} {moved} B: {seconds * 1e6:.0f} us"
                          f"{'' if burst is None else ' with the burst'}{self.round_}")
-
-    @staticmethod
-    def after(burst: Callable[[], None], call: Callable[[], object]) -> Callable[[], None]:
-        def both() -> None:
-            burst()
-            call()
-        return both
 
     def agreed_count(self, seconds: float, single: float) -> int:
         """How many calls of `single` seconds make about `seconds`, as many on every rank
