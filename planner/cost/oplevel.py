@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile
-from costmodels.rates import peak_flops
+from costmodels.rates import launch_floor_s, peak_flops
 from planner.cost.buckets import (
     Issue,
     assign_buckets,
@@ -127,26 +127,54 @@ def priced_on_kinds(analysis: GraphAnalysis, mesh: DeviceMesh,
             for kind in kinds]
 
 
-def gemm_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,
-                 options: TrainingOptions) -> float:
-    """A floor under any layout's forward and backward compute of the graph on one device
-    before a split: each matrix kernel's FLOPs at its dtype's peak, and where a gradient
-    flows its backward at the kernel's multiple of that. Every op is priced at its
-    roofline, no faster than its FLOPs at peak (`costmodels.compute.op_time`), so on d
-    devices no layout's compute adds up to less than this over d."""
+@dataclass(frozen=True)
+class ComputeFloor:
+    """Two floors under any layout's forward and backward compute of a graph: `gemm_s`,
+    the matrix kernels' FLOPs at peak on one device before a split, which a split over d
+    devices divides by d; and `per_op_s`, what every op costs however small its share (a
+    kernel's launch, the host's time per op), which no split divides: over-split or cut
+    into many micro-batches, a model of small ops is bound by its launches, not its
+    FLOPs."""
+
+    gemm_s: float
+    per_op_s: float
+
+
+def compute_floor(analysis: GraphAnalysis, profile: HardwareProfile,
+                  options: TrainingOptions) -> ComputeFloor:
+    """The graph's `ComputeFloor`. Every op is priced at its roofline
+    (`costmodels.compute.op_time`): no faster than its FLOPs at peak, and no faster than
+    the launch floor for each kernel it starts that does any work, in each pass; where a
+    gradient flows a GEMM's backward is its kernel's multiple of the forward, a
+    memory-bound kernel's backward a kernel of its own (`planner.cost.pricing.op_times`).
+    The host's time per op run (`device.host_op_s`) is counted at the least of its
+    plain-tensor and DTensor times."""
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     graph = analysis.graph
-    needs_grad = analysis.needs_grad
-    total = 0.0
+    needs_grad = {} if options.inference else analysis.needs_grad
+    launch = launch_floor_s(profile)
+    host = (min(profile.host_seconds(False, True), profile.host_seconds(False, False)),
+            min(profile.host_seconds(True, True), profile.host_seconds(True, False)))
+    gemm = per_op = 0.0
     for node in graph.ops:
         kernel = kernels.ops[node.name]
-        if kernel.flops <= 0 or not is_matrix_op(node.op_type):
-            continue
-        dtype = op_dtype(node, kernel, graph.tensors, options.precision)
         grad = any(needs_grad.get(o, False) for o in node.outputs if o)
-        total += kernel.flops / peak_flops(profile, dtype) * (
-            1.0 + (kernel.backward_ratio if grad else 0.0))
-    return total
+        per_op += host[0] + (host[1] if grad else 0.0)
+        if kernel.flops <= 0 and kernel.bytes <= 0:
+            continue
+        forward_launches = kernel.launches
+        backward_launches = 0.0
+        if grad:
+            if kernel.backward_bytes is None:
+                backward_launches = kernel.backward_ratio * kernel.launches
+            elif kernel.backward_bytes > 0:
+                backward_launches = kernel.backward_launches
+        per_op += launch * (forward_launches + backward_launches)
+        if kernel.flops > 0 and is_matrix_op(node.op_type):
+            dtype = op_dtype(node, kernel, graph.tensors, options.precision)
+            gemm += kernel.flops / peak_flops(profile, dtype) * (
+                1.0 + (kernel.backward_ratio if grad else 0.0))
+    return ComputeFloor(gemm, per_op)
 
 
 def price_graph(sharded: ShardedGraph, profile: HardwareProfile,

@@ -38,8 +38,9 @@ from costmodels.orders import chunks_per_device
 from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
 from planner.cost.oplevel import (
+    ComputeFloor,
     PricedGraph,
-    gemm_floor_s,
+    compute_floor,
     mesh_on,
     priced_choice,
     priced_on_kinds,
@@ -551,10 +552,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync. The
     # mean is the layout's compute where (tp, local micro-batch) has been solved, else the
-    # GEMMs' FLOPs at their peak (`planner.cost.oplevel.gemm_floor_s`); such a bound is made
+    # GEMMs' FLOPs at their peak split tp ways, or every op's launches where they weigh
+    # more (`planner.cost.oplevel.compute_floor`); such a bound is made
     # exact when it comes first, so a layout is solved only for configurations that could
     # still win.
-    floors: dict[int, list[float]] = {}
+    floors: dict[int, list[ComputeFloor]] = {}
     rows = graph.batch
     counts = [g.devices for g in cluster.groups] if cluster is not None and len(kinds) > 1 \
         else [devices]
@@ -595,10 +597,13 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             stage = stage_floor(works, share, choice.pp)
         else:
             if local not in floors:
-                floors[local] = [gemm_floor_s(graphs.at(local), kind, training)
+                floors[local] = [compute_floor(graphs.at(local), kind, training)
                                  for kind in kinds]
             split = choice.tp * choice.cp * choice.ep
-            stage = stage_floor([f / split for f in floors[local]], 1.0, choice.pp)
+            # each floor balanced on its own: on a mixed cluster the kinds' FLOPs and
+            # launches need not fall on the same stages
+            stage = max(stage_floor([f.gemm_s / split for f in floors[local]], 1.0, choice.pp),
+                        stage_floor([f.per_op_s for f in floors[local]], 1.0, choice.pp))
         bound = pipeline_time([stage] * choice.pp, choice.micro_batches,
                               choice.schedule, choice.virtual_stages)
         return bound, exact

@@ -1,0 +1,96 @@
+"""The joint search's compute floor (`planner.cost.oplevel.compute_floor`): a bound under
+every layout's price, and one that counts each op's launch, so a model of small ops is not
+solved at every micro-batch split its FLOPs alone would leave open."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_robustness import _save, chain_model
+
+from costmodels.profile import load_profile
+from planner import api, zoo
+from planner.cost.oplevel import compute_floor, priced_choice
+from planner.cost.step import TrainingOptions
+from planner.importer import import_model
+from planner.kinds import AxisRole
+from planner.search import joint
+from planner.search.megatron import megatron_strategies
+from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.mesh import DeviceMesh
+from planner.zoo.gpt import GPTConfig
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> GraphAnalysis:
+    config = GPTConfig(layers=2, hidden=128, heads=4, vocab=512, max_positions=64,
+                       dropout=0.1, fused_qkv=False)
+    path = zoo.save(zoo.build("gpt", config), tmp_path_factory.mktemp("gpt") / "gpt.onnx")
+    return GraphAnalysis.of(import_model(Path(path), batch=4, dims={"seq": 64}))
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(chain_model(400, width=16), tmp_path_factory.mktemp("chain") / "chain.onnx")
+
+
+@pytest.mark.parametrize("profile", ["a100-80g", "h100-sxm", "cpu"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_floor_is_under_every_layouts_compute(gpt: GraphAnalysis, profile: str,
+                                                  tp: int) -> None:
+    """Megatron's layout over tp devices computes no faster than the GEMMs at peak over tp,
+    nor than every op's launches and host time, which no split divides."""
+    hardware = load_profile(profile)
+    options = TrainingOptions()
+    mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: tp},
+                            int(hardware.devices_per_node.value))
+    strategies = megatron_strategies(gpt.graph, mesh, gpt.labels)
+    stage = priced_choice(gpt, mesh, strategies, hardware, options).stage
+    compute = stage.forward_compute_s + stage.backward_compute_s
+    floor = compute_floor(gpt, hardware, options)
+    assert 0 < floor.gemm_s / tp <= compute
+    assert 0 < floor.per_op_s <= compute
+
+
+def test_a_chain_of_small_ops_is_bound_by_its_launches(chain: Path) -> None:
+    """400 ops on 16 × 16 weights: the launches are the floor, within a factor of the price
+    of the data-parallel layout, and thousands of times the GEMMs' FLOPs at peak."""
+    hardware = load_profile("a100-80g")
+    analysis = GraphAnalysis.of(import_model(chain, batch=8))
+    options = TrainingOptions()
+    floor = compute_floor(analysis, hardware, options)
+    mesh = DeviceMesh.build({AxisRole.DATA: 1, AxisRole.TENSOR: 1}, 8)
+    strategies = megatron_strategies(analysis.graph, mesh, analysis.labels)
+    stage = priced_choice(analysis, mesh, strategies, hardware, options).stage
+    compute = stage.forward_compute_s + stage.backward_compute_s
+    assert floor.per_op_s > 1000 * floor.gemm_s
+    assert 0.5 * compute <= floor.per_op_s <= compute
+
+
+def test_the_launch_floor_solves_fewer_layouts_for_the_same_plan(
+        chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the chain, a configuration cut into micro-batches runs every op once per
+    micro-batch: its launches price it above the best one solved, so the search leaves
+    its layout unsolved. With the FLOPs alone as the floor it solves them, and chooses
+    the same plan at the same price."""
+    solved: list[tuple[int, tuple[int, ...]]] = []
+    solve = joint.model_parallel_strategies
+
+    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
+        solved.append((analysis.graph.batch, mesh.shape))
+        return solve(analysis, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    with_launches = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
+    launch_solves = set(solved)
+    solved.clear()
+    floor = joint.compute_floor
+    monkeypatch.setattr(joint, "compute_floor",
+                        lambda *args: replace(floor(*args), per_op_s=0.0))
+    flops_only = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
+    assert launch_solves < set(solved)
+    assert with_launches.parallel == flops_only.parallel
+    assert with_launches.predicted.step_time_s == pytest.approx(
+        flops_only.predicted.step_time_s)
