@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from executor.checkpoint import marker_for, writing
 from executor.module.cache import keep_trace, kept_trace, trace_digest
 from executor.module.layouts import weight_buckets
+from executor.module.localstep import LocalSGD
 from executor.module.trace import (
     MAX_SHARED_TRACE_BYTES,
     SavedTrace,
@@ -177,11 +178,15 @@ def make_optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim
     """SGD or AdamW over the module's parameters (DTensors or not). Over DTensors the
     update runs as one multi-tensor (foreach) op per step rather than one op per
     parameter: each DTensor op pays its dispatch on the host (on one CPU rank, 69 against
-    121 µs a step for the 2-layer LLaMA's SGD); torch defaults to foreach only on GPUs."""
+    121 µs a step for the 2-layer LLaMA's SGD); torch defaults to foreach only on GPUs.
+    SGD over DTensors updates each rank's blocks where a gradient has its parameter's
+    placements (`LocalSGD`: 32 µs there, without DTensor's dispatch)."""
     params = list(module.parameters())
-    foreach = True if any(isinstance(p, DTensor) for p in params) else None
+    distributed = any(isinstance(p, DTensor) for p in params)
+    foreach = True if distributed else None
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+        return LocalSGD(params, lr=lr, foreach=foreach) if distributed \
+            else torch.optim.SGD(params, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
