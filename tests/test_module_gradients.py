@@ -160,3 +160,38 @@ def test_a_parallelized_module_is_not_kept_alive_by_its_optimizer_hook(
         assert len(_global_optimizer_post_hooks) == after_one  # the first one's removed
     finally:
         dist.destroy_process_group()
+
+
+def test_a_cleared_gradients_wrapper_is_refilled_only_where_no_one_holds_it(
+        tmp_path: Path) -> None:
+    """After `zero_grad()` the next backward pass puts a parameter's new gradient in the
+    DTensor its last one was in, where nothing else holds that; a gradient the user kept
+    keeps its values, and its parameter gets a DTensor of its own."""
+    import weakref
+
+    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
+                  devices=1, profile="cpu", mode="data")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        module, make_batch, loss_fn = load_builder(LLAMA)()
+        module.train()
+        module = parallelize(module, chosen, make_batch(0, BATCH))
+        names = [name for name, _ in module.named_parameters()]
+        kept_name = names[0]
+        loss_fn(module(**make_batch(0, BATCH)), make_batch(0, BATCH)).backward()
+        params = dict(module.named_parameters())
+        last = {name: weakref.ref(params[name].grad) for name in names}
+        kept = params[kept_name].grad
+        snapshot = kept.full_tensor().clone()
+        module.zero_grad()
+        assert all(param.grad is None for param in params.values())
+        data = make_batch(1, BATCH)
+        loss_fn(module(**data), data).backward()
+        refilled = [name for name in names if last[name]() is params[name].grad]
+        assert params[kept_name].grad is not kept
+        assert torch.equal(kept.full_tensor(), snapshot)
+        assert not torch.equal(params[kept_name].grad.full_tensor(), snapshot)
+        assert kept_name not in refilled and len(refilled) == len(names) - 1
+    finally:
+        dist.destroy_process_group()

@@ -36,6 +36,7 @@ phase for the comparison with the plan.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,6 +52,18 @@ from executor.module.layouts import WeightBucket
 from executor.runtime import MeshComm
 from planner.errors import ShardplanError
 from planner.kinds import CollectiveKind, Phase
+
+
+def _sole_count() -> int:
+    """What `sys.getrefcount(d[key])` reads for an object that the dict `d` alone holds
+    (measured, not assumed: interpreters count the call's own reference differently)."""
+    held = {"probe": object()}
+    return sys.getrefcount(held["probe"])
+
+
+_SOLE = _sole_count()
+#: the block a released gradient wrapper keeps until its refill (`WeightSync._release`)
+_RELEASED = torch.empty(0)
 
 
 def in_backward() -> bool:
@@ -171,6 +184,9 @@ class WeightSync:
         # rank): the parameter's gradient is the leaf's, bound once (`_bind_gradients`)
         self._bound: dict[str, tuple[torch.Tensor, DTensor]] = {}
         self._binding = False  # a binding is queued for the end of this backward pass
+        # the DTensor each bound parameter's gradient was last wrapped in, for the next
+        # backward pass to refill when no one else holds it (`_bind_gradients`)
+        self._wrappers: dict[str, DTensor] = {}
         # ZeRO 0 weights whose gradient the plan all-reduces: a gradient the user kept
         # from earlier steps (no `zero_grad`) is added to the step's sum, as eager torch
         # and DDP accumulate (`_set_gradient`); on a weight read as a DTensor, whose
@@ -301,15 +317,39 @@ class WeightSync:
         Later micro-batches and steps accumulate into it in place, as autograd does into
         any gradient, so nothing is handed over per weight and backward pass (DDP's
         ranks and eager torch do no more); a new gradient (the first backward pass after
-        `zero_grad`, or one autograd made out of place) is wrapped again."""
+        `zero_grad`, or one autograd made out of place) is wrapped again: in the
+        wrapper of the last one where nothing but this object holds that (a DTensor is
+        1.8 µs to make, 21 of them a step on the 2-layer LLaMA), else in a new one."""
         self._binding = False
-        for leaf, param in self._bound.values():
+        for name, (leaf, param) in self._bound.items():
             local = leaf.grad
             if local is None:
                 continue
             grad = param.grad
-            if grad is None or not isinstance(grad, DTensor) or grad._local_tensor is not local:
-                param.grad = DTensor(local, param._spec, requires_grad=False)
+            if isinstance(grad, DTensor) and grad._local_tensor is local:
+                continue
+            if grad is None and self._held_here(name):
+                wrapper = self._wrappers[name]
+                wrapper._local_tensor = local
+            else:
+                wrapper = self._wrappers[name] = DTensor(local, param._spec,
+                                                         requires_grad=False)
+            param.grad = wrapper
+
+    def _held_here(self, name: str) -> bool:
+        """Whether `name`'s last gradient wrapper is held by `_wrappers` alone: the user's
+        `zero_grad()` let it go and kept no reference, so refilling it changes nothing
+        anyone can see."""
+        return name in self._wrappers and sys.getrefcount(self._wrappers[name]) == _SOLE
+
+    def _release(self, name: str) -> None:
+        """The cleared gradient's storage let go now, as `zero_grad()` lets it go in eager
+        torch: a wrapper held here alone keeps an empty block until its refill; one the
+        user still holds is theirs (never refilled)."""
+        if self._held_here(name):
+            self._wrappers[name]._local_tensor = _RELEASED
+        else:
+            self._wrappers.pop(name, None)
 
     def _set_aside(self, name: str) -> Callable[[torch.Tensor], None]:
         """A hook run before autograd accumulates into `name`'s parameter: a gradient it
@@ -332,11 +372,12 @@ class WeightSync:
         """Before a forward pass: a parameter whose gradient the user cleared
         (`zero_grad()`) lets its leaf's go, so that the next backward pass starts anew;
         one whose gradient the user set has the leaf accumulate into it."""
-        for leaf, param in self._bound.values():
+        for name, (leaf, param) in self._bound.items():
             grad = param.grad
             if grad is None:
                 if leaf.grad is not None:
                     leaf.grad = None
+                    self._release(name)
                 continue
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
             if leaf.grad is not local:
