@@ -7,8 +7,11 @@ forward by a run of the traced graph that moves each op's inputs to the layouts 
 gives them (`run`), so DTensor's own propagation cannot choose other collectives than the
 plan priced. The plan's weight collectives (gradient sums, ZeRO 1-3) are issued bucket by
 bucket (`weights`), and `ParallelModule.train_step` runs the plan's micro-batches.
+`LocalSGD` and `LocalAdamW` are torch's SGD and AdamW updating each rank's blocks of the
+DTensor parameters without DTensor's dispatch (`localstep`).
 """
 
+from executor.module.localstep import LocalAdamW, LocalSGD
 from executor.module.parallelize import ParallelModule, parallelize
 
-__all__ = ["ParallelModule", "parallelize"]
+__all__ = ["LocalAdamW", "LocalSGD", "ParallelModule", "parallelize"]
