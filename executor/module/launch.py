@@ -36,6 +36,7 @@ from executor.checkpoint import marker_for, writing
 from executor.module.cache import keep_trace, kept_trace, trace_digest
 from executor.module.layouts import weight_buckets
 from executor.module.localstep import LocalAdamW, LocalSGD
+from executor.module.run import LossShare, reduced_losses
 from executor.module.trace import (
     MAX_SHARED_TRACE_BYTES,
     SavedTrace,
@@ -166,10 +167,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _scalar(loss: torch.Tensor) -> float:
-    loss = loss.detach()
-    return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -259,19 +256,24 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
             if saving.resume else 0
         counted = run.steps if run.count_steps is None else min(run.count_steps, run.steps)
         weight_calls: Counter = Counter()
+        # each step's loss as this rank's share, the sums over the ranks taken for all
+        # steps at once after them (`reduced_losses`): one collective, not one a step
+        shares: list[LossShare | torch.Tensor] = []
         for k, step in enumerate(range(done, done + run.steps)):
             batch = make_batch(step, run.batch_size)
             started = time.perf_counter()
-            loss = state.train_step(loss_fn, batch, (
-                lambda phase: CollectiveCount(issued, axes, phase)) if k < counted else None)
+            shares.append(state.train_step_share(loss_fn, batch, (
+                lambda phase: CollectiveCount(issued, axes, phase)) if k < counted else None))
             optimizer.step()
             optimizer.zero_grad()
             if k + 1 == counted:  # (ZeRO 1 and 2 rebuild the whole weights in step())
                 weight_calls = Counter(state.weight_calls)
-            log.losses.append(_scalar(loss))  # (its reduction settled by optimizer.step())
+            if run.backend == "nccl":  # the step's kernels done: its time, not its launch
+                torch.cuda.synchronize()
             log.step_time_s.append(time.perf_counter() - started)
             if saving.save and saving.every and (step + 1) % saving.every == 0:
                 checkpoints.save(saving.save, state, optimizer, step + 1, marker)
+        log.losses = reduced_losses(shares)
         if saving.save and not (saving.every and (done + run.steps) % saving.every == 0):
             checkpoints.save(saving.save, state, optimizer, done + run.steps, marker)
         issued.update(weight_calls)

@@ -64,8 +64,10 @@ from executor.module.local import LocalPlan
 from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss, row_placements
 from executor.module.run import (
+    LossShare,
     ModulePlan,
     RunRecord,
+    loss_share,
     output_gradients,
     place_inputs,
     placements,
@@ -189,6 +191,31 @@ class ParallelModule:
         next.
         `phases(name)`, when given, is entered around each "forward", "loss" and
         "backward" part (to count collectives by phase)."""
+        losses = self._step(loss_fn, batch, phases)
+        if isinstance(losses, torch.Tensor):  # (a pipeline's, reduced by its schedule)
+            return losses
+        settled(self.last_loss)  # (a step with no optimizer step between)
+        self.last_loss = step_loss(losses)
+        return self.last_loss
+
+    def train_step_share(self, loss_fn: Callable[..., torch.Tensor],
+                         batch: Mapping[str, torch.Tensor], phases: Phases | None = None
+                         ) -> LossShare | torch.Tensor:
+        """`train_step`, its loss left as this rank's share where a sum over the batch's
+        ranks is pending (`LossShare`; else the loss): for a loop that reads many steps'
+        losses at once, their sums taken in one collective (`reduced_losses`), as
+        `shardplan run` does."""
+        losses = self._step(loss_fn, batch, phases)
+        if isinstance(losses, torch.Tensor):
+            return losses
+        settled(self.last_loss)
+        self.last_loss = None
+        return loss_share(losses)
+
+    def _step(self, loss_fn: Callable[..., torch.Tensor], batch: Mapping[str, torch.Tensor],
+              phases: Phases | None) -> list[torch.Tensor] | torch.Tensor:
+        """A step's passes (`train_step`): its micro-batches' losses, or a pipeline's step
+        loss."""
         count = self.plan.micro_batches
         given = self._on_device(self.trace.inputs((), batch))
         for name, value in zip(self.trace.user_inputs, given, strict=True):
@@ -220,9 +247,7 @@ class ParallelModule:
             finally:
                 self.weights.micro_batch_last = True
             losses.append(reported)
-        settled(self.last_loss)  # (a step with no optimizer step between)
-        self.last_loss = step_loss(losses)
-        return self.last_loss
+        return losses
 
     def after_optimizer_step(self) -> None:
         """After `optimizer.step()` on this module's parameters: the step's loss reduction
