@@ -297,24 +297,26 @@ def step_loss(values: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def reduced_losses(shares: Sequence[LossShare | torch.Tensor]) -> list[float]:
     """Many steps' losses as floats, the shares' sums taken together: one collective per
-    pending mesh dim for all of them (a run that reports every step's loss need not sum
-    each step's on its own: on 2 CPU ranks that cost 0.3 ms a step, the optimizer step
-    racing the reduction's gloo thread)."""
-    pending = [s for s in shares if isinstance(s, LossShare)]
-    summed: list[float] = []
-    if pending:
-        reductions = pending[0].reductions
-        if any(s.reductions != reductions for s in pending):
-            raise ShardplanError("the steps' losses are pending over different mesh dims; "
-                                 "read each step's loss from train_step instead")
-        stacked = torch.stack([s.local for s in pending])
+    pending mesh dim for all the steps pending alike (a run that reports every step's loss
+    need not sum each step's on its own: on 2 CPU ranks that cost 0.3 ms a step, the
+    optimizer step racing the reduction's gloo thread). Every rank passes the same steps,
+    so every rank issues the same collectives in the same order."""
+    values: list[float] = [math.nan] * len(shares)
+    alike: dict[tuple[tuple[TorchMesh, int, str], ...], list[tuple[int, LossShare]]] = {}
+    for k, share in enumerate(shares):
+        if isinstance(share, LossShare):
+            alike.setdefault(share.reductions, []).append((k, share))
+        else:
+            values[k] = float(share)
+    for reductions, steps in alike.items():
+        stacked = torch.stack([share.local for _, share in steps])
         for mesh, dim, op in reductions:
             stacked = funcol.all_reduce(stacked, op, (mesh, dim))
         waited = settled(stacked)
         assert waited is not None
-        summed = waited.tolist()
-    taken = iter(summed)
-    return [next(taken) if isinstance(s, LossShare) else float(s) for s in shares]
+        for (k, _), value in zip(steps, waited.tolist(), strict=True):
+            values[k] = float(value)
+    return values
 
 
 def settled(loss: torch.Tensor | None) -> torch.Tensor | None:
