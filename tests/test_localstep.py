@@ -5,6 +5,7 @@ as `torch.optim.SGD` and `torch.optim.AdamW`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from executor.module.launch import plan_fuses_optimizer
 from executor.module.localstep import LocalAdamW, LocalSGD
 from executor.train import free_port
+from planner import api, zoo
+from planner.zoo.gpt import GPTConfig
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +133,20 @@ def test_adamw_blocks_placed_alike_skip_dtensors_dispatch(mesh: DeviceMesh) -> N
     with _Seen() as seen:
         optimizer.step()
     assert seen.dtensor_ops == []
+
+
+def test_the_runner_steps_adamw_in_the_kernels_the_plan_priced(tmp_path: Path) -> None:
+    """A plan priced with fused kernels (an A100's default, or `--fusion elementwise`)
+    gets the fused AdamW; one priced unfused (the CPU profile names no kernels, or
+    `--fusion none`) torch.optim's multi-tensor passes, as `optimizer_seconds` prices."""
+    config = GPTConfig(layers=1, hidden=32, heads=2, vocab=64, max_positions=16)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt.onnx")
+
+    def fuses(**options: object) -> bool:
+        return plan_fuses_optimizer(api.plan(str(path), batch=2, devices=2, mode="data",
+                                             dims={"seq": 16}, **options))  # type: ignore[arg-type]
+
+    assert fuses(profile="a100-80g")
+    assert not fuses(profile="cpu")
+    assert not fuses(profile="a100-80g", fusion="none")
+    assert fuses(profile="cpu", fusion="elementwise")

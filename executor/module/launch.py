@@ -171,24 +171,37 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def make_optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def plan_fuses_optimizer(plan: Plan) -> bool:
+    """Whether the plan priced the optimizer step as fused kernels, one pass over each
+    tensor (its kernels' fusion, `planner.cost.pricing.optimizer_seconds`), rather than
+    torch.optim's passes one after another: the runner's AdamW runs as priced. A plan
+    file that records no fusion is read as unfused, a profile's default."""
+    fusion = plan.step.fusion
+    return fusion is not None and fusion.fuses
+
+
+def make_optimizer(name: str, module: torch.nn.Module, lr: float, fused: bool = False
+                   ) -> torch.optim.Optimizer:
     """SGD or AdamW over the module's parameters (DTensors or not). Over DTensors the
     update runs as one multi-tensor (foreach) op per step rather than one op per
     parameter: each DTensor op pays its dispatch on the host (on one CPU rank, 69 against
     121 µs a step for the 2-layer LLaMA's SGD); torch defaults to foreach only on GPUs.
     SGD over DTensors updates each rank's blocks where a gradient has its parameter's
-    placements (`LocalSGD`: 32 µs there, without DTensor's dispatch); AdamW likewise,
-    with torch's fused kernel (`LocalAdamW`: 130 µs against 493 through DTensor's
-    multi-tensor dispatch; its last bits differ from an unsplit run's per-tensor AdamW,
-    as torch's fused and per-tensor kernels do)."""
+    placements (`LocalSGD`: 32 µs there, without DTensor's dispatch); AdamW likewise
+    (`LocalAdamW`), in the kernels the plan priced its step in (`fused`:
+    `plan_fuses_optimizer`): torch's fused kernel (130 µs against 493 through DTensor's
+    multi-tensor dispatch), else its multi-tensor passes (336 µs). Its last bits differ
+    from an unsplit run's per-tensor AdamW, as torch's kernels differ among themselves."""
     params = list(module.parameters())
     distributed = any(isinstance(p, DTensor) for p in params)
     if name == "sgd":
         return LocalSGD(params, lr=lr, foreach=True) if distributed \
             else torch.optim.SGD(params, lr=lr)
     if name == "adamw":
-        return LocalAdamW(params, lr=lr, fused=True) if distributed \
-            else torch.optim.AdamW(params, lr=lr)
+        if not distributed:
+            return torch.optim.AdamW(params, lr=lr)
+        return LocalAdamW(params, lr=lr, fused=True) if fused \
+            else LocalAdamW(params, lr=lr, foreach=True)
     raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 
@@ -245,7 +258,7 @@ def run_module_rank(rank: int, world: int, init_method: str, run: ModuleRun
         module = parallelize(module, plan, make_batch(0, run.batch_size), local=run.local,
                              saved=run.trace)
         state = state_of(module)
-        optimizer = make_optimizer(run.optimizer, module, run.lr)
+        optimizer = make_optimizer(run.optimizer, module, run.lr, plan_fuses_optimizer(plan))
         axes = group_axes(state.mesh)
         issued: Counter = Counter()
         log = ModuleRunLog(predicted_step_time_s=plan.predicted.step_time_s)
