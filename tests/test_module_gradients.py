@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,23 @@ from executor.module.parallelize import parallelize
 from executor.ranks import run_ranks
 from executor.train import free_port
 from planner.api import plan
+from planner.plans.model import Plan
 
 LLAMA = "examples.hf_models:llama"
 BATCH = 4
+
+
+@contextmanager
+def _one_rank_and_plan(tmp_path: Path) -> Iterator[Plan]:
+    """A one-device data-parallel plan of the LLaMA, inside a process group of one rank."""
+    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
+                  devices=1, profile="cpu", mode="data")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield chosen
+    finally:
+        dist.destroy_process_group()
 
 
 def _clear(model: torch.nn.Module, clearing: str) -> None:
@@ -48,13 +64,9 @@ def test_a_one_device_plan_gives_the_gradients_eager_gives(tmp_path: Path,
     second step's add to the first's): every parameter's gradient equals eager's, and no
     step's gradient leaks into the next (the leaf a local op reads and the parameter share
     their gradient, `WeightSync._bind_gradients`)."""
-    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
-                  devices=1, profile="cpu", mode="data")
     eager, make_batch, loss_fn = load_builder(LLAMA)()
     eager.train()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
+    with _one_rank_and_plan(tmp_path) as chosen:
         module, _, _ = load_builder(LLAMA)()
         module.train()
         module = parallelize(module, chosen, make_batch(0, BATCH))
@@ -70,8 +82,6 @@ def test_a_one_device_plan_gives_the_gradients_eager_gives(tmp_path: Path,
             for name, grad in theirs.items():
                 torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-6,
                                            msg=lambda m, n=name, s=step: f"{n}, step {s}: {m}")
-    finally:
-        dist.destroy_process_group()
 
 
 def _data_parallel_gradients(rank: int, port: int, plan_file: str, out: str) -> None:
@@ -138,11 +148,7 @@ def test_a_parallelized_module_is_not_kept_alive_by_its_optimizer_hook(
 
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
-                  devices=1, profile="cpu", mode="data")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
+    with _one_rank_and_plan(tmp_path) as chosen:
         gc.collect()  # (modules of earlier tests in this process: gone, their hooks
         # removed by the next parallelize)
         module, make_batch, _ = load_builder(LLAMA)()
@@ -158,8 +164,6 @@ def test_a_parallelized_module_is_not_kept_alive_by_its_optimizer_hook(
         module, _, _ = load_builder(LLAMA)()
         module = parallelize(module, chosen, make_batch(0, BATCH))
         assert len(_global_optimizer_post_hooks) == after_one  # the first one's removed
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_cleared_gradients_wrapper_is_refilled_only_where_no_one_holds_it(
@@ -169,11 +173,7 @@ def test_a_cleared_gradients_wrapper_is_refilled_only_where_no_one_holds_it(
     keeps its values, and its parameter gets a DTensor of its own."""
     import weakref
 
-    chosen = plan(export_builder(LLAMA, BATCH, tmp_path / "llama.onnx"), batch=BATCH,
-                  devices=1, profile="cpu", mode="data")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
+    with _one_rank_and_plan(tmp_path) as chosen:
         module, make_batch, loss_fn = load_builder(LLAMA)()
         module.train()
         module = parallelize(module, chosen, make_batch(0, BATCH))
@@ -193,5 +193,3 @@ def test_a_cleared_gradients_wrapper_is_refilled_only_where_no_one_holds_it(
         assert torch.equal(kept.full_tensor(), snapshot)
         assert not torch.equal(params[kept_name].grad.full_tensor(), snapshot)
         assert kept_name not in refilled and len(refilled) == len(names) - 1
-    finally:
-        dist.destroy_process_group()
