@@ -167,7 +167,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-
 OPTIMIZERS = ("sgd", "adamw")
 
 

@@ -24,22 +24,26 @@ from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 
-def local_pair(param: torch.Tensor, grad: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(this rank's block of `param`, of `grad`) where the update is elementwise on the
-    blocks: both plain, or both DTensors on one mesh with the same placements; None else."""
-    if isinstance(param, DTensor):
-        if (isinstance(grad, DTensor) and grad.device_mesh is param.device_mesh
-                and grad.placements == param.placements):
-            return param._local_tensor, grad._local_tensor
-        return None
-    return None if isinstance(grad, DTensor) else (param, grad)
+def local_blocks(param: torch.Tensor, others: list[torch.Tensor]
+                 ) -> list[torch.Tensor] | None:
+    """This rank's blocks of `param` and of `others` (its gradient and state) where an
+    update is elementwise on the blocks: all plain, or all DTensors on `param`'s mesh in
+    its placements; None where any is placed otherwise."""
+    if not isinstance(param, DTensor):
+        return None if any(isinstance(o, DTensor) for o in others) else [param, *others]
+    blocks = [param._local_tensor]
+    for other in others:
+        if not (isinstance(other, DTensor) and other.device_mesh is param.device_mesh
+                and other.placements == param.placements):
+            return None
+        blocks.append(other._local_tensor)
+    return blocks
 
 
 class LocalSGD(torch.optim.SGD):
     """`torch.optim.SGD` (the same state, state dict and checkpoints) whose step without
     momentum runs torch's own SGD update (`torch.optim.sgd.sgd`, multi-tensor) on the
-    local blocks where `local_pair` finds them, and through DTensor elsewhere. With
+    local blocks where `local_blocks` finds them, and through DTensor elsewhere. With
     momentum, a fused kernel, a differentiable step or a closure, it is SGD's own step."""
 
     @torch.no_grad()
@@ -58,9 +62,9 @@ class LocalSGD(torch.optim.SGD):
                     continue
                 if grad.is_sparse:
                     return super().step()
-                pair = local_pair(param, grad)
-                side, (block, block_grad) = (spread, (param, grad)) if pair is None \
-                    else (local, pair)
+                blocks = local_blocks(param, [grad])
+                side, (block, block_grad) = (spread, (param, grad)) if blocks is None \
+                    else (local, blocks)
                 side[0].append(block)
                 side[1].append(block_grad)
             updates += [(group, *local, True), (group, *spread, group["foreach"])]
@@ -71,18 +75,6 @@ class LocalSGD(torch.optim.SGD):
                     dampening=group["dampening"], nesterov=group["nesterov"],
                     maximize=group["maximize"])
         return None
-
-
-def _blocks(values: list[torch.Tensor], param: torch.Tensor) -> list[torch.Tensor] | None:
-    """Each of `values` (a parameter's gradient and state) as this rank's block where all
-    are placed as `param` is (plain where `param` is plain); None where any is not."""
-    blocks = []
-    for value in values:
-        pair = local_pair(param, value)
-        if pair is None:
-            return None
-        blocks.append(pair[1])
-    return blocks
 
 
 @dataclass
@@ -133,13 +125,12 @@ class LocalAdamW(torch.optim.AdamW):
                 most = found.max_exp_avg_sqs[k] if amsgrad else None
                 state = [found.grads[k], found.exp_avgs[k], found.exp_avg_sqs[k],
                          *([most] if most is not None else [])]
-                blocks = _blocks(state, param)
+                blocks = local_blocks(param, state)
                 if blocks is None:
                     spread.add(param, state[0], state[1], state[2], most, found.steps[k])
                 else:
-                    block = param._local_tensor if isinstance(param, DTensor) else param
-                    local.add(block, blocks[0], blocks[1], blocks[2],
-                              blocks[3] if amsgrad else None, found.steps[k])
+                    local.add(blocks[0], blocks[1], blocks[2], blocks[3],
+                              blocks[4] if amsgrad else None, found.steps[k])
             beta1, beta2 = group["betas"]
             for lists in (local, spread):
                 if lists.params:
