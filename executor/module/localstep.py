@@ -33,7 +33,9 @@ def local_blocks(param: torch.Tensor, others: list[torch.Tensor]
         return None if any(isinstance(o, DTensor) for o in others) else [param, *others]
     blocks = [param._local_tensor]
     for other in others:
-        if not (isinstance(other, DTensor) and other.device_mesh is param.device_mesh
+        # the mesh compared as DTensor compares specs (`==`, identity first): a DTensor
+        # may hold another mesh object equal to its parameter's
+        if not (isinstance(other, DTensor) and other.device_mesh == param.device_mesh
                 and other.placements == param.placements):
             return None
         blocks.append(other._local_tensor)
