@@ -161,6 +161,23 @@ def gemm_seconds(profile: HardwareProfile, shape: GemmShape, dtype: str, *,
     return max(compute, roofline, launch_floor_s(profile))
 
 
+def least_gemm_seconds(profile: HardwareProfile, dtype: str) -> float:
+    """The least time any GEMM kernel launch in `dtype` takes, whatever its shape or
+    split: the ramp R beside one wave of the smallest tiles the profile's kernels take
+    (each at least the MMA granule where the profile's tile is larger) and that tile's
+    epilogue, and no less than the launch floor L. A floor for bounds: `gemm_seconds` of
+    any shape is at least this."""
+    ramp = matmul_ramp_s(profile, dtype)
+    compute = ramp
+    if has_shape_terms(profile):
+        assert profile.compute_units is not None and profile.gemm_tile is not None
+        tm, tn, tk = (min(t, MMA_GRANULE) for t in profile.gemm_tile.value)
+        rate = peak_flops(profile, dtype) * mainloop_efficiency(profile, dtype)
+        compute += (2.0 * tm * tn * tk * int(profile.compute_units.value) / rate
+                    + memory_seconds(profile, tm * tn * itemsize_of(dtype)))
+    return max(compute, launch_floor_s(profile))
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 from test_robustness import _save, chain_model
 
+from costmodels.gemm import GemmShape, gemm_seconds, least_gemm_seconds
 from costmodels.profile import load_profile
 from planner import api, zoo
-from planner.cost.oplevel import compute_floor, priced_choice
+from planner.cost.oplevel import ComputeFloor, compute_floor, priced_choice
 from planner.cost.step import TrainingOptions
 from planner.importer import import_model
 from planner.kinds import AxisRole
 from planner.search import joint
 from planner.search.megatron import megatron_strategies
-from planner.sharding.analysis import GraphAnalysis
+from planner.search.options import Pins
+from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 from planner.zoo.gpt import GPTConfig
 
@@ -50,8 +52,23 @@ def test_the_floor_is_under_every_layouts_compute(gpt: GraphAnalysis, profile: s
     stage = priced_choice(gpt, mesh, strategies, hardware, options).stage
     compute = stage.forward_compute_s + stage.backward_compute_s
     floor = compute_floor(gpt, hardware, options)
-    assert 0 < floor.gemm_s / tp <= compute
+    assert 0 < floor.gemm_s / tp < floor.split_s(tp) <= compute
     assert 0 < floor.per_op_s <= compute
+
+
+@pytest.mark.parametrize("profile", ["a100-80g", "h100-sxm", "ascend-910b", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_gemm_is_faster_than_the_least_gemm(profile: str, dtype: str) -> None:
+    """`least_gemm_seconds` is under the price of every GEMM shape, from one row to a
+    wave's worth of tiles, and is about the price of the smallest (one tile of the
+    granule; on a profile without tiles, the ramp beside two FLOPs)."""
+    hardware = load_profile(profile)
+    least = least_gemm_seconds(hardware, dtype)
+    sides = (1, 3, 16, 17, 64, 129, 1024, 4096)
+    prices = [gemm_seconds(hardware, GemmShape(m, n, k, batch), dtype)
+              for m in sides for n in sides for k in sides for batch in (1, 5)]
+    assert least <= min(prices) * (1 + 1e-12)
+    assert gemm_seconds(hardware, GemmShape(1, 1, 1), dtype) == pytest.approx(least, rel=1e-3)
 
 
 def test_a_chain_of_small_ops_is_bound_by_its_launches(chain: Path) -> None:
@@ -94,3 +111,71 @@ def test_the_launch_floor_solves_fewer_layouts_for_the_same_plan(
     assert with_launches.parallel == flops_only.parallel
     assert with_launches.predicted.step_time_s == pytest.approx(
         flops_only.predicted.step_time_s)
+
+
+@pytest.mark.parametrize(("profile", "devices"), [("a100-80g", 8), ("cpu", 4),
+                                                  ("ascend-910b", 8)])
+def test_the_bounds_prune_nothing_the_exhaustive_search_would_rank(
+        gpt: GraphAnalysis, profile: str, devices: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search finds the same best prices with its floors (compute and optimizer) as
+    with none: a floor above a configuration's price would drop it. (Configurations of
+    equal price may come in another order: a replica axis and a tp axis that splits
+    nothing run the same work.)"""
+    hardware = load_profile(profile)
+
+    def ranked() -> list[tuple[str, float]]:
+        result = joint.joint_search(Analyses(gpt), hardware, devices, TrainingOptions(),
+                                    Pins(), top_k=4)
+        return [(s.choice.describe(), s.step_time_s) for s in result.ranked[:4]]
+
+    bounded = ranked()
+    monkeypatch.setattr(joint, "compute_floor", lambda *args: ComputeFloor(0.0, 0.0))
+    monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
+    exhaustive = ranked()
+    assert [step for _, step in bounded] == pytest.approx([step for _, step in exhaustive])
+
+
+def test_the_optimizer_floor_leaves_idle_replicas_unsolved(
+        chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the chain every configuration is bound by the same launches; the optimizer
+    pass, which devices repeating the work (replicas) or keeping whole states (ZeRO 0)
+    do not share, prices those above the best, so their layouts stay unsolved. Without
+    that floor they are solved, and the plan is the same."""
+    solved: list[tuple[int, tuple[int, ...]]] = []
+    solve = joint.model_parallel_strategies
+
+    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
+        solved.append((analysis.graph.batch, mesh.shape))
+        return solve(analysis, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    with_floor = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
+    floored = set(solved)
+    solved.clear()
+    monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
+    without = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
+    assert floored < set(solved)
+    # every layout solved with the floor has dp × tp = 8: dp = 8 / local rows, so tp = rows
+    assert all(rows == shape[-1] for rows, shape in floored), floored
+    assert with_floor.parallel == without.parallel
+    assert with_floor.predicted.step_time_s == pytest.approx(without.predicted.step_time_s)
+
+
+def test_finalists_differing_in_zero_alone_share_their_exact_layout(
+        chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's three best configurations are data parallel at ZeRO 1, 2 and 3: one
+    layout on one mesh, solved once for all three exact decisions, not once each."""
+    calls: list[tuple[int, DeviceMesh, str]] = []
+    solve = joint.model_parallel_strategies
+
+    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((analysis.graph.batch, mesh, repr(sorted(kwargs.items()))))
+        return solve(analysis, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    plan = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
+    zeros = {alt.brief.parallel.zero for alt in plan.alternatives
+             if alt.brief is not None and alt.solver == "joint"}
+    assert len(zeros) > 1  # several finalists on one layout
+    assert len(calls) == len(set(calls)), calls

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodels.gemm import has_shape_terms, least_gemm_seconds
 from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile
-from costmodels.rates import launch_floor_s, peak_flops
+from costmodels.rates import launch_floor_s, matmul_ramp_s, peak_flops
 from planner.cost.buckets import (
     Issue,
     assign_buckets,
@@ -45,6 +46,7 @@ from planner.cost.step import (
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import Phase, Precision, Recompute
 from planner.ops import is_matrix_op
+from planner.ops.work import gemm_dims
 from planner.records import Collective, MemoryBreakdown, OpCost
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.derive import ShardedGraph, derive, fraction_of_layout
@@ -129,52 +131,90 @@ def priced_on_kinds(analysis: GraphAnalysis, mesh: DeviceMesh,
 
 @dataclass(frozen=True)
 class ComputeFloor:
-    """Two floors under any layout's forward and backward compute of a graph: `gemm_s`,
-    the matrix kernels' FLOPs at peak on one device before a split, which a split over d
-    devices divides by d; and `per_op_s`, what every op costs however small its share (a
-    kernel's launch, the host's time per op), which no split divides: over-split or cut
-    into many micro-batches, a model of small ops is bound by its launches, not its
-    FLOPs."""
+    """Floors under any layout's forward and backward compute of a graph, each a sum over
+    its ops of what the op costs at least. `per_op_s`: what every op costs however small
+    its share (each kernel's launch, a GEMM's ramp and one wave of its smallest tiles,
+    the host's time per op), which no split divides: over-split or cut into many
+    micro-batches, a model of small ops is bound by its launches, not its FLOPs.
+    `gemm_s`: the matrix kernels' FLOPs at peak on one device before a split, which a
+    split over d devices divides by d; each GEMM's ramp (`fixed_s`, with the other ops'
+    launches and the host's time) comes on top of its share, as `op_time` adds it."""
 
     gemm_s: float
     per_op_s: float
+    fixed_s: float = 0.0
+
+    def split_s(self, split: int) -> float:
+        """The FLOPs floor of a layout splitting the GEMMs over `split` devices."""
+        return self.fixed_s + self.gemm_s / split
 
 
 def compute_floor(analysis: GraphAnalysis, profile: HardwareProfile,
                   options: TrainingOptions) -> ComputeFloor:
     """The graph's `ComputeFloor`. Every op is priced at its roofline
     (`costmodels.compute.op_time`): no faster than its FLOPs at peak, and no faster than
-    the launch floor for each kernel it starts that does any work, in each pass; where a
-    gradient flows a GEMM's backward is its kernel's multiple of the forward, a
-    memory-bound kernel's backward a kernel of its own (`planner.cost.pricing.op_times`).
-    The host's time per op run (`device.host_op_s`) is counted at the least of its
-    plain-tensor and DTensor times."""
+    the launch floor for each kernel it starts that does any work, in each pass; a GEMM
+    pays its ramp on top of its FLOPs, and a GEMM priced by its shape at least one wave of
+    the smallest tiles (`costmodels.gemm.least_gemm_seconds`). Where a gradient flows a
+    GEMM's backward is its kernel's multiple of the forward, a memory-bound kernel's
+    backward a kernel of its own (`planner.cost.pricing.op_times`). The host's time per op
+    run (`device.host_op_s`) is counted at the least of its plain-tensor and DTensor
+    times."""
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     graph = analysis.graph
     needs_grad = {} if options.inference else analysis.needs_grad
     launch = launch_floor_s(profile)
+    shaped_terms = has_shape_terms(profile)
     host = (min(profile.host_seconds(False, True), profile.host_seconds(False, False)),
             min(profile.host_seconds(True, True), profile.host_seconds(True, False)))
-    gemm = per_op = 0.0
+    least: dict[str, tuple[float, float]] = {}  # per dtype: (least GEMM, ramp)
+    gemm = per_op = fixed = 0.0
     for node in graph.ops:
         kernel = kernels.ops[node.name]
         grad = any(needs_grad.get(o, False) for o in node.outputs if o)
-        per_op += host[0] + (host[1] if grad else 0.0)
+        hosted = host[0] + (host[1] if grad else 0.0)
+        per_op += hosted
+        fixed += hosted
         if kernel.flops <= 0 and kernel.bytes <= 0:
             continue
-        forward_launches = kernel.launches
-        backward_launches = 0.0
-        if grad:
-            if kernel.backward_bytes is None:
-                backward_launches = kernel.backward_ratio * kernel.launches
-            elif kernel.backward_bytes > 0:
-                backward_launches = kernel.backward_launches
-        per_op += launch * (forward_launches + backward_launches)
-        if kernel.flops > 0 and is_matrix_op(node.op_type):
-            dtype = op_dtype(node, kernel, graph.tensors, options.precision)
-            gemm += kernel.flops / peak_flops(profile, dtype) * (
-                1.0 + (kernel.backward_ratio if grad else 0.0))
-    return ComputeFloor(gemm, per_op)
+        launches = kernel.launches
+        matrix = kernel.flops > 0 and is_matrix_op(node.op_type)
+        # the backward: the forward's multiple, or kernels of their own at the launch floor
+        ratio = kernel.backward_ratio if grad and kernel.backward_bytes is None else 0.0
+        own = kernel.backward_launches if grad and kernel.backward_bytes is not None and \
+            kernel.backward_bytes > 0 else 0
+        if not matrix or not launches:
+            seconds = launch * (launches + ratio * launches + own)
+            per_op += seconds
+            fixed += seconds
+            continue
+        dtype = op_dtype(node, kernel, graph.tensors, options.precision)
+        if dtype not in least:
+            least[dtype] = (least_gemm_seconds(profile, dtype), matmul_ramp_s(profile, dtype))
+        smallest, ramp = least[dtype]
+        if shaped_terms and kernel.shaped and gemm_dims(node, graph.tensors) is not None:
+            forward, ramps = max(launch * launches, smallest), ramp  # one kernel: its shape
+        else:
+            forward, ramps = launches * max(launch, ramp), ramp * launches
+        per_op += forward * (1.0 + ratio) + launch * own
+        fixed += ramps * (1.0 + ratio) + launch * own
+        gemm += kernel.flops / peak_flops(profile, dtype) * (
+            1.0 + (kernel.backward_ratio if grad else 0.0))
+    return ComputeFloor(gemm, per_op, fixed)
+
+
+def optimizer_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,
+                      options: TrainingOptions) -> float:
+    """The optimizer pass over every parameter an op reads, on one device
+    (`planner.cost.pricing.optimizer_seconds`): the least a step's end adds, once divided
+    by the devices sharing the weights, beside the host's time per step."""
+    elements: dict[int, float] = {}
+    for info in analysis.graph.tensors.values():
+        if info.kind == "parameter" and info.consumers:
+            elements[info.itemsize] = elements.get(info.itemsize, 0.0) + info.numel
+    return sum(optimizer_seconds(profile, count, itemsize, options.optimizer,
+                                 options.precision, options.fusion)
+               for itemsize, count in elements.items())
 
 
 def price_graph(sharded: ShardedGraph, profile: HardwareProfile,

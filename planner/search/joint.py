@@ -42,6 +42,7 @@ from planner.cost.oplevel import (
     PricedGraph,
     compute_floor,
     mesh_on,
+    optimizer_floor_s,
     priced_choice,
     priced_on_kinds,
 )
@@ -602,11 +603,26 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             split = choice.tp * choice.cp * choice.ep
             # each floor balanced on its own: on a mixed cluster the kinds' FLOPs and
             # launches need not fall on the same stages
-            stage = max(stage_floor([f.gemm_s / split for f in floors[local]], 1.0, choice.pp),
+            stage = max(stage_floor([f.split_s(split) for f in floors[local]], 1.0,
+                                    choice.pp),
                         stage_floor([f.per_op_s for f in floors[local]], 1.0, choice.pp))
         bound = pipeline_time([stage] * choice.pp, choice.micro_batches,
                               choice.schedule, choice.virtual_stages)
-        return bound, exact
+        return bound + tail_floor(choice), exact
+
+    optimizer_floors: list[float] = []
+
+    def tail_floor(choice: Choice) -> float:
+        """The least end of a step: the optimizer pass of the busiest stage, which updates
+        at least an even share of the weights (split over tp, cp and ep, and under ZeRO
+        sharded over dp too), and the host's time per step; on a mixed cluster at the
+        fastest kind's pace."""
+        if not optimizer_floors:
+            optimizer_floors.extend(optimizer_floor_s(root, kind, training) for kind in kinds)
+        shares = choice.pp * choice.tp * choice.cp * choice.ep * (
+            choice.dp if choice.zero >= 1 else 1)
+        return min(total / shares + kind.step_host_seconds
+                   for total, kind in zip(optimizer_floors, kinds, strict=True))
 
     queue = []
     for index, choice in enumerate(choices):
@@ -728,6 +744,15 @@ def _unformed(choice: Choice, units: Units) -> str:
             f"{units.count} (prefix, {layers} layers, suffix)")
 
 
+@dataclass(frozen=True)
+class ExactLayout:
+    """A finalist's op-level layout on its stage mesh and its unit profiles per device
+    kind (None: no layout fits)."""
+
+    strategies: dict[str, OpStrategy]
+    profiles: tuple[UnitProfile, ...] | None
+
+
 def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
                    tp_pinned: bool, record: SolverRecord,
@@ -735,7 +760,9 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    layout: str | None = None,
                    context_kind: ContextKind | None = None,
                    cluster: Cluster | None = None,
-                   dp_shares: str | None = None) -> PipelineDecision | None:
+                   dp_shares: str | None = None,
+                   layouts: dict[Hashable, ExactLayout] | None = None
+                   ) -> PipelineDecision | None:
     """The exact decision of one configuration: the op-level choice on the stage mesh at
     the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
     under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
@@ -748,7 +775,8 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     (their reduction looks cheap once per step) and outgrow memory the op-level problem
     does not see; the faster of the two that fits is kept. On a mixed cluster the
     data-parallel replicas' shares of the batch are even or by speed as `dp_shares` pins
-    them (None: the faster)."""
+    them (None: the faster). `layouts` keeps each solved layout for the next finalist on
+    the same meshes (configurations that differ in ZeRO alone share theirs)."""
     graph = graphs.root.graph
     if not graph.batch or graph.batch % (choice.dp * choice.micro_batches):
         raise ShardplanError(f"{graph.path}: batch {graph.batch} does not split into "
@@ -762,18 +790,24 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     best: tuple[dict[str, OpStrategy], Partition] | None = None
     seen: list[dict[str, OpStrategy]] = []
+    kept = {} if layouts is None else layouts
     for weighed in dict.fromkeys((choice.micro_batches, 1)):
-        strategies, _, memory = model_parallel_strategies(
-            micro, inner, hardware, training, micro.batch_labels, time_limit, budget=budget,
-            layout=layout, sequence_parallel=choice.sequence_parallel,
-            micro_batches=weighed, context_kind=context_kind)
-        if memory is None or strategies in seen:
+        key = (micro_size, inner, mesh, budget, layout, choice.sequence_parallel, weighed,
+               context_kind)
+        if key not in kept:
+            strategies, _, memory = model_parallel_strategies(
+                micro, inner, hardware, training, micro.batch_labels, time_limit,
+                budget=budget, layout=layout, sequence_parallel=choice.sequence_parallel,
+                micro_batches=weighed, context_kind=context_kind)
+            kept[key] = ExactLayout(strategies, None if memory is None else tuple(
+                unit_profile(priced, micro.units) for priced in priced_on_kinds(
+                    micro, mesh, strategies, kinds_of(hardware, cluster), training)))
+        strategies, profiles = kept[key].strategies, kept[key].profiles
+        if profiles is None or strategies in seen:
             continue
         seen.append(strategies)
         found = partitioner_for(
-            [unit_profile(priced, micro.units) for priced in priced_on_kinds(
-                micro, mesh, strategies, kinds_of(hardware, cluster), training)],
-            pipeline_config(choice, training),
+            list(profiles), pipeline_config(choice, training),
             hardware, mesh, cluster, training.memory_limit_bytes is not None, micro_size,
             dp_shares).solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
@@ -971,6 +1005,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                           progress, cluster)
     modes = recompute_modes(pins)
     decisions = []
+    layouts: dict[Hashable, ExactLayout] = {}
     for scored in result.ranked[:top_k]:
         record = SolverRecord(
             "joint", "optimal", scored.step_time_s, scored.step_time_s, 0.0,
@@ -980,7 +1015,8 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                        "stage"))
         decision = exact_decision(graphs, hardware, scored.choice, training, modes,
                                   time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout, pins.cp_kind, cluster, pins.dp_shares)
+                                  pins.layout, pins.cp_kind, cluster, pins.dp_shares,
+                                  layouts)
         if decision is not None:
             decisions.append(decision)
             if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared":
