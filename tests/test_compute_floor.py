@@ -118,10 +118,10 @@ def test_the_launch_floor_solves_fewer_layouts_for_the_same_plan(
 def test_the_bounds_prune_nothing_the_exhaustive_search_would_rank(
         gpt: GraphAnalysis, profile: str, devices: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The search finds the same best prices with its floors (compute and optimizer) as
-    with none: a floor above a configuration's price would drop it. (Configurations of
-    equal price may come in another order: a replica axis and a tp axis that splits
-    nothing run the same work.)"""
+    """The search ranks the same configurations at the same prices with its floors
+    (compute and optimizer) as with none: a floor above a configuration's price would drop
+    it. Equal prices rank in the configurations' order, not the order they were solved in
+    (a replica axis and a tp axis that splits nothing run the same work)."""
     hardware = load_profile(profile)
 
     def ranked() -> list[tuple[str, float]]:
@@ -133,6 +133,7 @@ def test_the_bounds_prune_nothing_the_exhaustive_search_would_rank(
     monkeypatch.setattr(joint, "compute_floor", lambda *args: ComputeFloor(0.0, 0.0))
     monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
     exhaustive = ranked()
+    assert [name for name, _ in bounded] == [name for name, _ in exhaustive]
     assert [step for _, step in bounded] == pytest.approx([step for _, step in exhaustive])
 
 

@@ -11,7 +11,7 @@ set of activations alive at once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from costmodels.gemm import has_shape_terms, least_gemm_seconds
 from costmodels.memory import training_memory
@@ -66,6 +66,9 @@ class PricedGraph:
     options: TrainingOptions
     kernels: KernelPlan  # the kernels the ops run as, and what autograd keeps
     overlap_share: float = 1.0  # the profile's compute_overlap (`behind_compute`)
+    #: per units, this choice's `planner.cost.units.unit_profile` (the search, the exact
+    #: decision and the plan builder all ask for the same choice's)
+    profiles: dict = field(default_factory=dict, compare=False, repr=False)
 
     def step(self) -> StepPrice:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""

@@ -137,7 +137,14 @@ def unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     Each unit's figures are added up in op order, as floats, exactly as the per-op costs
     say; what depends on the graph and the units alone (which ops read which weight, the
     tensors crossing units) is found once per graph (`GraphAnalysis.memo`), not once per
-    choice priced."""
+    choice priced; the profile itself once per choice and units (`PricedGraph.profiles`)."""
+    found = priced.profiles.get(units)
+    if found is None:
+        found = priced.profiles[units] = _unit_profile(priced, units)
+    return found
+
+
+def _unit_profile(priced: PricedGraph, units: Units) -> UnitProfile:
     sharded = priced.sharded
     analysis = sharded.analysis
     graph = analysis.graph

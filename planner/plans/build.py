@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 from costmodels.cluster import Cluster, Placement
 from costmodels.profile import HardwareProfile
@@ -27,7 +28,15 @@ from planner.cost.pricing import synced_bytes
 from planner.cost.step import StagePrice, StepPrice, TrainingOptions, predicted
 from planner.cost.units import UnitProfile, unit_profile
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, LossReads, Phase, Precision, Recompute, StepKind
+from planner.kinds import (
+    AxisRole,
+    CollectiveKind,
+    LossReads,
+    Phase,
+    Precision,
+    Recompute,
+    StepKind,
+)
 from planner.layers import Units
 from planner.plans.model import Plan
 from planner.plans.sections import (
@@ -430,31 +439,39 @@ def _weight_collectives(profile_of: Callable[[int], UnitProfile],
     for stage in stages:
         for name in stage.holds:
             holders.setdefault(name, []).append(stage.device_stage)
-    result: list[Collective] = []
+    # each record's fields (kind, weight, axes, bytes, phase, seconds), built into a
+    # Collective once its bucket is known: 100,000 weights' records, each made once
+    fields: list[tuple[CollectiveKind, str, tuple[str, ...], int, Phase, float]] = []
     issues: list[tuple[tuple, int, Issue]] = []  # (issue order, record index, bucket key)
+    steps_of = cache(weight_steps)  # weights alike in every layer: alike steps and prices
+    seconds_of: dict[tuple, float] = {}
     for index, param in enumerate(profile_of(0).params):
         held_by = tuple(holders.get(param.name, [0]))
         param = profile_of(held_by[0]).params[index]
         axes = param.synced_axes(prices_of(held_by[0]).mesh)
         first = param.units[0] if param.units else 0
-        for step in weight_steps(axes, held_by, zero):
-            prices = prices_of(step.holder)
+        for step in steps_of(axes, held_by, zero):
             moved = synced_bytes(step.kind, param.bytes, param.itemsize, precision)
-            if step.number < 0:  # the sum between two holders: one exchange with the other
-                seconds = prices.p2p(moved)
-            else:
-                seconds = prices.bucketed(step.kind, moved, axes)
+            key = (step.holder, step.number < 0, step.kind, moved, axes)
+            seconds = seconds_of.get(key)
+            if seconds is None:
+                prices = prices_of(step.holder)
+                # the sum between two holders: one exchange with the other
+                seconds = seconds_of[key] = prices.p2p(moved) if step.number < 0 \
+                    else prices.bucketed(step.kind, moved, axes)
+            if step.number >= 0:
                 # Forward gathers run in layer order; the rest in the backward pass's order.
                 position = first if step.phase == Phase.FORWARD else -first
-                issues.append(((step.holder, step.number, position, param.name), len(result),
+                issues.append(((step.holder, step.number, position, param.name), len(fields),
                                Issue((step.holder, step.kind, step.phase, axes), moved)))
-            result.append(Collective(step.kind, param.name, step.axes, round(moved),
-                                     step.phase, OPTIMIZER_OP, seconds))
+            fields.append((step.kind, param.name, step.axes, round(moved), step.phase,
+                           seconds))
     issues.sort(key=lambda item: item[0])
     buckets = assign_buckets((issue for _, _, issue in issues), prices_of(0).bucket)
-    for (_, index, _), bucket in zip(issues, buckets, strict=True):
-        result[index] = replace(result[index], bucket=bucket)
-    return result
+    bucket_of = {index: bucket for (_, index, _), bucket in zip(issues, buckets, strict=True)}
+    return [Collective(kind, name, axes, moved, phase, OPTIMIZER_OP, seconds,
+                       bucket_of.get(index))
+            for index, (kind, name, axes, moved, phase, seconds) in enumerate(fields)]
 
 
 def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],

@@ -624,6 +624,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         return min(total / shares + kind.step_host_seconds
                    for total, kind in zip(optimizer_floors, kinds, strict=True))
 
+    position = {choice: index for index, choice in enumerate(choices)}
     queue = []
     for index, choice in enumerate(choices):
         bound, exact = bound_of(choice, solve=False)
@@ -677,7 +678,9 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             smallest, where = found.price.peak_memory, choice.describe()
             categories = _peak_stage_memory(found.price)
         ranked.append(Scored(choice, found, small_units, budget))
-        ranked.sort(key=lambda s: s.step_time_s)
+        # equal prices in the configurations' own order (fewer stages, less tp first),
+        # not in the order the bounds had them solved
+        ranked.sort(key=lambda s: (s.step_time_s, position[s.choice]))
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
