@@ -307,3 +307,35 @@ def test_per_step_weight_costs_weigh_one_micro_batchs_share(gpt_tiny: Path) -> N
         else:
             np.testing.assert_allclose(once_4, 0.0, atol=1e-15)
     assert weighted
+
+
+def test_mesh_workers_find_what_one_process_finds(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op-level meshes solved by a pool of workers (each handed the graph once, as it
+    starts) come out as one process solves them, mesh by mesh."""
+    from planner.search import oplevel
+    from planner.search.oplevel import _large, candidate_meshes, search_meshes
+
+    monkeypatch.setattr(oplevel, "PARALLEL_PROCESS_THRESHOLD", 0)  # a small graph pools too
+    from planner.search.options import Pins, SearchOptions
+    from planner.zoo.gpt import GPTConfig
+
+    config = GPTConfig(layers=2, hidden=64, heads=4, vocab=128, max_positions=32,
+                       dropout=0.0, fused_qkv=False)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt.onnx")
+    analysis = GraphAnalysis.of(import_model(Path(path), batch=4, dims={"seq": 32}))
+    profile = load_profile("a100-80g")
+    pooled_options, alone_options = SearchOptions(workers=2), SearchOptions(workers=1)
+    meshes = candidate_meshes(8, profile, pooled_options, Pins())
+    assert len(meshes) > 2 and _large(analysis, meshes[-1].searched)  # the pool runs
+    pooled = search_meshes(analysis, profile, meshes, pooled_options, TrainingOptions(),
+                           Pins())
+    alone = search_meshes(analysis, profile, meshes, alone_options, TrainingOptions(),
+                          Pins())
+    assert [r.mesh for r in pooled] == [r.mesh for r in alone]
+    for a, b in zip(pooled, alone, strict=True):
+        assert (a.solution is None) == (b.solution is None)
+        if a.solution is not None and b.solution is not None:
+            assert a.solution.objective == pytest.approx(b.solution.objective)
+        assert (a.decision.strategies if a.decision else None) == \
+            (b.decision.strategies if b.decision else None)

@@ -293,8 +293,20 @@ def record_of(solution: Solution) -> SolverRecord:
                         SolverDetail(note=note, counts=counts, solve_time_s=solution.time_s))
 
 
+#: The graph every worker of one `search_meshes` pool plans (`_share`): handed to each
+#: worker once as it starts (inherited where processes fork, with the memos the parent
+#: filled, such as its kernel plan), not pickled with every mesh.
+_shared: GraphAnalysis | None = None
+
+
+def _share(analysis: GraphAnalysis) -> None:
+    global _shared
+    _shared = analysis
+
+
 def _solve_in_process(args: tuple) -> MeshResult:
-    return solve_mesh(*args)
+    assert _shared is not None, "a search_meshes worker starts with the graph (_share)"
+    return solve_mesh(_shared, *args)
 
 
 def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile,
@@ -303,15 +315,16 @@ def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile,
                   progress: Callable[[str], None] | None = None) -> list[MeshResult]:
     """Every mesh's outcome, in the order of `meshes`."""
     results: list[MeshResult] = []
-    args = [(analysis, mesh, profile, options, training, pins) for mesh in meshes]
+    args = [(mesh, profile, options, training, pins) for mesh in meshes]
     if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1].searched):
-        with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1)) as pool:
+        with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1),
+                                 initializer=_share, initargs=(analysis,)) as pool:
             for result in pool.map(_solve_in_process, args):
                 results.append(result)
                 _report(progress, result)
     else:
         for arg in args:
-            result = solve_mesh(*arg)
+            result = solve_mesh(analysis, *arg)
             results.append(result)
             _report(progress, result)
     return results
