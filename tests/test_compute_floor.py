@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from test_robustness import _save, chain_model
 
+from costmodels.cluster import load_cluster
 from costmodels.gemm import GemmShape, gemm_seconds, least_gemm_seconds
 from costmodels.profile import load_profile
 from planner import api, zoo
@@ -23,6 +24,7 @@ from planner.search.options import Pins
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 from planner.zoo.gpt import GPTConfig
+from planner.zoo.moe import MoEConfig
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +182,45 @@ def test_finalists_differing_in_zero_alone_share_their_exact_layout(
              if alt.brief is not None and alt.solver == "joint"}
     assert len(zeros) > 1  # several finalists on one layout
     assert len(calls) == len(set(calls)), calls
+
+
+@pytest.mark.parametrize("case", ["pp=2", "cp=2", "zero=0", "memory", "moe ep=2", "mixed"])
+def test_the_bounds_hold_across_the_search_space(
+        gpt: GraphAnalysis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        case: str) -> None:
+    """The same, where the bounds take other terms: pipelines, context and expert axes,
+    ZeRO 0 (no optimizer sharding), a tight memory limit, and a mixed cluster (each kind's
+    floor balanced by its devices, the optimizer at the fastest kind's pace)."""
+    analysis, hardware, devices, cluster = gpt, load_profile("a100-80g"), 8, None
+    training, pins = TrainingOptions(), Pins()
+    if case == "pp=2":
+        pins = Pins(pp=2)
+    elif case == "cp=2":
+        pins = Pins(cp=2)
+    elif case == "zero=0":
+        pins = Pins(zero=0)
+    elif case == "memory":
+        hardware, devices = load_profile("cpu"), 4
+        training = TrainingOptions(memory_limit_bytes=4_000_000)  # micro-batches, ZeRO 2-3
+    elif case == "moe ep=2":
+        config = MoEConfig(layers=2, hidden=64, heads=4, vocab=256, max_positions=32,
+                           dropout=0.0, experts=4)
+        path = zoo.save(zoo.build("moe", config), tmp_path / "moe.onnx")
+        analysis = GraphAnalysis.of(import_model(Path(path), batch=8, dims={"seq": 32}))
+        pins = Pins(ep=2)
+    else:
+        cluster = load_cluster(Path(__file__).parents[1] / "examples/clusters/a100-h100.json")
+        devices = sum(group.devices for group in cluster.groups)
+
+    def ranked() -> list[tuple[str, float]]:
+        result = joint.joint_search(Analyses(analysis), hardware, devices, training, pins,
+                                    top_k=4, cluster=cluster)
+        return [(s.choice.describe(), s.step_time_s) for s in result.ranked[:4]]
+
+    bounded = ranked()
+    monkeypatch.setattr(joint, "compute_floor", lambda *args: ComputeFloor(0.0, 0.0))
+    monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
+    unbounded = ranked()
+    assert bounded
+    assert [name for name, _ in bounded] == [name for name, _ in unbounded]
+    assert [step for _, step in bounded] == pytest.approx([step for _, step in unbounded])
