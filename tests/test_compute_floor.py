@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_robustness import _save, chain_model
 
-from costmodels.cluster import load_cluster
+from costmodels.cluster import Cluster, load_cluster
 from costmodels.gemm import GemmShape, gemm_seconds, least_gemm_seconds
-from costmodels.profile import load_profile
+from costmodels.profile import HardwareProfile, load_profile
 from planner import api, zoo
 from planner.cost.oplevel import ComputeFloor, compute_floor, priced_choice
 from planner.cost.step import TrainingOptions
@@ -94,22 +94,15 @@ def test_the_launch_floor_solves_fewer_layouts_for_the_same_plan(
     micro-batch: its launches price it above the best one solved, so the search leaves
     its layout unsolved. With the FLOPs alone as the floor it solves them, and chooses
     the same plan at the same price."""
-    solved: list[tuple[int, tuple[int, ...]]] = []
-    solve = joint.model_parallel_strategies
-
-    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
-        solved.append((analysis.graph.batch, mesh.shape))
-        return solve(analysis, mesh, *args, **kwargs)
-
-    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    solves = _layout_solves(monkeypatch)
     with_launches = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
-    launch_solves = set(solved)
-    solved.clear()
+    launch_solves = {(rows, mesh.shape) for rows, mesh, _ in solves}
+    solves.clear()
     floor = joint.compute_floor
     monkeypatch.setattr(joint, "compute_floor",
                         lambda *args: replace(floor(*args), per_op_s=0.0))
     flops_only = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
-    assert launch_solves < set(solved)
+    assert launch_solves < {(rows, mesh.shape) for rows, mesh, _ in solves}
     assert with_launches.parallel == flops_only.parallel
     assert with_launches.predicted.step_time_s == pytest.approx(
         flops_only.predicted.step_time_s)
@@ -124,19 +117,8 @@ def test_the_bounds_prune_nothing_the_exhaustive_search_would_rank(
     (compute and optimizer) as with none: a floor above a configuration's price would drop
     it. Equal prices rank in the configurations' order, not the order they were solved in
     (a replica axis and a tp axis that splits nothing run the same work)."""
-    hardware = load_profile(profile)
-
-    def ranked() -> list[tuple[str, float]]:
-        result = joint.joint_search(Analyses(gpt), hardware, devices, TrainingOptions(),
-                                    Pins(), top_k=4)
-        return [(s.choice.describe(), s.step_time_s) for s in result.ranked[:4]]
-
-    bounded = ranked()
-    monkeypatch.setattr(joint, "compute_floor", lambda *args: ComputeFloor(0.0, 0.0))
-    monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
-    exhaustive = ranked()
-    assert [name for name, _ in bounded] == [name for name, _ in exhaustive]
-    assert [step for _, step in bounded] == pytest.approx([step for _, step in exhaustive])
+    _assert_floors_rank_as_none(monkeypatch, gpt, load_profile(profile), devices,
+                                TrainingOptions(), Pins())
 
 
 def test_the_optimizer_floor_leaves_idle_replicas_unsolved(
@@ -145,20 +127,13 @@ def test_the_optimizer_floor_leaves_idle_replicas_unsolved(
     pass, which devices repeating the work (replicas) or keeping whole states (ZeRO 0)
     do not share, prices those above the best, so their layouts stay unsolved. Without
     that floor they are solved, and the plan is the same."""
-    solved: list[tuple[int, tuple[int, ...]]] = []
-    solve = joint.model_parallel_strategies
-
-    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
-        solved.append((analysis.graph.batch, mesh.shape))
-        return solve(analysis, mesh, *args, **kwargs)
-
-    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    solves = _layout_solves(monkeypatch)
     with_floor = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
-    floored = set(solved)
-    solved.clear()
+    floored = {(rows, mesh.shape) for rows, mesh, _ in solves}
+    solves.clear()
     monkeypatch.setattr(joint, "optimizer_floor_s", lambda *args: 0.0)
     without = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
-    assert floored < set(solved)
+    assert floored < {(rows, mesh.shape) for rows, mesh, _ in solves}
     # every layout solved with the floor has dp × tp = 8: dp = 8 / local rows, so tp = rows
     assert all(rows == shape[-1] for rows, shape in floored), floored
     assert with_floor.parallel == without.parallel
@@ -169,14 +144,7 @@ def test_finalists_differing_in_zero_alone_share_their_exact_layout(
         chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chain's three best configurations are data parallel at ZeRO 1, 2 and 3: one
     layout on one mesh, solved once for all three exact decisions, not once each."""
-    calls: list[tuple[int, DeviceMesh, str]] = []
-    solve = joint.model_parallel_strategies
-
-    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((analysis.graph.batch, mesh, repr(sorted(kwargs.items()))))
-        return solve(analysis, mesh, *args, **kwargs)
-
-    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    calls = _layout_solves(monkeypatch)
     plan = api.plan(str(chain), batch=8, devices=8, profile="a100-80g")
     zeros = {alt.brief.parallel.zero for alt in plan.alternatives
              if alt.brief is not None and alt.solver == "joint"}
@@ -211,6 +179,31 @@ def test_the_bounds_hold_across_the_search_space(
     else:
         cluster = load_cluster(Path(__file__).parents[1] / "examples/clusters/a100-h100.json")
         devices = sum(group.devices for group in cluster.groups)
+
+    _assert_floors_rank_as_none(monkeypatch, analysis, hardware, devices, training, pins,
+                                cluster)
+
+
+def _layout_solves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, DeviceMesh, str]]:
+    """Each layout the joint search solves from here on, as (the graph's batch, the mesh,
+    the keyword arguments): the list fills as the search runs."""
+    solves: list[tuple[int, DeviceMesh, str]] = []
+    solve = joint.model_parallel_strategies
+
+    def counting(analysis: GraphAnalysis, mesh: DeviceMesh, *args, **kwargs):  # type: ignore[no-untyped-def]
+        solves.append((analysis.graph.batch, mesh, repr(sorted(kwargs.items()))))
+        return solve(analysis, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(joint, "model_parallel_strategies", counting)
+    return solves
+
+
+def _assert_floors_rank_as_none(monkeypatch: pytest.MonkeyPatch, analysis: GraphAnalysis,
+                                hardware: HardwareProfile, devices: int,
+                                training: TrainingOptions, pins: Pins,
+                                cluster: Cluster | None = None) -> None:
+    """The joint search's top 4, names and prices, with its floors (compute and optimizer)
+    and with both at zero: a floor above a configuration's price would drop it."""
 
     def ranked() -> list[tuple[str, float]]:
         result = joint.joint_search(Analyses(analysis), hardware, devices, training, pins,
