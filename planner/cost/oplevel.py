@@ -212,8 +212,8 @@ def optimizer_floor_s(analysis: GraphAnalysis, profile: HardwareProfile,
     (`planner.cost.pricing.optimizer_seconds`): the least a step's end adds, once divided
     by the devices sharing the weights, beside the host's time per step."""
     elements: dict[int, float] = {}
-    for info in analysis.graph.tensors.values():
-        if info.kind == "parameter" and info.consumers:
+    for info in analysis.graph.parameters:
+        if info.consumers:
             elements[info.itemsize] = elements.get(info.itemsize, 0.0) + info.numel
     return sum(optimizer_seconds(profile, count, itemsize, options.optimizer,
                                  options.precision, options.fusion)

@@ -610,15 +610,13 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                               choice.schedule, choice.virtual_stages)
         return bound + tail_floor(choice), exact
 
-    optimizer_floors: list[float] = []
+    optimizer_floors = [optimizer_floor_s(root, kind, training) for kind in kinds]
 
     def tail_floor(choice: Choice) -> float:
         """The least end of a step: the optimizer pass of the busiest stage, which updates
         at least an even share of the weights (split over tp, cp and ep, and under ZeRO
         sharded over dp too), and the host's time per step; on a mixed cluster at the
         fastest kind's pace."""
-        if not optimizer_floors:
-            optimizer_floors.extend(optimizer_floor_s(root, kind, training) for kind in kinds)
         shares = choice.pp * choice.tp * choice.cp * choice.ep * (
             choice.dp if choice.zero >= 1 else 1)
         return min(total / shares + kind.step_host_seconds
