@@ -38,9 +38,11 @@ from planner.plans.sections import PipelineSection
 from planner.plans.sequence import sequence_split
 from planner.plans.stagemesh import (
     arrival_layouts,
+    expected_blocks,
     op_meshes,
     resharded,
     stage_mesh,
+    stage_sizes,
     tensor_meshes,
 )
 from planner.records import Collective
@@ -282,12 +284,19 @@ def _pipeline(plan: Plan, report: Report) -> None:
     if wrong:
         report.add(f"pipeline stages must hold every op exactly once: op {wrong[0]} "
                    f"({plan.ops[wrong[0]].name}) is held {covered[wrong[0]]} times")
-    per_stage = plan.mesh.size // max(1, len(stages))
-    for index, stage in enumerate(stages):
-        expected = list(range(index * per_stage, (index + 1) * per_stage))
-        if stage.device_stage != index or list(stage.ranks) != expected:
-            report.add(f"stage {index}: ranks {list(stage.ranks[:4])}… are not the mesh's "
-                       f"block {expected[0]}..{expected[-1]} (pp is the outermost axis)")
+    try:
+        blocks = expected_blocks(plan.mesh, pipe)
+    except ValueError:
+        report.add("pipeline stages hold device counts "
+                   f"{stage_sizes(plan.mesh, pipe)} that do not lie on the cluster as aligned "
+                   "blocks (a power-of-two part of a node or whole nodes each)")
+        blocks = [range(len(stage.ranks)) for stage in stages]
+    why = "pp is the outermost axis" if len({len(b) for b in blocks}) < 2 else \
+        "the stages hold submeshes of their own sizes"
+    for index, (stage, block) in enumerate(zip(stages, blocks, strict=True)):
+        if stage.device_stage != index or tuple(stage.ranks) != tuple(block):
+            report.add(f"stage {index}: ranks {list(stage.ranks[:4])}… are not the block "
+                       f"{block.start}..{block.stop - 1} its mesh holds ({why})")
     chunks = pipe.chunks()
     _check_placement(pipe, chunks, report)
     for send in pipe.sends:
@@ -605,7 +614,7 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report, meshes: _Meshes) ->
     if len(report.problems) - before > cosmetic:
         return  # layouts or assignments are wrong: re-deriving collectives would mislead
     # Per-stage meshes: each mesh's stages derived from their own ops' strategies, every
-    # other op foreign to it (`planner.search.joint.stage_layouts`); one mesh: the graph's.
+    # other op foreign to it (`planner.search.stagemeshes.stage_layouts`); one mesh: the graph's.
     again: dict[DeviceMesh, ShardedGraph] = {}
     for mesh in dict.fromkeys(on_op):
         again[mesh] = derive(analysis, mesh, {name: strategy for name, strategy

@@ -33,7 +33,8 @@ from planner.plans.model import Plan
 from planner.plans.stagemesh import op_meshes, per_stage_meshes, refuse_stage_meshes
 from planner.report import summary
 from planner.search.decisions import Choice
-from planner.search.joint import pipeline_config, shape_layout
+from planner.search.joint import pipeline_config
+from planner.search.stagemeshes import shape_layout
 from planner.search.stages import StageTables, solve_shaped, solve_stages
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import validate
@@ -108,10 +109,10 @@ def test_a_plan_with_stage_meshes_round_trips(shaped: Plan, tmp_path: Path) -> N
     again = Plan.load(path)
     assert _shapes(again) == _shapes(shaped)
     assert validate(again).ok
-    # a stage mesh that is not the plan's devices, and layouts over an axis its stage lacks
+    # stage meshes that do not hold the plan's devices, and layouts over an axis its stage lacks
     data = json.loads(path.read_text())
     data["pipeline"]["stages"][1]["mesh"]["shape"] = [2, 2]
-    with pytest.raises(PlanFileError, match=r"stages\[1\]\.mesh"):
+    with pytest.raises(PlanFileError, match=r"stages\[\]\.mesh: the stages' meshes hold 6 "):
         Plan.from_json(data, "edited.json")
     data = json.loads(path.read_text())
     data["pipeline"]["stages"][1]["mesh"] = data["pipeline"]["stages"][0]["mesh"]
@@ -154,7 +155,7 @@ def test_one_shape_for_every_stage_prices_as_the_shared_pricer(model: Path) -> N
     DP over one option per stage is `solve_stages`."""
     plain, table = _replicated_tables(model, 4)
     shaped = ShapedPricer.of_shapes(
-        [(4, 1), (4, 1)], lambda _, resharded: Pricer(plain.profile, plain.config,
+        [(4, 1), (4, 1)], lambda _, resharded, __: Pricer(plain.profile, plain.config,
                                                      plain.hardware, plain.mesh,
                                                      resharded=resharded))
     devices = [[(0, 5)], [(5, plain.profile.count)]]

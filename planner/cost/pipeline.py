@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from costmodels.cluster import Placement
-from costmodels.communication import level_send_seconds
+from costmodels.communication import CommGroup, collective_time, level_send_seconds
 from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile, LinkLevel
 from costmodels.schedule import in_flight
@@ -42,9 +42,12 @@ from planner.cost.units import ParamShare, UnitProfile
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.sharding.mesh import DeviceMesh
 from planner.sharding.sends import SendSplit
+from planner.sharding.submeshes import stage_blocks
 from planner.sharding.weights import sync_steps
 
 PIPELINE_AXIS: str = AxisRole.PIPELINE
+#: what tells per-stage meshes' shapes apart (a (dp, tp) pair)
+ShapeKey = TypeVar("ShapeKey", bound=Hashable)
 
 
 class Prices:
@@ -55,13 +58,17 @@ class Prices:
     `resharded`: the activations arrive from a stage of another (dp, tp) shape
     (`ShapedPricer`): each rank receives its own local tensor whole, from whichever ranks
     of the sender hold its rows, never a slice to all-gather (the sender's slices are
-    not the receiver's)."""
+    not the receiver's).
+    `boundary`: where stages hold different device counts, the pair of ranks one send
+    crosses between their blocks and the fan of the receiving stage's sends
+    (`Boundary`); None: the mesh's pipeline axis."""
 
     def __init__(self, hardware: HardwareProfile, mesh: DeviceMesh,
                  bucket_mb: float = 0.0, link: LinkLevel | None = None,
-                 resharded: bool = False) -> None:
+                 resharded: bool = False, boundary: Boundary | None = None) -> None:
         self.hardware, self.mesh, self.link = hardware, mesh, link
         self.resharded = resharded
+        self.boundary = boundary
         self.bucket = bucket_bytes(bucket_mb)  # weight collectives' bucket, bytes (0: none)
         self._sends: dict[tuple[float, SendSplit | None], Send] = {}  # layers repeat them
 
@@ -78,6 +85,9 @@ class Prices:
             return 0.0
         if self.link is not None:
             return level_send_seconds(self.link, nbytes)
+        if self.boundary is not None:
+            return collective_time(self.hardware, CollectiveKind.SEND_RECV,
+                                   nbytes * self.boundary.fan, self.boundary.group)
         return self(CollectiveKind.SEND_RECV, nbytes, (PIPELINE_AXIS,))
 
     def send(self, nbytes: float, split: SendSplit | None) -> Send:
@@ -99,6 +109,45 @@ class Prices:
         scattered = Send(split, piece, self.p2p(piece),
                          self(CollectiveKind.ALL_GATHER, nbytes, split.axes))
         return scattered if scattered.seconds < whole.seconds else whole
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """How the sends into a stage cross when the stages hold different device counts
+    (`planner.sharding.submeshes`): each of its ranks receives its own local tensor, from
+    one rank of the sending block (`group`: where that pair sits); a sender with fewer
+    ranks serves `fan` = receivers / senders of them in turn (the gradients go back the
+    same way), so one send moves `fan` times the receiver's bytes."""
+
+    group: CommGroup
+    fan: float = 1.0
+
+
+def send_group(sender: range, receiver: range, per_node: int) -> CommGroup:
+    """Where one rank of `sender`'s block sends to one of `receiver`'s: a pair inside the
+    innermost aligned block holding both blocks (a node's link level, `extent`), or across
+    nodes (one member per node)."""
+    low, high = min(sender.start, receiver.start), max(sender.stop, receiver.stop) - 1
+    if low // per_node != high // per_node:
+        nodes = high // per_node - low // per_node + 1
+        return CommGroup(2, 1, nodes * per_node)
+    extent = next(size for size in range(2, per_node + 1)
+                  if per_node % size == 0 and low // size == high // size)
+    return CommGroup(2, 2, extent)
+
+
+def stage_boundaries(sizes: Sequence[int], per_node: int) -> list[Boundary | None]:
+    """How the sends into each stage cross, for stages of `sizes` devices each: over the
+    pipeline axis of their meshes where every stage holds as many (None), else from the
+    block of the stage before (`stage_blocks`), a sender serving as many receivers in
+    turn as the fewest ranks of any earlier stage make it (a skip connection from a
+    smaller stage sends the same way)."""
+    if len(set(sizes)) < 2:
+        return [None] * len(sizes)
+    blocks = stage_blocks(sizes, per_node)
+    return [None, *(Boundary(send_group(blocks[k - 1], blocks[k], per_node),
+                             max(1.0, sizes[k] / min(sizes[:k])))
+                    for k in range(1, len(sizes)))]
 
 
 @dataclass(frozen=True)
@@ -293,14 +342,14 @@ class _Held:
 
 
 class Pricer:
-    """Prices devices of a pipeline (one configuration on one mesh); `link` and
-    `resharded`: how the sends into the devices it prices arrive (`Prices`)."""
+    """Prices devices of a pipeline (one configuration on one mesh); `link`, `resharded`
+    and `boundary`: how the sends into the devices it prices arrive (`Prices`)."""
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh, link: LinkLevel | None = None,
-                 resharded: bool = False) -> None:
+                 resharded: bool = False, boundary: Boundary | None = None) -> None:
         self.profile, self.config, self.hardware, self.mesh = profile, config, hardware, mesh
-        self.prices = Prices(hardware, mesh, config.bucket_mb, link, resharded)
+        self.prices = Prices(hardware, mesh, config.bucket_mb, link, resharded, boundary)
         self.weights = WeightTables(profile, config, hardware, mesh, self.prices)
         self.arrivals = Arrivals(profile, self.prices)
         # A device's price depends on its own ranges, its place in the pipeline and which
@@ -550,11 +599,12 @@ def kind_seconds(profiles: Sequence[UnitProfile]) -> list[float]:
 
 class ShapedPricer(_StagedPricer):
     """Prices a pipeline whose device stages run on meshes of different (dp, tp) shapes
-    over the same number of devices each (Alpa's inter-operator pass gives each stage
-    its own submesh): stage k by the `Pricer` of its shape (`pricers[k]`, its unit
-    profile solved and priced on that mesh). A stage that an earlier stage of another
-    shape sends to receives its activations resharded (`Prices`): with equal device
-    counts every rank still receives, and sends back, its own local tensor's bytes."""
+    (Alpa's inter-operator pass gives each stage its own submesh): stage k by the `Pricer`
+    of its shape (`pricers[k]`, its unit profile solved and priced on that mesh). A stage
+    that an earlier stage of another shape sends to receives its activations resharded
+    (`Prices`): every rank receives, and sends back, its own local tensor's bytes; where
+    the stages hold different device counts, from its predecessor's block
+    (`stage_boundaries`)."""
 
     def __init__(self, pricers: Sequence[Pricer]) -> None:
         self._stages = list(pricers)
@@ -562,15 +612,17 @@ class ShapedPricer(_StagedPricer):
         self.config, self.profile, self.mesh = first.config, first.profile, first.mesh
 
     @classmethod
-    def of_shapes(cls, shapes: Sequence[Hashable],
-                  pricer_of: Callable[[Hashable, bool], Pricer],
-                  wraps: bool = False) -> ShapedPricer:
+    def of_shapes(cls, shapes: Sequence[ShapeKey],
+                  pricer_of: Callable[[ShapeKey, bool, Boundary | None], Pricer],
+                  wraps: bool = False,
+                  boundaries: Sequence[Boundary | None] = ()) -> ShapedPricer:
         """The pricer of stages of `shapes` (one per device stage, in order), stage k by
-        `pricer_of(shape, resharded)`: resharded where a stage that may send to it has
-        another shape: an earlier one, or with chunks that wrap around the devices
-        (interleaved, V) any other."""
+        `pricer_of(shape, resharded, boundaries[k])`: resharded where a stage that may
+        send to it has another shape: an earlier one, or with chunks that wrap around the
+        devices (interleaved, V) any other."""
+        crossing = list(boundaries) or [None] * len(shapes)
         return cls([pricer_of(shape, any(other != shape for other in (
-            [*shapes[:k], *shapes[k + 1:]] if wraps else shapes[:k])))
+            [*shapes[:k], *shapes[k + 1:]] if wraps else shapes[:k])), crossing[k])
             for k, shape in enumerate(shapes)])
 
 

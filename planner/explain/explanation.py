@@ -71,9 +71,9 @@ def _notes(plan: Plan, others: Sequence[Rival]) -> list[str]:
                "stored)")
         notes.append(f"{', '.join(faster)}: faster and fits, so this plan was not chosen on "
                      f"step time alone; {why}")
-    if plan.mesh.size > 1 and all(not op.assignment for op in plan.ops):
-        notes.append(f"every op is replicated: each of the {plan.mesh.size} devices computes "
-                     "the whole step (splitting cost more than it saved)")
+    if plan.cluster.devices > 1 and all(not op.assignment for op in plan.ops):
+        notes.append(f"every op is replicated: each of the {plan.cluster.devices} devices "
+                     "computes the whole step (splitting cost more than it saved)")
     if any(alt.brief is None for alt in plan.alternatives):
         notes.append("op-level alternatives carry the solver's objective, priced before "
                      "assembly (a tied weight's gradient is charged once per use there)")

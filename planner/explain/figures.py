@@ -20,6 +20,7 @@ from planner.explain.units import Unit, op_classes, op_split, template
 from planner.kinds import CollectiveKind, Phase
 from planner.plans.model import Plan
 from planner.plans.sections import OpEntry, StageEntry
+from planner.plans.stagemesh import op_meshes
 from planner.sharding.derive import LOSS_OP
 
 UNTRACKED = 1e-3  # a residual above this share of the step is listed as "not itemised"
@@ -239,8 +240,9 @@ def unit_reports(plan: Plan, index: PlanIndex) -> list[UnitReport]:
             grad[index.unit_of[at]] += c.time_s
         else:
             coll[index.unit_of[at]] += m * c.time_s
+    meshes = op_meshes(plan.mesh, plan.pipeline, len(plan.ops))  # a weight's: its reader's
     for name, reader in index.first_reader.items():
-        params[index.unit_of[reader]] += plan.tensors[name].local_bytes(plan.mesh)
+        params[index.unit_of[reader]] += plan.tensors[name].local_bytes(meshes[reader])
     recompute = _unit_recompute(plan, index)
     reports = []
     for k, unit in enumerate(index.units):

@@ -61,13 +61,8 @@ from planner.plans.sequence import sequence_parallel
 from planner.plans.stagemesh import tensor_sites
 from planner.records import Collective, OpCost, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
-from planner.search.joint import (
-    choice_mesh,
-    kinds_of,
-    pipeline_config,
-    shaped_pricer,
-    stage_layouts,
-)
+from planner.search.joint import choice_mesh, kinds_of, pipeline_config
+from planner.search.stagemeshes import shaped_pricer, stage_layouts
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph
@@ -81,6 +76,7 @@ from planner.sharding.pipeline import (
     stage_holds,
 )
 from planner.sharding.sends import SendSplit
+from planner.sharding.submeshes import stage_blocks
 from planner.sharding.weights import weight_steps
 
 
@@ -203,6 +199,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     pricer: Pricer | PlacedPricer | ShapedPricer
     placement = None
     stage_meshes: list[DeviceMesh | None] = [None] * choice.pp
+    blocks = [range(d * (mesh.size // choice.pp), (d + 1) * (mesh.size // choice.pp))
+              for d in range(choice.pp)]
     if decision.shapes:
         # Per-stage meshes: each distinct shape's layout, in the order stages first use
         # them (stage 0's first: the plan's mesh and parallel section are its).
@@ -215,6 +213,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         pricer = shaped_pricer(layouts, picked, config, context.hardware)
         kind_of_stage = [order.index(key) for key in picked]
         stage_meshes = [layouts[key].mesh for key in picked]
+        blocks = stage_blocks([dp * tp for dp, tp in picked], per_node)
         lead = 0
     else:
         kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
@@ -264,8 +263,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None, dp_shares=decision.rows)
-    stages = _stage_entries(analysis, sharded, priced.kernels, price, decision,
-                            mesh.size // choice.pp, placement, stage_meshes)
+    stages = _stage_entries(analysis, sharded, priced.kernels, price, decision, blocks,
+                            placement, stage_meshes)
     sends = _sends(analysis, profile_of, stages, prices_of)
     global_batch = decision.micro_batch_size * choice.micro_batches
     section = PipelineSection(
@@ -285,7 +284,8 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     if placement is not None:
         limits = [int(context.limit * pricer.limit_ratio(d)) for d in range(choice.pp)]
     return Derived(decision, Plan(
-        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement),
+        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement,
+                                                      max(b.stop for b in blocks)),
         mesh=mesh, parallel=parallel, ops=ops, tensors=tensors,
         collectives=collectives, predicted=predicted(price, context.limit, limits),
         solver=UNREPORTED, warnings=tuple(warnings), step=_step(training), pipeline=section,
@@ -346,7 +346,7 @@ def _placed_collectives(priceds: Sequence[PricedGraph],
 
 def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: KernelPlan,
                    price: StepPrice, decision: PipelineDecision,
-                   stage_size: int, placement: Placement | None,
+                   blocks: Sequence[range], placement: Placement | None,
                    meshes: Sequence[DeviceMesh | None]) -> tuple[StageEntry, ...]:
     units = analysis.units
     rows = []
@@ -354,7 +354,7 @@ def _stage_entries(analysis: GraphAnalysis, sharded: ShardedGraph, kernels: Kern
                                                   decision.recompute, strict=True)):
         ops = tuple((units.bounds[a], units.bounds[b]) for a, b in ranges)
         rows.append(StageEntry(
-            device_stage=d, ops=ops, ranks=tuple(range(d * stage_size, (d + 1) * stage_size)),
+            device_stage=d, ops=ops, ranks=tuple(blocks[d]),
             recompute=mode,
             recompute_segments=recompute_segments(analysis, kernels, ranges, mode),
             memory=stage.memory, holds=_holds(sharded, ops),
@@ -557,13 +557,15 @@ def _model_ref(graph: PlanningGraph) -> ModelRef:
 
 
 def _cluster_ref(hardware: HardwareProfile, mesh: DeviceMesh,
-                 placement: Placement | None = None) -> ClusterRef:
-    """The plan's devices; on a mixed cluster its groups in the order placed on the ranks,
-    their nodes summed, and the link between them."""
-    nodes = max(1, mesh.size // mesh.devices_per_node) if mesh.size > mesh.devices_per_node \
-        else 1
+                 placement: Placement | None = None, devices: int = 0) -> ClusterRef:
+    """The plan's devices (`devices`, else the mesh's: per-stage meshes of their own
+    device counts hold more or fewer than stage 0's mesh); on a mixed cluster its groups
+    in the order placed on the ranks, their nodes summed, and the link between them."""
+    devices = devices or mesh.size
+    per_node = mesh.devices_per_node
+    nodes = max(1, devices // per_node) if devices > per_node else 1
     if placement is None:
-        return ClusterRef(hardware.name, mesh.size, nodes,
+        return ClusterRef(hardware.name, devices, nodes,
                           int(hardware.devices_per_node.value))
     cluster = placement.cluster
     groups = tuple(GroupRef(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from planner.errors import PlanFileError
 from planner.plans.schema import REMEDY
 from planner.plans.sections import ClusterRef, OpEntry, PipelineSection, TensorEntry, UnitEntry
-from planner.plans.stagemesh import op_meshes, tensor_meshes
+from planner.plans.stagemesh import op_meshes, plan_devices, tensor_meshes
 from planner.records import Collective
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -23,20 +23,24 @@ def check_plan_fits(cluster: ClusterRef, mesh: DeviceMesh, tensors: Mapping[str,
                     source: str, pipeline: PipelineSection | None = None) -> None:
     """Refuse layouts the plan's mesh (or, under per-stage meshes, the op's or tensor's
     stage's: `planner.plans.stagemesh`) cannot hold and bindings to unknown tensors."""
-    if cluster.devices != mesh.size:
-        raise PlanFileError(f"{source}: mesh {list(mesh.shape)} has {mesh.size} devices but "
-                            f"cluster.devices is {cluster.devices}; {REMEDY}")
     meshes = [mesh]
     for s, stage in enumerate(pipeline.stages if pipeline is not None else ()):
         if stage.mesh is None:
             continue
-        if stage.mesh.size != mesh.size or stage.mesh.axis_names[:1] != mesh.axis_names[:1] \
-                or stage.mesh.shape[:1] != mesh.shape[:1]:
+        if stage.mesh.axis_names[:1] != mesh.axis_names[:1] \
+                or stage.mesh.shape[:1] != mesh.shape[:1] \
+                or stage.mesh.devices_per_node != mesh.devices_per_node:
             raise PlanFileError(f"{source}: pipeline.stages[{s}].mesh {list(stage.mesh.shape)} "
-                                f"({list(stage.mesh.axis_names)}) is not a shape of the "
-                                f"plan's {mesh.size} devices with its pipeline axis "
-                                f"{list(mesh.shape)} ({list(mesh.axis_names)}); {REMEDY}")
+                                f"({list(stage.mesh.axis_names)}) does not keep the plan's "
+                                f"pipeline axis {list(mesh.shape)} "
+                                f"({list(mesh.axis_names)}); {REMEDY}")
         meshes.append(stage.mesh)
+    devices = plan_devices(mesh, pipeline)
+    if cluster.devices != devices:
+        held = f"mesh {list(mesh.shape)} has" if len(meshes) == 1 else \
+            "pipeline.stages[].mesh: the stages' meshes hold"
+        raise PlanFileError(f"{source}: {held} {devices} devices but cluster.devices is "
+                            f"{cluster.devices}; {REMEDY}")
     bound = [([b.tensor if b else None for b in op.inputs],
               [b.tensor if b else None for b in op.outputs]) for op in ops]
     on_tensor = tensor_meshes(mesh, pipeline, bound)

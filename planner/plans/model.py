@@ -192,7 +192,8 @@ class Plan:
             raise PlanFileError(f"{source}: malformed plan ({exc})") from None
         check_plan_fits(plan.cluster, plan.mesh, plan.tensors, plan.ops, plan.collectives,
                         source, plan.pipeline)
-        check_op_ranges(plan.units, plan.pipeline, len(plan.ops), plan.mesh.size, source)
+        check_op_ranges(plan.units, plan.pipeline, len(plan.ops), plan.cluster.devices,
+                        source)
         check_groups(plan.cluster, plan.pipeline, source)
         return plan
 

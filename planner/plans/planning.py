@@ -25,8 +25,9 @@ from planner.plans.model import Plan
 from planner.plans.sections import Alternative
 from planner.records import SolverDetail, SolverRecord
 from planner.search.baselines import baselines, data_parallel
+from planner.search.decisions import PipelineDecision
 from planner.search.failure import no_plan, op_level_memory_floor
-from planner.search.joint import joint_decisions
+from planner.search.joint import joint_decisions, recompute_modes
 from planner.search.layers import ties_layers
 from planner.search.oplevel import (
     MeshResult,
@@ -37,6 +38,7 @@ from planner.search.oplevel import (
 )
 from planner.search.options import Pins, SearchOptions, check_pins
 from planner.search.solve import SOLVERS
+from planner.search.stagemeshes import shaped_decision
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.mesh import DeviceMesh
 
@@ -159,6 +161,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if joint_wanted:
         decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
                                            options.time_limit, options.top_k, progress, mixed)
+        if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared":
+            decisions = _with_stage_meshes(context, decisions, pins, options.time_limit)
         for decision in decisions:
             derived = derive(context, decision)
             # the joint search ties repeated layers always: its stages are layer units
@@ -196,6 +200,21 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     listed = tuple(replace(alt, chosen=number is not None and number == chosen)
                    for alt, number in rows[: max(1, options.top_k)])
     return build(winner, record, listed, briefs, joint.warnings() if joint else ())
+
+
+def _with_stage_meshes(context: BuildContext, decisions: list[PipelineDecision], pins: Pins,
+                       time_limit: float) -> list[PipelineDecision]:
+    """Each joint decision followed by its per-stage mesh alternative where that is
+    faster (`shaped_decision`): the finalists compare both built."""
+    found = []
+    modes = recompute_modes(pins)
+    for decision in decisions:
+        found.append(decision)
+        shaped = shaped_decision(context.graphs, context.hardware, decision,
+                                 context.training, modes, time_limit, pins.layout)
+        if shaped is not None:
+            found.append(shaped)
+    return found
 
 
 def _eligible(name: str, baseline: Derived, options: SearchOptions, pins: Pins) -> bool:

@@ -1,6 +1,8 @@
 """Which mesh each op and tensor of a plan lives on: the plan's own, or, where a
 pipeline's stages run on meshes of different (dp, tp) shapes (per-stage meshes), its
-stage's. One answer for the builder, the loader's checks, validate and explain.
+stage's; and which ranks each stage holds (blocks of the stage's device count, laid out
+by `planner.sharding.submeshes`). One answer for the builder, the loader's checks,
+validate and explain.
 
 A tensor's stored layout is the one its producing op lays it out in (or, for weights and
 inputs, the first op reading it): it lives on that op's stage's mesh. An activation a
@@ -17,6 +19,7 @@ from planner.kinds import AxisRole
 from planner.plans.sections import OpEntry, PipelineSection, SendEntry
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
+from planner.sharding.submeshes import stage_blocks
 
 #: (input names, output names) of each op, in the plan's op order
 OpNames = tuple[Sequence[str | None], Sequence[str | None]]
@@ -28,14 +31,45 @@ def per_stage_meshes(pipeline: PipelineSection | None) -> bool:
 
 
 def describe_stage_meshes(mesh: DeviceMesh, pipeline: PipelineSection) -> str:
-    """Each stage's shape, pipeline axis left out: "0: tp=4; 1: dp=4"."""
+    """Each stage's shape, pipeline axis left out: "0: tp=4; 1: dp=4", with each stage's
+    ranks where the stages hold different device counts ("0: dp=4 (ranks 0-3); ...")."""
+    sizes = stage_sizes(mesh, pipeline)
+    uneven = len(set(sizes)) > 1
     shapes = []
     for stage in pipeline.stages:
         own = stage.mesh or mesh
-        shapes.append(" × ".join(f"{a}={n}" for a, n in zip(own.axis_names, own.shape,
-                                                           strict=True)
-                                 if a != AxisRole.PIPELINE) or "one device")
+        shape = " × ".join(f"{a}={n}" for a, n in zip(own.axis_names, own.shape, strict=True)
+                           if a != AxisRole.PIPELINE) or "one device"
+        if uneven and stage.ranks:
+            first, last = stage.ranks[0], stage.ranks[-1]
+            shape += f" (rank {first})" if first == last else f" (ranks {first}-{last})"
+        shapes.append(shape)
     return "; ".join(f"{k}: {shape}" for k, shape in enumerate(shapes))
+
+
+def stage_sizes(mesh: DeviceMesh, pipeline: PipelineSection) -> list[int]:
+    """Each device stage's device count: its mesh's devices over the pipeline's stages
+    (a stage mesh keeps the pipeline axis beside its own shape)."""
+    pp = max(1, len(pipeline.stages))
+    return [(stage.mesh or mesh).size // pp for stage in pipeline.stages]
+
+
+def expected_blocks(mesh: DeviceMesh, pipeline: PipelineSection) -> list[range]:
+    """The ranks each stage must hold: consecutive blocks of the mesh's (pp outermost)
+    where the stages hold as many devices, else their submeshes' blocks
+    (`stage_blocks`). Raises ValueError where the counts are no submesh sizes."""
+    sizes = stage_sizes(mesh, pipeline)
+    if len(set(sizes)) < 2:
+        return [range(k * size, (k + 1) * size) for k, size in enumerate(sizes)]
+    return stage_blocks(sizes, mesh.devices_per_node)
+
+
+def plan_devices(mesh: DeviceMesh, pipeline: PipelineSection | None) -> int:
+    """How many devices the plan runs on: its mesh's, or the stages' together where they
+    hold device counts of their own."""
+    if pipeline is None or not per_stage_meshes(pipeline):
+        return mesh.size
+    return sum(stage_sizes(mesh, pipeline))
 
 
 def refuse_stage_meshes(mesh: DeviceMesh, pipeline: PipelineSection | None,

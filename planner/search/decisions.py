@@ -68,9 +68,10 @@ class Choice:
 @dataclass(frozen=True)
 class StageShape:
     """A device stage's own mesh shape and op-level choice, where the stages' shapes
-    differ (per-stage meshes, `planner.search.joint.shaped_decision`): dp × tp is the
-    same for every stage; the strategies are solved on this shape for the whole graph,
-    and the stage runs those of its own ops."""
+    differ (per-stage meshes, `planner.search.stagemeshes.shaped_decision`): dp × tp is
+    the stage's device count, its ranks a block of them (`planner.sharding.submeshes`);
+    the strategies are solved on this shape for the whole graph, and the stage runs those
+    of its own ops."""
 
     dp: int
     tp: int

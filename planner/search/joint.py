@@ -39,21 +39,17 @@ from costmodels.profile import HardwareProfile
 from costmodels.schedule import pipeline_time
 from planner.cost.oplevel import (
     ComputeFloor,
-    PricedGraph,
     compute_floor,
-    mesh_on,
     optimizer_floor_s,
-    priced_choice,
     priced_on_kinds,
 )
-from planner.cost.pipeline import Pricer, ShapedPricer
 from planner.cost.step import PipelineConfig, StepPrice, TrainingOptions
 from planner.cost.units import UnitProfile, unit_profile
 from planner.errors import ModelError, ShardplanError
 from planner.kinds import RECOMPUTE_MODES, AxisRole, ContextKind, Recompute, Schedule
 from planner.layers import Units
 from planner.records import SolverDetail, SolverRecord
-from planner.search.decisions import Choice, PipelineDecision, StageShape
+from planner.search.decisions import Choice, PipelineDecision
 from planner.search.layers import tie_classes
 from planner.search.megatron import megatron_strategies
 from planner.search.options import PIPELINED_ONLY, Pins
@@ -68,13 +64,7 @@ from planner.search.stages import (
     OrderedPartitioner,
     Partition,
     Partitioner,
-    StageTables,
-    best_per_device,
-    chunk_layer_counts,
-    contiguous,
-    interleaved,
     partitioner_for,
-    solve_shaped,
 )
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.batch import dp_splits_exactly
@@ -824,177 +814,6 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                             tp_pinned, found.order, found.rows)
 
 
-def stage_shapes(choice: Choice, micro_size: int, per_node: int) -> list[tuple[int, int]]:
-    """The (dp, tp) shapes a device stage of `choice` may take on its dp × tp devices:
-    tp within a node, dp dividing the micro-batch; the choice's own shape first."""
-    size = choice.dp * choice.tp
-    found = [(size // tp, tp) for tp in _divisors(size)
-             if tp <= per_node and micro_size % (size // tp) == 0]
-    own = (choice.dp, choice.tp)
-    return [own, *(shape for shape in found if shape != own)]
-
-
-@dataclass(frozen=True)
-class ShapeLayout:
-    """One stage shape's op-level layout of the micro-batch's graph: priced on the
-    pipeline's mesh of that shape, and its unit profile."""
-
-    priced: PricedGraph
-    profile: UnitProfile
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        return self.priced.sharded.mesh
-
-
-def shape_layout(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choice,
-                 training: TrainingOptions, dp: int, tp: int,
-                 strategies: Mapping[str, OpStrategy],
-                 foreign: frozenset[str] = frozenset()) -> ShapeLayout:
-    """`strategies` (solved on a (dp, tp) stage) priced on `choice`'s pipeline mesh with
-    that shape; `foreign` ops run on other stages' meshes (`derive`)."""
-    per_node = int(hardware.devices_per_node.value)
-    mesh = choice_mesh(replace(choice, dp=dp, tp=tp), per_node)
-    priced = priced_choice(micro, mesh_on(mesh, hardware), strategies, hardware, training,
-                           foreign)
-    return ShapeLayout(priced, unit_profile(priced, micro.units))
-
-
-def stage_layouts(micro: GraphAnalysis, hardware: HardwareProfile, choice: Choice,
-                  training: TrainingOptions, shapes: Sequence[StageShape],
-                  devices: Sequence[Sequence[tuple[int, int]]]
-                  ) -> dict[tuple[int, int], ShapeLayout]:
-    """Each distinct shape of per-stage meshes laid out for the stages that run it: the
-    strategies of their own ops (`devices[k]`: stage k's unit ranges), every other op
-    foreign to it (`derive`). So an activation from a stage of another shape arrives as
-    the first op of this shape reading it wants it (the send reshards it: each rank
-    receives its own block), and what each stage lists follows from its own ops'
-    strategies alone (what validate re-derives)."""
-    bounds = micro.units.bounds
-    names = [node.name for node in micro.graph.ops]
-    owned: dict[tuple[int, int], set[str]] = {}
-    for shape, ranges in zip(shapes, devices, strict=True):
-        mine = owned.setdefault((shape.dp, shape.tp), set())
-        for a, b in ranges:
-            mine.update(names[bounds[a]:bounds[b]])
-    layouts: dict[tuple[int, int], ShapeLayout] = {}
-    for shape in shapes:
-        key = (shape.dp, shape.tp)
-        if key not in layouts:
-            mine = owned[key]
-            strategies = {name: s for name, s in shape.strategies.items() if name in mine}
-            layouts[key] = shape_layout(micro, hardware, choice, training, *key, strategies,
-                                        frozenset(names) - mine)
-    return layouts
-
-
-def shaped_pricer(layouts: Mapping[tuple[int, int], ShapeLayout],
-                  picked: Sequence[tuple[int, int]], config: PipelineConfig,
-                  hardware: HardwareProfile) -> ShapedPricer:
-    """The exact pricer of stages of the `picked` shapes (`ShapedPricer`) on their
-    `stage_layouts`, for the search and the plan builder alike."""
-    pricers: dict[tuple[Hashable, bool], Pricer] = {}
-
-    def pricer_of(shape: Hashable, resharded: bool) -> Pricer:
-        key = (shape, resharded)
-        if key not in pricers:
-            layout = layouts[shape]  # type: ignore[index]
-            pricers[key] = Pricer(layout.profile, config, hardware, layout.mesh,
-                                  resharded=resharded)
-        return pricers[key]
-
-    return ShapedPricer.of_shapes(list(picked), pricer_of, config.schedule in (
-        Schedule.INTERLEAVED, Schedule.ZBV))
-
-
-def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: PipelineDecision,
-                    training: TrainingOptions, modes: list[Recompute], time_limit: float,
-                    layout: str | None = None) -> PipelineDecision | None:
-    """Per-stage meshes (Alpa's inter-operator pass): the configuration of `shared` with
-    each device stage on a (dp, tp) shape of its own over the same devices
-    (`stage_shapes`), each shape's op-level layout solved for it. For consecutive stages
-    the partition DP takes, for every range of units, the shape and recompute mode of
-    least load that fits (`solve_shaped`); for interleaved and V chunks (a fixed
-    assignment per chunking, `chunk_layer_counts`) each device takes its fastest shape and
-    mode (`best_per_device`). Each candidate is priced exactly, with the activations
-    resharded between stages of different shapes (`ShapedPricer`); the fastest is
-    returned where the stages' shapes differ and its step is faster than `shared`'s: the
-    search compares both.
-
-    Not tried with context, expert or sequence parallelism, replicas, a mixed cluster, or
-    weights read by several units (a tied embedding: its holders would sum gradients
-    sharded differently); there every stage shares a shape."""
-    choice = shared.choice
-    if (choice.pp < 2 or choice.cp > 1 or choice.ep > 1 or choice.replicas > 1
-            or choice.sequence_parallel or shared.order or shared.rows or shared.shapes):
-        return None
-    per_node = int(hardware.devices_per_node.value)
-    micro = graphs.at(shared.micro_batch_size)
-    shapes = stage_shapes(choice, shared.micro_batch_size, per_node)
-    if len(shapes) < 2 or choice.pp > micro.units.count:
-        return None
-    config = pipeline_config(choice, training)
-    limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
-    solved: dict[tuple[int, int], Mapping[str, OpStrategy]] = {}
-    pricers: list[Pricer] = []
-    for dp, tp in shapes:
-        strategies: Mapping[str, OpStrategy] = shared.strategies
-        if (dp, tp) != (choice.dp, choice.tp):
-            strategies = model_parallel_strategies(
-                micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
-                time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
-        solved[(dp, tp)] = strategies
-        whole = shape_layout(micro, hardware, choice, training, dp, tp, strategies)
-        pricers.append(Pricer(whole.profile, config, hardware, whole.mesh))
-    if any(len(param.units) > 1 for param in pricers[0].profile.params):
-        return None
-    best: tuple[StepPrice, list[tuple[int, int]], list[list[tuple[int, int]]],
-                list[Recompute]] | None = None
-    for devices, chosen, picks in _shaped_candidates(pricers, micro.units, config, limit,
-                                                     modes):
-        picked = [shapes[k] for k in picks]
-        if len(set(picked)) < 2:
-            continue  # one shape for every stage: a configuration of its own
-        stages = [StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked]
-        exact = stage_layouts(micro, hardware, choice, training, stages, devices)
-        price = shaped_pricer(exact, picked, config, hardware).price(devices, chosen)
-        if price.peak_memory <= limit and (best is None or price.step_time_s
-                                           < best[0].step_time_s):
-            best = (price, picked, devices, chosen)
-    if best is None or best[0].step_time_s >= shared.solver.objective:
-        return None
-    price, picked, devices, chosen = best
-    first = picked[0]
-    step = price.step_time_s
-    return replace(
-        shared, choice=replace(choice, dp=first[0], tp=first[1]),
-        strategies=solved[first], devices=tuple(tuple(r) for r in devices),
-        recompute=tuple(chosen), solver=replace(shared.solver, objective=step, bound=step),
-        shapes=tuple(StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in picked))
-
-
-def _shaped_candidates(pricers: Sequence[Pricer], units: Units, config: PipelineConfig,
-                       limit: float, modes: Sequence[Recompute]
-                       ) -> list[tuple[list[list[tuple[int, int]]], list[Recompute], list[int]]]:
-    """Per-stage mesh candidates, each (the devices' unit ranges, their recompute modes,
-    the index of each one's shape among `pricers`), priced on each shape's whole-graph
-    layout: the DP's one for consecutive stages, one per chunking for interleaved and V
-    chunks."""
-    pp = config.pp
-    if config.schedule not in (Schedule.INTERLEAVED, Schedule.ZBV):
-        tables = [StageTables(pricer) for pricer in pricers]
-        found = solve_shaped([tables] * pp, [limit] * pp, modes)
-        return [] if found is None else [(contiguous(found[0]), found[1], found[2])]
-    found_all = []
-    v = chunks_per_device(config.schedule, config.virtual_stages)
-    for counts in chunk_layer_counts(len(units.layer_units), pp * v):
-        devices = interleaved(units, pp, v, counts, config.schedule)
-        laid = best_per_device(pricers, devices, [limit] * pp, modes) if devices else None
-        if devices is not None and laid is not None:
-            found_all.append((devices, [stage.recompute for stage in laid[1]], laid[0]))
-    return found_all
-
-
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     training: TrainingOptions, pins: Pins,
                     time_limit: float = 60.0, top_k: int = 3,
@@ -1020,9 +839,4 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                   layouts)
         if decision is not None:
             decisions.append(decision)
-            if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared":
-                shaped = shaped_decision(graphs, hardware, decision, training, modes,
-                                         time_limit, pins.layout)
-                if shaped is not None:
-                    decisions.append(shaped)
     return decisions, result

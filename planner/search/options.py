@@ -24,9 +24,9 @@ LAYOUTS = ("megatron",)
 #: each (what the executor runs), or "speed": in proportion to each one's speed
 #: (`planner.search.stages.speed_rows`); unpinned, the search keeps the faster.
 DP_SHARES = ("even", "speed")
-#: `stage_mesh=shared`: every pipeline stage on the same (dp, tp) shape (what the
-#: executor runs); unpinned, the joint search also tries a shape per stage
-#: (`planner.search.joint.shaped_decision`) and keeps the faster.
+#: `stage_mesh=shared`: every pipeline stage on the same (dp, tp) shape over as many
+#: devices (what the executor runs); unpinned, the search also tries a shape and device
+#: count per stage (`planner.search.stagemeshes.shaped_decision`) and keeps the faster.
 STAGE_MESHES = ("shared",)
 
 
