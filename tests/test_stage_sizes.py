@@ -18,6 +18,7 @@ import pytest
 from costmodels.communication import CommGroup
 from costmodels.profile import load_profile
 from planner.api import load_graph, plan
+from planner.cli import main
 from planner.cost.pipeline import Boundary, Prices, send_group, stage_boundaries
 from planner.errors import PlanFileError, ShardplanError
 from planner.explain.explanation import explain
@@ -172,3 +173,19 @@ def test_readers_name_each_stages_ranks(uneven: Plan) -> None:
     with pytest.raises(ShardplanError, match=r"stage_mesh=shared") as refused:
         refuse_stage_meshes(uneven.mesh, uneven.pipeline, "the executor")
     assert ranks in str(refused.value)
+
+
+def test_the_cli_refuses_to_run_uneven_stages_by_name(uneven: Plan, model: Path,
+                                                      tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """`run` counts the plan's devices as its stages hold them (8, not stage 0's mesh's
+    4), then refuses before any rank starts, in one line naming the pin."""
+    path = uneven.save(tmp_path / "plan.json")
+    assert main(["run", str(model), "--plan", str(path), "--nproc", "4", "--steps", "1"]) == 2
+    assert "the plan is for 8 devices" in capsys.readouterr().err
+    for argv in (["run", str(model), "--plan", str(path), "--nproc", "8", "--steps", "1"],
+                 ["export", str(path), "--format", "dtensor", "-o", str(tmp_path / "d.json")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "stage_mesh=shared" in err and "ranks 0-3" in err

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = Plan.load(args.plan)
     if args.checkpoint_every and not args.checkpoint:
         raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
-    runs_plan = args.nproc > 1 or bool(args.module and loaded.mesh.size == 1)
+    runs_plan = args.nproc > 1 or bool(args.module and loaded.cluster.devices == 1)
     if not runs_plan and (args.checkpoint or args.resume):
         raise ShardplanError("--checkpoint/--resume apply to runs of the plan (--nproc > 1)")
     if not args.module:
@@ -107,8 +107,8 @@ def _check_graph_run(args: argparse.Namespace, loaded: Plan) -> None:
     if args.count_steps is not None:
         raise ShardplanError("--count-steps: with --module only (the ONNX-graph runner "
                              "issues every collective itself and counts them at no cost)")
-    if args.nproc not in (1, loaded.mesh.size):
-        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+    if args.nproc not in (1, loaded.cluster.devices):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.cluster.devices} "
                              "devices; use that many ranks, or 1 for the unsplit reference")
 
 
@@ -150,10 +150,10 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
     if unsupported:
         raise ShardplanError(f"{', '.join(unsupported)}: not with --module (the builder's "
                              "make_batch and loss_fn give the data and the loss)")
-    if args.nproc not in (1, loaded.mesh.size):
-        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.mesh.size} "
+    if args.nproc not in (1, loaded.cluster.devices):
+        raise ShardplanError(f"--nproc {args.nproc}: the plan is for {loaded.cluster.devices} "
                              "devices; use that many ranks, or 1 for the module as it is")
-    if args.nproc == 1 and loaded.mesh.size > 1:  # the module as it is, for comparison
+    if args.nproc == 1 and loaded.cluster.devices > 1:  # the module as it is, for comparison
         batch = loaded.global_batch
         if batch is None:
             raise ShardplanError(f"{args.plan} names no global batch")
