@@ -10,6 +10,8 @@ balances the stages.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -20,9 +22,12 @@ from costmodels.profile import load_profile
 from planner.api import load_graph, plan
 from planner.cli import main
 from planner.cost.pipeline import Boundary, Prices, send_group, stage_boundaries
+from planner.cost.step import TrainingOptions
 from planner.errors import PlanFileError, ShardplanError
 from planner.explain.explanation import explain
 from planner.explain.render import render
+from planner.plans.build import BuildContext, derive
+from planner.plans.build import build as build_plan
 from planner.plans.model import Plan
 from planner.plans.stagemesh import (
     expected_blocks,
@@ -32,8 +37,10 @@ from planner.plans.stagemesh import (
     stage_sizes,
 )
 from planner.report import summary
-from planner.search.joint import stage_mesh
-from planner.search.stagemeshes import size_vectors, stage_shapes
+from planner.search.joint import joint_decisions, recompute_modes, stage_mesh
+from planner.search.options import check_pins
+from planner.search.stagemeshes import shaped_decision, size_vectors, stage_shapes
+from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.submeshes import stage_blocks, submesh_sizes
 from planner.validate import validate
 from planner.zoo import build
@@ -189,3 +196,37 @@ def test_the_cli_refuses_to_run_uneven_stages_by_name(uneven: Plan, model: Path,
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "stage_mesh=shared" in err and "ranks 0-3" in err
+
+
+def test_a_depth_that_does_not_divide_the_devices(model: Path, tmp_path: Path) -> None:
+    """Three stages on 8 devices, which no shared shape holds: from a two-stage decision
+    of micro-batches of one row (so every stage of a count has one shape, dp=1), the
+    search tries one stage more as submeshes (4 + 2 + 2 in some order), and the decision
+    builds a plan of 3 stages on 8 devices that validates against the model. The shared
+    decision's objective is set beyond reach, so the deeper one is returned whatever it
+    costs: the test is of the path, the planner keeps it only where faster."""
+    hardware, training = load_profile("a100-80g"), TrainingOptions()
+    graph = load_graph(model, batch=8, dims={"seq": 2048})
+    graphs = Analyses(GraphAnalysis.of(graph))
+    pins = check_pins({"pp": 2, "tp": 4, "micro_batches": 8, "stage_mesh": "shared"})
+    seed = joint_decisions(graphs, hardware, 8, training, pins, top_k=1)[0][0]
+    assert seed.choice.pp == 2 and seed.micro_batch_size == 1
+    beyond = replace(seed, solver=replace(seed.solver, objective=math.inf))
+    modes = recompute_modes(pins)
+    assert shaped_decision(graphs, hardware, beyond, training, modes, 60.0) is None
+    deeper = shaped_decision(graphs, hardware, beyond, training, modes, 60.0,
+                             other_depths=True)
+    assert deeper is not None and deeper.choice.pp == 3
+    sizes = [shape.dp * shape.tp for shape in deeper.shapes]
+    assert sorted(sizes) == [2, 2, 4]
+    built = build_plan(derive(BuildContext(graphs, hardware, training), deeper),
+                       deeper.solver)
+    assert built.pipeline is not None and built.cluster.devices == 8
+    assert built.parallel.pp == 3 and len(built.pipeline.stages) == 3
+    assert built.predicted.step_time_s == pytest.approx(deeper.solver.objective, rel=1e-12)
+    micro = load_graph(model, batch=built.model.batch, dims=built.model.bound_dims)
+    report = validate(built, micro)
+    assert report.ok, report.problems
+    again = Plan.load(built.save(tmp_path / "plan.json"))
+    assert [s.ranks for s in again.pipeline.stages] == [
+        tuple(b) for b in stage_blocks(sizes, 8)]

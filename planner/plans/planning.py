@@ -211,7 +211,8 @@ def _with_stage_meshes(context: BuildContext, decisions: list[PipelineDecision],
     for decision in decisions:
         found.append(decision)
         shaped = shaped_decision(context.graphs, context.hardware, decision,
-                                 context.training, modes, time_limit, pins.layout)
+                                 context.training, modes, time_limit, pins.layout,
+                                 other_depths=pins.pp is None)
         if shaped is not None:
             found.append(shaped)
     return found

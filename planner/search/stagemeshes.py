@@ -13,6 +13,7 @@ decision: the planner compares both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -44,10 +45,11 @@ from planner.sharding.mesh import DeviceMesh
 from planner.sharding.strategy import OpStrategy
 from planner.sharding.submeshes import stage_blocks, submesh_sizes
 
-#: a stage's device count is the even share doubled or halved at most this many times: a
+#: the device counts a stage may take: submesh sizes from half to twice the even share (a
 #: stage holding far more than another's share of the work is one a deeper or shallower
-#: pipeline serves better, and each count adds op-level solves (one per (dp, tp) shape)
-SIZE_DOUBLINGS = 1
+#: pipeline serves better), at most this many, the nearest to the even share first: each
+#: count adds op-level solves, one per (dp, tp) shape
+MAX_STAGE_SIZES = 4
 #: device-count vectors tried per decision (the nearest to the even share first) and
 #: the most enumerated to choose them from
 MAX_SIZE_VECTORS = 64
@@ -69,14 +71,22 @@ def stage_shapes(size: int, micro_size: int, per_node: int,
     return [own, *(s for s in found if s != own)] if own in found else found
 
 
-def size_vectors(devices: int, pp: int, per_node: int) -> list[tuple[int, ...]]:
-    """Stage device counts over `devices`, each a submesh size (`submesh_sizes`) that is
-    the even share doubled or halved up to `SIZE_DOUBLINGS` times, that lie on the
-    cluster aligned (`stage_blocks`); uneven ones only, nearest to the even share first,
-    at most `MAX_SIZE_VECTORS`."""
+def size_options(devices: int, pp: int, per_node: int) -> list[int]:
+    """The device counts a stage of `pp` over `devices` may take, ascending: the
+    `MAX_STAGE_SIZES` submesh sizes (`submesh_sizes`) nearest the even share, within a
+    factor 2 of it."""
     even = devices / pp
-    ratios = {2.0 ** k for k in range(-SIZE_DOUBLINGS, SIZE_DOUBLINGS + 1)}
-    sizes = [s for s in submesh_sizes(devices, per_node) if s / even in ratios]
+    near = sorted((s for s in submesh_sizes(devices, per_node) if even / 2 <= s <= even * 2),
+                  key=lambda s: (abs(math.log(s / even)), s))
+    return sorted(near[:MAX_STAGE_SIZES])
+
+
+def size_vectors(devices: int, pp: int, per_node: int) -> list[tuple[int, ...]]:
+    """Stage device counts over `devices` from `size_options`, that lie on the cluster
+    aligned (`stage_blocks`); uneven ones only, nearest to the even share first, at most
+    `MAX_SIZE_VECTORS`."""
+    even = devices / pp
+    sizes = size_options(devices, pp, per_node)
     if not sizes:
         return []
     low, high = sizes[0], sizes[-1]
@@ -193,8 +203,10 @@ def shaped_pricer(layouts: Mapping[Shape, ShapeLayout], picked: Sequence[Shape],
 class _Candidate:
     """A per-stage mesh assignment: each device stage's unit ranges, recompute mode and
     shape, with the step its whole-graph layouts price it at (what orders candidates
-    before the exact pricing); `even`: the stages hold as many devices each."""
+    before the exact pricing); `choice`: its configuration (its depth may differ from the
+    shared decision's); `even`: the stages hold as many devices each."""
 
+    choice: Choice
     even: bool
     surrogate_s: float
     devices: list[list[tuple[int, int]]]
@@ -204,10 +216,13 @@ class _Candidate:
 
 def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: PipelineDecision,
                     training: TrainingOptions, modes: list[Recompute], time_limit: float,
-                    layout: str | None = None) -> PipelineDecision | None:
+                    layout: str | None = None,
+                    other_depths: bool = False) -> PipelineDecision | None:
     """The configuration of `shared` with each device stage on a (dp, tp) shape of its
     own: over the same devices as `shared`'s stages (any schedule), or, for consecutive
-    stages, over device counts of their own (`size_vectors`). For each vector of counts
+    stages, over device counts of their own (`size_vectors`); with `other_depths` (pp not
+    pinned), also one stage more or fewer where that many do not divide the devices (3
+    stages on 8 devices as 4 + 2 + 2: no shared shape holds them). For each vector of counts
     the partition DP takes, for every range of units, the shape and recompute mode of
     least load that fits (`solve_shaped`); interleaved and V chunks (a fixed assignment
     per chunking, `chunk_layer_counts`) take each device's fastest shape and mode
@@ -227,39 +242,49 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
     micro = graphs.at(micro_size)
     if choice.pp > micro.units.count:
         return None
-    config = pipeline_config(choice, training)
     even = choice.dp * choice.tp
+    devices = even * choice.pp
     own = (choice.dp, choice.tp)
-    wraps = config.schedule in (Schedule.INTERLEAVED, Schedule.ZBV)
-    vectors = [(even,) * choice.pp, *(() if wraps else size_vectors(
-        even * choice.pp, choice.pp, per_node))]
+    wraps = choice.schedule in (Schedule.INTERLEAVED, Schedule.ZBV)
+    depths = [choice.pp]
+    if other_depths and not wraps:
+        depths += [d for d in (choice.pp - 1, choice.pp + 1) if 2 <= d <= micro.units.count
+                   and devices % d and choice.micro_batches >= d]
+    vectors_of = {depth: [*([(even,) * depth] if depth == choice.pp else []),
+                          *(() if wraps else size_vectors(devices, depth, per_node))]
+                  for depth in depths}
     shapes_of = {size: stage_shapes(size, micro_size, per_node, own)
-                 for size in {s for v in vectors for s in v}}
-    vectors = [v for v in vectors if all(shapes_of[s] for s in v)]
-    shapes = list(dict.fromkeys(s for v in vectors for size in v for s in shapes_of[size]))
+                 for size in {s for vs in vectors_of.values() for v in vs for s in v}}
+    vectors_of = {depth: [v for v in vs if all(shapes_of[s] for s in v)]
+                  for depth, vs in vectors_of.items()}
+    shapes = list(dict.fromkeys(s for vs in vectors_of.values() for v in vs for size in v
+                                for s in shapes_of[size]))
     if len(shapes) < 2:
         return None
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     solved: dict[Shape, Mapping[str, OpStrategy]] = {}
-    wholes: dict[Shape, ShapeLayout] = {}
     for dp, tp in shapes:
-        strategies: Mapping[str, OpStrategy] = shared.strategies
-        if (dp, tp) != own:
-            strategies = model_parallel_strategies(
-                micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
-                time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
-        solved[(dp, tp)] = strategies
-        wholes[(dp, tp)] = shape_layout(micro, hardware, choice, training, dp, tp, strategies)
-    if any(len(param.units) > 1 for param in wholes[own].profile.params):
-        return None
-    candidates = _candidates(wholes, shapes_of, vectors, micro.units, config, hardware,
-                             limit, modes)
+        solved[(dp, tp)] = shared.strategies if (dp, tp) == own else model_parallel_strategies(
+            micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
+            time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
+    candidates: list[_Candidate] = []
+    for depth, vectors in vectors_of.items():
+        deep = replace(choice, pp=depth)
+        used = {s for v in vectors for size in v for s in shapes_of[size]}
+        wholes = {shape: shape_layout(micro, hardware, deep, training, *shape, solved[shape])
+                  for shape in shapes if shape in used or shape == own}
+        if any(len(param.units) > 1 for param in wholes[own].profile.params):
+            return None
+        candidates += _candidates(wholes, shapes_of, vectors, micro.units, deep, training,
+                                  hardware, limit, modes)
     uneven = sorted((c for c in candidates if not c.even), key=lambda c: c.surrogate_s)
     best: tuple[StepPrice, _Candidate] | None = None
     for candidate in [*(c for c in candidates if c.even), *uneven[:EXACT_VECTORS]]:
         stages = [StageShape(dp, tp, solved[(dp, tp)]) for dp, tp in candidate.shapes]
-        exact = stage_layouts(micro, hardware, choice, training, stages, candidate.devices)
-        price = shaped_pricer(exact, candidate.shapes, config, hardware).price(
+        exact = stage_layouts(micro, hardware, candidate.choice, training, stages,
+                              candidate.devices)
+        price = shaped_pricer(exact, candidate.shapes,
+                              pipeline_config(candidate.choice, training), hardware).price(
             candidate.devices, candidate.recompute)
         if price.peak_memory <= limit and (best is None or price.step_time_s
                                            < best[0].step_time_s):
@@ -270,7 +295,7 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
     first = chosen.shapes[0]
     step = price.step_time_s
     return replace(
-        shared, choice=replace(choice, dp=first[0], tp=first[1]),
+        shared, choice=replace(chosen.choice, dp=first[0], tp=first[1]),
         strategies=solved[first], devices=tuple(tuple(r) for r in chosen.devices),
         recompute=tuple(chosen.recompute),
         solver=replace(shared.solver, objective=step, bound=step),
@@ -278,14 +303,15 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
 
 
 def _candidates(wholes: Mapping[Shape, ShapeLayout], shapes_of: Mapping[int, list[Shape]],
-                vectors: Sequence[tuple[int, ...]], units: Units, config: PipelineConfig,
-                hardware: HardwareProfile, limit: float,
+                vectors: Sequence[tuple[int, ...]], units: Units, choice: Choice,
+                training: TrainingOptions, hardware: HardwareProfile, limit: float,
                 modes: Sequence[Recompute]) -> list[_Candidate]:
     """Per vector of stage device counts, its per-stage mesh candidates (one from the DP
     for consecutive stages, one per chunking for interleaved and V chunks), each priced
     on the shapes' whole-graph layouts; those with a single shape throughout left out
     (a configuration of its own)."""
     per_node = int(hardware.devices_per_node.value)
+    config = pipeline_config(choice, training)
     pricers: dict[tuple[Shape, Boundary | None], Pricer] = {}
     tables: dict[tuple[Shape, Boundary | None], StageTables] = {}
 
@@ -322,7 +348,7 @@ def _candidates(wholes: Mapping[Shape, ShapeLayout], shapes_of: Mapping[int, lis
             if len(set(picked)) < 2:
                 continue
             surrogate = ShapedPricer.of_shapes(picked, pricer_of, False, boundaries)
-            found.append(_Candidate(len(set(vector)) == 1,
+            found.append(_Candidate(choice, len(set(vector)) == 1,
                                     surrogate.price(devices, recompute).step_time_s,
                                     devices, recompute, picked))
     return found
