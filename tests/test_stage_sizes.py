@@ -24,6 +24,7 @@ from planner.cli import main
 from planner.cost.pipeline import Boundary, Prices, send_group, stage_boundaries
 from planner.cost.step import TrainingOptions
 from planner.errors import PlanFileError, ShardplanError
+from planner.explain.compare import compare_rows, render_compare
 from planner.explain.explanation import explain
 from planner.explain.render import render
 from planner.plans.build import BuildContext, derive
@@ -39,7 +40,12 @@ from planner.plans.stagemesh import (
 from planner.report import summary
 from planner.search.joint import joint_decisions, recompute_modes, stage_mesh
 from planner.search.options import check_pins
-from planner.search.stagemeshes import shaped_decision, size_vectors, stage_shapes
+from planner.search.stagemeshes import (
+    shaped_decision,
+    size_options,
+    size_vectors,
+    stage_shapes,
+)
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.submeshes import stage_blocks, submesh_sizes
 from planner.validate import validate
@@ -103,6 +109,12 @@ def test_size_vectors_stay_near_the_even_share() -> None:
     assert {s for v in vectors for s in v} == {1, 2, 4}
     assert (4, 2, 1, 1) in vectors and (2, 2, 2, 2) not in vectors
     assert size_vectors(8, 2, 8) == []  # 2 + 6 or 4 + 4 only: no uneven submeshes
+    # whole nodes beyond one: 8 + 24 on four nodes; on 128 nodes the 4 nearest sizes
+    assert size_options(32, 2, 8) == [8, 16, 24, 32]
+    assert size_vectors(32, 2, 8) == [(8, 24), (24, 8)]
+    assert size_options(1024, 8, 8) == [120, 128, 136, 144]
+    assert size_options(8, 3, 8) == [2, 4]  # a depth that does not divide the devices
+    assert size_vectors(8, 3, 8) == [(2, 2, 4), (2, 4, 2), (4, 2, 2)]
     assert stage_shapes(4, 8, 8, (2, 2)) == [(2, 2), (4, 1), (1, 4)]
     assert stage_shapes(4, 2, 8) == [(2, 2), (1, 4)]  # dp divides the micro-batch
 
@@ -170,7 +182,7 @@ def test_an_uneven_plan_validates_and_round_trips(uneven: Plan, model: Path,
         stage_sizes(uneven.mesh, uneven.pipeline), 8)
 
 
-def test_readers_name_each_stages_ranks(uneven: Plan) -> None:
+def test_readers_name_each_stages_ranks(uneven: Plan, shared: Plan) -> None:
     assert uneven.pipeline is not None
     last = uneven.pipeline.stages[-1]
     ranks = f"(ranks {last.ranks[0]}-{last.ranks[-1]})"
@@ -180,6 +192,11 @@ def test_readers_name_each_stages_ranks(uneven: Plan) -> None:
     with pytest.raises(ShardplanError, match=r"stage_mesh=shared") as refused:
         refuse_stage_meshes(uneven.mesh, uneven.pipeline, "the executor")
     assert ranks in str(refused.value)
+    # compare gives each stage's devices (its mesh row is stage 0's)
+    sizes = "+".join(map(str, stage_sizes(uneven.mesh, uneven.pipeline)))
+    shown = render_compare(compare_rows([("uneven.json", uneven), ("shared.json", shared)]))
+    row = next(x for x in shown.splitlines() if x.startswith("stage devices"))
+    assert row.split()[2:] == [sizes, "-"]
 
 
 def test_the_cli_refuses_to_run_uneven_stages_by_name(uneven: Plan, model: Path,

@@ -10,6 +10,7 @@ from typing import Any
 from planner.explain.figures import degrees
 from planner.humanize import human_bytes, human_seconds
 from planner.plans.model import Plan
+from planner.plans.stagemesh import per_stage_meshes, stage_sizes
 from planner.records import MEMORY_CATEGORIES
 
 COMPARE_MEMORY = (*MEMORY_CATEGORIES, "peak")
@@ -26,6 +27,9 @@ def compare_rows(plans: Sequence[tuple[str, Plan]]) -> dict[str, Any]:
                       "parameters": plan.model.parameters},
             "cluster": {**asdict(plan.cluster), "described": plan.cluster.describe()},
             "mesh": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names),
+            # per-stage meshes: each stage's devices (the mesh above is stage 0's)
+            "stage_devices": stage_sizes(plan.mesh, plan.pipeline)
+            if plan.pipeline is not None and per_stage_meshes(plan.pipeline) else None,
             "parallel": degrees(plan), "global_batch": plan.global_batch,
             "step_time_s": plan.predicted.step_time_s,
             "ratio": plan.predicted.step_time_s / first,
@@ -69,6 +73,9 @@ def render_compare(data: dict[str, Any]) -> str:
                   for e in entries]),
         ("global batch", [str(e["global_batch"]) for e in entries]),
     ]
+    if any(e["stage_devices"] for e in entries):
+        rows.insert(3, ("stage devices", ["+".join(map(str, e["stage_devices"]))
+                                          if e["stage_devices"] else "-" for e in entries]))
     for key in ("dp", "tp", "pp", "sp", "micro_batches", "zero", "recompute", "schedule"):
         rows.append((key, [str(e["parallel"].get(key) if e["parallel"].get(key) is not None
                                else "-") for e in entries]))
