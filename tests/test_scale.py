@@ -85,7 +85,7 @@ print(json.dumps({"code": code, "stdout": out.getvalue()}))
 
 #: The chain the slow test below plans: 50,000 ops in CI (about 100 s and 1.1 GiB to plan,
 #: 46 s to validate, on a 2-core machine); `SHARDPLAN_CHAIN_OPS=200000` plans the issue's
-#: 200,000 (166.5 s and 3.9 GB on 2026-12-05, docs/robustness.md "Planning large graphs"),
+#: 200,000 (142.6 s and 3.9 GB on 2026-12-05, docs/robustness.md "Planning large graphs"),
 #: too long for CI.
 CHAIN_OPS = int(os.environ.get("SHARDPLAN_CHAIN_OPS", "50000"))
 
@@ -134,3 +134,54 @@ def test_a_pipeline_of_more_units_than_the_stage_search_takes_is_refused(
     with pytest.raises(ShardplanError, match=rf"pp=2: the graph has {layers + 1} units "
                                              rf"\(layers\), more than the stage search takes"):
         plan(path, devices=8, batch=8, parallel={"pp": 2})
+
+
+def test_planning_pauses_the_cyclic_collector_and_restores_it(tmp_path: Path) -> None:
+    """The collector is off while `plan` searches (its passes walk every live object of a
+    large graph) and as it was afterwards, on or off; `collector_paused` blocks nest."""
+    import gc
+
+    path = _save(chain_model(40, width=16), tmp_path / "chain.onnx")
+    seen: list[bool] = []
+    assert gc.isenabled()
+    plan(path, batch=8, devices=2, progress=lambda _: seen.append(gc.isenabled()))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(path, batch=8, devices=2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with api.collector_paused():
+        with api.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_op_level_finalists_on_equivalent_meshes_are_built_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data parallelism over every axis of a 2×4 mesh is the plan over a mesh of 8: the
+    planner builds it once (a row for each mesh still); the plan file is the one built
+    with every mesh derived (`_flat_key` off)."""
+    from planner.plans import planning
+    from planner.search.decisions import OpLevelDecision
+
+    path = _save(chain_model(400, width=16), tmp_path / "chain.onnx")
+    derived: list[tuple[int, ...]] = []
+    original = planning.derive
+
+    def counting(context, decision):  # type: ignore[no-untyped-def]
+        if isinstance(decision, OpLevelDecision):
+            derived.append(tuple(decision.mesh.shape))
+        return original(context, decision)
+
+    monkeypatch.setattr(planning, "derive", counting)
+    once = plan(path, batch=8, devices=8)
+    built_once = list(derived)
+    derived.clear()
+    monkeypatch.setattr(planning, "_flat_key", lambda decision: None)
+    every = plan(path, batch=8, devices=8)
+    assert len(built_once) < len(derived)
+    assert once.to_json() == every.to_json()

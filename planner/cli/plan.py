@@ -114,8 +114,18 @@ def add_parser(verbs: Verbs) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan (summary or JSON); exit 3 through NoPlanFits when it does not fit."""
-    from planner.api import fewer_collections, plan
+    """Print the plan (summary or JSON); exit 3 through NoPlanFits when it does not fit.
+    The cyclic collector stays paused from the search to the last line written
+    (`collector_paused`): resumed in between, its first pass would walk every object of
+    the plan just built."""
+    from planner.api import collector_paused
+
+    with collector_paused():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from planner.api import plan
     from planner.cli.progress import Progress
     from planner.cli.strategies import load_strategies
     from planner.report import memory_shortfall, summary
@@ -157,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.close()
-    if args.output:  # a large plan's file is millions of objects: as `plan` builds them
-        fewer_collections(result.save)(args.output)
-    print(fewer_collections(result.dumps)() if args.json else fewer_collections(summary)(result))
+    if args.output:
+        result.save(args.output)
+    print(result.dumps() if args.json else summary(result))
     if not result.predicted.fits:
         raise NoPlanFits(memory_shortfall(result))
     return 0

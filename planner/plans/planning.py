@@ -11,7 +11,7 @@ When nothing fits, the error names the least memory any plan needs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 from costmodels.cluster import Cluster
@@ -25,7 +25,7 @@ from planner.plans.model import Plan
 from planner.plans.sections import Alternative
 from planner.records import SolverDetail, SolverRecord
 from planner.search.baselines import baselines, data_parallel
-from planner.search.decisions import PipelineDecision
+from planner.search.decisions import OpLevelDecision, PipelineDecision
 from planner.search.failure import no_plan, op_level_memory_floor
 from planner.search.joint import joint_decisions, recompute_modes
 from planner.search.layers import ties_layers
@@ -75,6 +75,18 @@ class Finalists:
                 and (self.best is None or derived.predicted.step_time_s
                      < self.best.derived.predicted.step_time_s)):
             self.best, self.best_number = Finalist(derived, record), number
+
+    def add_equivalent(self, derived: Derived, mesh: DeviceMesh,
+                       record: SolverRecord) -> None:
+        """A finalist that is `derived`'s plan on `mesh` (`_flat_key`): its row, with that
+        mesh, but never the best (equal to one added before it, which stays first)."""
+        number = sum(1 for _, n in self.rows if n is not None)
+        row = _alternative(derived, record)
+        shape, axes = tuple(mesh.shape), tuple(mesh.axis_names)
+        brief = None if row.brief is None else replace(row.brief, mesh=shape, axes=axes)
+        self.rows.append((replace(row, mesh=shape, axes=axes, brief=brief), number))
+        if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
+            self.other_sp += 1
 
     def unplanned(self, row: Alternative) -> None:
         self.rows.append((row, None))
@@ -238,16 +250,42 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
     feasible.sort(key=lambda r: r.solution.objective)  # type: ignore[union-attr]
     # The ILP prices a weight used twice (a tied embedding) once per use; the built plan
     # sums its gradient once. Compare the candidates by the built, exact price.
+    built: dict[Hashable, Derived] = {}
     for result in feasible:
         assert result.decision is not None
         solver = result.decision.solver
         record = replace(solver, time_s=time.perf_counter() - started, detail=replace(
             solver.detail, mode=options.mode, meshes_tried=len(results),
             tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
-        finalists.add(derive(context, result.decision), record)
+        key = _flat_key(result.decision)
+        if key is not None and key in built:  # the same plan on another mesh's axes
+            finalists.add_equivalent(built[key], result.decision.mesh, record)
+            continue
+        derived = derive(context, result.decision)
+        if key is not None:
+            built[key] = derived
+        finalists.add(derived, record)
     for r in results:
         if r not in feasible:
             finalists.unplanned(_unplanned(r))
+
+
+def _flat_key(decision: OpLevelDecision) -> Hashable | None:
+    """What makes an op-level decision the same plan as another on a mesh of as many
+    devices, where every op splits at most one label, over all the mesh's axes in their
+    order (or nothing): each device then holds the same blocks and every collective spans
+    all devices, so layouts, collectives and prices match those on a one-axis mesh. None
+    where some op splits otherwise."""
+    axes = decision.mesh.axis_names
+    split = []
+    for name, strategy in decision.strategies.items():
+        if not strategy.assignment:
+            continue
+        if len(strategy.assignment) != 1 or strategy.assignment[0][1] != axes:
+            return None
+        split.append((name, strategy.assignment[0][0]))
+    return (decision.mesh.size, decision.mesh.devices_per_node, decision.degrees,
+            tuple(sorted(split)))
 
 
 def _alternative(derived: Derived, record: SolverRecord) -> Alternative:

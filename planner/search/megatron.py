@@ -20,7 +20,7 @@ before the next column-parallel GEMM, which reads its input whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 
 from planner.graph import OpNode, PlanningGraph
@@ -50,9 +50,10 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
     sequence: set[str] = set()  # tensors split along the sequence (sequence parallelism)
     result: dict[str, OpStrategy] = {}
 
-    def carry_back(tensor: str, dim: int) -> None:
+    def carried(tensor: str, dim: int) -> Iterator[tuple[str, int]]:
         """Split `tensor`, computed from parameters alone, along `dim` over tp where it is
-        computed, and so on back to the parameters (a GEMM's transposed weight)."""
+        computed; then, input by input, lay out its parameters and yield the tensors
+        computed from parameters to carry the split back to (a GEMM's transposed weight)."""
         node = producer.get(tensor)
         op_labels = labels.get(node.name) if node is not None else None
         if node is None or op_labels is None or tensor in split:
@@ -71,7 +72,20 @@ def megatron_strategies(graph: PlanningGraph, mesh: DeviceMesh,
                 if graph.tensors[name].kind == "parameter":
                     split.setdefault(name, in_names.index(label))
                 elif name in weights:
-                    carry_back(name, in_names.index(label))
+                    yield name, in_names.index(label)
+
+    def carry_back(tensor: str, dim: int) -> None:
+        """`carried` depth first, each input's tensors before the next input's, with a
+        stack rather than recursion: a closure calling itself is a reference cycle, which
+        would keep this call's tables alive until the cyclic collector runs (paused while
+        planning)."""
+        stack = [carried(tensor, dim)]
+        while stack:
+            step = next(stack[-1], None)
+            if step is None:
+                stack.pop()
+            else:
+                stack.append(carried(*step))
 
     resolved = resolved_output_slots(graph)
     # Sequence parallelism splits the activations (what the model's inputs flow into),

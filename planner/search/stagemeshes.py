@@ -89,21 +89,8 @@ def size_vectors(devices: int, pp: int, per_node: int) -> list[tuple[int, ...]]:
     sizes = size_options(devices, pp, per_node)
     if not sizes:
         return []
-    low, high = sizes[0], sizes[-1]
     found: list[tuple[int, ...]] = []
-
-    def grow(prefix: tuple[int, ...], left: int) -> Iterator[tuple[int, ...]]:
-        stages = pp - len(prefix)
-        if stages == 0:
-            if left == 0:
-                yield prefix
-            return
-        for size in sizes:
-            rest = left - size
-            if (stages - 1) * low <= rest <= (stages - 1) * high:
-                yield from grow((*prefix, size), rest)
-
-    for vector in grow((), devices):
+    for vector in _compositions((), devices, pp, sizes):
         if len(set(vector)) > 1:
             found.append(vector)
         if len(found) >= MAX_ENUMERATED:
@@ -119,6 +106,19 @@ def size_vectors(devices: int, pp: int, per_node: int) -> list[tuple[int, ...]]:
         if len(placed) >= MAX_SIZE_VECTORS:
             break
     return placed
+
+
+def _compositions(prefix: tuple[int, ...], left: int, stages: int,
+                  sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """`prefix` extended by `stages` more of `sizes` (ascending) adding up to `left`."""
+    if stages == 0:
+        if left == 0:
+            yield prefix
+        return
+    for size in sizes:
+        rest = left - size
+        if (stages - 1) * sizes[0] <= rest <= (stages - 1) * sizes[-1]:
+            yield from _compositions((*prefix, size), rest, stages - 1, sizes)
 
 
 @dataclass(frozen=True)
