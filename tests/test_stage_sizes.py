@@ -115,6 +115,8 @@ def test_size_vectors_stay_near_the_even_share() -> None:
     assert size_options(1024, 8, 8) == [120, 128, 136, 144]
     assert size_options(8, 3, 8) == [2, 4]  # a depth that does not divide the devices
     assert size_vectors(8, 3, 8) == [(2, 2, 4), (2, 4, 2), (4, 2, 2)]
+    assert size_vectors(4096, 128, 8) == []  # past MAX_UNEVEN_DEPTH: even counts only
+    assert len(size_vectors(4096, 64, 8)) == 64
     assert stage_shapes(4, 8, 8, (2, 2)) == [(2, 2), (4, 1), (1, 4)]
     assert stage_shapes(4, 2, 8) == [(2, 2), (1, 4)]  # dp divides the micro-batch
 

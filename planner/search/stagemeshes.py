@@ -54,6 +54,8 @@ MAX_STAGE_SIZES = 4
 #: the most enumerated to choose them from
 MAX_SIZE_VECTORS = 64
 MAX_ENUMERATED = 20_000
+#: deeper pipelines keep even device counts (their vectors are enumerated stage by stage)
+MAX_UNEVEN_DEPTH = 64
 #: candidates of uneven device counts priced exactly (stage layouts derived with the
 #: other stages' ops foreign), the fastest as their whole-graph layouts price them; the
 #: even counts' candidates are all priced exactly
@@ -84,10 +86,10 @@ def size_options(devices: int, pp: int, per_node: int) -> list[int]:
 def size_vectors(devices: int, pp: int, per_node: int) -> list[tuple[int, ...]]:
     """Stage device counts over `devices` from `size_options`, that lie on the cluster
     aligned (`stage_blocks`); uneven ones only, nearest to the even share first, at most
-    `MAX_SIZE_VECTORS`."""
+    `MAX_SIZE_VECTORS`; none past `MAX_UNEVEN_DEPTH` stages."""
     even = devices / pp
     sizes = size_options(devices, pp, per_node)
-    if not sizes:
+    if not sizes or pp > MAX_UNEVEN_DEPTH:
         return []
     found: list[tuple[int, ...]] = []
     for vector in _compositions((), devices, pp, sizes):
