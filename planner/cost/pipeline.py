@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from costmodels.cluster import Placement
-from costmodels.communication import CommGroup, collective_time, level_send_seconds
+from costmodels.communication import CommGroup, level_send_seconds
 from costmodels.memory import training_memory
 from costmodels.profile import HardwareProfile, LinkLevel
 from costmodels.schedule import in_flight
@@ -34,6 +34,7 @@ from planner.cost.pricing import (
     accumulation_seconds,
     collective_seconds,
     exposed,
+    group_seconds,
     optimizer_seconds,
     synced_bytes,
 )
@@ -86,8 +87,8 @@ class Prices:
         if self.link is not None:
             return level_send_seconds(self.link, nbytes)
         if self.boundary is not None:
-            return collective_time(self.hardware, CollectiveKind.SEND_RECV,
-                                   nbytes * self.boundary.fan, self.boundary.group)
+            return group_seconds(self.hardware, CollectiveKind.SEND_RECV,
+                                 nbytes * self.boundary.fan, self.boundary.group)
         return self(CollectiveKind.SEND_RECV, nbytes, (PIPELINE_AXIS,))
 
     def send(self, nbytes: float, split: SendSplit | None) -> Send:

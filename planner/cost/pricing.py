@@ -206,11 +206,23 @@ def _collective_seconds(profile: HardwareProfile, kind: str, nbytes: float,
     size, per_node, extent, node_extent = mesh.placement(axes)
     if size <= 1 or nbytes <= 0:
         return 0.0
-    if per_node == size:  # inside one node: a measured curve of its level comes first
-        measured = profile.level_for_group(extent).measured_seconds(kind, size, nbytes)
+    return group_seconds(profile, kind, nbytes, CommGroup(
+        size, per_node, extent, node_extent if per_node == size else 0))
+
+
+def group_seconds(profile: HardwareProfile, kind: str, nbytes: float,
+                  group: CommGroup) -> float:
+    """Time of one collective on a placed group (mesh axes' or, between pipeline stages
+    of their own device counts, a pair's: `planner.cost.pipeline.send_group`): a measured
+    curve of its level first where the group is inside one node, else the cheapest
+    algorithm the executors run."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    if group.per_node == group.size:
+        measured = profile.level_for_group(group.extent).measured_seconds(kind, group.size,
+                                                                          nbytes)
         if measured is not None:
             return measured
-    group = CommGroup(size, per_node, extent, node_extent if per_node == size else 0)
     found = []
     for algorithm in ALGORITHMS[kind]:
         if algorithm in RUN_ALGORITHMS:

@@ -76,7 +76,7 @@ from planner.sharding.pipeline import (
     stage_holds,
 )
 from planner.sharding.sends import SendSplit
-from planner.sharding.submeshes import stage_blocks
+from planner.sharding.submeshes import stage_ranks
 from planner.sharding.weights import weight_steps
 
 
@@ -199,8 +199,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     pricer: Pricer | PlacedPricer | ShapedPricer
     placement = None
     stage_meshes: list[DeviceMesh | None] = [None] * choice.pp
-    blocks = [range(d * (mesh.size // choice.pp), (d + 1) * (mesh.size // choice.pp))
-              for d in range(choice.pp)]
+    sizes = [mesh.size // choice.pp] * choice.pp
     if decision.shapes:
         # Per-stage meshes: each distinct shape's layout, in the order stages first use
         # them (stage 0's first: the plan's mesh and parallel section are its).
@@ -213,7 +212,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         pricer = shaped_pricer(layouts, picked, config, context.hardware)
         kind_of_stage = [order.index(key) for key in picked]
         stage_meshes = [layouts[key].mesh for key in picked]
-        blocks = stage_blocks([dp * tp for dp, tp in picked], per_node)
+        sizes = [dp * tp for dp, tp in picked]
         lead = 0
     else:
         kinds = kinds_of(context.hardware, context.cluster) if decision.order else (
@@ -263,6 +262,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None, dp_shares=decision.rows)
+    blocks = stage_ranks(sizes, per_node)
     stages = _stage_entries(analysis, sharded, priced.kernels, price, decision, blocks,
                             placement, stage_meshes)
     sends = _sends(analysis, profile_of, stages, prices_of)
@@ -285,7 +285,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         limits = [int(context.limit * pricer.limit_ratio(d)) for d in range(choice.pp)]
     return Derived(decision, Plan(
         model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement,
-                                                      max(b.stop for b in blocks)),
+                                                      sum(sizes)),
         mesh=mesh, parallel=parallel, ops=ops, tensors=tensors,
         collectives=collectives, predicted=predicted(price, context.limit, limits),
         solver=UNREPORTED, warnings=tuple(warnings), step=_step(training), pipeline=section,

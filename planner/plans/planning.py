@@ -66,27 +66,19 @@ class Finalists:
         self.best_number: int | None = None
         self.other_sp = 0  # finalists that fit but split the sequence otherwise than pinned
 
-    def add(self, derived: Derived, record: SolverRecord) -> None:
+    def add(self, derived: Derived, record: SolverRecord, on: DeviceMesh | None = None) -> None:
+        """A built finalist, or with `on` one that is `derived`'s plan on that mesh
+        (`_flat_key`): its row lists that mesh, and it is never the best (equal to the one
+        added before it, which stays first)."""
         number = sum(1 for _, n in self.rows if n is not None)
-        self.rows.append((_alternative(derived, record), number))
+        self.rows.append((_alternative(derived, record, on), number))
         if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
             self.other_sp += 1
-        if (derived.predicted.fits and self.sp in (None, derived.sections.parallel.sp)
+        if (on is None and derived.predicted.fits
+                and self.sp in (None, derived.sections.parallel.sp)
                 and (self.best is None or derived.predicted.step_time_s
                      < self.best.derived.predicted.step_time_s)):
             self.best, self.best_number = Finalist(derived, record), number
-
-    def add_equivalent(self, derived: Derived, mesh: DeviceMesh,
-                       record: SolverRecord) -> None:
-        """A finalist that is `derived`'s plan on `mesh` (`_flat_key`): its row, with that
-        mesh, but never the best (equal to one added before it, which stays first)."""
-        number = sum(1 for _, n in self.rows if n is not None)
-        row = _alternative(derived, record)
-        shape, axes = tuple(mesh.shape), tuple(mesh.axis_names)
-        brief = None if row.brief is None else replace(row.brief, mesh=shape, axes=axes)
-        self.rows.append((replace(row, mesh=shape, axes=axes, brief=brief), number))
-        if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
-            self.other_sp += 1
 
     def unplanned(self, row: Alternative) -> None:
         self.rows.append((row, None))
@@ -259,7 +251,7 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
             tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
         key = _flat_key(result.decision)
         if key is not None and key in built:  # the same plan on another mesh's axes
-            finalists.add_equivalent(built[key], result.decision.mesh, record)
+            finalists.add(built[key], record, on=result.decision.mesh)
             continue
         derived = derive(context, result.decision)
         if key is not None:
@@ -288,9 +280,13 @@ def _flat_key(decision: OpLevelDecision) -> Hashable | None:
             tuple(sorted(split)))
 
 
-def _alternative(derived: Derived, record: SolverRecord) -> Alternative:
-    """A built finalist as `alternatives` lists it: its exact price and memory."""
+def _alternative(derived: Derived, record: SolverRecord,
+                 on: DeviceMesh | None = None) -> Alternative:
+    """A built finalist as `alternatives` lists it: its exact price and memory; with `on`,
+    listed on that mesh (the same plan on its axes)."""
     brief = derived.brief()
+    if on is not None:
+        brief = replace(brief, mesh=tuple(on.shape), axes=tuple(on.axis_names))
     return Alternative(brief.mesh, brief.axes, record.status, derived.predicted.step_time_s,
                        record.gap, "", record.name, False, brief)
 

@@ -19,7 +19,7 @@ from planner.kinds import AxisRole
 from planner.plans.sections import OpEntry, PipelineSection, SendEntry
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.submeshes import stage_blocks
+from planner.sharding.submeshes import stage_ranks
 
 #: (input names, output names) of each op, in the plan's op order
 OpNames = tuple[Sequence[str | None], Sequence[str | None]]
@@ -55,13 +55,9 @@ def stage_sizes(mesh: DeviceMesh, pipeline: PipelineSection) -> list[int]:
 
 
 def expected_blocks(mesh: DeviceMesh, pipeline: PipelineSection) -> list[range]:
-    """The ranks each stage must hold: consecutive blocks of the mesh's (pp outermost)
-    where the stages hold as many devices, else their submeshes' blocks
-    (`stage_blocks`). Raises ValueError where the counts are no submesh sizes."""
-    sizes = stage_sizes(mesh, pipeline)
-    if len(set(sizes)) < 2:
-        return [range(k * size, (k + 1) * size) for k, size in enumerate(sizes)]
-    return stage_blocks(sizes, mesh.devices_per_node)
+    """The ranks each stage must hold, from its mesh's device count (`stage_ranks`).
+    Raises ValueError where the counts are no submesh sizes."""
+    return stage_ranks(stage_sizes(mesh, pipeline), mesh.devices_per_node)
 
 
 def plan_devices(mesh: DeviceMesh, pipeline: PipelineSection | None) -> int:

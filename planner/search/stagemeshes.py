@@ -269,16 +269,17 @@ def shaped_decision(graphs: Analyses, hardware: HardwareProfile, shared: Pipelin
         solved[(dp, tp)] = shared.strategies if (dp, tp) == own else model_parallel_strategies(
             micro, stage_mesh(dp, tp, per_node), hardware, training, micro.batch_labels,
             time_limit, layout=layout, micro_batches=choice.micro_batches)[0]
+    # Each shape's whole-graph layout, laid out once: a stage's dp and tp groups lie alike
+    # whatever the pipeline's depth, so every depth's candidates are priced on these
+    # (the exact pricing lays each candidate out at its own depth).
+    wholes = {shape: shape_layout(micro, hardware, choice, training, *shape, solved[shape])
+              for shape in shapes}
+    if any(len(param.units) > 1 for param in wholes[own].profile.params):
+        return None
     candidates: list[_Candidate] = []
     for depth, vectors in vectors_of.items():
-        deep = replace(choice, pp=depth)
-        used = {s for v in vectors for size in v for s in shapes_of[size]}
-        wholes = {shape: shape_layout(micro, hardware, deep, training, *shape, solved[shape])
-                  for shape in shapes if shape in used or shape == own}
-        if any(len(param.units) > 1 for param in wholes[own].profile.params):
-            return None
-        candidates += _candidates(wholes, shapes_of, vectors, micro.units, deep, training,
-                                  hardware, limit, modes)
+        candidates += _candidates(wholes, shapes_of, vectors, micro.units,
+                                  replace(choice, pp=depth), training, hardware, limit, modes)
     uneven = sorted((c for c in candidates if not c.even), key=lambda c: c.surrogate_s)
     best: tuple[StepPrice, _Candidate] | None = None
     for candidate in [*(c for c in candidates if c.even), *uneven[:EXACT_VECTORS]]:

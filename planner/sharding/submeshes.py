@@ -46,3 +46,12 @@ def stage_blocks(sizes: Sequence[int], per_node: int) -> list[range]:
             return blocks
     raise ValueError(f"stage sizes {list(sizes)} are not submesh sizes of {per_node} "
                      "devices per node")
+
+
+def stage_ranks(sizes: Sequence[int], per_node: int) -> list[range]:
+    """Each stage's ranks: consecutive blocks where the stages hold as many devices (the
+    pipeline axis outermost of one mesh), else their submeshes' (`stage_blocks`; raises
+    ValueError where the counts are no submesh sizes)."""
+    if len(set(sizes)) < 2:
+        return [range(k * size, (k + 1) * size) for k, size in enumerate(sizes)]
+    return stage_blocks(sizes, per_node)
