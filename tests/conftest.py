@@ -91,3 +91,11 @@ def exported(request: pytest.FixtureRequest, export_model: ExportModel) -> pathl
     options: dict[str, Any] = {"model": param} if isinstance(param, str) else dict(param)
     make: Callable[..., pathlib.Path] = export_model
     return make(**options)
+
+
+@pytest.fixture(scope="session")
+def wide_head_llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The per-stage mesh tests' LLaMA with a 256k-vocabulary head (`wide_head`)."""
+    from wide_head import save_wide_head
+
+    return save_wide_head(tmp_path_factory.mktemp("wide_head"))

@@ -14,8 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+from wide_head import SETTINGS
 
 from costmodels.profile import load_profile
 from planner.api import load_graph, plan
@@ -38,18 +38,11 @@ from planner.search.stagemeshes import shape_layout
 from planner.search.stages import StageTables, solve_shaped, solve_stages
 from planner.sharding.analysis import GraphAnalysis
 from planner.validate import validate
-from planner.zoo import build
-
-SETTINGS = dict(profile="a100-80g", devices=8, batch=32, dims={"seq": 2048},
-                memory_limit_gib=5.0)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("stage_meshes") / "llama_wide_head.onnx"
-    onnx.save(build("llama", layers=8, hidden=1024, heads=16, vocab=256000,
-                    max_positions=2048), path)
-    return path
+def model(wide_head_llama: Path) -> Path:
+    return wide_head_llama
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-import onnx
 import pytest
+from wide_head import SETTINGS
 
 from costmodels.communication import CommGroup
 from costmodels.profile import load_profile
@@ -49,10 +49,6 @@ from planner.search.stagemeshes import (
 from planner.sharding.analysis import Analyses, GraphAnalysis
 from planner.sharding.submeshes import stage_blocks, submesh_sizes
 from planner.validate import validate
-from planner.zoo import build
-
-SETTINGS = dict(profile="a100-80g", devices=8, batch=32, dims={"seq": 2048},
-                memory_limit_gib=5.0)
 
 
 def test_submesh_sizes_are_alpas() -> None:
@@ -122,11 +118,8 @@ def test_size_vectors_stay_near_the_even_share() -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("stage_sizes") / "llama_wide_head.onnx"
-    onnx.save(build("llama", layers=8, hidden=1024, heads=16, vocab=256000,
-                    max_positions=2048), path)
-    return path
+def model(wide_head_llama: Path) -> Path:
+    return wide_head_llama
 
 
 @pytest.fixture(scope="module")
