@@ -264,3 +264,35 @@ def test_the_executor_rebinds_the_whole_batch_without_the_file(gpt_tiny: Path,
     path.unlink()
     assert graph_facts(whole_batch_graph(plan, micro)) == graph_facts(whole)
     assert graph_for(micro, plan) is micro
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_an_analysis_lent_another_bindings_wiring_equals_its_own(gpt_tiny: Path,
+                                                                  batch: int) -> None:
+    """`GraphAnalysis.of(graph, like=)` takes the wiring facts from another binding of the
+    model (the joint search's micro-batch sizes): they must be what the graph gives."""
+    from planner.sharding.analysis import GraphAnalysis, wired_alike
+
+    root = GraphAnalysis.of(import_model(gpt_tiny, batch=4, dims={"seq": 16}))
+    graph = rebind(root.graph, batch=batch)
+    assert wired_alike(root.graph, graph)
+    lent, own = GraphAnalysis.of(graph, like=root), GraphAnalysis.of(graph)
+    for name in ("needs_grad", "weight_roots", "first_consumers", "constant_ops", "labels",
+                 "batch_labels", "blocks", "sequence_labels"):
+        assert getattr(lent, name) == getattr(own, name), name
+
+
+def test_graphs_wired_otherwise_lend_nothing(gpt_tiny: Path, tmp_path: Path) -> None:
+    """Another model, or the same one stored in another float type, is not wired alike:
+    its analysis finds every fact itself."""
+    from planner.importer import retyped
+    from planner.sharding.analysis import GraphAnalysis, wired_alike
+
+    root = GraphAnalysis.of(import_model(gpt_tiny, batch=4, dims={"seq": 16}))
+    half = retyped(root.graph, "float16")
+    assert not wired_alike(root.graph, half)
+    other = import_model(_static_relu(tmp_path / "relu.onnx"))
+    assert not wired_alike(root.graph, other)
+    lent = GraphAnalysis.of(other, like=root)
+    assert lent.needs_grad == GraphAnalysis.of(other).needs_grad
+    assert set(lent.needs_grad) == set(other.tensors)

@@ -32,8 +32,9 @@ of the attention cores (Korthikanti et al. 2022, §4.2).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
@@ -113,6 +114,13 @@ class OpKernel:
     backward_bytes: float | None = None
     backward_launches: int = 0
 
+    def with_backward(self, moved: float, launches: int) -> OpKernel:
+        """This kernel with its backward priced as a kernel of its own (`moved` bytes,
+        `launches` kernels); built directly: `dataclasses.replace` cost a tenth of a large
+        graph's kernel plan."""
+        return OpKernel(self.flops, self.bytes, self.launches, self.backward_ratio,
+                        self.matrix, self.weight_ratio, self.shaped, moved, launches)
+
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -172,9 +180,10 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     regions: tuple[tuple[str, ...], ...] = ()
     if policy.fusion.fuses:
         regions = _regions(graph, absorbed, alone_norms=policy.fusion is Fusion.MEGATRON)
-        for region in regions:
-            _fuse(region, graph, kernels, saved, analysis.needs_grad)
-    _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, regions,
+    bounds = [_region_bounds(region, graph) for region in regions]
+    for region, bound in zip(regions, bounds, strict=True):
+        _fuse(region, bound, graph, kernels, saved, analysis.needs_grad)
+    _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, regions, bounds,
                            absorbed | {n.name for n in graph.ops if n.op_type == "Attention"})
     shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
     return KernelPlan(policy, kernels, shares, cores, regions)
@@ -213,7 +222,8 @@ def weight_gradient_ratio(node: OpNode, matrix: bool,
 
 def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
                            rules: Mapping[str, Saves], needs_grad: Mapping[str, bool],
-                           regions: tuple[tuple[str, ...], ...], fixed: set[str]) -> None:
+                           regions: tuple[tuple[str, ...], ...], bounds: list[RegionBounds],
+                           fixed: set[str]) -> None:
     """The backward of every kernel that is not a GEMM, as the bytes its backward kernels
     move and the kernels it launches (both are memory-bound). Unfused, each
     op's by its rule (`planner.ops.saving.backward_kernels`: a GELU reads its input and the
@@ -223,7 +233,8 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
     comes from several other kernels, autograd adds them up (r 2, w 1 per extra term),
     priced with its producer's backward (a region combines its own use in its kernel);
     a GEMM producer's sum is not priced (its backward is priced by FLOPs). `fixed` ops
-    keep theirs (flash cores, opset-23 Attention)."""
+    keep theirs (flash cores, opset-23 Attention); `bounds` are the regions'
+    (`_region_bounds`)."""
     tensors = graph.tensors
     region_of = {op: k for k, region in enumerate(regions) for op in region}
     sums: dict[str, tuple[float, int]] = {}  # op (a region's first) -> a gradient sum's
@@ -246,15 +257,15 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
             continue
         moved, launches = backward_kernels(node, rules[node.name], tensors, needs_grad)
         extra, added = sums.get(node.name, (0.0, 0))
-        kernels[node.name] = replace(kernel, backward_bytes=moved + extra,
-                                     backward_launches=launches + added)
-    for region in regions:
-        moved = _region_backward_bytes(region, graph, rules, needs_grad)
+        kernels[node.name] = kernel.with_backward(moved + extra, launches + added)
+    for region, bound in zip(regions, bounds, strict=True):
+        moved = _region_backward_bytes(region, bound, graph, rules, needs_grad)
         extra, added = sums.get(region[0], (0.0, 0))
         ratio = _ratio(moved + extra, sum(kernels[op].bytes for op in region))
         for k, op in enumerate(region):  # each member its share; the first launches
-            kernels[op] = replace(kernels[op], backward_bytes=kernels[op].bytes * ratio,
-                                  backward_launches=(int(moved > 0) + added) if k == 0 else 0)
+            kernel = kernels[op]
+            kernels[op] = kernel.with_backward(
+                kernel.bytes * ratio, (int(moved > 0) + added) if k == 0 else 0)
 
 
 def _hands_on(node: OpNode, slot: int, shape: tuple[int, ...], rules: Mapping[str, Saves],
@@ -273,7 +284,7 @@ def _ratio(backward: float, forward: float) -> float:
     return backward / forward if forward > 0 else 0.0
 
 
-def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
+def _region_backward_bytes(region: tuple[str, ...], bound: RegionBounds, graph: PlanningGraph,
                            rules: Mapping[str, Saves], needs_grad: Mapping[str, bool]) -> float:
     """Bytes a fused region's backward kernel moves: the gradients of the float tensors
     leaving it read, of its float inputs written (but an input the region only adds on,
@@ -281,7 +292,7 @@ def _region_backward_bytes(region: tuple[str, ...], graph: PlanningGraph,
     only the region reads is recomputed from the region's inputs, which it keeps instead:
     `_fuse`)."""
     tensors = graph.tensors
-    inside, produced, leaving = _region_bounds(region, graph)
+    inside, produced, leaving = bound
     if not any(needs_grad.get(t, False) for t in leaving):
         return 0.0
     read = sum(tensors[t].nbytes for t in leaving
@@ -414,26 +425,34 @@ def _regions(graph: PlanningGraph, absorbed: set[str],
                  if any(not graph.op(op).is_view for op in ops))
 
 
-def _region_bounds(region: tuple[str, ...], graph: PlanningGraph
-                   ) -> tuple[set[str], set[str], set[str]]:
-    """The region's ops, the tensors they produce, and of those the ones that leave it
-    (a graph output, or read by an op outside)."""
+class RegionBounds(NamedTuple):
+    """A fused region's ops, the tensors they produce, and of those the ones that leave
+    it (a graph output, or read by an op outside): found once per region, read by its
+    forward (`_fuse`) and its backward (`_region_backward_bytes`)."""
+
+    inside: set[str]
+    produced: set[str]
+    leaving: set[str]
+
+
+def _region_bounds(region: tuple[str, ...], graph: PlanningGraph) -> RegionBounds:
     tensors = graph.tensors
     inside = set(region)
     produced = {o for op in region for o in graph.op(op).outputs if o}
     outputs = set(graph.outputs)
     leaving = {t for t in produced
                if t in outputs or any(c not in inside for c in tensors[t].consumers)}
-    return inside, produced, leaving
+    return RegionBounds(inside, produced, leaving)
 
 
-def _fuse(region: tuple[str, ...], graph: PlanningGraph, kernels: dict[str, OpKernel],
-          saved: SavedTensors, needs_grad: Mapping[str, bool]) -> None:
+def _fuse(region: tuple[str, ...], bound: RegionBounds, graph: PlanningGraph,
+          kernels: dict[str, OpKernel], saved: SavedTensors,
+          needs_grad: Mapping[str, bool]) -> None:
     """One kernel for `region`: it reads each outside input once, writes what leaves it
     and the masks and statistics it keeps, and keeps its inputs in place of the float
     tensors only it reads."""
     tensors = graph.tensors
-    inside, produced, leaving = _region_bounds(region, graph)
+    inside, produced, leaving = bound
     for name in [t for t in produced if t in saved.whole and t not in leaving]:
         if not tensors[name].is_float:  # a mask: written and kept as it is
             continue

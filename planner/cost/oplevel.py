@@ -69,6 +69,10 @@ class PricedGraph:
     #: per units, this choice's `planner.cost.units.unit_profile` (the search, the exact
     #: decision and the plan builder all ask for the same choice's)
     profiles: dict = field(default_factory=dict, compare=False, repr=False)
+    #: the plan sections built from this choice (`planner.plans.build`: its op and tensor
+    #: entries), the same for every decision on it: a pipeline's finalists differing in
+    #: ZeRO or micro-batches share one layout, and each built them again
+    sections: dict = field(default_factory=dict, compare=False, repr=False)
 
     def step(self) -> StepPrice:
         """The op-level plan's step: a pipeline of one stage and one micro-batch."""

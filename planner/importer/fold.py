@@ -407,10 +407,13 @@ def _remove_dead_nodes(model: onnx.ModelProto) -> None:
         live.add(index)
         stack.extend(producer[name] for name in everything[index].input
                      if name in producer and producer[name] not in live)
-    nodes = [node for i, node in enumerate(everything) if i in live]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    nodes = everything
+    if len(live) < len(everything):  # rewriting copies every node: only when some are dead
+        nodes = [node for i, node in enumerate(everything) if i in live]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input} | graph_outputs
     live_inits = [t for t in model.graph.initializer if t.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(live_inits)
+    if len(live_inits) < len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(live_inits)

@@ -145,7 +145,7 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     sharded = priced.sharded
     price = priced.step()
     dp, tp = decision.degrees or _degrees(analysis, sharded)
-    ops, tensors, units = _op_entries(priced), _tensor_entries(sharded), \
+    ops, tensors, units = _op_entries(priced), _stored_tensors(priced), \
         _layer_units(analysis.units)
     parallel = ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer,
                               sp=sequence_parallel(ops, tensors, units))
@@ -252,7 +252,7 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
                    for s in stage_of_op]
     ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
         priceds, kind_of_op, scale_of_op)
-    tensors = _tensor_entries(sharded) if not decision.shapes else _shaped_tensor_entries(
+    tensors = _stored_tensors(priced) if not decision.shapes else _shaped_tensor_entries(
         [p.sharded for p in priceds], kind_of_op)
     units = _layer_units(analysis.units)
     parallel = ParallelConfig(
@@ -504,6 +504,18 @@ def _send_collectives(sends: Sequence[SendEntry], stages: Sequence[StageEntry],
 
 
 def _op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
+    """Every op's entry as `priced` lays it out and prices it, built once per choice
+    (`PricedGraph.sections`)."""
+    found = priced.sections.get(_OPS)
+    if found is None:
+        found = priced.sections[_OPS] = _built_op_entries(priced)
+    return found
+
+
+_OPS, _TENSORS = "ops", "tensors"  # keys of `PricedGraph.sections`
+
+
+def _built_op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
     mesh = priced.sharded.mesh
     entries = []
     for op, cost in zip(priced.sharded.ops, priced.costs, strict=True):
@@ -519,6 +531,15 @@ def _op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
             assignment={label: tuple(axes) for label, axes in op.strategy.assignment},
             note="" if op.has_rule else "no sharding rule: runs replicated", cost=cost))
     return tuple(entries)
+
+
+def _stored_tensors(priced: PricedGraph) -> Mapping[str, TensorEntry]:
+    """Every tensor as `priced`'s layout stores it, built once per choice (the plans of
+    every decision on the choice share it; no reader changes a plan)."""
+    found = priced.sections.get(_TENSORS)
+    if found is None:
+        found = priced.sections[_TENSORS] = _tensor_entries(priced.sharded)
+    return found
 
 
 def _tensor_entries(sharded: ShardedGraph,

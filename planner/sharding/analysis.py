@@ -81,19 +81,47 @@ class GraphAnalysis:
         return found
 
     @classmethod
-    def of(cls, graph: PlanningGraph) -> GraphAnalysis:
+    def of(cls, graph: PlanningGraph, like: GraphAnalysis | None = None) -> GraphAnalysis:
+        """The analysis of `graph`; `like`, another binding's analysis of the same model,
+        lends the facts that depend on the wiring alone where the two graphs are wired
+        alike (`wired_alike`): which tensors carry gradients, which come from weights
+        alone, which op places each leaf, which ops compute constants. The facts that
+        read shapes (labels, layers, the batch's labels) are found again."""
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
         blocks = find_blocks(graph)
-        roots = weight_roots_map(graph)
+        if like is not None and wired_alike(like.graph, graph):
+            needs_grad, roots = like.needs_grad, like.weight_roots
+            placed, constant = like.first_consumers, like.constant_ops
+        else:
+            needs_grad, roots = needs_grad_map(graph), weight_roots_map(graph)
+            placed, constant = first_consumers(graph), constant_ops_of(graph)
         return cls(
-            graph=graph, labels=labels, needs_grad=needs_grad_map(graph),
-            weight_roots=roots, first_consumers=first_consumers(graph),
+            graph=graph, labels=labels, needs_grad=needs_grad,
+            weight_roots=roots, first_consumers=placed,
             blocks=blocks, units=find_units(graph, blocks),
             batch_labels=_batch_labels(graph, labels),
-            constant_ops=constant_ops_of(graph),
+            constant_ops=constant,
             sequence_labels=sequence_labels(graph, labels),
             experts=find_experts(graph, labels, roots),
         )
+
+
+def wired_alike(first: PlanningGraph, second: PlanningGraph) -> bool:
+    """Whether two graphs have the same ops in the same order reading and writing the
+    same tensors, each of the same kind and element type: what gradients, weight roots,
+    first consumers and constant ops depend on (not shapes). Two bindings of one model
+    are, unless folding at one size left other ops (a shape computed from the batch)."""
+    if len(first.ops) != len(second.ops) or len(first.tensors) != len(second.tensors):
+        return False
+    if any(a.name != b.name or a.inputs != b.inputs or a.outputs != b.outputs
+           for a, b in zip(first.ops, second.ops, strict=True)):
+        return False
+    others = second.tensors
+    for name, info in first.tensors.items():
+        other = others.get(name)
+        if other is None or other.kind != info.kind or other.dtype != info.dtype:
+            return False
+    return True
 
 
 def constant_ops_of(graph: PlanningGraph) -> frozenset[str]:
@@ -186,5 +214,6 @@ class Analyses:
     def at(self, batch: int) -> GraphAnalysis:
         found = self._at.get(batch)
         if found is None:
-            found = self._at[batch] = GraphAnalysis.of(rebind(self.root.graph, batch=batch))
+            found = self._at[batch] = GraphAnalysis.of(rebind(self.root.graph, batch=batch),
+                                                       like=self.root)
         return found
