@@ -211,3 +211,34 @@ def test_data_mode_refuses_pins_it_cannot_honour(gpt_tiny: Path,
         capsys.readouterr().err
     assert main(["plan", str(gpt_tiny), "--devices", "2", "--batch", "4", "--dim", "seq=8",
                  "--mode", "data", "--mesh", "2"]) == 2
+
+
+CONSOLE = """
+import atexit, sys
+atexit.register(lambda: print("exit handlers ran", file=sys.stderr))
+from planner.cli import console
+sys.argv = ["shardplan", *sys.argv[1:]]
+console()
+"""
+
+
+@pytest.mark.parametrize("limit, code", [(None, 0), ("0.0001", 3)])
+def test_the_console_script_ends_after_writing_everything(gpt_tiny: Path, tmp_path: Path,
+                                                          limit: str | None,
+                                                          code: int) -> None:
+    """The console script ends the process without unwinding after a plan
+    (`planner.cli.ending`): the plan file and the summary are whole and the exit handlers
+    ran; where no plan fits, the process unwinds as before, with exit 3 and its message."""
+    out = tmp_path / "plan.json"
+    args = ["plan", str(gpt_tiny), "--batch", "8", "--dim", "seq=16", "--devices", "2",
+            "-o", str(out), *(["--memory-limit", limit] if limit else [])]
+    run = subprocess.run([sys.executable, "-c", CONSOLE, *args], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == code, run.stderr
+    assert run.stderr.rstrip().endswith("exit handlers ran")
+    if code == 3:
+        assert "shardplan: error: no plan fits" in run.stderr and not out.exists()
+        return
+    assert Plan.load(out).to_json() == json.loads(out.read_text())
+    assert run.stdout.endswith("\n") and "step time" in run.stdout
+    assert run.stdout.rstrip().splitlines()[-1].lstrip().startswith("mesh ")  # the last row

@@ -12,10 +12,12 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from planner.cli import (
     calibrate,
     compare,
+    ending,
     explain,
     export,
     plan,
@@ -46,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     for add_parser in _ADD_PARSERS:
         add_parser(verbs)
     return parser
+
+
+def console() -> NoReturn:
+    """The `shardplan` console script: `main`, ending the process as `planner.cli.ending`
+    says (a large plan's objects are not freed one by one)."""
+    ending.console(main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,5 @@
 """`python -m planner.cli ...`: the same as `shardplan ...`."""
 
-import sys
+from planner.cli import console
 
-from planner.cli import main
-
-sys.exit(main())
+console()

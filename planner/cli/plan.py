@@ -117,15 +117,20 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan (summary or JSON); exit 3 through NoPlanFits when it does not fit.
     The cyclic collector stays paused from the search to the last line written
     (`collector_paused`): resumed in between, its first pass would walk every object of
-    the plan just built."""
+    the plan just built; run by the console script, it stays paused until the process
+    ends (`planner.cli.ending`)."""
     from planner.api import collector_paused
+    from planner.cli.ending import collector_stays_paused
 
+    if collector_stays_paused():  # the console script: the process ends with the verb
+        return _run(args)
     with collector_paused():
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
     from planner.api import plan
+    from planner.cli.ending import keep
     from planner.cli.progress import Progress
     from planner.cli.strategies import load_strategies
     from planner.report import memory_shortfall, summary
@@ -167,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.close()
+    keep(result)  # freed with the process (`planner.cli.ending`)
     if args.output:
         result.save(args.output)
     print(result.dumps() if args.json else summary(result))
