@@ -89,9 +89,10 @@ def accumulation_for(profile: HardwareProfile, fusion: Fusion | None = None,
     return GradAccumulation.FUSED if fused else GradAccumulation.SEPARATE
 
 
-@dataclass(frozen=True)
-class OpKernel:
-    """One op's share of the kernel it runs in, for the whole (unsharded) op."""
+class OpKernel(NamedTuple):
+    """One op's share of the kernel it runs in, for the whole (unsharded) op. A named
+    tuple: a large graph's kernel plan makes a few per op, and a frozen dataclass's
+    construction took a tenth of it."""
 
     flops: float
     bytes: float
@@ -116,8 +117,7 @@ class OpKernel:
 
     def with_backward(self, moved: float, launches: int) -> OpKernel:
         """This kernel with its backward priced as a kernel of its own (`moved` bytes,
-        `launches` kernels); built directly: `dataclasses.replace` cost a tenth of a large
-        graph's kernel plan."""
+        `launches` kernels)."""
         return OpKernel(self.flops, self.bytes, self.launches, self.backward_ratio,
                         self.matrix, self.weight_ratio, self.shaped, moved, launches)
 
@@ -239,11 +239,12 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
     region_of = {op: k for k, region in enumerate(regions) for op in region}
     sums: dict[str, tuple[float, int]] = {}  # op (a region's first) -> a gradient sum's
     # bytes and kernels
+    differentiated = {node.name for node in graph.ops  # a gradient flows back through it
+                      if any(needs_grad.get(o, False) for o in node.outputs if o)}
     for name, info in tensors.items():
         if info.producer is None or not info.is_float or not needs_grad.get(name, False):
             continue
-        senders = {region_of.get(c, c) for c in info.consumers
-                   if any(needs_grad.get(o, False) for o in graph.op(c).outputs if o)}
+        senders = {region_of.get(c, c) for c in info.consumers if c in differentiated}
         producer = tensors[buffer_of(graph, name)].producer or info.producer
         senders.discard(region_of.get(producer, producer))  # its own region reads it fused
         if len(senders) > 1 and producer not in fixed and not kernels[producer].matrix:

@@ -59,15 +59,23 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
             raise ModelError(f"{name}: input {value.name} has no static shape after binding")
         tensors[value.name] = TensorInfo(value.name, shape, _dtype_name(elem, name, value.name),
                                          "input")
-    used = {i for node in graph.node for i in node.input if i}
     graph_outputs = [o.name for o in graph.output]
+    read: set[str] = set()  # the tensors some node reads, found at the first shapeless one
+
+    def unread(name: str) -> bool:
+        if not read:
+            read.update(i for node in graph.node for i in node.input if i)
+            read.add("")  # found: not asked again
+        return name not in read
+
     ops: list[OpNode] = []
     problems: list[str] = []
     for node in graph.node:
         outputs: list[str] = []
         for output in node.output:
             shape, elem = shapes.get(output, (None, 0)) if output else (None, 0)
-            if not output or (shape is None and output not in used and output not in graph_outputs):
+            if not output or (shape is None and output not in graph_outputs
+                              and unread(output)):
                 outputs.append("")  # an unused optional output (Dropout mask, LN statistics)
                 continue
             if shape is None or elem == 0:
@@ -184,6 +192,8 @@ def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) ->
     frequencies (`inv_freq`), which the TorchScript exporter renames (`onnx::Mul_920`).
     They are state, not weights: no optimizer trains them, and the rotary tables computed
     from them are context every layer shares (`planner.importer.order`)."""
+    if not any(node.op_type in ("Cos", "Sin") for node in ops):
+        return []  # nothing reaches a Cos or Sin: two walks over a large graph spared
     from_input = {t.name for t in tensors.values() if t.kind == "input"}
     reaches_trig: set[str] = set()
     for node in reversed(ops):  # ops are sorted: readers come after writers

@@ -294,15 +294,17 @@ def _lower_sequences(
     Dynamo's train-mode exports split tensors this way; sequences are not tensors and
     cannot be planned, but a split read at constant positions is just a Split.
     """
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers: dict[str, list[onnx.NodeProto]] | None = None  # found at the first split
     changed = False
     replaced: dict[str, onnx.NodeProto] = {}
     for node in model.graph.node:
         if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx"):
             continue
+        if consumers is None:
+            consumers = {}
+            for other in model.graph.node:
+                for name in other.input:
+                    consumers.setdefault(name, []).append(other)
         readers = consumers.get(node.output[0], [])
         positions = [known.get(r.input[1]) if len(r.input) > 1 else None for r in readers]
         shape = shapes.get(node.input[0], (None, 0))[0]

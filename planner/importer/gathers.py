@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import onnx
@@ -74,9 +75,13 @@ class _Forms:
 
     def __init__(self, model: onnx.ModelProto, shapes: Shapes,
                  known: Mapping[str, np.ndarray]) -> None:
-        self.producers = {out: node for node in model.graph.node for out in node.output if out}
+        self.model = model
         self.shapes, self.known = shapes, known
         self.memo: dict[str, Affine | tuple[Affine, ...] | None] = {}
+
+    @cached_property  # at the first gather asked about: most models have none to re-lay
+    def producers(self) -> dict[str, onnx.NodeProto]:
+        return {out: node for node in self.model.graph.node for out in node.output if out}
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         return self.shapes.get(name, (None, 0))[0]
@@ -222,12 +227,14 @@ def reshape_layout_gathers(model: onnx.ModelProto, shapes: Shapes,
     place); return how many were replaced. The index grids left unread fall to dead-node
     removal."""
     forms = _Forms(model, shapes, known)
-    weights = {init.name for init in model.graph.initializer}
+    weights: set[str] | None = None  # found at the first gather
     replaced = 0
     nodes = list(model.graph.node)
     for position, node in enumerate(nodes):
         if node.op_type not in ("Gather", "GatherND") or node.domain not in ("", "ai.onnx"):
             continue
+        if weights is None:
+            weights = {init.name for init in model.graph.initializer}
         if len(node.input) < 2 or node.input[0] in known or node.input[0] in weights:
             continue  # a table lookup (positions), not a layout
         target = _gather_target(node, forms)

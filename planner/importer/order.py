@@ -64,12 +64,33 @@ def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
             weighted[producer[t]] for t in names if t in producer)
         return int(weighted[index]), index
 
+    if _file_order_first(ops, producer, rank):
+        return ops
     order = _kahn(ops, [list(n.inputs) for n in ops], [list(n.outputs) for n in ops], rank,
                   model_name)
     hoisted = [ops[i] for i in order]
     if hoisted == ops or _covered(hoisted, tensors) <= _covered(ops, tensors):
         return ops  # the file's order repeats as well: where the model computes each op
     return hoisted
+
+
+def _file_order_first(ops: Sequence[OpNode], producer: Mapping[str, int],
+                      rank: Callable[[int], tuple[int, int]]) -> bool:
+    """Whether hoisting would keep the file's order: the ops are in topological order
+    and no context op comes after an op that is not (ranks non-decreasing). Kahn's
+    algorithm, taking the least rank among the ready ops, then takes each next op in
+    the file's order, which is always ready and has the least rank; so the heap's walk
+    over a large graph is spared. `rank` is asked in the file's order, each op after
+    its producers, as Kahn's algorithm asks it."""
+    previous = 0
+    for index, node in enumerate(ops):
+        if any(producer.get(name, -1) >= index for name in node.inputs if name):
+            return False  # not topological here: leave it to Kahn's algorithm
+        weighted, _ = rank(index)
+        if weighted < previous:
+            return False
+        previous = weighted
+    return True
 
 
 def _covered(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> int:

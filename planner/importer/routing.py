@@ -31,13 +31,15 @@ def routed_selections(model: onnx.ModelProto, shapes: Shapes, capacity_factor: f
                       name: str) -> dict[str, RoutedSelection]:
     """Every NonZero of unknown result size, sized as a routed selection; an error for
     one no router feeds."""
-    producers = {out: node for node in model.graph.node for out in node.output if out}
+    producers: dict[str, onnx.NodeProto] | None = None  # found at the first NonZero
     found: dict[str, RoutedSelection] = {}
     for node in model.graph.node:
         if node.op_type != "NonZero" or node.domain not in ("", "ai.onnx"):
             continue
         if shapes.get(node.output[0], (None, 0))[0] is not None:
             continue
+        if producers is None:
+            producers = {out: n for n in model.graph.node for out in n.output if out}
         mask = shapes.get(node.input[0], (None, 0))[0]
         router = _router(node, producers, shapes)
         if mask is None or router is None:

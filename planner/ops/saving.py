@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner.graph import OpNode, PlanningGraph, TensorInfo
 
@@ -97,8 +98,7 @@ def norm(statistics: int) -> Saves:
     return Saves(inputs=(0,), row_statistics=statistics)
 
 
-@dataclass(frozen=True)
-class Kept:
+class Kept(NamedTuple):
     """One tensor an op keeps (`extra` 0), or an extra buffer beside it of `extra` times
     its bytes (a mask the graph does not name, per-row statistics)."""
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, LossReads, Move, Phase
@@ -56,9 +57,10 @@ OPTIMIZER_OP = "optimizer"
 LOSS_OP = "loss"
 
 
-@dataclass(frozen=True)
-class OpSharding:
-    """One op under its strategy: its labelling, layouts and its share of the work."""
+class OpSharding(NamedTuple):
+    """One op under its strategy: its labelling, layouts and its share of the work (a
+    named tuple: a derivation makes one per op, a frozen dataclass's construction cost
+    more than the rest of the op's step)."""
 
     node: OpNode
     labels: DimLabels  # the op's rule, or the all-replicated labelling of an op without one
