@@ -65,7 +65,7 @@ def op_signature(node: OpNode, tensors: Mapping[str, TensorInfo]) -> tuple:
 
 def find_repeats(graph: PlanningGraph) -> Repeats | None:
     """The longest run of repeated layers, or None when no block repeats."""
-    return _best_run(_codes(graph.ops, graph.tensors), 0)
+    return _best_run(signature_codes(graph.ops, graph.tensors), 0)
 
 
 def find_blocks(graph: PlanningGraph) -> tuple[Repeats, ...]:
@@ -78,7 +78,12 @@ def find_blocks(graph: PlanningGraph) -> tuple[Repeats, ...]:
 
 def blocks_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> tuple[Repeats, ...]:
     """`find_blocks` of ops in this order."""
-    codes = _codes(ops, tensors)
+    return blocks_of_codes(signature_codes(ops, tensors))
+
+
+def blocks_of_codes(codes: np.ndarray) -> tuple[Repeats, ...]:
+    """`find_blocks` of ops whose signatures are numbered `codes` (`signature_codes`):
+    the blocks depend on the codes alone."""
     first = _best_run(codes, 0)
     if first is None:
         return ()
@@ -97,7 +102,9 @@ def blocks_of(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> tuple
     return tuple(sorted(blocks, key=lambda block: block.start))
 
 
-def _codes(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> np.ndarray:
+def signature_codes(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> np.ndarray:
+    """Each op's signature (`op_signature`) numbered in order of first appearance: two
+    op sequences with equal codes have the same repeated blocks."""
     signatures: dict[tuple, int] = {}
     return np.array([signatures.setdefault(op_signature(n, tensors), len(signatures))
                      for n in ops], dtype=np.int64)

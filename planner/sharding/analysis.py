@@ -18,7 +18,7 @@ import numpy as np
 from planner.graph import PlanningGraph
 from planner.importer import rebind
 from planner.kinds import AxisRole
-from planner.layers import Repeats, Units, find_blocks, find_units
+from planner.layers import Repeats, Units, blocks_of_codes, find_units, signature_codes
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
 from planner.sharding.batch import data_parallel_strategies, sequence_labels
@@ -27,6 +27,7 @@ from planner.sharding.mesh import DeviceMesh
 
 _REGIONS = "recompute regions"  # memo keys
 _CORES = "attention cores"
+_CODES = "signature codes"  # the ops' numbered signatures (`planner.layers.signature_codes`)
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,16 @@ class GraphAnalysis:
         """The analysis of `graph`; `like`, another binding's analysis of the same model,
         lends the facts that depend on the wiring alone where the two graphs are wired
         alike (`wired_alike`): which tensors carry gradients, which come from weights
-        alone, which op places each leaf, which ops compute constants. The facts that
-        read shapes (labels, layers, the batch's labels) are found again."""
+        alone, which op places each leaf, which ops compute constants; and its repeated
+        blocks where the ops' signatures number alike. The facts that read shapes
+        (labels, the batch's labels) are found again."""
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
-        blocks = find_blocks(graph)
+        codes = signature_codes(graph.ops, graph.tensors)
+        lent = like.memo.get(_CODES) if like is not None else None
+        if like is not None and lent is not None and np.array_equal(codes, lent):
+            blocks = like.blocks  # the blocks are the codes' alone
+        else:
+            blocks = blocks_of_codes(codes)
         if like is not None and wired_alike(like.graph, graph):
             needs_grad, roots = like.needs_grad, like.weight_roots
             placed, constant = like.first_consumers, like.constant_ops
@@ -103,6 +110,7 @@ class GraphAnalysis:
             constant_ops=constant,
             sequence_labels=sequence_labels(graph, labels),
             experts=find_experts(graph, labels, roots),
+            memo={_CODES: codes},
         )
 
 

@@ -26,7 +26,7 @@ from planner.kinds import AxisRole
 from planner.ops import DimLabels
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
-from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid
+from planner.sharding.strategy import REPLICATED, OpStrategy, is_valid, single_split
 
 DP_AXIS: str = AxisRole.DATA
 
@@ -57,7 +57,7 @@ def data_parallel_strategies(
         weight = _carried(graph, node, op_labels, split_dim)
         chosen = REPLICATED
         for label in sorted(weight, key=lambda k: (-weight[k], k)):
-            candidate = OpStrategy.of({label: (axis,)})
+            candidate = single_split(label, (axis,))
             if is_valid(node, op_labels, candidate, graph.tensors, mesh):
                 chosen = candidate
                 break
@@ -117,7 +117,7 @@ def trace_labels(graph: PlanningGraph, labels: Mapping[str, DimLabels | None],
         if op_labels is None:
             continue
         kept = frozenset(label for label in _carried(graph, node, op_labels, carried) if is_valid(
-            node, op_labels, OpStrategy.of({label: (axis,)}), graph.tensors, mesh))
+            node, op_labels, single_split(label, (axis,)), graph.tensors, mesh))
         if not kept:
             continue
         found[node.name] = kept

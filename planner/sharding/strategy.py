@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
@@ -40,6 +41,13 @@ class OpStrategy:
 
 
 REPLICATED = OpStrategy()
+
+
+@lru_cache(maxsize=4096)
+def single_split(label: str, axes: tuple[str, ...]) -> OpStrategy:
+    """The strategy splitting one label over `axes`, made once per label and axes: the
+    batch and sequence traces ask for it at every op of the graph."""
+    return OpStrategy.of({label: axes})
 
 
 def input_layouts(labels: DimLabels, strategy: OpStrategy,
