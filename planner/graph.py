@@ -34,7 +34,6 @@ TensorKind = Literal["input", "parameter", "buffer", "constant", "activation"]
 
 
 @cache  # asked for every tensor of every choice priced; numpy's lookup is slow
-@cache  # asked for every tensor's bytes, a few million times in a large graph's plan
 def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name as the importer records it (numpy's names, plus
     bfloat16, which numpy lacks)."""
@@ -119,7 +118,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+        return self.numel * self.itemsize
 
     @property
     def is_float(self) -> bool:

@@ -3,7 +3,7 @@
 A 200,000-op plan is millions of objects. Unwinding frees them one by one, and the cyclic
 collector, once resumed, walks them all; the OS reclaims a process's memory at once. So
 the console script (`console`) runs `main` and, where the verb kept what it built
-(`keep`) and left the collector paused (`collector_stays_paused`), runs the exit handlers,
+(`keep`) and left the collector paused (`pause_collector_until_exit`), runs the exit handlers,
 flushes the standard streams and ends the process (`os._exit`) instead of unwinding.
 `main` called in a process that goes on (tests, embedding) keeps nothing and resumes the
 collector as before.
@@ -23,9 +23,9 @@ _kept: list[object] = []
 _process_ends = False
 
 
-def collector_stays_paused() -> bool:
-    """Whether the process ends when the verb returns (the console script): a verb may
-    pause the cyclic collector for good instead of resuming it for a last pass."""
+def pause_collector_until_exit() -> bool:
+    """Where the process ends when the verb returns (the console script), pause the cyclic
+    collector for good, rather than resume it for a last pass; whether it did."""
     if _process_ends:
         gc.disable()
     return _process_ends

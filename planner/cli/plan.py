@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
     the plan just built; run by the console script, it stays paused until the process
     ends (`planner.cli.ending`)."""
     from planner.api import collector_paused
-    from planner.cli.ending import collector_stays_paused
+    from planner.cli.ending import pause_collector_until_exit
 
-    if collector_stays_paused():  # the console script: the process ends with the verb
+    if pause_collector_until_exit():  # the console script: the process ends with the verb
         return _run(args)
     with collector_paused():
         return _run(args)

@@ -60,12 +60,12 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         tensors[value.name] = TensorInfo(value.name, shape, _dtype_name(elem, name, value.name),
                                          "input")
     graph_outputs = [o.name for o in graph.output]
-    read: set[str] = set()  # the tensors some node reads, found at the first shapeless one
+    read: set[str] | None = None  # the tensors some node reads, found at the first shapeless one
 
     def unread(name: str) -> bool:
-        if not read:
-            read.update(i for node in graph.node for i in node.input if i)
-            read.add("")  # found: not asked again
+        nonlocal read
+        if read is None:
+            read = {i for node in graph.node for i in node.input if i}
         return name not in read
 
     ops: list[OpNode] = []

@@ -91,8 +91,7 @@ class GraphAnalysis:
         (labels, the batch's labels) are found again."""
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
         codes = signature_codes(graph.ops, graph.tensors)
-        lent = like.memo.get(_CODES) if like is not None else None
-        if like is not None and lent is not None and np.array_equal(codes, lent):
+        if like is not None and np.array_equal(codes, like.memo.get(_CODES, ())):
             blocks = like.blocks  # the blocks are the codes' alone
         else:
             blocks = blocks_of_codes(codes)
