@@ -216,3 +216,19 @@ def test_a_where_runs_one_kernel_per_branch(tmp_path: Path) -> None:
         return torch.where(a > 0, a, b)
 
     assert (moved, launches) == (_torch_backward(where, [FULL, FULL]), 2)
+
+
+def test_a_gradient_flows_through_the_ops_downstream_of_a_weight(tmp_path: Path) -> None:
+    """`GraphAnalysis.differentiated`: an op on the input alone passes no gradient back,
+    the GEMM reading a weight and everything after it do; with no op differentiated a
+    plan prices no backward (the same ops, read once by every pricer)."""
+    w = helper.make_tensor("w", TensorProto.FLOAT, [WIDTH, WIDTH], [0.0] * WIDTH * WIDTH)
+    analysis = _analysis(tmp_path / "g.onnx", [
+        helper.make_node("Relu", ["x"], ["r"], name="before"),
+        helper.make_node("MatMul", ["r", "w"], ["m"], name="gemm"),
+        helper.make_node("Tanh", ["m"], ["y"], name="after"),
+    ], [w])
+    assert analysis.differentiated == {"gemm", "after"}
+    kernels = kernel_plan(analysis, KernelPolicy(AttentionKernel.EAGER, Fusion.NONE))
+    assert kernels.ops["before"].backward_launches == 0
+    assert kernels.ops["after"].backward_launches == 1

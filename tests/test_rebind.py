@@ -277,9 +277,10 @@ def test_an_analysis_lent_another_bindings_wiring_equals_its_own(gpt_tiny: Path,
     graph = rebind(root.graph, batch=batch)
     assert wired_alike(root.graph, graph)
     lent, own = GraphAnalysis.of(graph, like=root), GraphAnalysis.of(graph)
-    for name in ("needs_grad", "weight_roots", "first_consumers", "constant_ops", "labels",
-                 "batch_labels", "blocks", "sequence_labels"):
+    for name in ("needs_grad", "differentiated", "weight_roots", "first_consumers",
+                 "constant_ops", "labels", "batch_labels", "blocks", "sequence_labels"):
         assert getattr(lent, name) == getattr(own, name), name
+    assert own.differentiated, "gpt-tiny trains: gradients flow through its ops"
 
 
 def test_graphs_wired_otherwise_lend_nothing(gpt_tiny: Path, tmp_path: Path) -> None:
@@ -295,4 +296,5 @@ def test_graphs_wired_otherwise_lend_nothing(gpt_tiny: Path, tmp_path: Path) -> 
     assert not wired_alike(root.graph, other)
     lent = GraphAnalysis.of(other, like=root)
     assert lent.needs_grad == GraphAnalysis.of(other).needs_grad
+    assert lent.differentiated == GraphAnalysis.of(other).differentiated
     assert set(lent.needs_grad) == set(other.tensors)

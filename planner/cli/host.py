@@ -64,7 +64,6 @@ def op_runs(analysis: GraphAnalysis, planned: Plan) -> tuple[int, int]:
     every op forward, and backward where a gradient flows, as `planner.cost.pricing.
     runs_locally` says the host runs it: what `planner.cost.pricing.op_times` prices host
     time for."""
-    needs_grad = analysis.needs_grad
     ops = {node.name: node for node in analysis.graph.ops}
     batch_axes = input_batch_axes(planned.tensors[name].layout
                                   for name in analysis.graph.inputs
@@ -72,7 +71,7 @@ def op_runs(analysis: GraphAnalysis, planned: Plan) -> tuple[int, int]:
     local = distributed = 0
     for entry in planned.ops:
         node = ops[entry.name]
-        runs = 1 + any(needs_grad.get(o, False) for o in node.outputs if o)
+        runs = 1 + (node.name in analysis.differentiated)
         if runs_locally(node, entry.assignment,
                         [b.layout if b else None for b in entry.outputs], analysis,
                         batch_axes):

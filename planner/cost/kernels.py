@@ -167,7 +167,8 @@ def kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
 def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     graph = analysis.graph
     rules = {node.name: _rule(node) for node in graph.ops}
-    saved = saved_tensors(graph, analysis.needs_grad, rules)
+    differentiated = analysis.differentiated
+    saved = saved_tensors(graph, analysis.needs_grad, rules, differentiated)
     kernels = {node.name: _own_kernel(node, analysis.weight_roots) for node in graph.ops}
     cores = analysis.attention_cores()
     absorbed: set[str] = set()
@@ -183,8 +184,9 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     bounds = [_region_bounds(region, graph) for region in regions]
     for region, bound in zip(regions, bounds, strict=True):
         _fuse(region, bound, graph, kernels, saved, analysis.needs_grad)
-    _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, regions, bounds,
-                           absorbed | {n.name for n in graph.ops if n.op_type == "Attention"})
+    _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, differentiated, regions,
+                           bounds, absorbed | {n.name for n in graph.ops
+                                               if n.op_type == "Attention"})
     shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
     return KernelPlan(policy, kernels, shares, cores, regions)
 
@@ -222,6 +224,7 @@ def weight_gradient_ratio(node: OpNode, matrix: bool,
 
 def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
                            rules: Mapping[str, Saves], needs_grad: Mapping[str, bool],
+                           differentiated: frozenset[str],
                            regions: tuple[tuple[str, ...], ...], bounds: list[RegionBounds],
                            fixed: set[str]) -> None:
     """The backward of every kernel that is not a GEMM, as the bytes its backward kernels
@@ -234,13 +237,11 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
     priced with its producer's backward (a region combines its own use in its kernel);
     a GEMM producer's sum is not priced (its backward is priced by FLOPs). `fixed` ops
     keep theirs (flash cores, opset-23 Attention); `bounds` are the regions'
-    (`_region_bounds`)."""
+    (`_region_bounds`); `differentiated` the ops a gradient flows back through."""
     tensors = graph.tensors
     region_of = {op: k for k, region in enumerate(regions) for op in region}
     sums: dict[str, tuple[float, int]] = {}  # op (a region's first) -> a gradient sum's
     # bytes and kernels
-    differentiated = {node.name for node in graph.ops  # a gradient flows back through it
-                      if any(needs_grad.get(o, False) for o in node.outputs if o)}
     for name, info in tensors.items():
         if info.producer is None or not info.is_float or not needs_grad.get(name, False):
             continue
@@ -260,7 +261,7 @@ def _memory_bound_backward(graph: PlanningGraph, kernels: dict[str, OpKernel],
         extra, added = sums.get(node.name, (0.0, 0))
         kernels[node.name] = kernel.with_backward(moved + extra, launches + added)
     for region, bound in zip(regions, bounds, strict=True):
-        moved = _region_backward_bytes(region, bound, graph, rules, needs_grad)
+        moved = _region_backward_bytes(region, bound, graph, rules, needs_grad, differentiated)
         extra, added = sums.get(region[0], (0.0, 0))
         ratio = _ratio(moved + extra, sum(kernels[op].bytes for op in region))
         for k, op in enumerate(region):  # each member its share; the first launches
@@ -286,7 +287,8 @@ def _ratio(backward: float, forward: float) -> float:
 
 
 def _region_backward_bytes(region: tuple[str, ...], bound: RegionBounds, graph: PlanningGraph,
-                           rules: Mapping[str, Saves], needs_grad: Mapping[str, bool]) -> float:
+                           rules: Mapping[str, Saves], needs_grad: Mapping[str, bool],
+                           differentiated: frozenset[str]) -> float:
     """Bytes a fused region's backward kernel moves: the gradients of the float tensors
     leaving it read, of its float inputs written (but an input the region only adds on,
     whose gradient is the output's), and each tensor it keeps read once (a float tensor
@@ -313,7 +315,7 @@ def _region_backward_bytes(region: tuple[str, ...], bound: RegionBounds, graph: 
     recomputed: list[str] = []
     extra = 0.0
     for op in region:
-        for item in kept_by(graph.op(op), rules[op], tensors, needs_grad):
+        for item in kept_by(graph.op(op), rules[op], tensors, needs_grad, op in differentiated):
             if item.extra:
                 extra += tensors[item.tensor].nbytes * item.extra
             elif (item.tensor in produced and item.tensor not in leaving

@@ -169,7 +169,7 @@ def compute_floor(analysis: GraphAnalysis, profile: HardwareProfile,
     times."""
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     graph = analysis.graph
-    needs_grad = {} if options.inference else analysis.needs_grad
+    flowing = frozenset() if options.inference else analysis.differentiated
     launch = launch_floor_s(profile)
     shaped_terms = has_shape_terms(profile)
     host = (min(profile.host_seconds(False, True), profile.host_seconds(False, False)),
@@ -178,7 +178,7 @@ def compute_floor(analysis: GraphAnalysis, profile: HardwareProfile,
     gemm = per_op = fixed = 0.0
     for node in graph.ops:
         kernel = kernels.ops[node.name]
-        grad = any(needs_grad.get(o, False) for o in node.outputs if o)
+        grad = node.name in flowing
         hosted = host[0] + (host[1] if grad else 0.0)
         per_op += hosted
         fixed += hosted
@@ -228,7 +228,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
                 options: TrainingOptions) -> PricedGraph:
     graph = sharded.analysis.graph
     tensors, mesh = graph.tensors, sharded.mesh
-    needs_grad = sharded.analysis.needs_grad if not options.inference else {}
+    flowing = frozenset() if options.inference else sharded.analysis.differentiated
     # how the host runs each op matters only where the profile prices the host's time
     hosted = profile.host_op_s is not None
     batch_axes = input_batch_axes(sharded.layout(name) for name in graph.inputs
@@ -242,7 +242,7 @@ def price_graph(sharded: ShardedGraph, profile: HardwareProfile,
     shared: dict[tuple, OpCost] = {}
     for op in sharded.ops:
         node = op.node
-        differentiated = any(needs_grad.get(o, False) for o in node.outputs if o)
+        differentiated = node.name in flowing
         kernel = kernels.ops[node.name]
         local = hosted and runs_locally(node, dict(op.strategy.assignment), op.outputs,
                                         sharded.analysis, batch_axes)

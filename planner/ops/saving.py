@@ -15,6 +15,7 @@ name, as a multiple of the tensor it masks; a norm's statistics beside its input
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -106,11 +107,17 @@ class Kept(NamedTuple):
     extra: float = 0.0
 
 
+def gradient_flows(node: OpNode, needs_grad: Mapping[str, bool]) -> bool:
+    """Whether a gradient flows back through `node`: one of its outputs carries one. A
+    graph's ops of which this holds are `GraphAnalysis.differentiated`, found once."""
+    return any(needs_grad.get(o, False) for o in node.outputs if o)
+
+
 def kept_by(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
-            needs_grad: Mapping[str, bool]) -> list[Kept]:
+            needs_grad: Mapping[str, bool], flows: bool | None = None) -> list[Kept]:
     """What `node` keeps for its backward pass; nothing when no gradient flows through
-    it."""
-    if not any(needs_grad.get(o, False) for o in node.outputs if o):
+    it (`flows`, where the caller knows it: `gradient_flows`)."""
+    if not (gradient_flows(node, needs_grad) if flows is None else flows):
         return []
     inputs = list(node.inputs)
     kept: list[Kept] = []
@@ -164,17 +171,20 @@ class SavedTensors:
 
 
 def saved_tensors(graph: PlanningGraph, needs_grad: Mapping[str, bool],
-                  rule_of: Mapping[str, Saves]) -> SavedTensors:
+                  rule_of: Mapping[str, Saves], differentiated: AbstractSet[str]) -> SavedTensors:
     """Activations kept for the backward pass.
 
-    `rule_of` gives each op's rule by name. Weights, buffers and graph inputs are not
+    `rule_of` gives each op's rule by name, `differentiated` the ops a gradient flows
+    back through (`gradient_flows`). Weights, buffers and graph inputs are not
     activations (a weight is counted as a weight; an input as the batch's own memory), and
     a view keeps its source buffer, so two views of one tensor are kept once.
     """
     tensors = graph.tensors
     saved = SavedTensors(set(), {})
     for node in graph.ops:
-        for kept in kept_by(node, rule_of[node.name], tensors, needs_grad):
+        if node.name not in differentiated:
+            continue
+        for kept in kept_by(node, rule_of[node.name], tensors, needs_grad, True):
             base = buffer_of(graph, kept.tensor)
             if tensors[base].producer is None:
                 continue
@@ -234,7 +244,7 @@ def backward_kernels(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo
         return moved, len(computed)
     written = sum(tensors[name].nbytes for name in computed)
     kept = sum(tensors[k.tensor].nbytes * (k.extra or 1.0)
-               for k in kept_by(node, rule, tensors, needs_grad))
+               for k in kept_by(node, rule, tensors, needs_grad, True))  # `outputs` flow
     if rule.per_input_kernels:
         return len(computed) * (read + kept) + written, len(computed)
     views = rule.views_gradient(0) or rule.every_gradient_view

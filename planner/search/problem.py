@@ -41,6 +41,7 @@ from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import CollectiveKind, Precision
 from planner.ops import DimLabels, replicated_labels
+from planner.ops.saving import gradient_flows
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.candidates import Candidate, candidate_strategies, describe
 from planner.sharding.derive import fraction_of_layout, loss_read_moves
@@ -119,6 +120,9 @@ class StrategyProblem:
         return sum(len(g.candidates) for g in self.groups)
 
 
+_PRICE_CLASSES = "price classes"  # memo key of the analysis (`price_classes`)
+
+
 def build_problem(
     analysis: GraphAnalysis,
     mesh: DeviceMesh,
@@ -171,9 +175,10 @@ def build_problem(
     owner = analysis.first_consumers
     kernels = kernel_plan(analysis, policy_for(profile, options.attention, options.fusion))
     read_by_loss = loss_read_slots(graph, not options.inference, options.loss_reads)
+    classes_of = price_classes(analysis, kernels, options, read_by_loss)
     groups = [
         _group(members, [ops[m] for m in members], candidates, graph, mesh, profile, options,
-               needs_grad, owner, kernels, once, read_by_loss, analysis)
+               needs_grad, owner, kernels, once, read_by_loss, analysis, classes_of)
         for members in groups_ops
     ]
     edges = _edges(graph, mesh, profile, candidates, group_of, owner, needs_grad, roots, groups,
@@ -216,25 +221,21 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
            graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
            options: TrainingOptions, needs_grad: Mapping[str, bool],
            owner: Mapping[str, tuple[str, int]], kernels: KernelPlan, once: float,
-           read_by_loss: Mapping[str, tuple[int, ...]], analysis: GraphAnalysis) -> Group:
+           read_by_loss: Mapping[str, tuple[int, ...]], analysis: GraphAnalysis,
+           classes_of: Mapping[str, int]) -> Group:
     count = len(candidates[members[0]])
     cost, memory, workspace = np.zeros(count), np.zeros(count), np.zeros(count)
     saved_total = np.zeros(count)
-    # Members of a tied group are the same op in repeated layers: equal signatures give
-    # equal prices, provided each owns the weights at the same input slots.
-    priced: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    # Members of a tied group are the same op in repeated layers: those of one price class
+    # (`price_classes`) price every candidate alike.
+    priced: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     terms: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
-        owns = tuple(bool(name) and owner.get(name) == (node.name, slot)
-                     for slot, name in enumerate(node.inputs))
-        read = read_by_loss.get(node.name, ())
-        key = (owns, tuple(needs_grad.get(o, False) for o in node.outputs if o),
-               kernels.ops[node.name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
-               read, analysis.batch_labels.get(node.name),
-               all(o in analysis.weight_roots for o in node.outputs if o))
+        key = classes_of[node.name]
         if key not in priced:
+            read = read_by_loss.get(node.name, ())
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
                                                needs_grad, owner, kernels, once, read,
                                                analysis)
@@ -248,6 +249,36 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
     for _, _, largest, _ in priced.values():  # a maximum: in any order
         workspace = np.maximum(workspace, largest)
     return Group(members, list(candidates[members[0]]), cost, memory, workspace, saved_total)
+
+
+def price_classes(analysis: GraphAnalysis, kernels: KernelPlan, options: TrainingOptions,
+                  read_by_loss: Mapping[str, tuple[int, ...]]) -> Mapping[str, int]:
+    """Per op, its price class: ops of equal signatures in a tied group (the same op in
+    repeated layers) price every candidate alike where the class is equal too, that is
+    where each owns the weights at the same input slots, passes gradients at the same
+    outputs, runs the same kernel, keeps the same shares of its outputs, has its outputs
+    read by the loss at the same slots, carries the batch in the same labels and computes
+    from weights alone or not. Found once per graph, kernel policy, pass and loss (the
+    op-level search asks at every mesh shape)."""
+    key = (_PRICE_CLASSES, kernels.policy, options.inference, options.loss_reads)
+    found = analysis.memo.get(key)
+    if found is None:
+        owner, roots = analysis.first_consumers, analysis.weight_roots
+        needs_grad = {} if options.inference else analysis.needs_grad
+        numbers: dict[tuple, int] = {}
+        found = {}
+        for node in analysis.graph.ops:
+            name = node.name
+            signature = (
+                tuple(bool(i) and owner.get(i) == (name, slot)
+                      for slot, i in enumerate(node.inputs)),
+                tuple(needs_grad.get(o, False) for o in node.outputs if o),
+                kernels.ops[name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
+                read_by_loss.get(name, ()), analysis.batch_labels.get(name),
+                all(o in roots for o in node.outputs if o))
+            found[name] = numbers.setdefault(signature, len(numbers))
+        analysis.memo[key] = found
+    return found
 
 
 def added_in_order(start: np.ndarray, terms: Sequence[np.ndarray]) -> np.ndarray:
@@ -276,7 +307,7 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
         fraction /= mesh.axis_size(axis)
-    outputs_need_grad = any(needs_grad.get(o, False) for o in node.outputs if o)
+    outputs_need_grad = gradient_flows(node, needs_grad)
     local = profile.host_op_s is None or runs_locally(
         node, dict(candidate.strategy.assignment), candidate.outputs, analysis)
     forward, backward = op_times(node, kernels, tensors, candidate.inputs, fraction, mesh,

@@ -21,6 +21,7 @@ from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, blocks_of_codes, find_units, signature_codes
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
+from planner.ops.saving import gradient_flows
 from planner.sharding.batch import data_parallel_strategies, sequence_labels
 from planner.sharding.experts import Experts, find_experts
 from planner.sharding.mesh import DeviceMesh
@@ -35,6 +36,9 @@ class GraphAnalysis:
     graph: PlanningGraph
     labels: Mapping[str, DimLabels | None]  # op -> labelling; None: no sharding rule
     needs_grad: Mapping[str, bool]  # tensor -> a gradient flows back to it
+    #: ops a gradient flows back through (`planner.ops.saving.gradient_flows`), which
+    #: the kernel model, the pricing and the floors ask of every op
+    differentiated: frozenset[str]
     weight_roots: Mapping[str, frozenset[str]]  # tensor computed from weights alone -> them
     first_consumers: Mapping[str, tuple[str, int]]  # input/weight/buffer -> (op, slot)
     blocks: tuple[Repeats, ...]  # the repeated blocks of layers, in graph order
@@ -85,8 +89,9 @@ class GraphAnalysis:
     def of(cls, graph: PlanningGraph, like: GraphAnalysis | None = None) -> GraphAnalysis:
         """The analysis of `graph`; `like`, another binding's analysis of the same model,
         lends the facts that depend on the wiring alone where the two graphs are wired
-        alike (`wired_alike`): which tensors carry gradients, which come from weights
-        alone, which op places each leaf, which ops compute constants; and its repeated
+        alike (`wired_alike`): which tensors carry gradients (and ops pass them), which
+        come from weights alone, which op places each leaf, which ops compute constants;
+        and its repeated
         blocks where the ops' signatures number alike. The facts that read shapes
         (labels, the batch's labels) are found again."""
         labels = {node.name: safe_labels(node, graph.tensors) for node in graph.ops}
@@ -98,11 +103,14 @@ class GraphAnalysis:
         if like is not None and wired_alike(like.graph, graph):
             needs_grad, roots = like.needs_grad, like.weight_roots
             placed, constant = like.first_consumers, like.constant_ops
+            differentiated = like.differentiated
         else:
             needs_grad, roots = needs_grad_map(graph), weight_roots_map(graph)
             placed, constant = first_consumers(graph), constant_ops_of(graph)
+            differentiated = frozenset(node.name for node in graph.ops
+                                       if gradient_flows(node, needs_grad))
         return cls(
-            graph=graph, labels=labels, needs_grad=needs_grad,
+            graph=graph, labels=labels, needs_grad=needs_grad, differentiated=differentiated,
             weight_roots=roots, first_consumers=placed,
             blocks=blocks, units=find_units(graph, blocks),
             batch_labels=_batch_labels(graph, labels),
