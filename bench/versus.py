@@ -15,12 +15,14 @@ predicted step times differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
@@ -115,18 +117,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per case (median)")
     parser.add_argument("--only", default="", help="cases whose model contains this")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        other = args.tree
-        if other is None:
-            other = Path(scratch) / "other"
-            subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", "-q",
-                            str(other), args.against], check=True)
-        try:
-            _table(other, args, Path(scratch))
-        finally:
-            if args.tree is None:
-                subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force",
-                                str(other)], check=False)
+    with tempfile.TemporaryDirectory() as scratch, \
+            other_checkout(args.against, args.tree, Path(scratch)) as other:
+        _table(other, args, Path(scratch))
+
+
+@contextlib.contextmanager
+def other_checkout(commit: str, tree: Path | None, scratch: Path) -> Iterator[Path]:
+    """`tree` where given, else a worktree of `commit` under `scratch`, removed after."""
+    if tree is not None:
+        yield tree.resolve()
+        return
+    other = scratch / "other"
+    subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", "-q", str(other),
+                    commit], check=True)
+    try:
+        yield other
+    finally:
+        subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(other)],
+                       check=False)
 
 
 def _table(other: Path, args: argparse.Namespace, scratch: Path) -> None:
