@@ -86,8 +86,8 @@ print(json.dumps({"code": code, "stdout": out.getvalue()}))
 #: The chain the slow test below plans: 50,000 ops in CI (about 100 s and 1.1 GiB to plan,
 #: 46 s to validate, on a 2-core machine); `SHARDPLAN_CHAIN_OPS=200000` plans the issue's
 #: 200,000 (142.6 s and 3.9 GB on 2026-12-05; 211.3 s on a slower machine on 2026-12-06:
-#: docs/robustness.md "Planning large graphs"),
-#: too long for CI.
+#: docs/robustness.md "Planning large graphs"), too long for CI. `bench/scale.py` prints the
+#: same figures by phase, against another commit.
 CHAIN_OPS = int(os.environ.get("SHARDPLAN_CHAIN_OPS", "50000"))
 
 
