@@ -38,20 +38,8 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(HERE / "tests"), str(HERE / "bench")]
 
 from test_robustness import _save, chain_model  # noqa: E402
+from test_scale import PLAN_AND_MEASURE  # noqa: E402
 from versus import other_checkout  # noqa: E402
-
-#: Plans argv[1] into argv[2] in this process and prints what it measured as JSON.
-PLAN = """
-import contextlib, io, json, resource, sys, time
-from planner.cli import main
-started = time.perf_counter()
-err = io.StringIO()
-with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-    code = main(["plan", sys.argv[1], "--devices", "8", "--batch", "8", "-o", sys.argv[2]])
-print(json.dumps({"seconds": time.perf_counter() - started, "code": code,
-                  "stderr": err.getvalue(),
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
 
 PROGRESS = re.compile(r"\[\s*([0-9.]+) s\] (mesh |joint search)")
 
@@ -69,7 +57,7 @@ def plan_once(tree: Path, model: Path, out: Path) -> Run:
     """One `shardplan plan` of `model` by the code in `tree`, in a fresh process started
     outside any checkout (so that `tree`, first on the path, is the code that runs)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", PLAN, str(model), str(out)], env=env,
+    done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(model), str(out)], env=env,
                           cwd=out.parent, capture_output=True, text=True, check=True)
     figures = json.loads(done.stdout)
     if figures["code"] != 0:
