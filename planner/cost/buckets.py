@@ -102,6 +102,22 @@ def schedule_overlap(total: float, last: float, hide: float, overlap: float,
     return total - hidden, hidden
 
 
+def exposed_share(last_bucket: bool, overlap: float, scheduled: bool = True,
+                  share: float = 1.0) -> float:
+    """The share of one weight's end-of-step reduction left exposed, as the strategy table
+    prices it: `schedule_overlap` taken weight by weight, where the backward compute is
+    long enough to hide what the schedule allows. A weight of the last bucket (read first
+    by the first unit: its gradient is ready only when the backward pass ends) keeps the
+    `overlap` floor hidden, any other `share` of itself when the reduction runs behind the
+    backward pass (`scheduled`), and at least the floor. Linear in each weight's
+    reduction, so the ILP stays linear; where the reductions outlast the backward compute
+    the built step exposes more than this (and with `overlap` > 0 the floor applies to the
+    whole reduction there, not to each weight)."""
+    if last_bucket or not scheduled:
+        return 1.0 - overlap
+    return 1.0 - max(overlap, share)
+
+
 def prefetch_exposed(gathers: np.ndarray, compute: np.ndarray, share: float = 1.0) -> float:
     """Exposed seconds of per-unit collectives prefetched one unit ahead: unit k's
     collective runs behind unit k − 1's compute (in the order the units run, `share` of

@@ -350,6 +350,22 @@ def op_index(analysis: GraphAnalysis) -> dict[str, int]:
 
 
 OP_INDEX = "op index"  # memo key of the analysis: op name -> index
+LAST_BUCKET = "last bucket"  # memo key of the analysis: `last_bucket_ops`
+
+
+def last_bucket_ops(analysis: GraphAnalysis) -> frozenset[str]:
+    """The ops of the first unit: the weights they read first (`first_consumers`) have
+    their gradients only when the backward pass ends, so their reduction is the last
+    bucket and no backward compute hides it (`schedule_overlap`'s `last`). Found once
+    per graph: the plan's step and the search's table both ask."""
+    found = analysis.memo.get(LAST_BUCKET)
+    if found is None:
+        ops = analysis.graph.ops
+        unit_of = analysis.units.unit_of_ops()
+        found = analysis.memo[LAST_BUCKET] = frozenset(
+            node.name for node, unit in zip(ops, unit_of.tolist(), strict=True)
+            if unit == int(unit_of[0])) if len(ops) else frozenset()
+    return found
 
 
 def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
@@ -360,13 +376,14 @@ def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
     analysis = sharded.analysis
     unit_of = analysis.units.unit_of_ops()
     first_unit = int(unit_of[0]) if len(unit_of) else 0
+    in_last = last_bucket_ops(analysis)
+    ops = analysis.graph.ops
     total = last = 0.0
     for collective in collectives:
         if collective.phase != Phase.GRADIENT:
             continue
         total += collective.time_s
-        index = _first_use(sharded, collective.tensor)
-        if int(unit_of[index]) == first_unit:
+        if ops[_first_use(sharded, collective.tensor)].name in in_last:
             last += collective.time_s
     backward = sum(cost.backward_s for cost in costs)
     first = sum(cost.backward_s for k, cost in enumerate(costs) if unit_of[k] == first_unit)

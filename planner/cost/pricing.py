@@ -18,12 +18,12 @@ from costmodels.precision import accumulation_bytes, optimizer_step_bytes, polic
 from costmodels.profile import HardwareProfile
 from planner.cost.kernels import KernelPlan, OpKernel, accumulation_for, policy_for
 from planner.graph import OpNode, TensorInfo
-from planner.kinds import CollectiveKind, Fusion, GradAccumulation, Phase, Precision
+from planner.kinds import CollectiveKind, Fusion, GradAccumulation, Precision
 from planner.ops.work import gemm_dims
 from planner.records import Collective, OpCost
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import runs_as_data_parallel
-from planner.sharding.derive import OPTIMIZER_OP, CollectiveSpec, edge_steps, fraction_of_layout
+from planner.sharding.derive import CollectiveSpec, edge_steps, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
@@ -261,15 +261,22 @@ def edge_seconds(info: TensorInfo, src: Layout, dst: Layout, consumer: str,
     priced = [price(spec, mesh, profile) for spec in found]
     seconds = sum(c.time_s for c in priced)
     buffer = max([0.0, *(float(c.bytes) for c in priced)])
-    if deferred:
-        local = synced_bytes(CollectiveKind.ALL_REDUCE,
-                             info.nbytes * fraction_of_layout(src, mesh), info.itemsize,
-                             precision)
-        gradient = CollectiveSpec(CollectiveKind.ALL_REDUCE, info.name, tuple(sorted(deferred)),
-                                  local, Phase.GRADIENT, OPTIMIZER_OP)
-        seconds += once * exposed(bucketed_seconds(profile, gradient.kind, gradient.nbytes,
-                                                   gradient.axes, mesh, bucket), overlap)[0]
+    if deferred:  # the plan files a derived weight's reduction with the last bucket
+        seconds += once * exposed(reduction_seconds(
+            profile, info.nbytes * fraction_of_layout(src, mesh), info.itemsize,
+            tuple(sorted(deferred)), mesh, bucket, precision), overlap)[0]
     return seconds, buffer
+
+
+def reduction_seconds(profile: HardwareProfile, weight_bytes: float, itemsize: int,
+                      axes: tuple[str, ...], mesh: DeviceMesh, bucket: float,
+                      precision: Precision | None) -> float:
+    """Seconds of a weight's gradient all-reduce over `axes`, as the plan prices it
+    (`planner.cost.oplevel.gradient_collectives`): the gradient the precision keeps
+    (`synced_bytes`: under bf16-mixed fp32, twice a bf16 weight's `weight_bytes`), as its
+    share of its bucket of `bucket` bytes."""
+    moved = synced_bytes(CollectiveKind.ALL_REDUCE, weight_bytes, itemsize, precision)
+    return bucketed_seconds(profile, CollectiveKind.ALL_REDUCE, moved, axes, mesh, bucket)
 
 
 def synced_bytes(kind: CollectiveKind, weight_bytes: float, itemsize: int,

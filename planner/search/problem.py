@@ -1,7 +1,12 @@
 """The strategy-choice problem: one choice per op group, costs on choices and on edges.
 
 Every search solves this one table, built from `planner.cost.pricing`, so what a solver
-minimises is what the plan builder reports for the chosen plan (`planner.cost.oplevel`):
+minimises is what the plan builder reports for the chosen plan (`planner.cost.oplevel`),
+but where a sum of per-choice terms cannot follow the step: each weight's gradient
+reduction is priced exposed as the bucket schedule leaves it when the backward compute is
+long enough to hide the rest (`planner.cost.buckets.exposed_share`; the step hides at most
+that compute), and a weight read twice is priced at each use (`bench/surrogate.py` prints
+the two side by side):
 
 - a *group* is a set of ops that take the same choice (one op, or the same op of every
   repeated transformer layer); each candidate has a time (compute, its own collectives,
@@ -24,22 +29,22 @@ import numpy as np
 
 from costmodels.memory import gradient_bytes, optimizer_state_bytes
 from costmodels.profile import HardwareProfile
-from planner.cost.buckets import bucket_bytes
+from planner.cost.buckets import bucket_bytes, exposed_share
 from planner.cost.kernels import KernelPlan, kernel_plan, policy_for
+from planner.cost.oplevel import last_bucket_ops
 from planner.cost.pricing import (
     accumulation_seconds,
-    bucketed_seconds,
     collective_seconds,
     edge_seconds,
-    exposed,
     op_times,
     optimizer_seconds,
+    reduction_seconds,
     runs_locally,
     saved_bytes,
 )
 from planner.cost.step import TrainingOptions
 from planner.graph import OpNode, PlanningGraph
-from planner.kinds import CollectiveKind, Precision
+from planner.kinds import Precision
 from planner.ops import DimLabels, replicated_labels
 from planner.ops.saving import gradient_flows
 from planner.sharding.analysis import GraphAnalysis
@@ -230,6 +235,7 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
     # (`price_classes`) price every candidate alike.
     priced: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     terms: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    last_bucket = last_bucket_ops(analysis)
     for node in nodes:
         if len(candidates[node.name]) != count:
             raise ValueError(f"ops {members[0]} and {node.name} cannot share choices")
@@ -238,7 +244,7 @@ def _group(members: list[str], nodes: list[OpNode], candidates: Mapping[str, lis
             read = read_by_loss.get(node.name, ())
             values = np.array([_candidate_cost(node, candidate, graph, mesh, profile, options,
                                                needs_grad, owner, kernels, once, read,
-                                               analysis)
+                                               analysis, last_bucket)
                                for candidate in candidates[node.name]]).reshape(count, 4)
             priced[key] = (values[:, 0], values[:, 1] + values[:, 2], values[:, 3],
                            values[:, 2])
@@ -255,16 +261,18 @@ def price_classes(analysis: GraphAnalysis, kernels: KernelPlan, options: Trainin
                   read_by_loss: Mapping[str, tuple[int, ...]]) -> Mapping[str, int]:
     """Per op, its price class: ops of equal signatures in a tied group (the same op in
     repeated layers) price every candidate alike where the class is equal too, that is
-    where each owns the weights at the same input slots, passes gradients at the same
-    outputs, runs the same kernel, keeps the same shares of its outputs, has its outputs
-    read by the loss at the same slots, carries the batch in the same labels and computes
-    from weights alone or not. Found once per graph, kernel policy, pass and loss (the
-    op-level search asks at every mesh shape)."""
+    where each owns the weights at the same input slots (and reduces them in the last
+    bucket or not), passes gradients at the same outputs, runs the same kernel, keeps the
+    same shares of its outputs, has its outputs read by the loss at the same slots,
+    carries the batch in the same labels and computes from weights alone or not. Found
+    once per graph, kernel policy, pass and loss (the op-level search asks at every mesh
+    shape)."""
     key = (_PRICE_CLASSES, kernels.policy, options.inference, options.loss_reads)
     found = analysis.memo.get(key)
     if found is None:
         owner, roots = analysis.first_consumers, analysis.weight_roots
         needs_grad = {} if options.inference else analysis.needs_grad
+        last_bucket = last_bucket_ops(analysis)
         numbers: dict[tuple, int] = {}
         found = {}
         for node in analysis.graph.ops:
@@ -275,7 +283,7 @@ def price_classes(analysis: GraphAnalysis, kernels: KernelPlan, options: Trainin
                 tuple(needs_grad.get(o, False) for o in node.outputs if o),
                 kernels.ops[name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
                 read_by_loss.get(name, ()), analysis.batch_labels.get(name),
-                all(o in roots for o in node.outputs if o))
+                all(o in roots for o in node.outputs if o), name in last_bucket)
             found[name] = numbers.setdefault(signature, len(numbers))
         analysis.memo[key] = found
     return found
@@ -297,12 +305,15 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
                     profile: HardwareProfile, options: TrainingOptions,
                     needs_grad: Mapping[str, bool], owner: Mapping[str, tuple[str, int]],
                     kernels: KernelPlan, once: float, read: tuple[int, ...],
-                    analysis: GraphAnalysis) -> tuple[float, float, float, float]:
+                    analysis: GraphAnalysis, last_bucket: frozenset[str]
+                    ) -> tuple[float, float, float, float]:
     """(seconds, owned weight memory, saved activations, largest output) of one candidate;
     what the step pays once for its weights weighs `once` (1 / micro-batches). The output
     slots in `read` are read by the loss: their moves into its layout count here, as the
     derivation lists them at this op (`loss_read_moves`). `analysis` says whether the host
-    runs the op as a plain one (`planner.cost.pricing.runs_locally`: its time per op)."""
+    runs the op as a plain one (`planner.cost.pricing.runs_locally`: its time per op); the
+    weights of the ops in `last_bucket` (`planner.cost.oplevel.last_bucket_ops`) reduce
+    after the backward pass, the others behind it (`planner.cost.buckets.exposed_share`)."""
     tensors = graph.tensors
     fraction = 1.0
     for axis in candidate.strategy.used_axes:
@@ -345,11 +356,12 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
                                                   options.precision, options.fusion,
                                                   options.accumulation, round(1.0 / once)))
         axes = candidate.grad_partial[slot]
-        if axes:
-            seconds += once * exposed(bucketed_seconds(profile, CollectiveKind.ALL_REDUCE,
-                                                       local_bytes, axes, mesh,
-                                                       bucket_bytes(options.bucket_mb)),
-                                      options.overlap)[0]
+        if axes:  # the reduction the plan issues, as much of it exposed as the schedule leaves
+            seconds += once * reduction_seconds(
+                profile, local_bytes, info.itemsize, axes, mesh,
+                bucket_bytes(options.bucket_mb), options.precision) * exposed_share(
+                node.name in last_bucket, options.overlap, options.overlap_grad_reduce,
+                profile.overlap_share)
     largest = 0.0
     for name, layout in zip(node.outputs, candidate.outputs, strict=True):
         if name and layout is not None:
