@@ -259,6 +259,48 @@ def test_search_prices_exactly_what_the_plan_reports(tmp_path: Path, options: Tr
             assert memory == pytest.approx(planned.predicted.memory["peak"], abs=8)
 
 
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_bound_on_a_mesh_is_below_every_plan_of_it(gpt_tiny: Path,
+                                                      shape: tuple[int, ...],
+                                                      tie: bool) -> None:
+    """What lets the op-level search skip a mesh (`Engine.beat`) is sound: for any
+    choice, the table without what the plan may pay less of (`StrategyProblem.floor`:
+    q, k and v reading one norm output move it once in the plan, a tied head's transposed
+    table sums its gradient at the embedding) is no more than the step the plan builder
+    prices, and the LP bound (`lower_bound`) is no more than any choice's that fits. GPT
+    has both kinds of read the table prices more than the plan."""
+    from planner.plans.build import BuildContext, derive
+    from planner.records import SolverRecord
+    from planner.search.decisions import OpLevelDecision
+    from planner.search.ilp import lower_bound
+    from planner.sharding.analysis import Analyses
+
+    analysis = GraphAnalysis.of(import_model(gpt_tiny, batch=8, dims={"seq": 16}))
+    mesh = DeviceMesh(shape, ("a0", "a1")[: len(shape)], 8)
+    options = TrainingOptions()
+    problem = build_problem(analysis, mesh, PROFILE, options,
+                            classes=tie_classes(analysis.graph, analysis.blocks) if tie else None)
+    floor = problem.floor()
+    assert any(e.shared for e in problem.edges), "GPT reads some tensors twice"
+    assert len(floor.edges) < len(problem.edges)
+    bound = lower_bound(problem)
+    assert bound is not None
+    context = BuildContext(Analyses(analysis), PROFILE, options)
+    record = SolverRecord("test", "fixed", 0, 0, 0, 0)
+    rng = np.random.default_rng(1)
+    below = 0
+    for _ in range(25):
+        choice = [int(rng.integers(len(g.candidates))) for g in problem.groups]
+        step = derive(context, OpLevelDecision(mesh, problem.strategies(choice), record)
+                      ).predicted.step_time_s
+        floored, memory = floor.evaluate(choice)
+        assert floored <= step * (1 + 1e-9), choice
+        assert bound <= step * (1 + 1e-9) or memory > problem.memory_limit, choice
+        below += floored < problem.evaluate(choice)[0]
+    assert below, "the table prices some choice above its floor"
+
+
 def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
     train = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data")
     infer = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", inference=True)

@@ -54,34 +54,75 @@ class Finalist:
 
 
 class Finalists:
-    """The finalists' alternative rows, in the order they were built, and the fastest that
-    fits (the first of equals) with its sections: only that one may become the plan, so
-    the others' sections (every op and tensor of the graph) are not kept: at 200,000 ops
-    each holds hundreds of MB."""
+    """The finalists' alternative rows and the fastest that fits (the first of equals)
+    with its sections: only that one may become the plan, so the others' sections (every
+    op and tensor of the graph) are not kept: at 200,000 ops each holds hundreds of MB.
+
+    Rows are ordered by search (`OP_LEVEL` before `JOINT`), then as added: the joint
+    search runs first, so that its best plan bounds the op-level meshes
+    (`search_meshes(beat=)`), but an op-level plan as fast as a joint one still comes
+    first."""
 
     def __init__(self, sp: int | None) -> None:
         self.sp = sp  # the `sp` pin: a finalist fits the request only with that split
-        self.rows: list[tuple[Alternative, int | None]] = []  # row, finalist number
+        #: (search, row, numbered): a finalist's row is numbered, an unplanned mesh's not
+        self._rows: list[tuple[int, Alternative, bool]] = []
         self.best: Finalist | None = None
-        self.best_number: int | None = None
+        self._best_at: tuple[int, int] | None = None  # (search, index among _rows)
         self.other_sp = 0  # finalists that fit but split the sequence otherwise than pinned
 
-    def add(self, derived: Derived, record: SolverRecord, on: DeviceMesh | None = None) -> None:
-        """A built finalist, or with `on` one that is `derived`'s plan on that mesh
-        (`_flat_key`): its row lists that mesh, and it is never the best (equal to the one
-        added before it, which stays first)."""
-        number = sum(1 for _, n in self.rows if n is not None)
-        self.rows.append((_alternative(derived, record, on), number))
+    def add(self, derived: Derived, record: SolverRecord, on: DeviceMesh | None = None,
+            search: int = 0) -> None:
+        """A built finalist of `search`, or with `on` one that is `derived`'s plan on that
+        mesh (`_flat_key`): its row lists that mesh, and it is never the best (equal to the
+        one added before it, which stays first)."""
+        at = (search, len(self._rows))
+        self._rows.append((search, _alternative(derived, record, on), True))
         if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
             self.other_sp += 1
-        if (on is None and derived.predicted.fits
-                and self.sp in (None, derived.sections.parallel.sp)
-                and (self.best is None or derived.predicted.step_time_s
-                     < self.best.derived.predicted.step_time_s)):
-            self.best, self.best_number = Finalist(derived, record), number
+        if on is not None or not derived.predicted.fits \
+                or self.sp not in (None, derived.sections.parallel.sp):
+            return
+        step = derived.predicted.step_time_s
+        if self.best is None or self._best_at is None or (
+                step, at) < (self.best.derived.predicted.step_time_s, self._best_at):
+            self.best, self._best_at = Finalist(derived, record), at
 
-    def unplanned(self, row: Alternative) -> None:
-        self.rows.append((row, None))
+    def unplanned(self, row: Alternative, search: int = 0) -> None:
+        self._rows.append((search, row, False))
+
+    def best_step(self, search: int) -> float | None:
+        """The best fitting finalist's step if it comes from `search`, else None."""
+        if self.best is None or self._best_at is None or self._best_at[0] != search:
+            return None
+        return self.best.derived.predicted.step_time_s
+
+    def _ordered(self) -> list[tuple[int, tuple[int, Alternative, bool]]]:
+        return sorted(enumerate(self._rows), key=lambda item: (item[1][0], item[0]))
+
+    @property
+    def rows(self) -> list[tuple[Alternative, int | None]]:
+        """Each row with its finalist number (None: an unplanned mesh), in order."""
+        found: list[tuple[Alternative, int | None]] = []
+        number = 0
+        for _, (_, row, numbered) in self._ordered():
+            found.append((row, number if numbered else None))
+            number += numbered
+        return found
+
+    @property
+    def best_number(self) -> int | None:
+        if self._best_at is None:
+            return None
+        number = 0
+        for index, (_, _, numbered) in self._ordered():
+            if index == self._best_at[1]:
+                return number
+            number += numbered
+        return None
+
+
+OP_LEVEL, JOINT = 0, 1  # the searches whose finalists `Finalists` orders
 
 
 def plan_data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
@@ -151,16 +192,9 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if skip_op_level and progress is not None:
         progress(f"op-level plans skipped: every one needs at least {human_bytes(floor)} "
                  "per device (weights, gradients, states and activations spread evenly)")
-    if pins.admits_op_level and not skip_op_level and mixed is None:
-        candidates = candidate_meshes(devices, hardware, options, pins)
-        results = search_meshes(analysis, hardware, candidates, options, training, pins,
-                                progress)
-        replicated = replica_meshes(analysis, devices, hardware, options, pins, results)
-        results += search_meshes(analysis, hardware, replicated, options, training, pins,
-                                 progress)
-        meshes = [c.mesh for c in (*candidates, *replicated)]
-        reasons = _reasons(results)
-        _op_level(context, results, options, started, finalists)
+    # The joint search first: the step of its best plan that fits bounds the op-level
+    # meshes, whose exact ILP can run out its time limit on a mesh no plan of which
+    # could win (`Engine.beat`).
     joint = None
     if joint_wanted:
         decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
@@ -174,7 +208,18 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                              detail=replace(decision.solver.detail, mode=options.mode,
                                             tied_layers=ties_layers(
                                                 context.graphs.root.blocks)))
-            finalists.add(derived, record)
+            finalists.add(derived, record, search=JOINT)
+    if pins.admits_op_level and not skip_op_level and mixed is None:
+        beat = finalists.best_step(JOINT)
+        candidates = candidate_meshes(devices, hardware, options, pins)
+        results = search_meshes(analysis, hardware, candidates, options, training, pins,
+                                progress, beat)
+        replicated = replica_meshes(analysis, devices, hardware, options, pins, results)
+        results += search_meshes(analysis, hardware, replicated, options, training, pins,
+                                 progress, beat)
+        meshes = [c.mesh for c in (*candidates, *replicated)]
+        reasons = _reasons(results)
+        _op_level(context, results, options, started, finalists)
     # `sp=0` pins the plan's sequence split off: a searched layout could still split the
     # activations between blocks along the sequence, which the plan would then name
     best = finalists.best
@@ -251,15 +296,15 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
             tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
         key = _flat_key(result.decision)
         if key is not None and key in built:  # the same plan on another mesh's axes
-            finalists.add(built[key], record, on=result.decision.mesh)
+            finalists.add(built[key], record, on=result.decision.mesh, search=OP_LEVEL)
             continue
         derived = derive(context, result.decision)
         if key is not None:
             built[key] = derived
-        finalists.add(derived, record)
+        finalists.add(derived, record, search=OP_LEVEL)
     for r in results:
         if r not in feasible:
-            finalists.unplanned(_unplanned(r))
+            finalists.unplanned(_unplanned(r), OP_LEVEL)
 
 
 def _flat_key(decision: OpLevelDecision) -> Hashable | None:

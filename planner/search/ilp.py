@@ -83,6 +83,23 @@ def solve_min_memory(problem: StrategyProblem, *, time_limit: float = 30.0) -> f
     return problem.evaluate(choice)[1]
 
 
+#: Above the LP's optimum by more than its solver's tolerances: HiGHS meets its primal and
+#: dual feasibility tolerances (1e-7) on costs rescaled to 1e6 at most.
+BOUND_TOLERANCE = 1e-6
+
+
+def lower_bound(problem: StrategyProblem, time_limit: float = 60.0) -> float | None:
+    """A bound under the step the plan builder prices for every choice of the problem
+    that fits: the LP relaxation of `problem.floor()` under the memory limit, less its
+    tolerance (`BOUND_TOLERANCE`, relative). None where the LP has no optimum (nothing
+    fits even fractionally, or the time ran out): no bound."""
+    floor = problem.floor()
+    status, _, bound = _solve_highs(_build(floor), floor, time_limit, relaxed=True)
+    if status != "optimal":
+        return None
+    return bound - BOUND_TOLERANCE * abs(bound)
+
+
 def _build(problem: StrategyProblem) -> _Model:
     model = _Model()
     for group in problem.groups:
@@ -192,7 +209,8 @@ def _solve_cpsat(model: _Model, problem: StrategyProblem, time_limit: float,
 
 
 def _solve_highs(model: _Model, problem: StrategyProblem, time_limit: float,
-                 minimize_memory: bool = False) -> tuple[str, list[float] | None, float]:
+                 minimize_memory: bool = False, relaxed: bool = False
+                 ) -> tuple[str, list[float] | None, float]:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -226,7 +244,7 @@ def _solve_highs(model: _Model, problem: StrategyProblem, time_limit: float,
     largest = float(np.max(np.abs(objective))) if objective.size else 0.0
     scale = 1e6 / largest if largest > 0 else 1.0
     objective = objective * scale
-    integrality = np.ones(n)
+    integrality = np.zeros(n) if relaxed else np.ones(n)
     integrality[-1] = 0
     upper = np.ones(n)
     upper[-1] = problem.memory_limit if np.isfinite(problem.memory_limit) else np.inf

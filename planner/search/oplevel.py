@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from costmodels.profile import HardwareProfile
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError, StrategyError
+from planner.humanize import human_seconds
 from planner.kinds import GENERIC_AXES, AxisRole
 from planner.records import SolverDetail, SolverRecord
 from planner.search.decisions import OpLevelDecision
@@ -30,7 +31,7 @@ from planner.search.problem import (
     prune_dominated,
     restrict_candidates,
 )
-from planner.search.solve import Engine, solve
+from planner.search.solve import BEATEN, Engine, solve
 from planner.sharding.analysis import GraphAnalysis
 from planner.sharding.batch import data_parallel_strategies, dp_splits_exactly
 from planner.sharding.convert import strategy_from_tuples
@@ -252,9 +253,11 @@ def _restrict_pinned(problem: StrategyProblem, analysis: GraphAnalysis,
 
 
 def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: HardwareProfile,
-               options: SearchOptions, training: TrainingOptions, pins: Pins) -> MeshResult:
+               options: SearchOptions, training: TrainingOptions, pins: Pins,
+               beat: float | None = None) -> MeshResult:
     """The mesh's optimum under the options (pins, strategies, tied layers), searched on
-    the mesh without its replica axis."""
+    the mesh without its replica axis; none where `beat` (the step of a plan found
+    elsewhere) is below a bound on every plan of the mesh (`Engine.beat`)."""
     mesh = candidate.searched
     try:
         fixed = fixed_strategies(analysis, mesh, options.strategies)
@@ -271,7 +274,11 @@ def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: Hardw
         except StrategyError as exc:  # this dp degree does not split the batch
             return MeshResult(candidate.mesh, None, str(exc))
     prune_dominated(problem)
-    solution = solve(problem, Engine(options.solver, options.time_limit))
+    solution = solve(problem, Engine(options.solver, options.time_limit, beat))
+    if solution.status == BEATEN and beat is not None:
+        return MeshResult(candidate.mesh, None,
+                          f"every plan takes at least {human_seconds(solution.bound)}, "
+                          f"more than the {human_seconds(beat)} of a plan already found")
     if not solution.choice:
         return MeshResult(candidate.mesh, solution)
     degrees = None
@@ -312,10 +319,12 @@ def _solve_in_process(args: tuple) -> MeshResult:
 def search_meshes(analysis: GraphAnalysis, profile: HardwareProfile,
                   meshes: list[MeshCandidate], options: SearchOptions,
                   training: TrainingOptions, pins: Pins,
-                  progress: Callable[[str], None] | None = None) -> list[MeshResult]:
-    """Every mesh's outcome, in the order of `meshes`."""
+                  progress: Callable[[str], None] | None = None,
+                  beat: float | None = None) -> list[MeshResult]:
+    """Every mesh's outcome, in the order of `meshes` (`solve_mesh`: none for a mesh no
+    plan of which can be faster than `beat`)."""
     results: list[MeshResult] = []
-    args = [(mesh, profile, options, training, pins) for mesh in meshes]
+    args = [(mesh, profile, options, training, pins, beat) for mesh in meshes]
     if len(meshes) > 2 and options.workers > 1 and _large(analysis, meshes[-1].searched):
         with ProcessPoolExecutor(max_workers=min(options.workers, os.cpu_count() or 1),
                                  initializer=_share, initargs=(analysis,)) as pool:

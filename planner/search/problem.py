@@ -23,7 +23,7 @@ of the same tensor get an edge from that first consumer.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,6 +64,9 @@ class Group:
     memory: np.ndarray  # bytes per candidate, summed over members
     workspace: np.ndarray  # bytes per candidate: the largest local output of one member
     saved: np.ndarray | None = None  # the part of `memory` that is saved activations
+    #: the part of `cost` the plan may pay less of (`EdgeCost.shared`: a group's edges to
+    #: itself, between repeated layers); None: none
+    shared: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -77,6 +80,10 @@ class EdgeCost:
     cost: np.ndarray  # [len(candidates of u), len(candidates of v)] seconds
     buffer: np.ndarray  # same shape: bytes of the largest collective buffer the move needs
     tensors: list[str] = field(default_factory=list)
+    #: whether one of its tensors is read by several ops or computed from weights alone:
+    #: the plan moves one tensor once for reads that share a layout and sums a derived
+    #: weight's gradient once at the weight, where the table prices each read
+    shared: bool = False
 
 
 @dataclass
@@ -115,6 +122,17 @@ class StrategyProblem:
             saved = group.saved if group.saved is not None else np.zeros_like(group.memory)
             group.memory = weights * (group.memory - saved) + activations * saved
             group.saved = activations * saved
+
+    def floor(self) -> StrategyProblem:
+        """This problem without what the plan may pay less of (`EdgeCost.shared`, and a
+        group's `shared` part): no choice's time here is above the step the plan builder
+        prices for it, since every other term is the builder's own price or, for a
+        gradient reduction, no more of it exposed than the schedule leaves
+        (`planner.cost.buckets.exposed_share`). A bound on it bounds every plan of the
+        mesh (`planner.search.ilp.lower_bound`)."""
+        groups = [replace(g, cost=g.cost - g.shared) if g.shared is not None else g
+                  for g in self.groups]
+        return replace(self, groups=groups, edges=[e for e in self.edges if not e.shared])
 
     def strategies(self, choice: Sequence[int]) -> dict[str, OpStrategy]:
         return {op: group.candidates[c].strategy
@@ -384,6 +402,7 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
     # their diagonals (a tied group's edge to itself)
     matrices: dict[tuple, tuple[np.ndarray, np.ndarray, bool, np.ndarray, np.ndarray]] = {}
     own: dict[int, list[np.ndarray]] = {}  # group -> its diagonals, in op order
+    own_shared: dict[int, list[np.ndarray]] = {}  # group -> those of shared tensors
     terms: dict[tuple[int, int], list[np.ndarray]] = {}  # edge -> its matrices, in op order
     # edge (a group's own: (v, v)) -> its distinct buffers
     buffers: dict[tuple[int, int], dict[int, np.ndarray]] = {}
@@ -420,8 +439,11 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             matrix, buffer, moves, diagonal, diagonal_buffer = found
             if not moves:
                 continue
+            shared = derived or len(info.consumers) > 1
             if u == v:  # the same op position across layers: only equal choices co-occur
                 own.setdefault(v, []).append(diagonal)
+                if shared:
+                    own_shared.setdefault(v, []).append(diagonal)
                 buffers.setdefault((v, v), {})[id(diagonal_buffer)] = diagonal_buffer
                 continue
             edge = merged.get((u, v))
@@ -431,8 +453,11 @@ def _edges(graph: PlanningGraph, mesh: DeviceMesh, profile: HardwareProfile,
             terms.setdefault((u, v), []).append(matrix)
             buffers.setdefault((u, v), {})[id(buffer)] = buffer
             edge.tensors.append(name)
+            edge.shared = edge.shared or shared
     for v, diagonals in own.items():
         groups[v].cost = added_in_order(groups[v].cost, diagonals)
+        if v in own_shared:
+            groups[v].shared = added_in_order(np.zeros_like(groups[v].cost), own_shared[v])
         for buffer in buffers[(v, v)].values():  # a maximum: in any order
             groups[v].workspace = np.maximum(groups[v].workspace, buffer)
     for key, edge in merged.items():
@@ -519,6 +544,8 @@ def restrict_candidates(problem: StrategyProblem, index: int, keep: list[int]) -
     group.workspace = group.workspace[keep]
     if group.saved is not None:
         group.saved = group.saved[keep]
+    if group.shared is not None:
+        group.shared = group.shared[keep]
     for edge in problem.edges:
         if edge.u == index:
             edge.cost, edge.buffer = edge.cost[keep, :], edge.buffer[keep, :]

@@ -2,19 +2,21 @@
 
 "auto": the elimination DP when it reduces the whole graph and its plan fits (then it is
 optimal: the unconstrained optimum is feasible), else CP-SAT warm-started from the DP's or
-propagation's plan. "cpsat"/"highs": the exact ILP; "dp": the elimination DP;
+propagation's plan, unless a bound shows no plan can beat one already found
+(`Engine.beat`). "cpsat"/"highs": the exact ILP; "dp": the elimination DP;
 "propagation": the greedy heuristic. When a time limit ends the ILP before it found a
 plan, the warm start is returned as the best plan so far, with the ILP's bound.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from planner.search.elimination import solve_elimination
-from planner.search.ilp import Solution, solve_ilp
+from planner.search.ilp import Solution, lower_bound, solve_ilp
 from planner.search.problem import StrategyProblem
 from planner.search.propagation import solve_propagation
 
@@ -25,6 +27,13 @@ SOLVERS = ("auto", "cpsat", "highs", "dp", "propagation")
 class Engine:
     solver: str = "auto"
     time_limit: float = 60.0
+    #: the step of a plan already found that fits (another search's): where the elimination
+    #: DP does not settle the problem, "auto" first bounds every plan of the problem
+    #: (`lower_bound`) and solves it only if one could be faster
+    beat: float | None = None
+
+
+BEATEN = "beaten"  # the status of a problem none of whose plans can be faster than `beat`
 
 
 def solve(problem: StrategyProblem, engine: Engine) -> Solution:
@@ -35,6 +44,13 @@ def solve(problem: StrategyProblem, engine: Engine) -> Solution:
         found = solve_elimination(problem)
         if found is not None and (found.status == "optimal" or engine.solver == "dp"):
             return found
+        if engine.solver == "auto" and engine.beat is not None:
+            started = time.perf_counter()
+            bound = lower_bound(problem, engine.time_limit)
+            if bound is not None and bound > engine.beat:
+                return Solution([], BEATEN, float("inf"), bound,
+                                time.perf_counter() - started, "lp-bound",
+                                {"beat": engine.beat})
         hint = found.choice if found is not None else solve_propagation(problem).choice
         return _best_so_far(problem, solve_ilp(problem, time_limit=engine.time_limit,
                                                solver="cpsat", hint=hint), hint)
