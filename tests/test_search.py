@@ -301,6 +301,31 @@ def test_the_bound_on_a_mesh_is_below_every_plan_of_it(gpt_tiny: Path,
     assert below, "the table prices some choice above its floor"
 
 
+def test_meshes_no_plan_of_which_beats_the_joint_plan_are_not_solved(tmp_path: Path) -> None:
+    """LLaMA-7B in bf16 on 64 H100s: the joint search's ZeRO-2 plan (600 ms) bounds the
+    op-level meshes, which the elimination DP does not settle (memory binds); each mesh's
+    LP bound is above it, so no ILP runs (one ran out its 60 s limit on 32x2 before). The
+    16x4 mesh solved on its own (`--mesh`: no joint search) is indeed slower than the
+    bound the full search printed for it."""
+    model = tmp_path / "llama7b.onnx"
+    assert main(["zoo", "llama-7b", "--dtype", "bfloat16", "-o", str(model)]) == 0
+    lines: list[str] = []
+    request = dict(profile="h100-sxm", devices=64, batch=256, dims={"seq": 2048})
+    chosen = plan(model, progress=lines.append, **request)
+    assert (chosen.parallel.dp, chosen.parallel.tp, chosen.parallel.pp,
+            chosen.parallel.zero) == (64, 1, 1, 2)
+    joint = [k for k, line in enumerate(lines) if line.startswith("joint search")]
+    skipped = {line.split(":")[0]: line for line in lines
+               if line.startswith("mesh ") and "every plan takes at least" in line}
+    assert joint and all(lines.index(line) > joint[0] for line in skipped.values())
+    assert "mesh 16x4" in skipped and "mesh 32x2" in skipped, lines
+    bound = skipped["mesh 16x4"].split("at least ")[1].split(",")[0]
+    assert bound.endswith(" ms")
+    alone = plan(model, mesh=[16, 4], **request)
+    assert alone.predicted.step_time_s * 1e3 >= float(bound[:-3])
+    assert alone.predicted.step_time_s > chosen.predicted.step_time_s
+
+
 def test_inference_and_overlap_change_what_they_should(gpt_tiny: Path) -> None:
     train = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data")
     infer = plan(gpt_tiny, devices=4, batch=8, dims={"seq": 16}, mode="data", inference=True)
