@@ -71,7 +71,6 @@ class Row:
     step: float  # the built plan's predicted step
     synced: float  # S: the plan's end-of-step gradient reduction, seconds
     hidden: float  # the part of it the built step hides behind the backward pass
-    overlap: float
 
     @property
     def left(self) -> float:
@@ -79,17 +78,17 @@ class Row:
         return self.objective - self.step
 
 
-def row_of(chosen: Plan, overlap: float) -> Row:
+def row_of(chosen: Plan) -> Row:
     breakdown = chosen.predicted.breakdown
     return Row(tuple(chosen.mesh.shape), chosen.solver.objective,
                chosen.predicted.step_time_s, breakdown.gradient_communication_s,
-               breakdown.hidden_communication_s, overlap)
+               breakdown.hidden_communication_s)
 
 
 def measure(model: Path, case: Case) -> list[Row]:
     """The case planned on each of its meshes (the op-level search alone)."""
     return [row_of(plan(model, devices=case.devices, batch=case.batch, dims=case.dims,
-                        mesh=list(mesh), overlap=case.overlap), case.overlap)
+                        mesh=list(mesh), overlap=case.overlap))
             for mesh in case.meshes]
 
 

@@ -374,8 +374,6 @@ def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
     """(exposed, hidden) gradient synchronisation: all but the first unit's weights' (the
     last bucket) behind the backward compute of the other units (`schedule_overlap`)."""
     analysis = sharded.analysis
-    unit_of = analysis.units.unit_of_ops()
-    first_unit = int(unit_of[0]) if len(unit_of) else 0
     in_last = last_bucket_ops(analysis)
     ops = analysis.graph.ops
     total = last = 0.0
@@ -386,7 +384,8 @@ def _gradient_overlap(sharded: ShardedGraph, collectives: Sequence[Collective],
         if ops[_first_use(sharded, collective.tensor)].name in in_last:
             last += collective.time_s
     backward = sum(cost.backward_s for cost in costs)
-    first = sum(cost.backward_s for k, cost in enumerate(costs) if unit_of[k] == first_unit)
+    first = sum(cost.backward_s for node, cost in zip(ops, costs, strict=True)
+                if node.name in in_last)
     return schedule_overlap(total, last, backward - first, overlap, scheduled, share)
 
 

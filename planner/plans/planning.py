@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
+from enum import IntEnum
 
 from costmodels.cluster import Cluster
 from costmodels.profile import HardwareProfile
@@ -53,12 +54,19 @@ class Finalist:
     record: SolverRecord
 
 
+class Search(IntEnum):
+    """The searches whose finalists `Finalists` orders: op-level rows first."""
+
+    OP_LEVEL = 0
+    JOINT = 1
+
+
 class Finalists:
     """The finalists' alternative rows and the fastest that fits (the first of equals)
     with its sections: only that one may become the plan, so the others' sections (every
     op and tensor of the graph) are not kept: at 200,000 ops each holds hundreds of MB.
 
-    Rows are ordered by search (`OP_LEVEL` before `JOINT`), then as added: the joint
+    Rows are ordered by search (`Search.OP_LEVEL` before `JOINT`), then as added: the joint
     search runs first, so that its best plan bounds the op-level meshes
     (`search_meshes(beat=)`), but an op-level plan as fast as a joint one still comes
     first."""
@@ -66,13 +74,13 @@ class Finalists:
     def __init__(self, sp: int | None) -> None:
         self.sp = sp  # the `sp` pin: a finalist fits the request only with that split
         #: (search, row, numbered): a finalist's row is numbered, an unplanned mesh's not
-        self._rows: list[tuple[int, Alternative, bool]] = []
+        self._rows: list[tuple[Search, Alternative, bool]] = []
         self.best: Finalist | None = None
-        self._best_at: tuple[int, int] | None = None  # (search, index among _rows)
+        self._best_at: tuple[Search, int] | None = None  # (search, index among _rows)
         self.other_sp = 0  # finalists that fit but split the sequence otherwise than pinned
 
-    def add(self, derived: Derived, record: SolverRecord, on: DeviceMesh | None = None,
-            search: int = 0) -> None:
+    def add(self, derived: Derived, record: SolverRecord, search: Search,
+            on: DeviceMesh | None = None) -> None:
         """A built finalist of `search`, or with `on` one that is `derived`'s plan on that
         mesh (`_flat_key`): its row lists that mesh, and it is never the best (equal to the
         one added before it, which stays first)."""
@@ -88,41 +96,36 @@ class Finalists:
                 step, at) < (self.best.derived.predicted.step_time_s, self._best_at):
             self.best, self._best_at = Finalist(derived, record), at
 
-    def unplanned(self, row: Alternative, search: int = 0) -> None:
+    def unplanned(self, row: Alternative, search: Search) -> None:
         self._rows.append((search, row, False))
 
-    def best_step(self, search: int) -> float | None:
+    def best_step(self, search: Search) -> float | None:
         """The best fitting finalist's step if it comes from `search`, else None."""
         if self.best is None or self._best_at is None or self._best_at[0] != search:
             return None
         return self.best.derived.predicted.step_time_s
 
-    def _ordered(self) -> list[tuple[int, tuple[int, Alternative, bool]]]:
-        return sorted(enumerate(self._rows), key=lambda item: (item[1][0], item[0]))
+    def _numbered(self) -> list[tuple[int, Alternative, int | None]]:
+        """(index among _rows, row, finalist number or None), in the rows' order."""
+        found: list[tuple[int, Alternative, int | None]] = []
+        number = 0
+        for index, (_, row, numbered) in sorted(enumerate(self._rows),
+                                                key=lambda item: (item[1][0], item[0])):
+            found.append((index, row, number if numbered else None))
+            number += numbered
+        return found
 
     @property
     def rows(self) -> list[tuple[Alternative, int | None]]:
         """Each row with its finalist number (None: an unplanned mesh), in order."""
-        found: list[tuple[Alternative, int | None]] = []
-        number = 0
-        for _, (_, row, numbered) in self._ordered():
-            found.append((row, number if numbered else None))
-            number += numbered
-        return found
+        return [(row, number) for _, row, number in self._numbered()]
 
     @property
     def best_number(self) -> int | None:
         if self._best_at is None:
             return None
-        number = 0
-        for index, (_, _, numbered) in self._ordered():
-            if index == self._best_at[1]:
-                return number
-            number += numbered
-        return None
-
-
-OP_LEVEL, JOINT = 0, 1  # the searches whose finalists `Finalists` orders
+        return next(number for index, _, number in self._numbered()
+                    if index == self._best_at[1])
 
 
 def plan_data_parallel(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
@@ -208,9 +211,9 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
                              detail=replace(decision.solver.detail, mode=options.mode,
                                             tied_layers=ties_layers(
                                                 context.graphs.root.blocks)))
-            finalists.add(derived, record, search=JOINT)
+            finalists.add(derived, record, Search.JOINT)
     if pins.admits_op_level and not skip_op_level and mixed is None:
-        beat = finalists.best_step(JOINT)
+        beat = finalists.best_step(Search.JOINT)
         candidates = candidate_meshes(devices, hardware, options, pins)
         results = search_meshes(analysis, hardware, candidates, options, training, pins,
                                 progress, beat)
@@ -296,15 +299,15 @@ def _op_level(context: BuildContext, results: list[MeshResult], options: SearchO
             tied_layers=bool(options.tie_layers) and ties_layers(context.graphs.root.blocks)))
         key = _flat_key(result.decision)
         if key is not None and key in built:  # the same plan on another mesh's axes
-            finalists.add(built[key], record, on=result.decision.mesh, search=OP_LEVEL)
+            finalists.add(built[key], record, Search.OP_LEVEL, on=result.decision.mesh)
             continue
         derived = derive(context, result.decision)
         if key is not None:
             built[key] = derived
-        finalists.add(derived, record, search=OP_LEVEL)
+        finalists.add(derived, record, Search.OP_LEVEL)
     for r in results:
         if r not in feasible:
-            finalists.unplanned(_unplanned(r), OP_LEVEL)
+            finalists.unplanned(_unplanned(r), Search.OP_LEVEL)
 
 
 def _flat_key(decision: OpLevelDecision) -> Hashable | None:
