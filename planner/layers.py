@@ -14,7 +14,7 @@ so readers never search for layers again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,9 +105,14 @@ def blocks_of_codes(codes: np.ndarray) -> tuple[Repeats, ...]:
 def signature_codes(ops: Sequence[OpNode], tensors: Mapping[str, TensorInfo]) -> np.ndarray:
     """Each op's signature (`op_signature`) numbered in order of first appearance: two
     op sequences with equal codes have the same repeated blocks."""
-    signatures: dict[tuple, int] = {}
-    return np.array([signatures.setdefault(op_signature(n, tensors), len(signatures))
-                     for n in ops], dtype=np.int64)
+    return numbered([op_signature(n, tensors) for n in ops])
+
+
+def numbered(signatures: Iterable[tuple]) -> np.ndarray:
+    """Signatures numbered in order of first appearance (`signature_codes` of ops already
+    signed: the importer compares two orders of one graph's ops, signing each op once)."""
+    first: dict[tuple, int] = {}
+    return np.array([first.setdefault(s, len(first)) for s in signatures], dtype=np.int64)
 
 
 def _best_run(codes: np.ndarray, offset: int) -> Repeats | None:

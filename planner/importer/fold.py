@@ -76,14 +76,25 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
             routed.update(found)
             pins = pinned_shapes(model, routed, shapes)
             continue
+        settled = _every_shape_static(model, shapes)
         folded = _fold_once(model, known, shapes, opset)
         lowered = _lower_sequences(model, known, shapes)
-        if not (folded or lowered):
-            break
+        if not (folded or lowered) or (settled and not lowered):
+            break  # settled: another round would infer the same shapes and fold nothing
     _check_declared_shapes(model, declared, shapes, name)
     reshape_layout_gathers(model, shapes, known)
     _remove_dead_nodes(model)
     return Folded(model, shapes, known, routed)
+
+
+def _every_shape_static(model: onnx.ModelProto, shapes: Shapes) -> bool:
+    """Whether every node's outputs have static shapes (sequences have none). Then a fold
+    only turns tensors whose shapes are known into constants of those shapes, and walks
+    the nodes in topological order, so it folds in one pass all it ever will: inferring
+    again would find the same shapes and fold nothing (a dynamo export's shape arithmetic
+    settles in its first or second round; the round that confirms it is spared)."""
+    return all(shapes.get(output, (None, 0))[0] is not None
+               for node in model.graph.node for output in node.output if output)
 
 
 def _take_declared_output_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:

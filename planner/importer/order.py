@@ -23,7 +23,7 @@ import onnx
 
 from planner.errors import ModelError
 from planner.graph import OpNode, TensorInfo
-from planner.layers import blocks_of
+from planner.layers import blocks_of_codes, numbered, op_signature
 
 
 def sort_nodes(model: onnx.ModelProto, model_name: str) -> None:
@@ -69,7 +69,10 @@ def canonical_order(ops: list[OpNode], tensors: Mapping[str, TensorInfo],
     order = _kahn(ops, [list(n.inputs) for n in ops], [list(n.outputs) for n in ops], rank,
                   model_name)
     hoisted = [ops[i] for i in order]
-    if hoisted == ops or _covered(hoisted, tensors) <= _covered(ops, tensors):
+    if hoisted == ops:
+        return ops
+    signed = {node.name: op_signature(node, tensors) for node in ops}  # once for both orders
+    if _covered(hoisted, signed) <= _covered(ops, signed):
         return ops  # the file's order repeats as well: where the model computes each op
     return hoisted
 
@@ -93,8 +96,9 @@ def _file_order_first(ops: Sequence[OpNode], producer: Mapping[str, int],
     return True
 
 
-def _covered(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) -> int:
-    return sum(block.covered for block in blocks_of(ops, tensors))
+def _covered(ops: list[OpNode], signed: Mapping[str, tuple]) -> int:
+    """How many of `ops`, in this order, fall in repeated blocks (`blocks_of_codes`)."""
+    return sum(block.covered for block in blocks_of_codes(numbered(signed[n.name] for n in ops)))
 
 
 def _kahn(items: Sequence[OpNode | onnx.NodeProto], inputs: list[list[str]],
