@@ -32,7 +32,12 @@ from planner.kinds import AxisRole, CollectiveKind, LossReads, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import OPTIMIZER_OP, shared_read_key
+from planner.sharding.derive import (
+    OPTIMIZER_OP,
+    passes_weights_on,
+    read_gradient_share,
+    shared_read_key,
+)
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
@@ -260,6 +265,21 @@ class _Move(torch.autograd.Function):
         return ctx.comm.run(grad, ctx.backward, ctx.phase), None, None, None, None
 
 
+class _GradientShare(torch.autograd.Function):
+    """Forward: the value itself. Backward: `share` of the gradient (a whole read of a
+    weight whose gradient the plan sums over devices that each compute all of it:
+    `planner.sharding.derive.read_gradient_share`)."""
+
+    @staticmethod
+    def forward(ctx, tensor, share):
+        ctx.share = share
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.share, None
+
+
 class _SumOverAxes(torch.autograd.Function):
     """A statistics AllReduce inside an op (split training BatchNorm): both directions."""
 
@@ -398,6 +418,7 @@ class PlanRunner:
         self.gradient_axes = {name: axes for name, axes in placement.gradient_axes.items()
                               if name in self.params}
         self._steps: dict[tuple, list[CommStep]] = {}
+        self._shares: dict[tuple, float] = {}
         self._programs: dict[int, tuple] = {}
         self._segments: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
         self._region_of = analysis.recompute_regions()
@@ -546,7 +567,9 @@ class PlanRunner:
                 env[name] = shared[1]  # one move; autograd sums the reads' gradients
             else:
                 env[name] = self._move(values[name], layouts[name], wanted,
-                                       self.graph.tensors[name], partial)
+                                       self.graph.tensors[name], partial,
+                                       share=self._gradient_share(node, name, layouts[name],
+                                                                  wanted, partial))
             if key is not None:
                 if self._last_read.get(key) == k:
                     self._shared.pop(key, None)
@@ -576,9 +599,28 @@ class PlanRunner:
             offsets.append(offset)
         return DropoutSite(self.seed, self.step, k, tuple(offsets))
 
+    def _gradient_share(self, node, name: str, src: Layout, dst: Layout,
+                        partial_axes: tuple[str, ...]) -> float:
+        """The share of its gradient this read of `name` hands back (1 but for whole
+        reads of weights the plan sums over devices: `read_gradient_share`)."""
+        roots = self.analysis.weight_roots.get(name)
+        if roots is None or not self.needs_grad.get(name, False) \
+                or passes_weights_on(node, self.analysis.weight_roots):
+            return 1.0
+        key = (node.name, name, src, dst, partial_axes)
+        if key not in self._shares:
+            share = read_gradient_share(roots, self.placement.gradient_axes, src, dst,
+                                        partial_axes, self.mesh)
+            if share is None:  # the derivation refuses such a plan; `validate` too
+                raise ShardplanError(f"op {node.name} reads {name}, computed from weights "
+                                     "whose gradients sum over different axes; plan again")
+            self._shares[key] = share
+        return self._shares[key]
+
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],
-              phases: tuple[str, str] = ("forward", "backward")) -> torch.Tensor:
+              phases: tuple[str, str] = ("forward", "backward"),
+              share: float = 1.0) -> torch.Tensor:
         key = (info.name, src, dst)
         steps = self._steps.get(key)
         if steps is None:  # the same every step: compute the moves once
@@ -603,7 +645,7 @@ class PlanRunner:
                     if step.kind == Move.ALL_GATHER else ()
                 moved = _Move.apply(moved, self.comm, [step],
                                     backward_steps([step], summed, 0), phases)
-            return moved
+            return moved if share == 1.0 else _GradientShare.apply(moved, share)
         backward = backward_steps(steps, partial_axes, 0)
         if not steps and not backward:
             return value

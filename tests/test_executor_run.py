@@ -100,6 +100,52 @@ def test_semi_auto_seed_strategies_on_two_ranks(tmp_path: Path) -> None:
     _check(path, chosen)
 
 
+def _tied(path: Path, embedding: bool) -> Path:
+    """A weight W read whole by one op and, through a Transpose, by a MatMul (as exporters
+    write a tied LM head): y = f(W) @ Transpose(W), f a MatMul of the input (`embedding`:
+    a Gather of token ids)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rows = 16
+    weight = numpy_helper.from_array(
+        (np.random.default_rng(0).standard_normal((rows, 16)) * 0.3).astype(np.float32), "W")
+    first = helper.make_node("Gather", ["W", "x"], ["a"], name="mm_a", axis=0) if embedding \
+        else helper.make_node("MatMul", ["x", "W"], ["a"], name="mm_a")
+    nodes = [first, helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Transpose", ["W"], ["Wt"], name="tr", perm=[1, 0]),
+             helper.make_node("MatMul", ["r", "Wt"], ["y"], name="mm_b")]
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, ["batch", 8]) if embedding \
+        else helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])
+    y = helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, ["batch", 8, rows] if embedding else ["batch", rows])
+    graph = helper.make_graph(nodes, "tied", [x], [y], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize(("embedding", "first"), [(False, None), (True, None),
+                                                  (False, [[1, 2], [2, 1]])],
+                         ids=["matmul", "embedding", "matmul-row-split"])
+def test_a_tied_weight_read_whole_and_split_trains_as_one_process(
+        tmp_path: Path, embedding: bool, first: list | None) -> None:
+    """The head reads the transposed weight split over the mesh while another op reads the
+    weight whole: the zero-padded slices of the head's gradient are summed at the weight,
+    and the whole read's gradient, the same on every rank, is counted once."""
+    path = _tied(tmp_path / "tied.onnx", embedding)
+    pins: dict = {"mm_b": [[1, 1, 1], [1, 2]] if embedding else [[1, 1], [1, 2]]}
+    if first is not None:
+        pins["mm_a"] = first
+    chosen = plan(path, devices=2, batch=4, mode="semi", strategies=pins, profile="cpu")
+    assert chosen.collectives, "the pinned split moves something"
+    reference = train_reference(path, chosen, steps=STEPS, loss="mse")
+    run = train(path, chosen, steps=STEPS, loss="mse")
+    assert run.losses == pytest.approx(reference.losses, rel=1e-4)
+    issued = {k: v for k, v in run.collectives["issued"].items() if not k.endswith("|loss")}
+    assert issued == planned_counts(chosen, STEPS)
+
+
 def test_a_plan_for_another_model_is_refused(tmp_path: Path) -> None:
     gpt = _zoo(tmp_path, "gpt-tiny")
     llama = _zoo(tmp_path, "llama-tiny")

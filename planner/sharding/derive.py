@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from planner.errors import StrategyError
 from planner.graph import OpNode, TensorInfo
 from planner.kinds import CollectiveKind, LossReads, Move, Phase
 from planner.ops import DimLabels, replicated_labels
@@ -129,6 +130,8 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     weight_roots = analysis.weight_roots
     moved: set[tuple] = set()
     described: dict[tuple, tuple[Candidate, float, tuple]] = {}
+    #: reads of tensors computed from several weights (`read_gradient_share` checks them)
+    mixed: list[tuple[str, frozenset[str], Layout, Layout, tuple[str, ...], OpNode]] = []
     for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
@@ -160,9 +163,11 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
                 stored = layout_of[name] = want
             partial = own.grad_partial[index]
             grad = needs_grad.get(name, False)
+            roots = weight_roots.get(name)
+            if roots is not None and len(roots) > 1 and grad:
+                mixed.append((name, roots, stored, want, tuple(partial), node))
             if (stored is want or stored == want) and not (grad and partial):
                 continue  # read as stored, no partial gradient: nothing moves either way
-            roots = weight_roots.get(name)
             info = tensors[name]
             key = shared_read_key(info, stored, want, partial, region_of[k], mesh, grad,
                                   roots is not None)
@@ -195,6 +200,15 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
                               fraction, tuple(specs)))
     gradient_axes = {name: tuple(a for a in mesh.axis_names if a in deferred_axes[name])
                      for name in sorted(deferred_axes)}
+    for name, roots, stored, want, partial, node in mixed:
+        if not passes_weights_on(node, weight_roots) and read_gradient_share(
+                roots, gradient_axes, stored, want, partial, mesh) is None:
+            shown = ", ".join(sorted(roots)[:3])
+            raise StrategyError(
+                f"op {node.name} reads {name}, computed from the weights {shown}, whole on "
+                "every device of an axis one of those weights sums its gradient over and "
+                "another does not, so no share of its gradient is right for both; pin "
+                f"{node.name} to split that axis, or the weights' other readers alike")
     gradients = tuple(
         CollectiveSpec(CollectiveKind.ALL_REDUCE, name, axes,
                        tensors[name].nbytes * fraction_of_layout(layout_of[name], mesh),
@@ -202,6 +216,39 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
         for name, axes in gradient_axes.items())
     return ShardedGraph(analysis, mesh, training, tuple(ops), layout_of, gradient_axes,
                         gradients)
+
+
+def passes_weights_on(node: OpNode, weight_roots: Mapping[str, frozenset[str]]) -> bool:
+    """Whether `node` computes weight-derived tensors only (a tied head's Transpose): its
+    reads of weights hand back what its outputs' readers send, not gradients of their own."""
+    return all(out in weight_roots for out in node.outputs if out)
+
+
+def read_gradient_share(roots: frozenset[str], gradient_axes: Mapping[str, tuple[str, ...]],
+                        stored: Layout, wanted: Layout, partial_axes: tuple[str, ...],
+                        mesh: DeviceMesh) -> float | None:
+    """The share of its gradient an op's read of a weight-derived tensor hands back.
+
+    The gradients of a weight's reads are summed once at the weight, over the axes in
+    `gradient_axes` (`edge_steps`): right for a read whose gradient is partial along such
+    an axis, or the zero-padded gradient of a slice, but a read whole on every device of
+    the axis (stored and read replicated there, no partial sum) computes the same whole
+    gradient on each, and the sum would count it once per device: such a read hands back
+    1/n of it (the plan's collectives stay as they are). None where the weights the
+    tensor is computed from would need different shares. Reads by ops that only pass the
+    weights on (`passes_weights_on`) hand back 1: their readers' reads are the ones
+    counted."""
+    shares: set[int] = set()
+    for root in roots:
+        devices = 1
+        for axis in gradient_axes.get(root, ()):
+            if axis not in stored.used_axes and axis not in wanted.used_axes \
+                    and axis not in partial_axes:
+                devices *= mesh.axis_size(axis)
+        shares.add(devices)
+    if len(shares) > 1:
+        return None
+    return 1.0 / shares.pop() if shares else 1.0
 
 
 def shared_read_key(info: TensorInfo, src: Layout, dst: Layout,
