@@ -32,12 +32,7 @@ from planner.kinds import AxisRole, CollectiveKind, LossReads, Move, Phase
 from planner.ops import DimLabels, replicated_labels
 from planner.plans.model import Plan
 from planner.sharding.analysis import GraphAnalysis
-from planner.sharding.derive import (
-    OPTIMIZER_OP,
-    passes_weights_on,
-    read_gradient_share,
-    shared_read_key,
-)
+from planner.sharding.derive import OPTIMIZER_OP, shared_read_key
 from planner.sharding.layout import Layout
 from planner.sharding.local import local_program
 from planner.sharding.mesh import DeviceMesh
@@ -265,7 +260,7 @@ class _Move(torch.autograd.Function):
         return ctx.comm.run(grad, ctx.backward, ctx.phase), None, None, None, None
 
 
-class _GradientShare(torch.autograd.Function):
+class GradientShare(torch.autograd.Function):
     """Forward: the value itself. Backward: `share` of the gradient (a whole read of a
     weight whose gradient the plan sums over devices that each compute all of it:
     `planner.sharding.derive.read_gradient_share`)."""
@@ -334,6 +329,11 @@ class OpPlacement:
     strategy: OpStrategy
     inputs: tuple[Layout | None, ...]  # None: an absent input
     outputs: tuple[Layout | None, ...]
+    #: per input, the share of its gradient the read hands back (`TensorBinding.share`)
+    shares: tuple[float, ...] = ()
+
+    def share(self, slot: int) -> float:
+        return self.shares[slot] if slot < len(self.shares) else 1.0
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,8 @@ class Placement:
         ops = {entry.name: OpPlacement(
             OpStrategy.of(entry.assignment),
             tuple(b.layout if b else None for b in entry.inputs),
-            tuple(b.layout if b else None for b in entry.outputs)) for entry in plan.ops}
+            tuple(b.layout if b else None for b in entry.outputs),
+            tuple(b.share if b else 1.0 for b in entry.inputs)) for entry in plan.ops}
         # The axes each weight's gradient is summed over (ZeRO 2 reduce-scatters in the
         # backward phase); the "pp" entries are sums between two stages holding one weight.
         gradient_axes = {c.tensor: tuple(c.axes) for c in plan.collectives
@@ -418,7 +419,6 @@ class PlanRunner:
         self.gradient_axes = {name: axes for name, axes in placement.gradient_axes.items()
                               if name in self.params}
         self._steps: dict[tuple, list[CommStep]] = {}
-        self._shares: dict[tuple, float] = {}
         self._programs: dict[int, tuple] = {}
         self._segments: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
         self._region_of = analysis.recompute_regions()
@@ -568,8 +568,7 @@ class PlanRunner:
             else:
                 env[name] = self._move(values[name], layouts[name], wanted,
                                        self.graph.tensors[name], partial,
-                                       share=self._gradient_share(node, name, layouts[name],
-                                                                  wanted, partial))
+                                       share=placed.share(index))
             if key is not None:
                 if self._last_read.get(key) == k:
                     self._shared.pop(key, None)
@@ -599,24 +598,6 @@ class PlanRunner:
             offsets.append(offset)
         return DropoutSite(self.seed, self.step, k, tuple(offsets))
 
-    def _gradient_share(self, node, name: str, src: Layout, dst: Layout,
-                        partial_axes: tuple[str, ...]) -> float:
-        """The share of its gradient this read of `name` hands back (1 but for whole
-        reads of weights the plan sums over devices: `read_gradient_share`)."""
-        roots = self.analysis.weight_roots.get(name)
-        if roots is None or not self.needs_grad.get(name, False) \
-                or passes_weights_on(node, self.analysis.weight_roots):
-            return 1.0
-        key = (node.name, name, src, dst, partial_axes)
-        if key not in self._shares:
-            share = read_gradient_share(roots, self.placement.gradient_axes, src, dst,
-                                        partial_axes, self.mesh)
-            if share is None:  # the derivation refuses such a plan; `validate` too
-                raise ShardplanError(f"op {node.name} reads {name}, computed from weights "
-                                     "whose gradients sum over different axes; plan again")
-            self._shares[key] = share
-        return self._shares[key]
-
     def _move(self, value: torch.Tensor, src: Layout, dst: Layout, info,
               partial_axes: tuple[str, ...],
               phases: tuple[str, str] = ("forward", "backward"),
@@ -645,7 +626,7 @@ class PlanRunner:
                     if step.kind == Move.ALL_GATHER else ()
                 moved = _Move.apply(moved, self.comm, [step],
                                     backward_steps([step], summed, 0), phases)
-            return moved if share == 1.0 else _GradientShare.apply(moved, share)
+            return moved if share == 1.0 else GradientShare.apply(moved, share)
         backward = backward_steps(steps, partial_axes, 0)
         if not steps and not backward:
             return value

@@ -637,9 +637,29 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report, meshes: _Meshes) ->
                  "assignments need it",
                  "extra {phase} {kind} of {tensor} over {axes} at op {op} ({count}×): no "
                  "assignment needs it")
+    _gradient_shares(plan, again, mesh_of, report)
     needed = _weight_steps(plan, graph, again)
     _weights(plan, needed, report)
     report.checked["collectives"] = sum(expected.values()) + sum(needed.values())
+
+
+def _gradient_shares(plan: Plan, again: Mapping[DeviceMesh, ShardedGraph],
+                     mesh_of: Mapping[str, DeviceMesh], report: Report) -> None:
+    """Each read hands back the share of its gradient the derivation gives it (a whole
+    read of a weight whose gradient is summed over its axis: `read_gradient_share`)."""
+    wrong = []
+    for op in plan.ops:
+        shares = again[mesh_of.get(op.name, plan.mesh)].shares
+        for slot, binding in enumerate(op.inputs):
+            if binding is None:
+                continue
+            wanted = shares.get((op.name, slot), 1.0)
+            if not math.isclose(binding.share, wanted, rel_tol=1e-12):
+                wrong.append(f"op {op.name} reads {binding.tensor} handing back "
+                             f"{binding.share:g} of its gradient, but its layouts give "
+                             f"{wanted:g}")
+    for problem in wrong[:MAX_LISTED]:
+        report.add(problem)
 
 
 WeightKey = tuple[str, str, tuple[str, ...], str]  # weight, kind, axes, phase

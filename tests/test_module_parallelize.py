@@ -176,6 +176,28 @@ def test_a_whole_position_embedding_keeps_its_gradient_pending_as_planned(
     assert run.differences == []
 
 
+def test_a_tied_table_read_whole_and_split_trains_as_one_device(tmp_path: Path) -> None:
+    """GPT-2's token table pinned whole on both ranks (the lookup) while the head it is
+    tied to is pinned split over the vocabulary: the head's slices leave pending sums,
+    which the plan makes at the weight, and the whole lookup's gradient, the same on both
+    ranks, hands back half of itself there (the plan's share), so the sum counts it once."""
+    gpt2 = "examples.hf_models:gpt2"
+    path = export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx")
+    graph = load_graph(path, batch=BATCH)
+    head = [op for op in graph.ops if op.op_type == "MatMul"][-1]
+    lookups = [op for op in graph.ops if op.op_type == "Gather"
+               and graph.tensors[op.inputs[0]].kind == "parameter"]
+    pins = {head.name: ((1, 1, 1), (1, 2)), **{
+        op.name: tuple((1,) * len(graph.tensors[t].shape) for t in op.inputs)
+        for op in lookups}}
+    chosen = plan(path, devices=2, batch=BATCH, profile="cpu", mode="semi", strategies=pins,
+                  mesh=(2,))
+    assert [b.share for op in chosen.ops for b in op.inputs if b and b.share != 1] == [0.5]
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-5)
+
+
 def test_bert_zero2_micro_batches_and_recompute_train_as_one_device(tmp_path: Path) -> None:
     """BERT (dropout 0.1; token types from a buffer, which the plan keeps whole on both
     ranks and cuts to each rank's rows where they meet the batch, the gradient of that cut

@@ -38,6 +38,10 @@ class NodeLayouts:
     #: here, in backward (the read cut a replicated activation: each rank's gradient is
     #: its block, gathered back whole)
     gathered: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: weight (the plan's name) -> the share of its gradient this node's read hands back,
+    #: where not 1 (`TensorBinding.share`: a whole read of a weight the plan sums over
+    #: devices that each compute all of its gradient)
+    shares: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class ModuleLayouts:
     #: the plan lists the loss's read of the outputs with the forward pass
     #: (`LossReads.ROWS`): the run moves them there, not in the loss's phase
     loss_reads_planned: bool = False
+    #: weight -> the mesh axes its gradient is summed over (the plan's weight collectives)
+    summed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _listed(names: Collection[str], limit: int = 8) -> str:
@@ -133,6 +139,43 @@ def weight_buckets(plan: Plan) -> tuple[WeightBucket, ...]:
                  for key, names in buckets.items())
 
 
+def _summed_axes(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Weight -> the mesh axes the plan sums its gradient over (its all-reduces and
+    reduce-scatters; a sum between pipeline stages is not a mesh axis)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for c in plan.collectives:
+        if c.op == OPTIMIZER_OP and c.kind in (CollectiveKind.ALL_REDUCE,
+                                               CollectiveKind.REDUCE_SCATTER):
+            axes = tuple(a for a in c.axes if a in plan.mesh.axis_names)
+            found[c.tensor] = tuple(dict.fromkeys((*found.get(c.tensor, ()), *axes)))
+    return found
+
+
+def _weight_shares(plan: Plan, owner: Mapping[str, str]) -> dict[str, dict[str, float]]:
+    """Traced node -> weight -> the share of its gradient the node's read hands back,
+    where the plan gives one below 1. A traced node reads the parameter itself, so a
+    plan op handing back a share of a tensor computed from weights (no parameter of the
+    module), or two ops of one node handing back different shares of one weight, have
+    no read to carry it: refused, naming the op."""
+    found: dict[str, dict[str, float]] = {}
+    for op in plan.ops:
+        for binding in op.inputs:
+            if binding is None or binding.share == 1.0 or op.name not in owner:
+                continue
+            entry = plan.tensors.get(binding.tensor)
+            here = found.setdefault(owner[op.name], {})
+            if entry is None or entry.kind != "parameter" or here.get(
+                    binding.tensor, binding.share) != binding.share:
+                raise ShardplanError(
+                    f"op {op.name} reads {binding.tensor} whole on devices that sum its "
+                    "weight's gradient, through a value the module computes from its "
+                    "weights: the module executor hands back a share of a parameter's "
+                    "gradient only; run the model's ONNX graph (shardplan run), or pin "
+                    f"{op.name} to split the axis its weight's gradient is summed over")
+            here[binding.tensor] = binding.share
+    return found
+
+
 def recompute_spans(plan: Plan, owner: Mapping[str, str], order: Sequence[str]
                     ) -> tuple[tuple[str, ...], ...]:
     """The plan's recompute segments (op ranges of its stages) as runs of traced call
@@ -187,14 +230,17 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
         if found is not None:
             here = found.setdefault(node, {})
             here[c.tensor] = tuple(dict.fromkeys((*here.get(c.tensor, ()), *c.axes)))
+    shares = _weight_shares(plan, owner)
     nodes = {}
     for node in traced:
         entry = plan.tensors.get(node)
         nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
-                                  reduced.get(node, {}), gathered.get(node, {}))
+                                  reduced.get(node, {}), gathered.get(node, {}),
+                                  shares.get(node, {}))
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},
         nodes=nodes, weights=weight_buckets(plan),
         recompute=recompute_spans(plan, owner, traced), owner=owner,
-        loss_reads_planned=plan.step.loss_reads is LossReads.ROWS)
+        loss_reads_planned=plan.step.loss_reads is LossReads.ROWS,
+        summed=_summed_axes(plan))

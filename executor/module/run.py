@@ -110,6 +110,33 @@ class _GradientIn(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _GradientShare(torch.autograd.Function):
+    """Identity forward; in backward this read's share of the gradient (`NodeLayouts.
+    shares`: a whole read of a weight whose gradient the plan sums over devices that each
+    compute all of it). A DTensor gradient arriving whole there becomes the pending sum of
+    the shares, which the plan's weight collective makes (as `_ToPartial`'s does)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Any, share: float, dims: tuple[int, ...]) -> Any:
+        ctx.share, ctx.dims = share, dims
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
+        if not isinstance(grad, DTensor):
+            return grad * ctx.share, None, None
+        whole = [dim for dim in ctx.dims if isinstance(grad.placements[dim], Replicate)]
+        if not math.isclose(math.prod(grad.device_mesh.size(d) for d in whole) * ctx.share,
+                            1.0):
+            raise ShardplanError(f"a weight's gradient arrived whole on {whole} mesh dims of "
+                                 f"{grad.placements}, not on the devices its share "
+                                 f"{ctx.share:g} is of; plan again")
+        done = [Partial() if dim in whole else p for dim, p in enumerate(grad.placements)]
+        return DTensor.from_local(grad.to_local() * ctx.share, grad.device_mesh, done,
+                                  shape=grad.shape, stride=grad.stride(),
+                                  run_check=False), None, None
+
+
 class _FromLocal(torch.autograd.Function):
     """A local value as the DTensor it is a block of (`DTensor.from_local`, no
     communication), whose gradient comes back as this rank's share where DTensor leaves
@@ -767,7 +794,7 @@ class PlannedRun(TracedRun):
                 return 1
             self.env[node] = self.run_node(node)
             return 1
-        results = region.call(*(self._as_local(a) for a in region.inputs))
+        results = region.call(*(self._region_input(region, a) for a in region.inputs))
         for node, value in zip(region.outputs, results, strict=True):
             self.env[node] = value
             self.frame.held_local.add(node)
@@ -822,8 +849,12 @@ class PlannedRun(TracedRun):
                     if moved.requires_grad else moved
             return held[layout]
 
-        args = map_arg(n.args, load)
-        kwargs = map_arg(n.kwargs, load)
+        if planned is not None and planned.shares:
+            args = map_arg(n.args, lambda a: self._shared(n, a, load(a)))
+            kwargs = map_arg(n.kwargs, lambda a: self._shared(n, a, load(a)))
+        else:
+            args = map_arg(n.args, load)
+            kwargs = map_arg(n.kwargs, load)
         leaves = pytree.tree_leaves((args, kwargs))
         if any(isinstance(v, DTensor) for v in leaves) and any(
                 _plain(v) for v in leaves):
@@ -1019,10 +1050,42 @@ class PlannedRun(TracedRun):
             return self._as_local(node)
         return value
 
+    def _region_input(self, region: Region, arg: Node) -> Any:
+        """What a compiled region reads for `arg`: as its readers there read it, which
+        hand back one share of a weight's gradient (`_shared`), or else are refused."""
+        shares = {self._share_of(m, arg) for m in region.nodes if arg in m.all_input_nodes}
+        if len(shares) > 1:
+            raise ShardplanError(f"{arg.name}: ops of one compiled region read it handing back "
+                                 f"different shares of its gradient ({sorted(shares)}); "
+                                 "plan again")
+        return self._with_share(arg, self._as_local(arg), shares.pop() if shares else 1.0)
+
+    def _share_of(self, n: Node, arg: Node) -> float:
+        """The share of its gradient `n`'s read of `arg` hands back: the plan's where `arg`
+        is a weight (`NodeLayouts.shares`), else 1."""
+        planned = self.layouts.nodes.get(n.name)
+        if planned is None or not planned.shares or arg.op != "get_attr":
+            return 1.0
+        weight = self.plan.reads.get(str(arg.target))
+        return planned.shares.get(weight, 1.0) if weight is not None else 1.0
+
+    def _with_share(self, arg: Node, value: Any, share: float) -> Any:
+        if share == 1.0 or not isinstance(value, torch.Tensor):
+            return value
+        names = self.plan_mesh.axis_names
+        summed = self.layouts.summed.get(self.plan.reads.get(str(arg.target), ""), ())
+        return _GradientShare.apply(value, share, tuple(names.index(a) for a in summed))
+
+    def _shared(self, n: Node, arg: Node, value: Any) -> Any:
+        """`value`, what `n` reads for `arg`, handing back the share of its gradient the
+        plan gives this read."""
+        return self._with_share(arg, value, self._share_of(n, arg))
+
     def _run_local(self, n: Node) -> Any:
         args: Any
         kwargs: Any
-        args, kwargs = map_arg((n.args, n.kwargs), self._as_local)
+        args, kwargs = map_arg((n.args, n.kwargs),
+                               lambda a: self._shared(n, a, self._as_local(a)))
         assert callable(n.target)
         if n.target is _SDPA:
             args, kwargs = masks.resolved(n, args, kwargs)

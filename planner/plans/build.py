@@ -517,11 +517,14 @@ _OPS, _TENSORS = "ops", "tensors"  # keys of `PricedGraph.sections`
 
 def _built_op_entries(priced: PricedGraph) -> tuple[OpEntry, ...]:
     mesh = priced.sharded.mesh
+    shares = priced.sharded.shares
     entries = []
     for op, cost in zip(priced.sharded.ops, priced.costs, strict=True):
         node = op.node
-        inputs = tuple(TensorBinding(name, layout) if name and layout is not None else None
-                       for name, layout in zip(node.inputs, op.inputs, strict=True))
+        inputs = tuple(TensorBinding(name, layout, shares.get((node.name, slot), 1.0))
+                       if name and layout is not None else None
+                       for slot, (name, layout) in enumerate(zip(node.inputs, op.inputs,
+                                                                 strict=True)))
         outputs = tuple(TensorBinding(name, layout) if name and layout is not None else None
                         for name, layout in zip(node.outputs, op.outputs, strict=True))
         entries.append(OpEntry(

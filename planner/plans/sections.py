@@ -245,17 +245,31 @@ class StepSpec:
 
 @dataclass(frozen=True)
 class TensorBinding:
-    """One input or output slot of an op and the layout the op sees it in."""
+    """One input or output slot of an op and the layout the op sees it in; for an input,
+    the share of its gradient the read hands back (below 1 only for a whole read of a
+    weight whose gradient is summed over devices that each compute all of it:
+    `planner.sharding.derive.read_gradient_share`)."""
 
     tensor: str
     layout: Layout
+    share: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"tensor": self.tensor, "layout": self.layout.to_json()}
+        found: dict[str, Any] = {"tensor": self.tensor, "layout": self.layout.to_json()}
+        if self.share != 1.0:
+            found["share"] = self.share
+        return found
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> TensorBinding | None:
-        return cls(data["tensor"], Layout.from_json(data["layout"])) if data else None
+        if not data:
+            return None
+        share = data.get("share", 1.0)
+        if isinstance(share, bool) or not isinstance(share, int | float) \
+                or not 0.0 < share <= 1.0:
+            raise TypeError(f"binding of {data['tensor']!r}: share must be a number in "
+                            f"(0, 1], not {share!r}")
+        return cls(data["tensor"], Layout.from_json(data["layout"]), float(share))
 
 
 @dataclass(frozen=True)

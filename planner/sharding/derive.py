@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -85,6 +85,9 @@ class ShardedGraph:
     layouts: Mapping[str, Layout]  # tensor -> stored layout (absent: never read)
     gradient_axes: Mapping[str, tuple[str, ...]]  # parameter -> axes its gradient sums over
     gradients: tuple[CollectiveSpec, ...]  # the op-level plan's gradient all-reduces
+    #: (op, input slot) -> the share of its gradient the read hands back, where not 1
+    #: (`read_gradient_share`: a whole read of a weight whose gradient sums over its axis)
+    shares: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
     @property
     def collectives(self) -> tuple[CollectiveSpec, ...]:
@@ -130,8 +133,10 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
     weight_roots = analysis.weight_roots
     moved: set[tuple] = set()
     described: dict[tuple, tuple[Candidate, float, tuple]] = {}
-    #: reads of tensors computed from several weights (`read_gradient_share` checks them)
-    mixed: list[tuple[str, frozenset[str], Layout, Layout, tuple[str, ...], OpNode]] = []
+    #: reads of weight-derived tensors by ops that do not just pass weights on: each hands
+    #: back a share of its gradient (`read_gradient_share`)
+    weight_reads: list[tuple[OpNode, int, str, frozenset[str], Layout, Layout,
+                             tuple[str, ...]]] = []
     for k, node in enumerate(graph.ops):
         rule = analysis.labels.get(node.name)
         strategy = strategies.get(node.name, REPLICATED) if rule is not None else REPLICATED
@@ -164,8 +169,8 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             partial = own.grad_partial[index]
             grad = needs_grad.get(name, False)
             roots = weight_roots.get(name)
-            if roots is not None and len(roots) > 1 and grad:
-                mixed.append((name, roots, stored, want, tuple(partial), node))
+            if roots is not None and grad and not passes_weights_on(node, weight_roots):
+                weight_reads.append((node, index, name, roots, stored, want, tuple(partial)))
             if (stored is want or stored == want) and not (grad and partial):
                 continue  # read as stored, no partial gradient: nothing moves either way
             info = tensors[name]
@@ -200,22 +205,30 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
                               fraction, tuple(specs)))
     gradient_axes = {name: tuple(a for a in mesh.axis_names if a in deferred_axes[name])
                      for name in sorted(deferred_axes)}
-    for name, roots, stored, want, partial, node in mixed:
-        if not passes_weights_on(node, weight_roots) and read_gradient_share(
-                roots, gradient_axes, stored, want, partial, mesh) is None:
+    shares: dict[tuple[str, int], float] = {}
+    found_shares: dict[tuple, float | None] = {}
+    for node, index, name, roots, stored, want, partial in weight_reads:
+        key = (tuple(gradient_axes.get(root, ()) for root in roots), stored, want, partial)
+        if key not in found_shares:  # every layer's weights alike: found once
+            found_shares[key] = read_gradient_share(roots, gradient_axes, stored, want,
+                                                    partial, mesh)
+        share = found_shares[key]
+        if share is None:
             shown = ", ".join(sorted(roots)[:3])
             raise StrategyError(
                 f"op {node.name} reads {name}, computed from the weights {shown}, whole on "
                 "every device of an axis one of those weights sums its gradient over and "
                 "another does not, so no share of its gradient is right for both; pin "
                 f"{node.name} to split that axis, or the weights' other readers alike")
+        if share != 1.0:
+            shares[(node.name, index)] = share
     gradients = tuple(
         CollectiveSpec(CollectiveKind.ALL_REDUCE, name, axes,
                        tensors[name].nbytes * fraction_of_layout(layout_of[name], mesh),
                        Phase.GRADIENT, OPTIMIZER_OP)
         for name, axes in gradient_axes.items())
     return ShardedGraph(analysis, mesh, training, tuple(ops), layout_of, gradient_axes,
-                        gradients)
+                        gradients, shares)
 
 
 def passes_weights_on(node: OpNode, weight_roots: Mapping[str, frozenset[str]]) -> bool:
