@@ -107,3 +107,24 @@ def test_a_plan_file_without_loss_reads_priced_none(llama: Path) -> None:
         assert report.ok is valid, report.problems
         if not valid:
             assert any("extra forward all_gather" in p for p in report.problems)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["input-first", "input-last"])
+def test_a_graph_returning_its_input_beside_a_result_plans(tmp_path: Path, first: bool
+                                                             ) -> None:
+    """`return x, h`: an output that is a graph input (ONNX shape inference infers nothing
+    while a name is both) keeps its place among the outputs and takes the input's shape."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    h = helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", 16])
+    weight = numpy_helper.from_array(np.ones((16, 16), np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")],
+                              "g", [x], [x, h] if first else [h, x], [weight])
+    path = tmp_path / "passing.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    imported = import_model(path, batch=4)
+    assert imported.outputs == (["x", "h"] if first else ["h", "x"])
+    assert imported.tensors["h"].shape == (4, 16)
+    assert [op.name for op in plan(path, devices=2, batch=4, profile="cpu").ops] == ["mm"]

@@ -64,6 +64,8 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
     A router's data-dependent selection, once its input's shape is static, is sized at
     `capacity_factor` times an expert's even share (`planner.importer.routing`)."""
     known = _known_initializer_values(model)
+    order = [value.name for value in model.graph.output]
+    passing = _set_aside_passing_outputs(model)
     declared = _take_declared_output_shapes(model)
     shapes: Shapes = {}
     routed: dict[str, RoutedSelection] = {}
@@ -84,7 +86,25 @@ def fold_until_stable(model: onnx.ModelProto, opset: int, name: str,
     _check_declared_shapes(model, declared, shapes, name)
     reshape_layout_gathers(model, shapes, known)
     _remove_dead_nodes(model)
+    if passing:  # back, in the file's order
+        outputs = {value.name: value for value in (*model.graph.output, *passing)}
+        del model.graph.output[:]
+        model.graph.output.extend(outputs[name] for name in order if name in outputs)
     return Folded(model, shapes, known, routed)
+
+
+def _set_aside_passing_outputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Take out the graph outputs that are graph inputs or initializers (a model that
+    returns its input ids beside its logits): ONNX shape inference, meeting a name that
+    is both an input and an output, infers nothing at all. Their shapes are the inputs'."""
+    given = {value.name for value in model.graph.input} | {
+        init.name for init in model.graph.initializer}
+    passing = [value for value in model.graph.output if value.name in given]
+    if passing:
+        kept = [value for value in model.graph.output if value.name not in given]
+        del model.graph.output[:]
+        model.graph.output.extend(kept)
+    return passing
 
 
 def _every_shape_static(model: onnx.ModelProto, shapes: Shapes) -> bool:
