@@ -44,3 +44,30 @@ def test_the_pinned_layout_shards_weights_when_the_fastest_does_not_fit(gpt: Pat
     assert fitted.predicted.memory["parameters"] <= 1.05 * weights / 4
     assert fitted.predicted.step_time_s >= fastest.predicted.step_time_s
     assert fitted.solver.objective == fitted.predicted.step_time_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exported", [{"model": "llama", "exporter": "dynamo", "opset": 18}],
+                         indirect=True, ids=["llama-dynamo"])
+def test_a_configuration_whose_exact_layout_does_not_fit_is_passed_over(
+        exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 100,000 tokens the causal mask dynamo expands to the batch from a folded shape is
+    [batch, 1, seq, seq]: the surrogate prices it at each rank's rows, the exact layout on
+    the dp mesh keeps it whole (no op splits it over dp), twice the memory. Those
+    configurations are passed over and the search goes on to one whose exact layout fits
+    (it stopped at the first three the surrogate fitted and found no plan)."""
+    import planner.search.joint as joint
+
+    verdicts: list[bool] = []
+    exact = joint.exact_outcome
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        found = exact(*args, **kwargs)
+        verdicts.append(found[0] is not None)
+        return found
+
+    monkeypatch.setattr(joint, "exact_outcome", counted)
+    chosen = plan(exported, devices=2, batch=4, dims={"seq": 100_000})
+    assert chosen.predicted.fits
+    assert chosen.predicted.memory.peak <= chosen.predicted.memory_limit_bytes
+    assert False in verdicts and True in verdicts  # some passed over, then one fits

@@ -19,8 +19,10 @@ of devices:
    found. A bound starts from a floor that needs no op-level solve; the solve comes
    only when its configuration is first in line.
 
-The finalists are then decided exactly: the op-level choice is solved on the real stage
-mesh at the real micro-batch, priced on the (pp, dp, tp) mesh, and partitioned again.
+Each configuration the surrogate finds fitting is then decided exactly before it counts
+among the finalists: the op-level choice is solved on the real stage mesh at the real
+micro-batch, priced on the (pp, dp, tp) mesh, and partitioned again; one whose exact
+layout does not fit is passed over, and the search goes on.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,6 +116,14 @@ class Scored:
     @property
     def step_time_s(self) -> float:
         return self.partition.price.step_time_s
+
+
+class Verdict(NamedTuple):
+    """Whether a configuration's exact layout fits; where not, its least-memory
+    partition (all recompute), if it has one."""
+
+    fits: bool
+    least: Partition | None = None
 
 
 @dataclass
@@ -408,8 +419,17 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                  training: TrainingOptions, pins: Pins,
                  time_limit: float = 60.0, top_k: int = 3,
                  progress: Callable[[str], None] | None = None,
-                 cluster: Cluster | None = None) -> JointResult:
+                 cluster: Cluster | None = None,
+                 verify: Callable[[Scored], Verdict] | None = None) -> JointResult:
     """Rank the configurations that fit, by the surrogate prices (see the module doc).
+
+    `verify(scored)` (the exact decision: `joint_decisions`) is asked of each
+    configuration the surrogate finds fitting, before it counts towards the top k: one
+    that does not fit is passed over, its exact layout's least memory (`Verdict.least`)
+    the one the failure message reports. The surrogate prices one micro-batch per device
+    as its own graph; the exact layout runs the whole micro-batch on the stage mesh, where
+    a tensor no op splits over dp (a causal mask expanded to the batch from a folded
+    shape) is whole on every rank.
 
     On a mixed `cluster` (`hardware` its lead kind, `devices` all of its devices) each
     layout is solved once on the lead kind and priced on every kind; each configuration is
@@ -662,10 +682,17 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 smallest, where = least.price.peak_memory, choice.describe()
                 categories = _peak_stage_memory(least.price)
             continue
+        scored = Scored(choice, found, small_units, budget)
+        verdict = verify(scored) if verify is not None else None
+        if verdict is not None and not verdict.fits:  # the exact layout does not fit
+            if verdict.least is not None and verdict.least.price.peak_memory < smallest:
+                smallest, where = verdict.least.price.peak_memory, choice.describe()
+                categories = _peak_stage_memory(verdict.least.price)
+            continue
         if found.price.peak_memory < smallest:
             smallest, where = found.price.peak_memory, choice.describe()
             categories = _peak_stage_memory(found.price)
-        ranked.append(Scored(choice, found, small_units, budget))
+        ranked.append(scored)
         # equal prices in the configurations' own order (fewer stages, less tp first),
         # not in the order the bounds had them solved
         ranked.sort(key=lambda s: (s.step_time_s, position[s.choice]))
@@ -754,10 +781,27 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                    dp_shares: str | None = None,
                    layouts: dict[Hashable, ExactLayout] | None = None
                    ) -> PipelineDecision | None:
-    """The exact decision of one configuration: the op-level choice on the stage mesh at
-    the real micro-batch (Megatron's split, with the configuration's sequence parallelism,
-    under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None when it does
-    not fit.
+    """`exact_outcome`'s decision."""
+    return exact_outcome(graphs, hardware, choice, training, modes, time_limit, tp_pinned,
+                         record, budget, layout, context_kind, cluster, dp_shares,
+                         layouts)[0]
+
+
+def exact_outcome(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
+                  training: TrainingOptions, modes: list[Recompute], time_limit: float,
+                  tp_pinned: bool, record: SolverRecord,
+                  budget: MemoryBudget | None = None,
+                  layout: str | None = None,
+                  context_kind: ContextKind | None = None,
+                  cluster: Cluster | None = None,
+                  dp_shares: str | None = None,
+                  layouts: dict[Hashable, ExactLayout] | None = None
+                  ) -> tuple[PipelineDecision | None, Partition | None]:
+    """The exact decision of one configuration: the op-level choice on the stage mesh
+    at the real micro-batch (Megatron's split, with the configuration's sequence
+    parallelism, under `layout="megatron"`), priced on (pp, dp, tp), partitioned; None
+    when it does not fit, with the least-memory partition (full recompute, no limit) of
+    its layouts.
 
     The op-level layout is solved twice when the step runs several micro-batches: with
     per-step weight costs weighed as the step pays them (1 / micro-batches of a
@@ -780,6 +824,7 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
     mesh = choice_mesh(choice, per_node)
     limit = float(training.memory_limit_bytes or int(hardware.memory_bytes.value))
     best: tuple[dict[str, OpStrategy], Partition] | None = None
+    least: Partition | None = None
     seen: list[dict[str, OpStrategy]] = []
     kept = {} if layouts is None else layouts
     for weighed in dict.fromkeys((choice.micro_batches, 1)):
@@ -797,21 +842,27 @@ def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
         if profiles is None or strategies in seen:
             continue
         seen.append(strategies)
-        found = partitioner_for(
+        partitioner = partitioner_for(
             list(profiles), pipeline_config(choice, training),
             hardware, mesh, cluster, training.memory_limit_bytes is not None, micro_size,
-            dp_shares).solve(limit, modes)
+            dp_shares)
+        found = partitioner.solve(limit, modes)
         if found is not None and (best is None or found.price.step_time_s
                                   < best[1].price.step_time_s):
             best = (strategies, found)
+        if best is None:
+            smallest = partitioner.solve(math.inf, [Recompute.FULL])
+            if smallest is not None and (least is None or smallest.price.peak_memory
+                                         < least.price.peak_memory):
+                least = smallest
     if best is None:
-        return None
+        return None, least
     strategies, found = best
     step = found.price.step_time_s
     return PipelineDecision(choice, micro_size, strategies,
                             tuple(tuple(ranges) for ranges in found.devices),
                             tuple(found.recompute), replace(record, objective=step, bound=step),
-                            tp_pinned, found.order, found.rows)
+                            tp_pinned, found.order, found.rows), None
 
 
 def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
@@ -821,11 +872,22 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                     cluster: Cluster | None = None,
                     ) -> tuple[list[PipelineDecision], JointResult]:
     """Exact decisions of the top-k configurations, in the surrogate's order."""
-    result = joint_search(graphs, hardware, devices, training, pins, time_limit, top_k,
-                          progress, cluster)
     modes = recompute_modes(pins)
-    decisions = []
     layouts: dict[Hashable, ExactLayout] = {}
+    decided: dict[Choice, PipelineDecision] = {}
+
+    def verify(scored: Scored) -> Verdict:
+        decision, least = exact_outcome(
+            graphs, hardware, scored.choice, training, modes, time_limit,
+            pins.tp is not None, SolverRecord("joint", "optimal", 0.0, 0.0, 0.0),
+            scored.budget, pins.layout, pins.cp_kind, cluster, pins.dp_shares, layouts)
+        if decision is not None:
+            decided[scored.choice] = decision
+        return Verdict(decision is not None, least)
+
+    result = joint_search(graphs, hardware, devices, training, pins, time_limit, top_k,
+                          progress, cluster, verify)
+    decisions = []
     for scored in result.ranked[:top_k]:
         record = SolverRecord(
             "joint", "optimal", scored.step_time_s, scored.step_time_s, 0.0,
@@ -833,10 +895,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
                                 surrogate_step_time_s=scored.step_time_s,
                                 stages="partition DP over units (layers), recompute per "
                                        "stage"))
-        decision = exact_decision(graphs, hardware, scored.choice, training, modes,
-                                  time_limit, pins.tp is not None, record, scored.budget,
-                                  pins.layout, pins.cp_kind, cluster, pins.dp_shares,
-                                  layouts)
-        if decision is not None:
-            decisions.append(decision)
+        decision = decided[scored.choice]
+        step = decision.solver.objective
+        decisions.append(replace(decision, solver=replace(record, objective=step, bound=step)))
     return decisions, result
