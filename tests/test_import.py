@@ -175,3 +175,19 @@ def test_unnamed_nodes_get_unique_names(tmp_path: Path) -> None:
     graph = import_model(_save(model, tmp_path / "relu.onnx"))
     names = [n.name for n in graph.ops]
     assert len(set(names)) == 2 and all(names)
+
+
+def test_a_size_set_by_data_is_named_not_blamed_on_unbound_dims(tmp_path: Path) -> None:
+    """TopK's k fed by the model's inputs: every dim is bound, the output's size is data;
+    the error names the op and the value, not the dims."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
+    values = helper.make_tensor_value_info("v", TensorProto.FLOAT, None)
+    graph = helper.make_graph(
+        [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="top", axis=1)], "g",
+        [x, k], [values])
+    path = tmp_path / "topk.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(ModelError, match=r"op top \(TopK\) sizes its output by the values "
+                                         r"of k, computed when the model runs"):
+        import_model(path, batch=4)

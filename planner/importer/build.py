@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
 from planner.importer.bind import Bound, data_inputs
-from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Folded
+from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Folded, Shapes
 from planner.importer.names import recover_names
 from planner.importer.order import canonical_order
 from planner.importer.source import ModelSource
@@ -70,6 +70,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
 
     ops: list[OpNode] = []
     problems: list[str] = []
+    first_shapeless: onnx.NodeProto | None = None
     for node in graph.node:
         outputs: list[str] = []
         for output in node.output:
@@ -80,6 +81,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
                 continue
             if shape is None or elem == 0:
                 problems.append(f"{output} (output of {node.name}, {node.op_type})")
+                first_shapeless = first_shapeless or node
                 continue
             tensors[output] = TensorInfo(output, shape, _dtype_name(elem, name, output),
                                          "activation", producer=node.name)
@@ -91,6 +93,14 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         reason = _inference_error(model)
         if reason is not None:
             raise ModelError(f"{name}: {reason}; the file is inconsistent: re-export it")
+        assert first_shapeless is not None
+        sized_by = _sized_by_data(first_shapeless, shapes, known)
+        if sized_by:
+            raise ModelError(
+                f"{name}: op {first_shapeless.name} ({first_shapeless.op_type}) sizes its "
+                f"output by the values of {', '.join(sized_by)}, computed when the model "
+                "runs, not constants; shardplan plans static shapes: export the model with "
+                "that size fixed (a constant k, shape or count)")
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
                                            else "")
         raise ModelError(
@@ -125,6 +135,18 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         sequence_inputs=bound.sequence_inputs,
     )
     return planning
+
+
+def _sized_by_data(node: onnx.NodeProto, shapes: Shapes,
+                   known: Mapping[str, np.ndarray]) -> list[str]:
+    """The integer inputs of `node` whose values are not known, where every input's shape
+    is static: its output's shape then depends on data (TopK's k, a Reshape's target, a
+    Range's limit fed by the model's inputs), which no binding of dims can fix."""
+    inputs = [name for name in node.input if name]
+    if not inputs or any(shapes.get(name, (None, 0))[0] is None for name in inputs):
+        return []
+    return [name for name in inputs if name not in known
+            and ONNX_TO_NUMPY.get(shapes[name][1], "").startswith(("int", "uint"))]
 
 
 def _check_sizes(tensors: Mapping[str, TensorInfo], model_name: str) -> None:
