@@ -193,6 +193,7 @@ def _inference_error(model: onnx.ModelProto) -> str | None:
         found = INFERENCE_ERROR.search(" ".join(str(exc).split()))
         if found:
             op_type, node, reason = found.groups()
+            reason = reason.split(" (op_type:")[0]  # ONNX runs on into the next op's error
             return f"op {node} ({op_type}): {reason.rstrip('.')[:300]}"
     return None
 
