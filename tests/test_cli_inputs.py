@@ -35,6 +35,9 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "argument --parallel: given twice; give it once (one flag pins several"),
     (["--devices", "2", "--devices", "4"], "argument --devices: given twice; give it once"),
     (["--time-limit", "5", "--time-limit=9"], "argument --time-limit: given twice"),
+    (["--mesh", "2x2", "--max-mesh-axes", "1"],
+     "--mesh 2x2 has 2 axes, more than --max-mesh-axes 1"),
+    (["--inference", "--optimizer", "sgd"], "--optimizer sgd with --inference"),
 ])
 def test_absurd_plan_flags_are_refused(seed: Path, flags: list[str], message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,11 +71,12 @@ def add_parser(verbs: Verbs) -> None:
                            "all-to-all), dp_shares (even|speed: how a mixed cluster's "
                            "data-parallel replicas share the batch)")
     plan.add_argument("--mesh", type=mesh, metavar="AxB", help="pin the mesh shape, e.g. 2x4")
-    plan.add_argument("--max-mesh-axes", type=int, default=2, choices=[1, 2, 3],
-                      help="largest number of mesh axes searched")
+    plan.add_argument("--max-mesh-axes", type=int, choices=[1, 2, 3],
+                      help="largest number of mesh axes searched (default 2)")
     plan.add_argument("--no-tie-layers", action="store_true",
                       help="let every repeated layer choose on its own (slower, rarely better)")
-    plan.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "momentum", "sgd"])
+    plan.add_argument("--optimizer", choices=["adam", "adamw", "momentum", "sgd"],
+                      help="the optimizer whose states and step the plan prices (default adam)")
     plan.add_argument("--memory-limit", type=positive_number("--memory-limit"), metavar="GIB",
                       help="device memory limit in GiB (default: the profile's capacity)")
     plan.add_argument("--inference", action="store_true",
@@ -140,6 +141,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.cluster and (args.profile or args.devices):
         raise ShardplanError(f"--cluster {args.cluster} names the devices: give it without "
                              "--profile and --devices")
+    if args.mesh is not None and args.max_mesh_axes is not None \
+            and len(args.mesh) > args.max_mesh_axes:
+        raise ShardplanError(f"--mesh {'x'.join(map(str, args.mesh))} has {len(args.mesh)} "
+                             f"axes, more than --max-mesh-axes {args.max_mesh_axes}: give one "
+                             "of them")
+    if args.inference and args.optimizer is not None:
+        raise ShardplanError(f"--optimizer {args.optimizer} with --inference: a forward pass "
+                             "runs no optimizer; drop one of them")
     # Not given: the API's default (planner.cost.buckets.DEFAULT_BUCKET_MB).
     buckets = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     with tempfile.TemporaryDirectory(prefix="shardplan-demo-") as scratch:
@@ -160,8 +169,9 @@ def _run(args: argparse.Namespace) -> int:
                           devices=args.devices or 8, cluster=args.cluster, batch=batch,
                           dims=dims, mode=args.mode, strategies=strategies, solver=args.solver,
                           time_limit=args.time_limit, parallel=args.parallel, mesh=args.mesh,
-                          max_mesh_axes=args.max_mesh_axes, tie_layers=not args.no_tie_layers,
-                          optimizer=args.optimizer, memory_limit_gib=args.memory_limit,
+                          max_mesh_axes=args.max_mesh_axes or 2,
+                          tie_layers=not args.no_tie_layers,
+                          optimizer=args.optimizer or "adam", memory_limit_gib=args.memory_limit,
                           inference=args.inference, overlap=args.overlap,
                           precision=args.precision, attention=args.attention,
                           fusion=args.fusion, grad_accumulation=args.grad_accumulation,
