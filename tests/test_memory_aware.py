@@ -71,3 +71,18 @@ def test_a_configuration_whose_exact_layout_does_not_fit_is_passed_over(
     assert chosen.predicted.fits
     assert chosen.predicted.memory.peak <= chosen.predicted.memory_limit_bytes
     assert False in verdicts and True in verdicts  # some passed over, then one fits
+
+
+def test_a_mesh_whose_fastest_choice_outgrows_the_device_once_built_keeps_one_that_fits(
+        tmp_path: Path) -> None:
+    """The strategy problem counts memory per op; the built plan's peak can be more. On
+    llama-tiny's 2x2 mesh under 60% of the unlimited plan's peak, the fastest choice the
+    problem fits built over the limit (no plan: 'the smallest any plan needs is 183.2
+    KiB' against a 295.9 KiB limit); the mesh is solved again under a limit lowered by
+    the difference, and a plan that fits is found."""
+    path = zoo.save(zoo.build(*zoo.preset("llama-tiny")), tmp_path / "llama.onnx")
+    free = plan(path, devices=4, batch=8, dims={"seq": 8}, mesh=(2, 2))
+    limit = free.predicted.memory["peak"] * 0.6
+    chosen = plan(path, devices=4, batch=8, dims={"seq": 8}, mesh=(2, 2),
+                  memory_limit_gib=limit / 2**30)
+    assert chosen.predicted.fits and chosen.predicted.memory["peak"] <= limit

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from costmodels.profile import HardwareProfile
+from planner.cost.oplevel import priced_choice
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError, StrategyError
 from planner.humanize import human_seconds
@@ -274,7 +275,8 @@ def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: Hardw
         except StrategyError as exc:  # this dp degree does not split the batch
             return MeshResult(candidate.mesh, None, str(exc))
     prune_dominated(problem)
-    solution = solve(problem, Engine(options.solver, options.time_limit, beat))
+    solution = _within_memory(analysis, problem, profile, training,
+                              Engine(options.solver, options.time_limit, beat))
     if solution.status == BEATEN and beat is not None:
         return MeshResult(candidate.mesh, None,
                           f"every plan takes at least {human_seconds(solution.bound)}, "
@@ -287,6 +289,43 @@ def solve_mesh(analysis: GraphAnalysis, candidate: MeshCandidate, profile: Hardw
     decision = OpLevelDecision(candidate.mesh, problem.strategies(solution.choice),
                                record_of(solution), degrees)
     return MeshResult(candidate.mesh, solution, decision=decision)
+
+
+#: Solves again with the memory limit lowered by what the built plan outgrew it by
+MAX_MEMORY_RESOLVES = 3
+
+
+def _within_memory(analysis: GraphAnalysis, problem: StrategyProblem,
+                   profile: HardwareProfile, training: TrainingOptions,
+                   engine: Engine) -> Solution:
+    """The problem's optimum whose built plan fits the device. The strategy problem
+    counts memory as a sum per op (weights, saved activations, the largest workspace);
+    the plan builder prices the step's peak (`planner.cost.oplevel`), which can be more:
+    an optimum the problem fits can outgrow the device once built, and the mesh then had
+    no plan although another choice fits (llama-tiny on a 2x2 mesh under a limit: the
+    fastest built to 1.2x its counted memory, the least-memory choice fits). Where the
+    built peak is over the limit, the problem's limit is lowered by the difference
+    between the built peak and its own count, and solved again."""
+    limit = problem.memory_limit
+    solution = solve(problem, engine)
+    for _ in range(MAX_MEMORY_RESOLVES):
+        if not solution.choice:
+            break
+        strategies = problem.strategies(solution.choice)
+        peak = priced_choice(analysis, problem.mesh, strategies, profile,
+                             training).step().peak_memory
+        if peak <= limit:
+            break
+        counted = problem.evaluate(solution.choice)[1]
+        problem.memory_limit -= max(peak - counted, peak - limit)
+        if problem.memory_limit <= 0:
+            break
+        again = solve(problem, engine)
+        if not again.choice:
+            break
+        solution = again
+    problem.memory_limit = limit
+    return solution
 
 
 def record_of(solution: Solution) -> SolverRecord:
