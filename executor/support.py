@@ -12,7 +12,9 @@ from __future__ import annotations
 from executor.ops import TORCH_OPS
 from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
+from planner.kinds import StepKind
 from planner.ops import SHARDPLAN_DOMAIN, record_for
+from planner.plans.model import Plan
 from planner.plans.sections import ParallelConfig
 
 #: Collectives of local programs the runtime issues (`PlanRunner._collective`).
@@ -57,6 +59,15 @@ def check_supported(graph: PlanningGraph) -> None:
     also = f"; it also lacks {', '.join(others)}" if others else ""
     raise ShardplanError(f"the torch executor cannot run {where}: op type {op_type} has no "
                          f"torch implementation{also}; {_ADVICE}")
+
+
+def refuse_inference(plan: Plan) -> None:
+    """Refuse an inference plan (`plan --inference`): it prices a forward pass and lists no
+    gradient sums, so the ranks, which train, would each step on their own gradients."""
+    if plan.step.kind == StepKind.INFERENCE:
+        raise ShardplanError("the plan is an inference plan (planned with --inference): it "
+                             "sums no gradients between ranks, and run trains; plan the "
+                             "model without --inference to train it")
 
 
 def check_degrees(parallel: ParallelConfig, graph: bool = True) -> None:

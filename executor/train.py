@@ -37,7 +37,7 @@ from executor.schedule import (
     check_schedule,
     weight_holders,
 )
-from executor.support import check_degrees, check_supported
+from executor.support import check_degrees, check_supported, refuse_inference
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.update import WeightUpdate, check_zero, tied_groups
 from executor.weights import read_weights
@@ -371,6 +371,7 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     run's note on its weights ("" when the model's own are read)."""
     from planner.validate import refuse_invalid
 
+    refuse_inference(plan)
     check_degrees(plan.parallel)
     refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
     graph = graph_for(model, plan)

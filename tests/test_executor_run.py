@@ -146,6 +146,19 @@ def test_a_tied_weight_read_whole_and_split_trains_as_one_process(
     assert issued == planned_counts(chosen, STEPS)
 
 
+def test_an_inference_plan_is_not_trained(tmp_path: Path) -> None:
+    """An inference plan sums no gradients between ranks: training on it, each rank stepped
+    on its own gradients (exit 0, "collectives: as planned")."""
+    from planner.errors import ShardplanError
+
+    path = _zoo(tmp_path, "gpt-tiny")
+    chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu",
+                  inference=True)
+    with pytest.raises(ShardplanError, match="inference plan .* plan the model without "
+                                             "--inference to train it"):
+        train(path, chosen, steps=1)
+
+
 def test_a_plan_for_another_model_is_refused(tmp_path: Path) -> None:
     gpt = _zoo(tmp_path, "gpt-tiny")
     llama = _zoo(tmp_path, "llama-tiny")

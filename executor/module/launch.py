@@ -47,7 +47,7 @@ from executor.module.trace import (
 from executor.ranks import follow_launcher, reported_to_launcher, run_ranks
 from executor.runtime import MeshComm
 from executor.schedule import check_runnable
-from executor.support import check_degrees
+from executor.support import check_degrees, refuse_inference
 from executor.timeouts import DEFAULT_TIMEOUT_S, check_timeout
 from executor.train import RunLog, check_checkpoints, free_port, issues_per_run
 from planner.errors import ShardplanError
@@ -355,6 +355,7 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     # any rank starts (the module's export is not at hand: its ops and layouts are
     # checked as the ranks build); context parallelism this runner does not run, by name.
     refuse_invalid(plan, None, "")
+    refuse_inference(plan)
     check_degrees(plan.parallel, graph=False)
     refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
     if plan.pipeline is not None:
