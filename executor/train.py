@@ -215,6 +215,7 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
     update = engine.update
     params = engine.runner.params
     done = checkpoints.load(resume, params, update.optimizer, update.targets) if resume else 0
+    engine.runner.step = done  # dropout draws its masks by the step: go on from the saved one
     fault = _fault_drill(engine.runner.comm.rank, fault_spec)
 
     def save(at_step: int) -> None:

@@ -254,9 +254,15 @@ def test_torchrun_runs_the_same_training(tmp_path: Path) -> None:
     assert json.loads(log.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-4)
 
 
-def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
-    """AdamW state and shards saved with torch.distributed.checkpoint, atomically."""
-    path = _zoo(tmp_path, "gpt-tiny")
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
+def test_resume_continues_the_same_trajectory(tmp_path: Path, dropout: float) -> None:
+    """AdamW state and shards saved with torch.distributed.checkpoint, atomically; with
+    dropout, the masks of the steps after the saved one (drawn by the step's number)."""
+    from dataclasses import replace
+
+    family, config = zoo.preset("gpt-tiny")
+    path = zoo.save(zoo.build(family, replace(config, dropout=dropout)),
+                    tmp_path / "gpt.onnx")
     chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu")
     whole = train(path, chosen, steps=5, optimizer="adamw", lr=0.01)
     saved = tmp_path / "ckpt"
