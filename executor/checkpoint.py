@@ -94,6 +94,15 @@ def check_target(directory: str | Path) -> None:
     or would destroy: saving replaces `<dir>` and `<dir>.partial`, so each must be absent
     or a folder shardplan wrote, and the folder must be creatable."""
     path = Path(directory)
+    for folder in (path, path.with_name(path.name + ".partial"),
+                   path.with_name(path.name + ".lock")):
+        try:
+            os.lstat(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a name longer than the file system takes
+            raise ShardplanError(f"--checkpoint {path}: {folder.name[:40]}...: "
+                                 f"{exc.strerror}; choose a shorter name") from None
     for folder in (path, path.with_name(path.name + ".partial")):
         if (folder.exists() or folder.is_symlink()) and not _ours(folder):
             raise ShardplanError(f"--checkpoint {path}: {folder} exists and is not a shardplan "

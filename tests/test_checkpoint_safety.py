@@ -202,3 +202,12 @@ def test_a_checkpoint_is_marked_and_resumed_only_under_its_plan(
     assert main(_run(models, "--optimizer", "adamw", "--resume", str(saved),
                      "--checkpoint", str(saved))) == 0
     assert (saved / checkpoints.MARKER).exists()
+
+
+def test_a_checkpoint_name_too_long_for_the_file_system_is_refused(tmp_path: Path) -> None:
+    """`ck` + ".partial" past the file system's 255 bytes: one line, before any rank."""
+    from executor.checkpoint import check_target
+    from planner.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="File name too long; choose a shorter name"):
+        check_target(tmp_path / ("c" * 250))

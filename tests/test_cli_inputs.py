@@ -63,11 +63,21 @@ def test_outputs_never_overwrite_inputs_or_land_nowhere(seed: Path, tmp_path: Pa
     assert main(["export", str(planned), "--format", "dtensor", "-o", str(planned)]) == 2
     assert planned.read_text() == text
     capsys.readouterr()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "targets.npy").write_bytes(b"the user's")
     for flags, message in ((["--lr", "nan"], "--lr nan"), (["--lr", "inf"], "--lr inf"),
                            (["--log-json", str(tmp_path / "no" / "log.json")],
-                            "does not exist")):
+                            "does not exist"),
+                           (["--log-json", str(data / "targets.npy"), "--data", str(data)],
+                            "inside --data"),
+                           (["--log-json", str(tmp_path / "ck"), "--checkpoint",
+                             str(tmp_path / "ck")], "inside --checkpoint"),
+                           (["--log-json", str(tmp_path / ("x" * 300))], "too long")):
         assert main(["run", str(seed), "--plan", str(planned), "--nproc", "2", *flags]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert (data / "targets.npy").read_bytes() == b"the user's"
 
 
 def test_messages_stay_one_line(seed: Path, tmp_path: Path,

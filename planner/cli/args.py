@@ -149,7 +149,14 @@ def check_output(path: str | Path | None, flag: str,
     is none of the command's inputs (`plan -o model.onnx` would overwrite the model)."""
     if path is None or str(path) == "":
         return
-    target = Path(path)
+    try:
+        _check_output(Path(path), flag, inputs)
+    except OSError as exc:  # a name longer than the file system takes, a loop of links
+        raise ShardplanError(f"{flag} {path}: {exc.strerror or exc}; give another path"
+                             ) from None
+
+
+def _check_output(target: Path, flag: str, inputs: Sequence[str | Path | None]) -> None:
     if target.is_dir():
         raise ShardplanError(f"{flag} {target}: is a folder; give a file path")
     if target.parent.exists() and not target.parent.is_dir():

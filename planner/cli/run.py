@@ -58,12 +58,33 @@ def add_parser(verbs: Verbs) -> None:
                           "data-parallel rank reads its shard (default: synthetic)")
 
 
+def _refuse_log_inside(log_json: str | None, folders: list[tuple[str, str | None]]) -> None:
+    """`--log-json` may not land in the run's data folder (its files are the run's inputs:
+    `targets.npy` would be overwritten) or in, or on, a checkpoint folder (the save
+    replaces it, and the log is lost)."""
+    if not log_json:
+        return
+    target = Path(log_json).resolve()
+    for flag, folder in folders:
+        if not folder:
+            continue
+        base = Path(folder).resolve()
+        for place in (base, base.with_name(base.name + ".partial")):
+            if target == place or place in target.parents:
+                raise ShardplanError(f"--log-json {log_json}: inside {flag} {folder}, whose "
+                                     "files the run reads or replaces; write the log "
+                                     "elsewhere")
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the request before any rank starts, train, then print losses and collectives."""
     from planner.plans.model import Plan
 
     check_output(args.log_json, "--log-json", [args.model, args.plan, args.module and
                                                args.module.rpartition(":")[0]])
+    _refuse_log_inside(args.log_json, [("--data", args.data),
+                                       ("--checkpoint", args.checkpoint),
+                                       ("--resume", args.resume)])
     loaded = Plan.load(args.plan)
     if args.checkpoint_every and not args.checkpoint:
         raise ShardplanError("--checkpoint-every needs --checkpoint DIR: where to save")
