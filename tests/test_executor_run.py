@@ -154,8 +154,8 @@ def test_an_inference_plan_is_not_trained(tmp_path: Path) -> None:
     path = _zoo(tmp_path, "gpt-tiny")
     chosen = plan(path, devices=2, batch=4, dims={"seq": 8}, mode="data", profile="cpu",
                   inference=True)
-    with pytest.raises(ShardplanError, match="inference plan .* plan the model without "
-                                             "--inference to train it"):
+    with pytest.raises(ShardplanError, match=r"inference plan .* plan the model without "
+                                             r"--inference to train it"):
         train(path, chosen, steps=1)
 
 
