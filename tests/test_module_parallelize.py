@@ -544,3 +544,52 @@ def test_bert_sequence_parallel_megatron_with_recompute_trains_as_one_process(
     run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
     assert run.losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_kept_trace_is_not_served_for_a_module_whose_settings_changed() -> None:
+    """A forward that branches on a setting the builder read from a config file
+    (`self.act`): the structure, source and weights are the same, the traced program is
+    not, so the digest differs (a later run trained the old activation, exit 0)."""
+    import torch
+    from torch import nn
+
+    from executor.module.cache import trace_digest
+
+    class Act(nn.Module):
+        def __init__(self, act: str) -> None:
+            super().__init__()
+            self.act = act
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.fc(x)) if self.act == "relu" else torch.tanh(self.fc(x))
+
+    example = {"x": torch.ones(2, 4)}
+
+    def digest(act: str) -> str:
+        torch.manual_seed(0)
+        return trace_digest(None, "m:build", Act(act), example)
+
+    assert digest("relu") == digest("relu")
+    assert digest("relu") != digest("tanh")
+
+
+def test_a_plan_of_a_narrower_module_is_refused(tmp_path: Path) -> None:
+    """The plan names the same parameters (fc.weight, fc.bias) at other shapes: refused
+    naming the parameter, not run as planned."""
+    from planner.errors import RunFailed
+
+    builders = {}
+    for width in (8, 16):
+        source = tmp_path / f"width{width}.py"
+        source.write_text(
+            "import torch\n\ndef build():\n    torch.manual_seed(0)\n"
+            f"    model = torch.nn.Sequential(torch.nn.Linear(4, {width}), torch.nn.ReLU(),"
+            f" torch.nn.Linear({width}, 3))\n"
+            "    batch = lambda step, rows: {'input': torch.randn(rows, 4)}\n"
+            "    return model, batch, lambda out, batch: out.sum()\n")
+        builders[width] = f"{source}:build"
+    narrow = plan(export_builder(builders[8], BATCH, tmp_path / "narrow.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", mode="data")
+    with pytest.raises(RunFailed, match=r"is \[16, 4\] in the module but \[8, 4\] in the plan"):
+        train_module(builders[16], narrow, steps=1, batch_size=BATCH)

@@ -65,6 +65,8 @@ def trace_digest(builder_file: Path | None, spec: str, module: nn.Module,
     for source in sorted(s for s in sources if s is not None):
         add(source, Path(source).read_bytes())
     add(repr(module), [m.training for m in module.modules()])
+    for name, submodule in module.named_modules():  # settings the forward may branch on
+        add(name, _settings(submodule))
     for name, tensor in [*module.named_parameters(remove_duplicate=False),
                          *module.named_buffers(remove_duplicate=False)]:
         add(name, tuple(tensor.shape), tensor.dtype)
@@ -72,6 +74,29 @@ def trace_digest(builder_file: Path | None, spec: str, module: nn.Module,
     for name, value in sorted(example.items()):  # its shapes are traced, not its values
         add(name, tuple(value.shape), value.dtype)
     return digest.hexdigest()
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _settings(module: nn.Module) -> list[tuple[str, object]]:
+    """A module's own settings, which its forward may branch on (`self.act == "tanh"`, read
+    from a config file by the builder) though its structure, source and weights stay the
+    same: its public attributes of plain values (and tuples or lists of them), and a
+    configuration object's `to_dict()` (transformers' `PretrainedConfig`)."""
+    found: list[tuple[str, object]] = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, _PLAIN) or (isinstance(value, tuple | list)
+                                         and all(isinstance(v, _PLAIN) for v in value)):
+            found.append((key, value))
+        elif callable(getattr(value, "to_dict", None)) and not isinstance(value, nn.Module):
+            try:
+                found.append((key, sorted(value.to_dict().items(), key=lambda kv: kv[0])))
+            except Exception:  # a to_dict that needs arguments, or fails: not a setting
+                continue
+    return found
 
 
 def kept_trace(digest: str) -> SavedTrace | None:

@@ -472,6 +472,23 @@ def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
     target.register_parameter(leaf, value)
 
 
+def _check_parameter_shapes(plan: Plan, module: nn.Module) -> None:
+    """Every module parameter has the shape the plan gives it (its transpose where the
+    export stores it so): a plan of a narrower module names the same parameters."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        entry = plan.tensors.get(name)
+        if entry is None:
+            continue
+        shape = tuple(entry.shape)
+        if entry.source is not None and entry.source.transposed:
+            shape = shape[::-1]
+        if tuple(param.shape) != shape:
+            raise ShardplanError(
+                f"parameter {name} is {list(param.shape)} in the module but "
+                f"{list(shape)} in the plan for {plan.model.path or 'another model'}: "
+                "plan this module's own export again")
+
+
 def parameter_names(module: nn.Module) -> list[tuple[str, ...]]:
     """Every parameter's names, in module order: a tied weight (GPT-2's embedding and
     head) is one parameter with several names, and an export names it by one of them."""
@@ -641,6 +658,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
     check_parameters(plan, parameter_names(module))
+    _check_parameter_shapes(plan, module)
     trace = _Trace.of(module, example, saved)
     graph, user_inputs = trace.graph, trace.user_inputs
     traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]
