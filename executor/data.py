@@ -18,10 +18,21 @@ def _load(path: Path) -> np.ndarray:
         raise ShardplanError(f"{path}: missing; --data needs one <input>.npy per model input "
                              "(and targets.npy for the ce and mse losses)")
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        found = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise ShardplanError(f"{path}: not a numpy array file ({exc}); write it with "
                              "numpy.save") from None
+    if not isinstance(found, np.ndarray):  # numpy.savez's archive, named .npy
+        raise ShardplanError(f"{path}: an archive of arrays (numpy.savez), not one array; "
+                             "write each array with numpy.save")
+    if not found.dtype.isnative:
+        raise ShardplanError(f"{path}: stored in the other byte order ({found.dtype.str}); "
+                             "write it in this machine's: numpy.save(path, "
+                             "array.astype(array.dtype.newbyteorder('=')))")
+    if found.dtype.kind == "f" and found.size and not np.isfinite(found).all():
+        raise ShardplanError(f"{path}: holds NaN or infinite values; the losses would be "
+                             "NaN: clean the data")
+    return found
 
 
 def global_shape(graph: PlanningGraph, name: str, micro_batches: int,

@@ -128,6 +128,16 @@ def test_data_that_is_not_the_steps_arrays_is_refused(seed: Path, tmp_path: Path
     (folder / "targets.npy").write_bytes(b"not numpy")
     assert main(run) == 2
     assert "not a numpy array file" in capsys.readouterr().err
+    np.save(folder / "targets.npy", np.zeros(32, np.int64))
+    for written, message in (
+            (lambda f: np.savez(f, x=np.zeros((32, 128), np.float32)), "an archive of arrays"),
+            (lambda f: np.save(f, np.zeros((32, 128), ">f4")), "in the other byte order"),
+            (lambda f: np.save(f, np.full((32, 128), np.nan, np.float32)), "holds NaN")):
+        with open(folder / "x.npy", "wb") as out:
+            written(out)
+        assert main(run) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_plan_whose_ranges_leave_its_ops_is_refused_on_load(
