@@ -593,3 +593,55 @@ def test_a_plan_of_a_narrower_module_is_refused(tmp_path: Path) -> None:
                   batch=BATCH, profile="cpu", mode="data")
     with pytest.raises(RunFailed, match=r"is \[16, 4\] in the module but \[8, 4\] in the plan"):
         train_module(builders[16], narrow, steps=1, batch_size=BATCH)
+
+
+BUFFER_AND_NORM = """
+import torch
+
+def batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(rows, 16, generator=g)}
+
+class Scaled(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 32))
+        self.bn = torch.nn.BatchNorm1d(32) if norm else torch.nn.Identity()
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))) * self.scale)
+
+def buffer():
+    torch.manual_seed(0)
+    return Scaled(False), batch, lambda out, b: out.square().mean()
+
+def norm():
+    torch.manual_seed(0)
+    return Scaled(True), batch, lambda out, b: out.square().mean()
+"""
+
+
+def test_a_modules_buffer_is_state_and_a_training_norm_is_refused(tmp_path: Path) -> None:
+    """A `register_buffer` table is exported as an initializer like a weight; the export
+    names it (`shardplan.buffers`) so the plan neither trains nor syncs it (the run was
+    refused: 'plan parameters the module does not have: scale'). Batch norm in training
+    mode is refused by name (a rank failed on its in-place statistics)."""
+    from planner.errors import RunFailed, ShardplanError
+
+    source = tmp_path / "buffered.py"
+    source.write_text(BUFFER_AND_NORM)
+    spec = f"{source}:buffer"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "buffer.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", mode="data")
+    assert chosen.tensors["scale"].kind == "buffer"
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(train_module_reference(spec, steps=STEPS,
+                                                              batch_size=BATCH), rel=1e-5)
+    spec = f"{source}:norm"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "norm.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", mode="data")
+    with pytest.raises(RunFailed, match="module bn is a BatchNorm1d in training mode"):
+        train_module(spec, chosen, steps=1, batch_size=BATCH)
+    with pytest.raises(ShardplanError, match="module bn is a BatchNorm1d in training mode"):
+        train_module_reference(spec, steps=1, batch_size=BATCH)

@@ -395,11 +395,12 @@ def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,
     """The builder's module trained in this process on the whole batch: its trace with
     the split runs' dropout masks (`executor.module.parallelize.unsplit`), or with
     `traced=False` the module's own forward (torch's dropout masks)."""
-    from executor.module.parallelize import unsplit
+    from executor.module.parallelize import refuse_training_norms, unsplit
 
     module, make_batch, loss_fn = load_builder(spec)()
     module.train()
     if traced:
+        refuse_training_norms(module)  # the trace, like the split run, cannot follow them
         module = unsplit(module, make_batch(0, batch_size),
                          saved=shared_trace(spec, batch_size))
     update = make_optimizer(optimizer, module, lr)

@@ -472,6 +472,19 @@ def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
     target.register_parameter(leaf, value)
 
 
+def refuse_training_norms(module: nn.Module) -> None:
+    """Batch norm in training mode updates its running statistics in place as it runs,
+    which the split run's autograd cannot follow (a rank's backward fails, or the bias's
+    gradient arrives summed where the plan sums it again): refused by name."""
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, nn.modules.batchnorm._BatchNorm) and submodule.training:
+            raise ShardplanError(
+                f"module {name or type(module).__name__} is a {type(submodule).__name__} in "
+                "training mode, which the module executor does not run (its running "
+                "statistics update in place); keep its norms in eval mode (module.eval() on "
+                "them), or train it without the module executor")
+
+
 def _check_parameter_shapes(plan: Plan, module: nn.Module) -> None:
     """Every module parameter has the shape the plan gives it (its transpose where the
     export stores it so): a plan of a narrower module names the same parameters."""
@@ -659,6 +672,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                              f"group has {dist.get_world_size()}")
     check_parameters(plan, parameter_names(module))
     _check_parameter_shapes(plan, module)
+    refuse_training_norms(module)
     trace = _Trace.of(module, example, saved)
     graph, user_inputs = trace.graph, trace.user_inputs
     traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from planner.errors import ShardplanError
+from planner.importer.build import MODULE_BUFFERS_KEY
 
 
 @contextlib.contextmanager
@@ -71,6 +73,11 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
     if program is None or program.exported_program is None:
         raise ShardplanError(f"torch.onnx.export of {type(module).__name__} gave no "
                              "exported program")
+    # The module's buffers are initializers like its parameters: name them, so that the
+    # planner neither trains nor syncs them (`planner.importer.build`)
+    buffers = sorted(program.exported_program.graph_signature.inputs_to_buffers.values())
+    if buffers:
+        program.model.metadata_props[MODULE_BUFFERS_KEY] = json.dumps(buffers)
     return program
 
 

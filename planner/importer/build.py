@@ -4,6 +4,7 @@ every op and check the topological order."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -232,6 +233,25 @@ def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) ->
             and t.name in reaches_trig and t.name not in meets_input]
 
 
+#: A model's metadata entry naming the initializers that are a module's buffers (a JSON
+#: list), which the module executor's export writes (`executor.module.trace`)
+MODULE_BUFFERS_KEY = "shardplan.buffers"
+
+
+def _declared_buffers(model: onnx.ModelProto) -> list[str]:
+    """The initializers the model's metadata names as buffers: state the module keeps
+    (`register_buffer`), which no optimizer trains; [] where it names none, or not as a
+    list of names."""
+    for entry in model.metadata_props:
+        if entry.key == MODULE_BUFFERS_KEY:
+            try:
+                names = json.loads(entry.value)
+            except ValueError:
+                return []
+            return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+    return []
+
+
 def _classify_initializers(
     model: onnx.ModelProto, known: Mapping[str, np.ndarray]
 ) -> dict[str, TensorKind]:
@@ -240,7 +260,7 @@ def _classify_initializers(
     Values the folder produced or could read (integers, scalars, Constant nodes) are
     constants; batch-norm running statistics are buffers: stored, but never trained.
     """
-    buffer_uses: set[str] = set()
+    buffer_uses: set[str] = set(_declared_buffers(model))
     for node in model.graph.node:
         for slot in BUFFER_INPUT_SLOTS.get(node.op_type, ()):
             if slot < len(node.input) and node.input[slot]:
