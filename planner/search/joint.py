@@ -424,12 +424,12 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     """Rank the configurations that fit, by the surrogate prices (see the module doc).
 
     `verify(scored)` (the exact decision: `joint_decisions`) is asked of each
-    configuration the surrogate finds fitting, before it counts towards the top k: one
-    that does not fit is passed over, its exact layout's least memory (`Verdict.least`)
-    the one the failure message reports. The surrogate prices one micro-batch per device
-    as its own graph; the exact layout runs the whole micro-batch on the stage mesh, where
-    a tensor no op splits over dp (a causal mask expanded to the batch from a folded
-    shape) is whole on every rank.
+    configuration the surrogate finds fitting that enters the top k, before it counts
+    there: one that does not fit is passed over, its exact layout's least memory
+    (`Verdict.least`) the one the failure message reports. The surrogate prices one
+    micro-batch per device as its own graph; the exact layout runs the whole micro-batch
+    on the stage mesh, where a tensor no op splits over dp (a causal mask expanded to the
+    batch from a folded shape) is whole on every rank.
 
     On a mixed `cluster` (`hardware` its lead kind, `devices` all of its devices) each
     layout is solved once on the lead kind and priced on every kind; each configuration is
@@ -683,7 +683,11 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 categories = _peak_stage_memory(least.price)
             continue
         scored = Scored(choice, found, small_units, budget)
-        verdict = verify(scored) if verify is not None else None
+        # only a configuration that enters the top k is decided: the list only grows, so
+        # one ranked below the k-th never rises into it
+        enters = len(ranked) < top_k or (scored.step_time_s, position[choice]) < (
+            ranked[top_k - 1].step_time_s, position[ranked[top_k - 1].choice])
+        verdict = verify(scored) if verify is not None and enters else None
         if verdict is not None and not verdict.fits:  # the exact layout does not fit
             if verdict.least is not None and verdict.least.price.peak_memory < smallest:
                 smallest, where = verdict.least.price.peak_memory, choice.describe()
