@@ -180,3 +180,54 @@ def _objects(node: object) -> list[dict]:
     if isinstance(node, list):
         return [o for v in node for o in _objects(v)]
     return []
+
+
+BUILDERS = """
+import torch
+from sibling import WIDTH
+
+def model():
+    return torch.nn.Linear(4, WIDTH)
+
+def batch(step, rows):
+    return {"input": torch.randn(rows, 4)}
+
+def two():
+    return model(), batch
+
+def raises():
+    raise RuntimeError("no config.json here")
+
+def listed():
+    return model(), lambda step, rows: [torch.randn(rows, 4)], lambda out, b: out.sum()
+
+def not_a_module():
+    return "model", batch, lambda out, b: out.sum()
+
+def good():
+    return model(), batch, lambda out, b: out.sum()
+"""
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("two", "the builder returned 2 items; return (module, make_batch, loss_fn)"),
+    ("raises", "the builder raised RuntimeError: no config.json here"),
+    ("listed", "the builder's batch is a list, not a dict of tensors"),
+    ("not_a_module", "the builder returned 3 items; return (module, make_batch, loss_fn)"),
+    ("good", ""),
+])
+def test_builder_mistakes_are_one_line(tmp_path: Path, function: str, message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A builder beside its own modules imports them (as `python FILE.py` would); what it
+    gets wrong is one line naming the spec, not a traceback."""
+    pytest.importorskip("torch")
+    (tmp_path / "sibling.py").write_text("WIDTH = 3\n")
+    (tmp_path / "builders.py").write_text(BUILDERS)
+    spec = f"{tmp_path / 'builders.py'}:{function}"
+    code = main(["plan", "--module", spec, "--batch", "4", "--devices", "2", "--profile",
+                 "cpu", "-o", str(tmp_path / "plan.json")])
+    err = capsys.readouterr().err.strip()
+    if not message:
+        assert code == 0, err
+        return
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from executor.module import trace as trace_code
-from executor.module.trace import SavedTrace
+from executor.module.trace import SavedTrace, check_example
 
 KEPT_TRACES = 8  # the most recently used traces kept; older ones are removed
 IN_USE_S = 600.0  # a trace used this recently is kept whatever the count (ranks starting)
@@ -51,6 +51,7 @@ def cache_folder() -> Path | None:
 def trace_digest(builder_file: Path | None, spec: str, module: nn.Module,
                  example: Mapping[str, torch.Tensor]) -> str:
     """The digest of what the module's trace at `example` depends on (module docstring)."""
+    check_example(example)
     digest = hashlib.blake2b(digest_size=16)
 
     def add(*parts: object) -> None:

@@ -72,18 +72,53 @@ def load_builder(spec: str) -> Builder:
         loaded = importlib.util.spec_from_file_location(path.stem, path)
         assert loaded is not None and loaded.loader is not None
         module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:  # as `python FILE.py` does: the files beside it import
+            sys.path.insert(0, folder)
+        try:
+            loaded.loader.exec_module(module)
+        except Exception as exc:
+            raise ShardplanError(f"--module {spec!r}: running {where} raised "
+                                 f"{_first_line(exc)}") from exc
     else:
         if os.getcwd() not in sys.path:  # as `python -m` does: the working folder's modules
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(where)
-        except ImportError as exc:
-            raise ShardplanError(f"--module {spec!r}: cannot import {where}: {exc}") from exc
+        except Exception as exc:
+            raise ShardplanError(f"--module {spec!r}: cannot import {where}: "
+                                 f"{_first_line(exc)}") from exc
     builder = getattr(module, name, None)
     if not callable(builder):
         raise ShardplanError(f"--module {spec!r}: {where} has no function {name}")
-    return builder
+    return _checked(spec, builder)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _checked(spec: str, builder: Callable[[], Any]) -> Builder:
+    """`builder` whose failures and wrong results are one line naming the spec: it must
+    return (module, make_batch, loss_fn), an `nn.Module` and two functions."""
+    def build() -> Any:
+        try:
+            found = builder()
+        except Exception as exc:
+            raise ShardplanError(f"--module {spec!r}: the builder raised "
+                                 f"{_first_line(exc)}") from exc
+        if not (isinstance(found, tuple | list) and len(found) == 3
+                and isinstance(found[0], torch.nn.Module) and callable(found[1])
+                and callable(found[2])):
+            got = (f"{len(found)} items" if isinstance(found, tuple | list)
+                   else type(found).__name__)
+            raise ShardplanError(f"--module {spec!r}: the builder returned {got}; return "
+                                 "(module, make_batch, loss_fn): an nn.Module, a function of "
+                                 "(step, rows) giving the batch's dict of tensors, and a "
+                                 "function of (output, batch) giving the loss")
+        return tuple(found)
+    return build
 
 
 def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:

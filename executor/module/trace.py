@@ -42,6 +42,15 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def check_example(example: object) -> None:
+    """The builder's batch is a dict of tensors by the forward's argument names."""
+    if not isinstance(example, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in example.items()):
+        raise ShardplanError(f"the builder's batch is a {type(example).__name__}, not a dict "
+                             "of tensors by the forward's argument names; make_batch(step, "
+                             "rows) must return one")
+
+
 def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
                    ) -> torch.onnx.ONNXProgram:
     """Export `module` called with keyword inputs `example` (one global batch), in the
@@ -51,6 +60,7 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
     exporter's optimiser renames weights (`val_NNN`) and merges equal ones, which would
     leave plan tensors the module does not have. Dim 0 of every input is the symbolic
     `batch`, so the planner can bind the global batch and try micro-batch sizes."""
+    check_example(example)
     batch = {"batch": torch.export.Dim("batch", min=1)}
     shapes = {name: ({0: batch["batch"]} if value.dim() > 0 else {})
               for name, value in example.items()}
