@@ -73,7 +73,8 @@ def test_outputs_never_overwrite_inputs_or_land_nowhere(seed: Path, tmp_path: Pa
                             "inside --data"),
                            (["--log-json", str(tmp_path / "ck"), "--checkpoint",
                              str(tmp_path / "ck")], "inside --checkpoint"),
-                           (["--log-json", str(tmp_path / ("x" * 300))], "too long")):
+                           (["--log-json", str(tmp_path / ("x" * 300))], "too long"),
+                           (["--seed", str(2 ** 64)], "is not in 0..2**63-1")):
         assert main(["run", str(seed), "--plan", str(planned), "--nproc", "2", *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

@@ -115,6 +115,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: Seeds are torch's and numpy's generators': at most 2**63 - 1 (torch.manual_seed takes
+#: no more)
+MOST_SEED = (1 << 63) - 1
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer from 0 to 2**63 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MOST_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is not in 0..2**63-1")
+    return value
+
+
 def positive_number(flag: str, most: float = math.inf) -> Callable[[str], float]:
     """A finite number above 0 (and at most `most`): NaN, inf and 0 are refused."""
 

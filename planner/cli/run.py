@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executor.timeouts import DEFAULT_TIMEOUT_S, MOST_TIMEOUT_S
-from planner.cli.args import Verbs, check_output, positive_int, positive_number
+from planner.cli.args import Verbs, check_output, positive_int, positive_number, seed
 from planner.errors import ShardplanError
 from planner.humanize import human_bytes
 
@@ -30,7 +30,7 @@ def add_parser(verbs: Verbs) -> None:
                      help="ranks: the plan's device count, or 1 for the unsplit reference")
     run.add_argument("--steps", type=positive_int, default=5)
     run.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=seed, default=0)
     run.add_argument("--lr", type=positive_number("--lr", most=1e3), default=0.1)
     run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     run.add_argument("--log-json", metavar="FILE", help="write losses, times and collectives")

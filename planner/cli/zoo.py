@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from planner.cli.args import Parser, Verbs
+from planner.cli.args import Parser, Verbs, seed
 from planner.errors import ShardplanError
 
 
@@ -27,7 +27,7 @@ def add_parser(verbs: Verbs) -> None:
     zoo.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     zoo.add_argument("--with-weights", action="store_true",
                      help="store random weights inline (small models only)")
-    zoo.add_argument("--seed", type=int, default=0)
+    zoo.add_argument("--seed", type=seed, default=0)
 
 
 def _epilog() -> str:
