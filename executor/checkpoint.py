@@ -103,7 +103,10 @@ def check_target(directory: str | Path) -> None:
                 raise ShardplanError(f"--checkpoint {path}: {folder.name[:40]}...: "
                                      f"{exc.strerror}; choose a shorter name") from None
     for folder in (path, path.with_name(path.name + ".partial")):
-        if (folder.exists() or folder.is_symlink()) and not _ours(folder):
+        if folder.is_symlink():
+            raise ShardplanError(f"--checkpoint {path}: {folder} is a symbolic link, which "
+                                 "saving would replace; give the folder it points to")
+        if folder.exists() and not _ours(folder):
             raise ShardplanError(f"--checkpoint {path}: {folder} exists and is not a shardplan "
                                  f"checkpoint (no {MARKER}); saving would replace it: choose "
                                  "another folder, or move it away")

@@ -211,3 +211,17 @@ def test_a_checkpoint_name_too_long_for_the_file_system_is_refused(tmp_path: Pat
 
     with pytest.raises(ShardplanError, match="File name too long; choose a shorter name"):
         check_target(tmp_path / ("c" * 250))
+
+
+def test_a_checkpoint_given_as_a_symbolic_link_is_refused_as_one(tmp_path: Path) -> None:
+    """Saving replaces the folder: a link to a real one is refused saying it is a link (it
+    said the link held no marker, though its target did)."""
+    from executor.checkpoint import check_target
+    from planner.errors import ShardplanError
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(ShardplanError, match="link is a symbolic link, which saving would "
+                                             "replace; give the folder it points to"):
+        check_target(tmp_path / "link")
