@@ -14,8 +14,10 @@ what the ranks must equal.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -102,6 +104,7 @@ def _first_line(exc: BaseException) -> str:
 def _checked(spec: str, builder: Callable[[], Any]) -> Builder:
     """`builder` whose failures and wrong results are one line naming the spec: it must
     return (module, make_batch, loss_fn), an `nn.Module` and two functions."""
+    @functools.wraps(builder)  # `__wrapped__`: the user's function, whose file keys traces
     def build() -> Any:
         try:
             found = builder()
@@ -145,7 +148,7 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
     anew. None: the module is too large to write twice (`MAX_SHARED_TRACE_BYTES`); each
     rank exports it as before."""
     builder = load_builder(spec)
-    source = Path(builder.__code__.co_filename)
+    source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
     stamp = source.stat() if source.is_file() else None
     key = (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
     if key not in _saved_traces:
