@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.errors import ShardplanError
-from planner.kinds import CollectiveKind, LossReads, Phase
+from planner.kinds import AxisRole, CollectiveKind, LossReads, Phase
 from planner.plans.model import Plan
 from planner.sharding.derive import OPTIMIZER_OP
 from planner.sharding.layout import Layout
@@ -141,12 +141,13 @@ def weight_buckets(plan: Plan) -> tuple[WeightBucket, ...]:
 
 def _summed_axes(plan: Plan) -> dict[str, tuple[str, ...]]:
     """Weight -> the mesh axes the plan sums its gradient over (its all-reduces and
-    reduce-scatters; a sum between pipeline stages is not a mesh axis)."""
+    reduce-scatters; a sum between pipeline stages is not an axis of a stage's DTensors)."""
     found: dict[str, tuple[str, ...]] = {}
     for c in plan.collectives:
         if c.op == OPTIMIZER_OP and c.kind in (CollectiveKind.ALL_REDUCE,
                                                CollectiveKind.REDUCE_SCATTER):
-            axes = tuple(a for a in c.axes if a in plan.mesh.axis_names)
+            axes = tuple(a for a in c.axes if a in plan.mesh.axis_names
+                         and a != AxisRole.PIPELINE)
             found[c.tensor] = tuple(dict.fromkeys((*found.get(c.tensor, ()), *axes)))
     return found
 

@@ -792,22 +792,6 @@ class ExactLayout:
     profiles: tuple[UnitProfile, ...] | None
 
 
-def exact_decision(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
-                   training: TrainingOptions, modes: list[Recompute], time_limit: float,
-                   tp_pinned: bool, record: SolverRecord,
-                   budget: MemoryBudget | None = None,
-                   layout: str | None = None,
-                   context_kind: ContextKind | None = None,
-                   cluster: Cluster | None = None,
-                   dp_shares: str | None = None,
-                   layouts: dict[Hashable, ExactLayout] | None = None
-                   ) -> PipelineDecision | None:
-    """`exact_outcome`'s decision."""
-    return exact_outcome(graphs, hardware, choice, training, modes, time_limit, tp_pinned,
-                         record, budget, layout, context_kind, cluster, dp_shares,
-                         layouts)[0]
-
-
 def exact_outcome(graphs: Analyses, hardware: HardwareProfile, choice: Choice,
                   training: TrainingOptions, modes: list[Recompute], time_limit: float,
                   tp_pinned: bool, record: SolverRecord,

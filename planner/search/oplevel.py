@@ -314,14 +314,14 @@ def _within_memory(analysis: GraphAnalysis, problem: StrategyProblem,
     limit = problem.memory_limit
     solution = solve(problem, engine)
     for _ in range(MAX_MEMORY_RESOLVES):
-        if not solution.choice or problem.evaluate(solution.choice)[1] < CHECKED_SHARE * limit:
+        counted = problem.evaluate(solution.choice)[1] if solution.choice else 0.0
+        if not solution.choice or counted < CHECKED_SHARE * limit:
             break  # far below the device: the step's peak is not priced here for nothing
         strategies = problem.strategies(solution.choice)
         peak = priced_choice(analysis, problem.mesh, strategies, profile,
                              training).step().peak_memory
         if peak <= limit:
             break
-        counted = problem.evaluate(solution.choice)[1]
         problem.memory_limit -= max(peak - counted, peak - limit)
         if problem.memory_limit <= 0:
             break
