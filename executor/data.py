@@ -45,8 +45,9 @@ def global_shape(graph: PlanningGraph, name: str, micro_batches: int,
 
 
 def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
-               micro_batches: int = 1) -> None:
-    """`graph` at the plan's micro-batch: the data hold `micro_batches` of them."""
+               micro_batches: int = 1, rows_dim: int = 0) -> None:
+    """`graph` at the plan's micro-batch: the data hold `micro_batches` of them (the
+    targets along the output's batch dim, `rows_dim`)."""
     if not data:
         return
     folder = Path(data)
@@ -76,7 +77,7 @@ def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
                                          f"looks them up in a table of {rows} rows")
     if kind in ("ce", "mse"):
         targets = _load(folder / "targets.npy")
-        wanted = list(global_shape(graph, output, micro_batches, 0))
+        wanted = list(global_shape(graph, output, micro_batches, rows_dim))
         expected = wanted[:-1] if kind == "ce" else wanted
         if list(targets.shape) != expected:
             raise ShardplanError(f"{folder / 'targets.npy'}: shape {list(targets.shape)}, but "

@@ -111,12 +111,13 @@ def loss_kind(graph: PlanningGraph, wanted: str = "auto") -> tuple[str, str]:
 
 
 def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
-               data: str = "", micro_batches: int = 1,
+               data: str = "", micro_batches: int = 1, rows_dim: int = 0,
                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The global batch: `<data>/<input>.npy` (and `targets.npy`) when given, else
     synthetic: valid token ids for embeddings, normal floats, class or float targets.
     `graph` may be imported at the micro-batch: the data are drawn at micro_batches times
-    its batch, exactly as for the graph of the whole batch."""
+    its batch, exactly as for the graph of the whole batch; `rows_dim` is the output's
+    batch dim (`GraphAnalysis.rows_dim`)."""
     generator = torch.Generator().manual_seed(seed + 1)
     feeds: dict[str, torch.Tensor] = {}
     for name in graph.inputs:
@@ -139,7 +140,7 @@ def batch_data(graph: PlanningGraph, seed: int, kind: str, output: str,
             feeds[name] = torch.randn(shape, generator=generator)
     if kind == "graph":
         return feeds, None
-    shape = global_shape(graph, output, micro_batches, 0)
+    shape = global_shape(graph, output, micro_batches, rows_dim)
     stored = Path(data) / "targets.npy" if data else None
     if stored is not None and stored.exists():
         return feeds, torch.from_numpy(np.load(stored, allow_pickle=False))
@@ -157,10 +158,11 @@ def synthetic_batch(graph: PlanningGraph, seed: int) -> tuple[dict[str, torch.Te
 
 
 def micro_batches_of(graph: PlanningGraph, feeds: dict[str, torch.Tensor],
-                     targets: torch.Tensor | None, count: int,
+                     targets: torch.Tensor | None, count: int, rows_dim: int = 0,
                      ) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor | None]]:
     """The global batch cut along its batch dims into `count` equal micro-batches, in
-    order (inputs without a batch dim go to every micro-batch whole)."""
+    order (inputs without a batch dim go to every micro-batch whole); the targets along
+    the output's batch dim `rows_dim`."""
     parts: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
     for name, value in feeds.items():
         dim = graph.batch_inputs.get(name)
@@ -168,7 +170,7 @@ def micro_batches_of(graph: PlanningGraph, feeds: dict[str, torch.Tensor],
             parts[k][name] = value if dim is None else value.chunk(count, dim)[k]
     if targets is None:
         return parts, [None] * count
-    return parts, list(targets.chunk(count, 0))
+    return parts, list(targets.chunk(count, rows_dim))
 
 
 def _fault_drill(rank: int, spec: str = "") -> int | None:
@@ -210,8 +212,9 @@ def _steps(engine: PipelineEngine, graph: PlanningGraph, steps: int, seed: int,
            marker: dict[str, Any] | None = None) -> None:
     kind, output = loss_kind(graph, loss)
     count = engine.stages.micro_batches
-    feeds, targets = batch_data(graph, seed, kind, output, data, count)
-    micro_feeds, micro_targets = micro_batches_of(graph, feeds, targets, count)
+    rows_dim = engine.runner.analysis.rows_dim(output)
+    feeds, targets = batch_data(graph, seed, kind, output, data, count, rows_dim)
+    micro_feeds, micro_targets = micro_batches_of(graph, feeds, targets, count, rows_dim)
     update = engine.update
     params = engine.runner.params
     done = checkpoints.load(resume, params, update.optimizer, update.targets) if resume else 0
@@ -381,10 +384,11 @@ def preflight(model: str | os.PathLike, plan: Plan, loss: str = "auto", data: st
     refuse_invalid(plan, graph, f" against {model}")
     weights = read_weights(model, load=False)  # a weights file that is there must be whole
     kind, output = loss_kind(graph, loss)
-    check_data(graph, data, kind, output, plan.micro_batches)
+    analysis = GraphAnalysis.of(graph)
+    check_data(graph, data, kind, output, plan.micro_batches, analysis.rows_dim(output))
     check_pipeline_section(plan)
     check_schedule(build_stages(graph, plan.pipeline, plan.mesh, output,
-                                GraphAnalysis.of(graph).needs_grad))
+                                analysis.needs_grad))
     check_zero(plan.parallel.zero)
     return weights.note
 
@@ -439,7 +443,9 @@ def train_reference(model: str | os.PathLike, plan: Plan, *, steps: int = 5, lr:
     `predicted_step_time_s` is what the caller priced for one device, for the log."""
     micro = graph_for(model, plan)
     check_plan_matches(plan, micro)
-    check_data(micro, data, *loss_kind(micro, loss), plan.micro_batches)
+    kind, output = loss_kind(micro, loss)
+    check_data(micro, data, kind, output, plan.micro_batches,
+               GraphAnalysis.of(micro).rows_dim(output))
     graph = whole_batch_graph(plan, micro)
     engine = _engine(GraphAnalysis.of(graph), None, 0, seed, str(model), optimizer, lr, loss)
     log = RunLog(predicted_step_time_s=predicted_step_time_s,

@@ -47,6 +47,7 @@ from planner.plans.stagemesh import (
 )
 from planner.records import Collective
 from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.batch import rows_meet_reason
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive
 from planner.sharding.layout import Layout
@@ -568,6 +569,9 @@ def _model(plan: Plan, graph: PlanningGraph, report: Report, meshes: _Meshes) ->
         report.add(str(exc))
         return
     analysis = GraphAnalysis.of(graph)
+    if plan.parallel.micro_batches > 1 and analysis.rows_meet is not None:
+        report.add(f"parallel.micro_batches is {plan.parallel.micro_batches}, but "
+                   + rows_meet_reason(graph, analysis.rows_meet))
     entries = {op.name: op for op in plan.ops}
     strategies: dict[str, OpStrategy] = {}
     before = len(report.problems)

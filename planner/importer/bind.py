@@ -7,6 +7,7 @@ recomputes them from the bound inputs.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -76,8 +77,7 @@ def bind_dims(
     inputs = data_inputs(model)
     batch_symbol, static_batch = _batch_axis(inputs)
     used = {d.dim_param for v in inputs for d in _shape_dims(v) if not d.HasField("dim_value")}
-    batch_inputs = {v.name: 0 for v in inputs if _leading_dim(v) in (batch_symbol, static_batch)
-                    and _leading_dim(v) is not None}
+    batch_inputs = _batch_dims(inputs, batch_symbol, static_batch)
     sequence_inputs = sequence_dims(inputs, batch_inputs, batch_symbol)
     bound = dict(dims)
     if batch is not None:
@@ -128,28 +128,40 @@ def bind_dims(
 def sequence_dims(inputs: list[onnx.ValueInfoProto], batch_inputs: Mapping[str, int],
                   batch_symbol: str | None) -> dict[str, int]:
     """The sequence dim of each batch input that has one: the dim right after the batch
-    dim when it is symbolic (token ids `[batch, seq]`, a padding mask `[batch, seq]`),
-    the symbol of the first such input standing for all (a `[batch, seq]` mask and
-    `[batch, seq]` ids share it; an image's channels are static and have none). What
-    context parallelism splits."""
+    dim when it is symbolic (token ids `[batch, seq]`, a padding mask `[batch, seq]`), or
+    right before it in a sequence-first input (`[seq, batch]`), the symbol of the first
+    such input standing for all (a `[batch, seq]` mask and `[batch, seq]` ids share it;
+    an image's channels are static and have none). What context parallelism splits."""
     symbol = None
     found: dict[str, int] = {}
     for value in inputs:
         dim = batch_inputs.get(value.name)
         shape = _shape_dims(value)
-        if dim is None or len(shape) <= dim + 1:
+        if dim is None:
             continue
-        after = shape[dim + 1]
-        if after.HasField("dim_value") or not after.dim_param or after.dim_param == batch_symbol:
-            continue
-        symbol = symbol or after.dim_param
-        if after.dim_param == symbol:
-            found[value.name] = dim + 1
+        for index in (dim + 1, dim - 1):
+            if not 0 <= index < len(shape):
+                continue
+            beside = shape[index]
+            if beside.HasField("dim_value") or not beside.dim_param or \
+                    beside.dim_param == batch_symbol:
+                continue
+            symbol = symbol or beside.dim_param
+            if beside.dim_param == symbol:
+                found[value.name] = index
+            break
     return found
 
 
 def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:
-    """The batch is dim 0 of the first data input: its symbol, or its static size."""
+    """The batch dim's symbol, or its static size: the symbol that names a batch (one
+    holding "batch", as `torch.export.Dim("batch")` or `dynamic_axes={1: "batch"}` name
+    it) where some data input has one, so that a sequence-first input `[seq, batch]`
+    keeps its batch; else dim 0 of the first data input."""
+    for value in inputs:
+        for dim in _shape_dims(value):
+            if not dim.HasField("dim_value") and BATCH_SYMBOL.search(dim.dim_param):
+                return dim.dim_param, None
     for value in inputs:
         shape = _shape_dims(value)
         if shape:
@@ -160,11 +172,25 @@ def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | No
     return None, None
 
 
-def _leading_dim(value: onnx.ValueInfoProto) -> str | int | None:
-    shape = _shape_dims(value)
-    if not shape:
-        return None
-    return int(shape[0].dim_value) if shape[0].HasField("dim_value") else shape[0].dim_param
+#: The symbols taken to name the batch dim wherever it stands
+BATCH_SYMBOL = re.compile(r"batch", re.IGNORECASE)
+
+
+def _batch_dims(inputs: list[onnx.ValueInfoProto], symbol: str | None,
+                static: int | None) -> dict[str, int]:
+    """Each batch input's batch dim: the dim the batch symbol names (the first such), or
+    dim 0 where the batch is static and dim 0 has its size."""
+    found: dict[str, int] = {}
+    for value in inputs:
+        for index, dim in enumerate(_shape_dims(value)):
+            if symbol is not None and not dim.HasField("dim_value") and dim.dim_param == symbol:
+                found[value.name] = index
+                break
+            if symbol is None and static is not None and index == 0 and \
+                    dim.HasField("dim_value") and dim.dim_value == static:
+                found[value.name] = 0
+                break
+    return found
 
 
 def _shape_dims(value: onnx.ValueInfoProto):

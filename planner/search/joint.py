@@ -70,7 +70,7 @@ from planner.search.stages import (
     partitioner_for,
 )
 from planner.sharding.analysis import Analyses, GraphAnalysis
-from planner.sharding.batch import dp_splits_exactly
+from planner.sharding.batch import dp_splits_exactly, rows_meet_reason
 from planner.sharding.candidates import Candidate
 from planner.sharding.context import context_allows, head_labels, whole_allowed
 from planner.sharding.experts import Experts, expert_allows
@@ -140,6 +140,9 @@ class JointResult:
     skipped_sizes: dict[int, str] = field(default_factory=dict)
     #: units of a graph with more than MAX_PIPELINE_UNITS: no pipeline was considered
     too_many_units: int = 0
+    #: why no configuration of several micro-batches was considered: rows of the batch
+    #: meet (`planner.sharding.batch.rows_meet_reason`); "" where they stay apart
+    rows_meet: str = ""
 
     def warnings(self) -> tuple[str, ...]:
         """What the plan says of the micro-batch sizes and pipelines this search could not
@@ -154,6 +157,9 @@ class JointResult:
         if self.too_many_units:
             found.append(f"pipelines were not considered: the graph has {self.too_many_units} "
                          f"units (layers), more than the stage search's {MAX_PIPELINE_UNITS}")
+        if self.rows_meet:
+            found.append("micro-batches (and so pipelines) were not considered: "
+                         + self.rows_meet)
         return tuple(found)
 
 
@@ -483,19 +489,27 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
                 skipped[size] = str(exc).split(": ", 1)[-1].split(". ")[0]
         return bindable[size]
 
+    # rows of the batch that meet (attention over a sequence-first input's dim 0) cannot
+    # be cut into micro-batches: one of the whole batch per step, and so no pipeline
+    meets = rows_meet_reason(graph, root.rows_meet) if root.rows_meet is not None else ""
+    if meets and ((pins.micro_batches or 1) > 1 or (pins.pp or 1) > 1):
+        raise ShardplanError(f"{graph.path}: --parallel {pins.spelled()}: {meets}; or pin "
+                             "micro_batches=1 and pp=1")
     granule = next(d for d in _divisors(graph.batch) if binds(d))
     choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
                                             granule, context_degrees(graph.sequence, pins),
                                             expert_degrees(experts, devices, pins))
-               if binds(graph.batch // (c.dp * c.micro_batches))
+               if not (meets and c.micro_batches > 1)
+               and binds(graph.batch // (c.dp * c.micro_batches))
                and binds(graph.batch // c.micro_batches) and not (too_many and c.pp > 1)]
     modes = recompute_modes(pins)
     if not choices:  # the op-level plans may still stand; the message if none does
         binding = f" at {granule} rows or multiples of them (the least it binds at)" \
             if granule > 1 else ""
         return JointResult([], 0, math.inf, "", 0, {
-            f"--parallel {pins.given()}: no configuration of {devices} devices and batch "
-            f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped)
+            f"--parallel {pins.spelled()}: no configuration of {devices} devices and batch "
+            f"{graph.batch}{binding} matches these pins": 0}, skipped_sizes=skipped,
+            rows_meet=meets)
     #: (tp, local micro-batch, cp, ep) -> why Megatron's sequence parallelism, not
     #: pinned, has no layout there
     inexpressible: dict[tuple[int, int, int, int], ShardplanError] = {}
@@ -721,7 +735,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         progress(f"joint search: {tried} of {len(choices)} configurations priced, "
                  f"{len(ranked)} fit")
     return JointResult(ranked, tried, smallest, where, len(choices), unformed, categories,
-                       skipped, too_many)
+                       skipped, too_many, meets)
 
 
 def _memory_aware(choice: Choice, limit: float, modes: list[Recompute],

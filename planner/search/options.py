@@ -70,6 +70,10 @@ class Pins:
         return {f.name: (str(v) if isinstance(v, str) else v) for f in fields(self)
                 if (v := getattr(self, f.name)) is not None}
 
+    def spelled(self) -> str:
+        """The pins as `--parallel` takes them: `dp=2,micro_batches=2`."""
+        return ",".join(f"{name}={value}" for name, value in self.given().items())
+
     @property
     def joint_only(self) -> tuple[str, ...]:
         """The pinned choices only the joint search makes (pipeline, micro-batches, ZeRO,

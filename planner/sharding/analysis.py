@@ -22,7 +22,7 @@ from planner.layers import Repeats, Units, blocks_of_codes, find_units, signatur
 from planner.ops import DimLabels, safe_labels
 from planner.ops.attention import AttentionCore, attention_cores
 from planner.ops.saving import gradient_flows
-from planner.sharding.batch import data_parallel_strategies, sequence_labels
+from planner.sharding.batch import BatchTrace, sequence_labels, trace_batch
 from planner.sharding.experts import Experts, find_experts
 from planner.sharding.mesh import DeviceMesh
 
@@ -45,6 +45,12 @@ class GraphAnalysis:
     units: Units
     batch_labels: Mapping[str, frozenset[str]]  # op -> the labels carrying the batch
     constant_ops: frozenset[str]  # ops computed from constants and buffers alone
+    #: the first op that reads rows of the batch against other rows of it
+    #: (`planner.sharding.batch.BatchTrace.rows_meet`), where micro-batches would change
+    #: the model; None where rows stay apart up to the outputs
+    rows_meet: str | None = None
+    #: graph output -> its dims that carry the batch (the trace's), where some do
+    output_batch_dims: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     #: op -> the labels carrying the sequence (`planner.sharding.batch.sequence_labels`):
     #: what the context-parallel axis may split
     sequence_labels: Mapping[str, frozenset[str]] = field(default_factory=dict)
@@ -58,6 +64,13 @@ class GraphAnalysis:
     def __getstate__(self) -> dict:
         """Pickled (to the search's worker processes) without the kept derivations."""
         return {**self.__dict__, "memo": {}}
+
+    def rows_dim(self, output: str) -> int:
+        """The dim of graph output `output` whose rows a loss's targets follow, and are cut
+        along into micro-batches: the one dim that carries the batch (dim 1 of a
+        sequence-first `[seq, batch, vocab]`), else dim 0."""
+        dims = self.output_batch_dims.get(output, ())
+        return dims[0] if len(dims) == 1 else 0
 
     def attention_cores(self) -> tuple[AttentionCore, ...]:
         """The graph's attention cores (`planner.ops.attention`), found once: the kernel
@@ -109,12 +122,19 @@ class GraphAnalysis:
             placed, constant = first_consumers(graph), constant_ops_of(graph)
             differentiated = frozenset(node.name for node in graph.ops
                                        if gradient_flows(node, needs_grad))
+        trace = _batch_trace(graph, labels)
         return cls(
             graph=graph, labels=labels, needs_grad=needs_grad, differentiated=differentiated,
             weight_roots=roots, first_consumers=placed,
             blocks=blocks, units=find_units(graph, blocks),
-            batch_labels=_batch_labels(graph, labels),
+            batch_labels={} if trace is None else {
+                name: frozenset(label for label, _ in strategy.assignment)
+                for name, strategy in trace.strategies.items()},
             constant_ops=constant,
+            rows_meet=None if trace is None else trace.rows_meet,
+            output_batch_dims={} if trace is None else {
+                name: tuple(sorted(trace.carried[name])) for name in graph.outputs
+                if trace.carried.get(name)},
             sequence_labels=sequence_labels(graph, labels),
             experts=find_experts(graph, labels, roots),
             memo={_CODES: codes},
@@ -205,16 +225,14 @@ def first_consumers(graph: PlanningGraph) -> dict[str, tuple[str, int]]:
     return owner
 
 
-def _batch_labels(graph: PlanningGraph,
-                  labels: Mapping[str, DimLabels | None]) -> dict[str, frozenset[str]]:
-    """Per op, the labels that carry the batch: the batch split traced at the whole batch
-    (so a label qualifies only when every dim it labels holds the whole batch)."""
+def _batch_trace(graph: PlanningGraph,
+                 labels: Mapping[str, DimLabels | None]) -> BatchTrace | None:
+    """The batch split traced at the whole batch (so a label carries the batch only when
+    every dim it labels holds the whole batch): per op the labels carrying it, where rows
+    meet, which output dims hold it. None without a batch."""
     if not graph.batch:
-        return {}
-    tracer = data_parallel_strategies(
-        graph, DeviceMesh.build({AxisRole.DATA: graph.batch}, 1), labels)
-    return {name: frozenset(label for label, _ in strategy.assignment)
-            for name, strategy in tracer.items()}
+        return None
+    return trace_batch(graph, DeviceMesh.build({AxisRole.DATA: graph.batch}, 1), labels)
 
 
 class Analyses:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 from planner.errors import StrategyError
 from planner.graph import OpNode, PlanningGraph
@@ -38,6 +39,27 @@ def data_parallel_strategies(
     axis: str = DP_AXIS,
 ) -> dict[str, OpStrategy]:
     """Per-op strategies that carry the batch split through the graph."""
+    return trace_batch(graph, mesh, labels, axis).strategies
+
+
+@dataclass(frozen=True)
+class BatchTrace:
+    """The batch split followed through a graph: each op's strategy, the dims of each
+    tensor that carry the split, and the first op whose inputs carry it in two labels
+    (`rows_meet`)."""
+
+    strategies: dict[str, OpStrategy]
+    carried: dict[str, set[int]]  # tensor -> its dims that carry the split
+    #: the first op reading rows of the batch against other rows of it: the split reaches
+    #: it in two labels (q kᵀ of a sequence-first input whose dim 0 was taken for the
+    #: batch pairs query and key positions). Micro-batches would then each see part of
+    #: what every row reads: a different model, not a share of the same batch.
+    rows_meet: str | None
+
+
+def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, DimLabels | None],
+                axis: str = DP_AXIS) -> BatchTrace:
+    """The batch split over `axis` followed through the graph (`BatchTrace`)."""
     degree = mesh.axis_size(axis)
     if degree > 1 and graph.batch is not None and graph.batch % degree:
         raise StrategyError(
@@ -49,12 +71,15 @@ def data_parallel_strategies(
         split_dim = {name: {dim} for name, dim in graph.batch_inputs.items()
                      if graph.tensors[name].shape[dim] % degree == 0}
     strategies: dict[str, OpStrategy] = {}
+    rows_meet: str | None = None
     for node in graph.ops:
         op_labels = labels.get(node.name)
         if op_labels is None:
             strategies[node.name] = REPLICATED
             continue
         weight = _carried(graph, node, op_labels, split_dim)
+        if rows_meet is None and len(weight) > 1:
+            rows_meet = node.name
         chosen = REPLICATED
         for label in sorted(weight, key=lambda k: (-weight[k], k)):
             candidate = single_split(label, (axis,))
@@ -65,7 +90,18 @@ def data_parallel_strategies(
         if chosen is REPLICATED:
             continue
         _follow(node, op_labels, {chosen.assignment[0][0]}, split_dim)
-    return strategies
+    return BatchTrace(strategies, split_dim, rows_meet)
+
+
+def rows_meet_reason(graph: PlanningGraph, op: str) -> str:
+    """Why micro-batches cannot cut a batch whose rows meet at `op`
+    (`BatchTrace.rows_meet`), and what to do: one line for a plan's warning or an
+    error."""
+    taken = ", ".join(f"dim {dim} of {name}" for name, dim in graph.batch_inputs.items())
+    return (f"op {op} reads rows of the batch ({taken}) against other rows of it, so "
+            "micro-batches would each see part of what a row reads, a different model; if "
+            "the batch is another dim (a sequence-first [seq, batch] input), name its "
+            'symbol "batch" in the export (torch.export.Dim("batch"))')
 
 
 def _carried(graph: PlanningGraph, node: OpNode, op_labels: DimLabels,
