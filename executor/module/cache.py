@@ -70,7 +70,7 @@ def trace_digest(builder_file: Path | None, spec: str, module: nn.Module,
         add(name, _settings(submodule))
     for name, tensor in [*module.named_parameters(remove_duplicate=False),
                          *module.named_buffers(remove_duplicate=False)]:
-        add(name, tuple(tensor.shape), tensor.dtype)
+        add(name, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
         digest.update(_raw(tensor))
     for name, value in sorted(example.items()):  # its shapes are traced, not its values
         add(name, tuple(value.shape), value.dtype)

@@ -522,7 +522,9 @@ def _distribute_parameters(module: nn.Module, layouts: ModuleLayouts, plan: Plan
     placed: dict[str, nn.Parameter] = {}
     aliases: dict[str, tuple[str, ...]] = {}
     for names in parameter_names(module):
-        planned = next(n for n in names if n in layouts.parameters)
+        planned = next((n for n in names if n in layouts.parameters), None)
+        if planned is None:  # frozen: state the trace reads whole, as a buffer
+            continue
         if held is not None and planned not in held:
             continue
         param = module.get_parameter(planned)
@@ -670,7 +672,9 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
-    check_parameters(plan, parameter_names(module))
+    frozen = {name for name, param in module.named_parameters(remove_duplicate=False)
+              if not param.requires_grad}
+    check_parameters(plan, parameter_names(module), frozen)
     _check_parameter_shapes(plan, module)
     refuse_training_norms(module)
     trace = _Trace.of(module, example, saved)
@@ -706,6 +710,10 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     shared: dict[str, torch.Tensor] = {alias: weights.whole[name] for alias, name in
                                        reads.items()}
     for names in parameter_names(module):
+        if names[0] in frozen:  # the trace reads its plain value, as a buffer's
+            value = module.get_parameter(names[0]).detach()
+            shared.update((alias, value) for alias in names)
+            continue
         if not any(n in shared for n in names):
             for alias in names:
                 _drop(module, alias)

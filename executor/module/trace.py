@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from planner.errors import ShardplanError
-from planner.importer.build import MODULE_BUFFERS_KEY
+from planner.importer.build import MODULE_BUFFERS_KEY, MODULE_FROZEN_KEY
 
 
 @contextlib.contextmanager
@@ -85,9 +85,16 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
                              "exported program")
     # The module's buffers are initializers like its parameters: name them, so that the
     # planner neither trains nor syncs them (`planner.importer.build`)
-    buffers = sorted(program.exported_program.graph_signature.inputs_to_buffers.values())
+    signature = program.exported_program.graph_signature
+    buffers = sorted(signature.inputs_to_buffers.values())
     if buffers:
         program.model.metadata_props[MODULE_BUFFERS_KEY] = json.dumps(buffers)
+    # and its frozen weights: no gradient is summed for them, no optimizer state kept
+    params = dict(module.named_parameters(remove_duplicate=False))
+    frozen = sorted(name for name in signature.inputs_to_parameters.values()
+                    if name in params and not params[name].requires_grad)
+    if frozen:
+        program.model.metadata_props[MODULE_FROZEN_KEY] = json.dumps(frozen)
     return program
 
 

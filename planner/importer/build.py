@@ -233,23 +233,27 @@ def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) ->
             and t.name in reaches_trig and t.name not in meets_input]
 
 
-#: A model's metadata entry naming the initializers that are a module's buffers (a JSON
-#: list), which the module executor's export writes (`executor.module.trace`)
+#: A model's metadata entries naming the initializers that are a module's buffers, and
+#: its frozen parameters (`requires_grad=False`), each a JSON list, which the module
+#: executor's export writes (`executor.module.trace`)
 MODULE_BUFFERS_KEY = "shardplan.buffers"
+MODULE_FROZEN_KEY = "shardplan.frozen"
 
 
 def _declared_buffers(model: onnx.ModelProto) -> list[str]:
-    """The initializers the model's metadata names as buffers: state the module keeps
-    (`register_buffer`), which no optimizer trains; [] where it names none, or not as a
-    list of names."""
+    """The initializers the model's metadata names as buffers or frozen parameters: state
+    the module keeps (`register_buffer`, a weight it does not train), which no optimizer
+    updates and no gradient reaches; [] where it names none, or not as lists of names."""
+    found: list[str] = []
     for entry in model.metadata_props:
-        if entry.key == MODULE_BUFFERS_KEY:
+        if entry.key in (MODULE_BUFFERS_KEY, MODULE_FROZEN_KEY):
             try:
                 names = json.loads(entry.value)
             except ValueError:
-                return []
-            return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
-    return []
+                continue
+            if isinstance(names, list):
+                found += [n for n in names if isinstance(n, str)]
+    return found
 
 
 def _classify_initializers(

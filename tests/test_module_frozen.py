@@ -1,0 +1,102 @@
+"""A module's frozen weights (`requires_grad=False`, as fine-tuning leaves an embedding or
+a backbone) are state in the plan: no gradient reaches them, none is summed, no optimizer
+state is kept. Planned as weights, the run's gradient sums waited for a gradient that never
+came, so no gradient was summed at all: each rank stepped on its own rows (4.209895
+against one process's 4.198841 at step 2, "collectives differ")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from executor.module.launch import export_builder, train_module, train_module_reference
+from executor.module.layouts import check_parameters
+from planner.api import plan
+from planner.errors import ShardplanError
+
+BATCH = 4
+STEPS = 3
+
+BUILDER = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, ids):
+        return self.b(torch.relu(self.a(self.emb(ids))))
+
+
+def batch(step, rows):
+    return {"ids": torch.randint(0, 64, (rows, 8),
+                                 generator=torch.Generator().manual_seed(step))}
+
+
+def loss(out, b):
+    return nn.functional.cross_entropy(out.flatten(0, 1), b["ids"].flatten())
+
+
+def frozen():
+    torch.manual_seed(0)
+    net = Net()
+    net.emb.weight.requires_grad_(False)
+    net.a.weight.requires_grad_(False)
+    return net, batch, loss
+
+
+def trainable():
+    torch.manual_seed(0)
+    return Net(), batch, loss
+'''
+
+FROZEN = ("emb.weight", "a.weight")
+
+
+@pytest.fixture()
+def builder(tmp_path: Path) -> Path:
+    path = tmp_path / "finetune.py"
+    path.write_text(BUILDER)
+    return path
+
+
+def test_frozen_weights_are_state_and_train_as_one_process(builder: Path,
+                                                           tmp_path: Path) -> None:
+    spec = f"{builder}:frozen"
+    exported = export_builder(spec, BATCH, tmp_path / "frozen.onnx")
+    chosen = plan(exported, devices=2, batch=BATCH, profile="cpu",
+                  parallel={"dp": 2, "zero": 1})
+    assert all(chosen.tensors[name].kind == "buffer" for name in FROZEN)
+    assert not any(c.tensor in FROZEN for c in chosen.collectives)
+    trained = plan(export_builder(f"{builder}:trainable", BATCH, tmp_path / "all.onnx"),
+                   devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 1})
+    # no gradients or optimizer state for the frozen weights
+    assert chosen.predicted.memory.optimizer < trained.predicted.memory.optimizer
+    assert chosen.predicted.memory.gradients < trained.predicted.memory.gradients
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+
+
+def test_a_plan_that_disagrees_on_what_is_frozen_is_refused(builder: Path,
+                                                            tmp_path: Path) -> None:
+    """A plan made before the module froze a weight (or after it unfroze one)."""
+    trained = plan(export_builder(f"{builder}:trainable", BATCH, tmp_path / "all.onnx"),
+                   devices=2, batch=BATCH, profile="cpu", mode="data")
+    names = [(n,) for n, e in trained.tensors.items() if e.kind == "parameter"]
+    with pytest.raises(ShardplanError, match=r"parameter emb.weight is frozen "
+                                             r"\(requires_grad=False\) in the module, but "
+                                             r"the plan .* trains it: plan the module again"):
+        check_parameters(trained, names, frozen=set(FROZEN))
+    held = plan(export_builder(f"{builder}:frozen", BATCH, tmp_path / "frozen.onnx"),
+                devices=2, batch=BATCH, profile="cpu", mode="data")
+    with pytest.raises(ShardplanError, match=r"parameter emb.weight is trained by the module, "
+                                             r"but the plan .* holds it frozen"):
+        check_parameters(held, names + [(n,) for n in FROZEN if (n,) not in names])
