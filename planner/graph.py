@@ -177,6 +177,10 @@ class PlanningGraph:
     #: graph input -> index of its sequence dim (`planner.importer.bind.sequence_dims`):
     #: what context parallelism splits; empty when no input has one
     sequence_inputs: dict[str, int] = field(default_factory=dict)
+    #: op -> the exported program's node it was decomposed from, where the exporter names
+    #: it (torch's dynamo exporter: `nn.Linear`'s one `aten.linear` becomes Transpose,
+    #: MatMul and Add): a pipeline stage takes such a node whole (`planner.layers`)
+    source_ops: dict[str, str] = field(default_factory=dict)
 
     @property
     def sequence(self) -> int | None:

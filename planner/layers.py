@@ -292,4 +292,30 @@ def find_units(graph: PlanningGraph, blocks: Sequence[Repeats]) -> Units:
     chunks = min(n, MAX_PLAIN_UNITS)
     edges = np.searchsorted(np.cumsum(flops), np.linspace(0, flops.sum(), chunks + 1)[1:-1])
     bounds = sorted({0, n, *(int(e) + 1 for e in edges if 0 < int(e) + 1 < n)})
+    if graph.source_ops:
+        bounds = _whole_source_ops(bounds, graph)
     return Units(tuple(bounds), tuple(f"part {k}" for k in range(len(bounds) - 1)), ())
+
+
+def _whole_source_ops(bounds: Sequence[int], graph: PlanningGraph) -> list[int]:
+    """`bounds` each moved back to the nearest cut that leaves every exported source op
+    (`PlanningGraph.source_ops`: the ops one `aten.linear` became) in one unit, dropped
+    where none is left before the previous bound: the module executor runs a source op
+    on one stage, so a stage cut inside it names a tensor the module never computes."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.ops):
+        source = graph.source_ops.get(node.name)
+        if source is not None:
+            last[source] = index
+    # reach[i]: the last op of any source op begun at or before op i
+    reach = np.maximum.accumulate(np.array(
+        [last.get(graph.source_ops.get(node.name, ""), index)
+         for index, node in enumerate(graph.ops)], dtype=np.int64))
+    kept = [0]
+    for bound in bounds[1:-1]:
+        while bound > kept[-1] and reach[bound - 1] >= bound:
+            bound -= 1
+        if bound > kept[-1]:
+            kept.append(bound)
+    kept.append(bounds[-1])
+    return kept

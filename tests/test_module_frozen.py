@@ -12,8 +12,9 @@ import pytest
 
 from executor.module.launch import export_builder, train_module, train_module_reference
 from executor.module.layouts import check_parameters
-from planner.api import plan
+from planner.api import load_graph, plan
 from planner.errors import ShardplanError
+from planner.sharding.analysis import GraphAnalysis
 
 BATCH = 4
 STEPS = 3
@@ -100,3 +101,24 @@ def test_a_plan_that_disagrees_on_what_is_frozen_is_refused(builder: Path,
     with pytest.raises(ShardplanError, match=r"parameter emb.weight is trained by the module, "
                                              r"but the plan .* holds it frozen"):
         check_parameters(held, names + [(n,) for n in FROZEN if (n,) not in names])
+
+
+def test_a_pipeline_stage_takes_each_exported_op_whole(builder: Path, tmp_path: Path) -> None:
+    """The model has no repeated layers, so its units are FLOP-equal chunks of ops; a cut
+    fell between the Transpose and the MatMul that `nn.Linear`'s one `aten.linear` became,
+    and the rank failed ("the plan sends val_1 from chunk 0, which the traced module does
+    not compute there"). Cuts now fall between the exported program's nodes."""
+    spec = f"{builder}:trainable"
+    exported = export_builder(spec, BATCH, tmp_path / "all.onnx")
+    graph = load_graph(exported, batch=BATCH)
+    assert graph.source_ops["node_MatMul_1"] == graph.source_ops["node_Transpose_0"]
+    units = GraphAnalysis.of(graph).units
+    for bound in units.bounds[1:-1]:
+        before, after = graph.ops[bound - 1].name, graph.ops[bound].name
+        assert graph.source_ops.get(before) != graph.source_ops.get(after)
+    chosen = plan(exported, devices=2, batch=BATCH, profile="cpu",
+                  parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []

@@ -72,7 +72,12 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
     ops: list[OpNode] = []
     problems: list[str] = []
     first_shapeless: onnx.NodeProto | None = None
+    source_ops: dict[str, str] = {}
     for node in graph.node:
+        if node.metadata_props:
+            origin = _source_op(node)
+            if origin:
+                source_ops[node.name] = origin
         outputs: list[str] = []
         for output in node.output:
             shape, elem = shapes.get(output, (None, 0)) if output else (None, 0)
@@ -133,9 +138,24 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         warnings=[_merged_warning(tensor, parameters)
                   for tensor, parameters in recovered.merged.items() if tensor in tensors],
         routed=folded.routed, capacity_factor=capacity_factor,
-        sequence_inputs=bound.sequence_inputs,
+        sequence_inputs=bound.sequence_inputs, source_ops=source_ops,
     )
     return planning
+
+
+#: The metadata torch's dynamo exporter gives each node: the FX node it comes from
+#: ("%linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](...)")
+FX_NODE_KEY = "pkg.torch.onnx.fx_node"
+FX_NODE_NAME = re.compile(r"%([^\s:]+)\s*:")
+
+
+def _source_op(node: onnx.NodeProto) -> str | None:
+    """The exported program's node `node` was decomposed from, where the exporter says."""
+    for entry in node.metadata_props:
+        if entry.key == FX_NODE_KEY:
+            found = FX_NODE_NAME.match(entry.value)
+            return found.group(1) if found else None
+    return None
 
 
 def _sized_by_data(node: onnx.NodeProto, shapes: Shapes,
