@@ -574,8 +574,13 @@ class _Trace:
         return [kwargs[n] for n in self.user_inputs]
 
     def outputs(self, flat: Any) -> Any:
+        """The forward's outputs in the module's own structure (a tuple, a dict of logits
+        and extras), from the trace's flat leaves; as they are where the graph's own code
+        built that structure already (a dict taken for one leaf failed the rank)."""
+        if not self.out_spec or pytree.tree_structure(flat) == self.out_spec:
+            return flat
         leaves = list(flat) if isinstance(flat, (list, tuple)) else [flat]
-        return pytree.tree_unflatten(leaves, self.out_spec) if self.out_spec else flat
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
     def share_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
         """The trace holds the given tensors (the module's own parameters, or the whole

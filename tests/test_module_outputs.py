@@ -1,0 +1,62 @@
+"""A module's forward may return its outputs in any structure torch exports (a tuple, a
+dict of logits and extras): the loss function gets them in that structure. A dict was
+taken for one leaf of itself and failed the rank ("`leaves` has length 1 but the spec
+refers to a pytree that holds 2 items")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from executor.module.launch import export_builder, train_module, train_module_reference
+from planner.api import plan
+
+BATCH = 4
+STEPS = 3
+
+BUILDER = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.a = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        hidden = torch.relu(self.emb(ids))
+        return {"logits": self.a(hidden), "aux": hidden.mean()}
+
+
+def batch(step, rows):
+    return {"ids": torch.randint(0, 64, (rows, 8),
+                                 generator=torch.Generator().manual_seed(step))}
+
+
+def loss(out, b):
+    return (nn.functional.cross_entropy(out["logits"].flatten(0, 1), b["ids"].flatten())
+            + 0.1 * out["aux"])
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), batch, loss
+'''
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"pp": 2, "micro_batches": 2,
+                                                  "schedule": "1f1b"}], ids=["dp", "pp"])
+def test_a_forward_returning_a_dict_trains_as_one_process(tmp_path: Path,
+                                                          parallel: dict) -> None:
+    builder = tmp_path / "dict_outputs.py"
+    builder.write_text(BUILDER)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel=parallel)
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
