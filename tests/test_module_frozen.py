@@ -55,6 +55,13 @@ def frozen():
 def trainable():
     torch.manual_seed(0)
     return Net(), batch, loss
+
+
+def with_unused():
+    torch.manual_seed(0)
+    net = Net()
+    net.pooler = nn.Linear(64, 64)  # never read by the forward
+    return net, batch, loss
 '''
 
 FROZEN = ("emb.weight", "a.weight")
@@ -118,6 +125,21 @@ def test_a_pipeline_stage_takes_each_exported_op_whole(builder: Path, tmp_path: 
         assert graph.source_ops.get(before) != graph.source_ops.get(after)
     chosen = plan(exported, devices=2, batch=BATCH, profile="cpu",
                   parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+
+
+def test_a_parameter_the_forward_never_reads_stays_as_it_is(builder: Path,
+                                                             tmp_path: Path) -> None:
+    """The export leaves out a parameter no op reads, and so does the plan; the run was
+    refused in the ranks ("module parameters the plan does not name: pooler.bias,
+    pooler.weight"). No gradient reaches it: it stays in the module, whole."""
+    spec = f"{builder}:with_unused"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "unused.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 3})
+    assert "pooler.weight" not in chosen.tensors
     run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
     reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
     assert run.losses == pytest.approx(reference, rel=1e-4)

@@ -679,10 +679,15 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                              f"group has {dist.get_world_size()}")
     frozen = {name for name, param in module.named_parameters(remove_duplicate=False)
               if not param.requires_grad}
-    check_parameters(plan, parameter_names(module), frozen)
-    _check_parameter_shapes(plan, module)
     refuse_training_norms(module)
     trace = _Trace.of(module, example, saved)
+    # parameters the forward never reads (the export leaves them out, and so does the
+    # plan): no gradient reaches them, so they stay in the module as they are
+    read = {str(n.target) for n in trace.graph.graph.nodes if n.op == "get_attr" and n.users}
+    unused = [names for names in parameter_names(module) if not read.intersection(names)]
+    check_parameters(plan, [names for names in parameter_names(module)
+                            if names not in unused], frozen)
+    _check_parameter_shapes(plan, module)
     graph, user_inputs = trace.graph, trace.user_inputs
     traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]
     values = {n.name for n in graph.graph.nodes}
@@ -715,6 +720,8 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     shared: dict[str, torch.Tensor] = {alias: weights.whole[name] for alias, name in
                                        reads.items()}
     for names in parameter_names(module):
+        if names in unused:
+            continue
         if names[0] in frozen:  # the trace reads its plain value, as a buffer's
             value = module.get_parameter(names[0]).detach()
             shared.update((alias, value) for alias in names)
