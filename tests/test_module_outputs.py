@@ -1,7 +1,8 @@
-"""A module's forward may return its outputs in any structure torch exports (a tuple, a
-dict of logits and extras): the loss function gets them in that structure. A dict was
-taken for one leaf of itself and failed the rank ("`leaves` has length 1 but the spec
-refers to a pytree that holds 2 items")."""
+"""What a module's forward takes and gives, beyond tensors of rows: its outputs in any
+structure torch exports (a tuple, a dict of logits and extras), which the loss function
+gets in that structure (a dict was taken for one leaf of itself and failed the rank:
+"`leaves` has length 1 but the spec refers to a pytree that holds 2 items"); and a 0-d
+input, which every micro-batch reads whole."""
 
 from __future__ import annotations
 
@@ -53,6 +54,55 @@ def test_a_forward_returning_a_dict_trains_as_one_process(tmp_path: Path,
                                                           parallel: dict) -> None:
     builder = tmp_path / "dict_outputs.py"
     builder.write_text(BUILDER)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel=parallel)
+    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
+    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert run.differences == []
+
+
+SCALAR_INPUT = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.a = nn.Linear(32, 64)
+
+    def forward(self, ids, scale):
+        return self.a(torch.relu(self.emb(ids))) * scale
+
+
+def batch(step, rows):
+    return {"ids": torch.randint(0, 64, (rows, 8),
+                                 generator=torch.Generator().manual_seed(step)),
+            "scale": torch.tensor(0.5)}
+
+
+def loss(out, b):
+    return nn.functional.cross_entropy(out.flatten(0, 1), b["ids"].flatten())
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), batch, loss
+'''
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2, "micro_batches": 2},
+                                      {"pp": 2, "micro_batches": 2, "schedule": "1f1b"}],
+                         ids=["dp-micro", "pp"])
+def test_a_scalar_in_the_batch_goes_whole_to_every_micro_batch(tmp_path: Path,
+                                                                parallel: dict) -> None:
+    """A 0-d input (a step's setting) has no rows: it was refused in the ranks ("input
+    scale: () does not split into 1 micro-batches along dim 0")."""
+    builder = tmp_path / "scalar_input.py"
+    builder.write_text(SCALAR_INPUT)
     spec = f"{builder}:build"
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel=parallel)

@@ -219,7 +219,7 @@ class ParallelModule:
         count = self.plan.micro_batches
         given = self._on_device(self.trace.inputs((), batch))
         for name, value in zip(self.trace.user_inputs, given, strict=True):
-            if value.dim() == 0 or value.shape[0] % count:
+            if value.dim() > 0 and value.shape[0] % count:
                 raise ShardplanError(f"input {name}: {tuple(value.shape)} does not split "
                                      f"into {count} micro-batches along dim 0")
         part = phases or (lambda _: contextlib.nullcontext())
@@ -228,7 +228,7 @@ class ParallelModule:
             return self._pipelined(loss_fn, given, part)
         losses: list[torch.Tensor] = []
         for micro in range(count):
-            rows = [v.chunk(count)[micro] for v in given]
+            rows = [_micro_rows(v, count, micro) for v in given]
             micro_batch = dict(zip(self.trace.user_inputs, rows, strict=True))
             self.weights.micro_batch_last = micro == count - 1
             try:
@@ -315,7 +315,7 @@ class ParallelModule:
         """One step through this rank's pipeline schedule (`executor.pipeline`)."""
         assert self.pipeline is not None and self.chunks is not None
         count = self.plan.micro_batches
-        feeds = [[v.chunk(count)[micro] for v in given] for micro in range(count)]
+        feeds = [[_micro_rows(v, count, micro) for v in given] for micro in range(count)]
         targets = [dict(zip(self.trace.user_inputs, rows, strict=True)) for rows in feeds]
         self.chunks.step_number = self.draws
         self.chunks.phases = phases
@@ -329,6 +329,13 @@ class ParallelModule:
         by "kind|axes|phase"."""
         return Counter({f"{k}|{','.join(a)}|{phase}": n
                         for (k, a, phase), n in self.comm.counters.issued.items() if n})
+
+
+def _micro_rows(value: torch.Tensor, count: int, micro: int) -> torch.Tensor:
+    """Micro-batch `micro` of `count` of a batch input: its rows, or the whole of a 0-d
+    input (a scalar setting of the step, which the export keeps static), which every
+    micro-batch reads."""
+    return value.chunk(count)[micro] if value.dim() > 0 else value
 
 
 def state_of(module: nn.Module) -> ParallelModule:
