@@ -81,6 +81,27 @@ def test_a_vocabulary_split_head_issues_only_the_planned_collectives(llama_onnx:
     assert run.losses == pytest.approx(reference, rel=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["head", "megatron"])
+def test_a_tied_table_issues_only_the_planned_collectives(tmp_path: Path,
+                                                          layout: str) -> None:
+    """GPT-2's embedding is its head's weight: the head split over the vocabulary with
+    the table replicated (the sweep of 2026-12-06 saw an all-gather where the plan lists
+    the head input gradient's reduce-scatter), and Megatron's split."""
+    gpt2 = "examples.hf_models:gpt2"
+    path = export_builder(gpt2, BATCH, tmp_path / "gpt2.onnx")
+    if layout == "head":
+        head = [op for op in load_graph(path, batch=BATCH).ops if op.op_type == "MatMul"][-1]
+        chosen = plan(path, devices=2, batch=BATCH, profile="cpu", mode="semi",
+                      strategies={head.name: ((1, 1, 1), (1, 2))}, mesh=(2,))
+    else:
+        chosen = plan(path, devices=2, batch=BATCH, profile="cpu",
+                      parallel={"dp": 1, "tp": 2, "layout": "megatron"})
+    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
+    assert run.differences == []
+    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
+    assert run.losses == pytest.approx(reference, rel=1e-4)
+
+
 def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
     chosen = plan(llama_onnx, devices=2, batch=BATCH, profile="cpu", mode="data",
                   parallel={"zero": 0})
