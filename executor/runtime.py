@@ -652,16 +652,17 @@ class PlanRunner:
             local = values[output].reshape(())
             reported = self.comm.all_reduce(local.detach().reshape(1), src.partial, "loss")
             return local, float(reported.item())
-        batch_axes = src.dims[0] if src.dims else ()
-        dst = loss_layout(src)
+        rows = self.analysis.rows_dim(output)
+        batch_axes = src.dims[rows] if src.dims else ()
+        dst = loss_layout(src, rows)
         # The plan lists this gather with the forward pass (`LossReads.ROWS`); a plan that
         # does not leaves it to the loss, counted apart.
         phases = ("forward", "backward") if self.placement.loss_reads_planned \
             else ("loss", "loss")
         predicted = self._move(values[output], src, dst, info, (), phases)
         assert targets is not None
-        local_targets = shard_of(targets, Layout((batch_axes, *[() for _ in
-                                                               targets.shape[1:]])), self.comm)
+        local_targets = shard_of(targets, Layout(tuple(
+            batch_axes if dim == rows else () for dim in range(targets.dim()))), self.comm)
         if kind == "ce":
             classes = predicted.shape[-1]
             total = torch.nn.functional.cross_entropy(

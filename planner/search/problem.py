@@ -300,7 +300,9 @@ def price_classes(analysis: GraphAnalysis, kernels: KernelPlan, options: Trainin
                       for slot, i in enumerate(node.inputs)),
                 tuple(needs_grad.get(o, False) for o in node.outputs if o),
                 kernels.ops[name], tuple(kernels.saved.get(o, 0.0) for o in node.outputs),
-                read_by_loss.get(name, ()), analysis.batch_labels.get(name),
+                tuple((slot, analysis.rows_dim(node.outputs[slot]))
+                      for slot in read_by_loss.get(name, ())),
+                analysis.batch_labels.get(name),
                 all(o in roots for o in node.outputs if o), name in last_bucket)
             found[name] = numbers.setdefault(signature, len(numbers))
         analysis.memo[key] = found
@@ -348,7 +350,8 @@ def _candidate_cost(node: OpNode, candidate: Candidate, graph: PlanningGraph, me
         name, layout = node.outputs[slot], candidate.outputs[slot]
         if layout is not None:
             for kind, axes, nbytes, _ in loss_read_moves(tensors[name], layout, mesh,
-                                                          needs_grad.get(name, False)):
+                                                          needs_grad.get(name, False),
+                                                          analysis.rows_dim(name)):
                 seconds += collective_seconds(profile, kind, nbytes, axes, mesh)
     owned = 0.0
     for slot, name in enumerate(node.inputs):

@@ -197,7 +197,8 @@ def derive(analysis: GraphAnalysis, mesh: DeviceMesh, strategies: Mapping[str, O
             if layout is not None:
                 specs += [CollectiveSpec(kind, name, axes, nbytes, phase, LOSS_OP)
                           for kind, axes, nbytes, phase in loss_read_moves(
-                              tensors[name], layout, mesh, needs_grad.get(name, False))]
+                              tensors[name], layout, mesh, needs_grad.get(name, False),
+                              analysis.rows_dim(name))]
         for name, layout in zip(node.outputs, produced, strict=True):
             if name and layout is not None:
                 layout_of[name] = layout
@@ -305,12 +306,13 @@ def edge_steps(info: TensorInfo, src: Layout, dst: Layout, consumer: str, mesh: 
              for kind, axes, nbytes, phase in moves], set(deferred))
 
 
-def loss_read_moves(info: TensorInfo, layout: Layout, mesh: DeviceMesh, requires_grad: bool
+def loss_read_moves(info: TensorInfo, layout: Layout, mesh: DeviceMesh, requires_grad: bool,
+                    rows: int = 0
                     ) -> tuple[tuple[CollectiveKind, tuple[str, ...], int, Phase], ...]:
     """The moves of a graph output written in `layout` into the layout a loss reading
-    whole rows reads (`outputs.loss_layout`): a gather in the forward pass, whose backward
-    is this rank's slice of the gradient."""
-    wanted = loss_layout(layout)
+    whole rows (along dim `rows`) reads (`outputs.loss_layout`): a gather in the forward
+    pass, whose backward is this rank's slice of the gradient."""
+    wanted = loss_layout(layout, rows)
     if wanted == layout:
         return ()
     return _edge_moves(info.shape, info.itemsize, layout, wanted, mesh, requires_grad, (),

@@ -34,12 +34,13 @@ def resolved_output_slots(graph: PlanningGraph) -> dict[str, tuple[int, ...]]:
     return {op: tuple(found) for op, found in slots.items()}
 
 
-def loss_layout(layout: Layout) -> Layout:
+def loss_layout(layout: Layout, rows: int = 0) -> Layout:
     """What a loss reading whole rows reads of an output placed in `layout`: its rows
-    (dim 0) split as they are, every other dim whole, nothing pending."""
+    (dim `rows`, the output's batch dim: `GraphAnalysis.rows_dim`) split as they are,
+    every other dim whole, nothing pending."""
     if not layout.dims:
         return layout
-    return Layout((layout.dims[0], *(() for _ in layout.dims[1:])))
+    return Layout(tuple(axes if dim == rows else () for dim, axes in enumerate(layout.dims)))
 
 
 def loss_read_slots(graph: PlanningGraph, training: bool, loss_reads: LossReads
