@@ -41,7 +41,9 @@ def add_parser(verbs: Verbs) -> None:
                       help="a mixed cluster instead of --profile and --devices: groups of "
                            "devices of different kinds and the link between them "
                            "(docs/hardware-profiles.md \"Mixed clusters\")")
-    plan.add_argument("--batch", type=positive_int, help="global batch size (binds dim 0)")
+    plan.add_argument("--batch", type=positive_int,
+                      help="global batch size: binds the dim whose symbol names the batch "
+                           "(one holding 'batch', wherever it stands), else dim 0")
     plan.add_argument("--dim", type=dim, action="append", default=[], metavar="NAME=N",
                       help="bind a symbolic input dim, e.g. --dim seq=2048 (repeatable)")
     plan.add_argument("--capacity-factor", type=positive_number("--capacity-factor"),
