@@ -38,11 +38,14 @@ ZERO_STAGES = (0, 1, 2)
 
 def make_optimizer(tensors: Sequence[torch.Tensor], name: str,
                    lr: float) -> torch.optim.Optimizer:
-    """Elementwise optimizers act on local shards exactly as on the whole tensor."""
+    """Elementwise optimizers act on local shards exactly as on the whole tensor. A rank
+    that updates nothing (a pipeline stage holding no weights) gets an optimizer of one
+    empty group, whose step does nothing (torch refuses a plain empty list)."""
+    groups = [{"params": list(tensors)}]
     if name == "sgd":
-        return torch.optim.SGD(list(tensors), lr=lr)
+        return torch.optim.SGD(groups, lr=lr)
     if name == "adamw":
-        return torch.optim.AdamW(list(tensors), lr=lr)
+        return torch.optim.AdamW(groups, lr=lr)
     raise ShardplanError(f"--optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 

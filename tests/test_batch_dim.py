@@ -135,3 +135,53 @@ def test_a_features_first_input_trains_as_one_process(tmp_path: Path) -> None:
     reference = train_reference(path, chosen, steps=STEPS, loss="mse")
     run = train(path, chosen, steps=STEPS, loss="mse")
     assert run.losses == pytest.approx(reference.losses, rel=1e-4)
+
+
+def _rows_model(path: Path, mix: str) -> Path:
+    """x [batch, 8] → a row-coupling op (`mix`) → MatMul → y [batch, 4]; `flattened`:
+    a sequence-first x [seq, batch, 8] whose output is flattened to [seq·batch, 4]."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")
+    node = helper.make_node
+    axis0 = numpy_helper.from_array(np.array([0], dtype=np.int64), "axis0")
+    inits = [w, axis0]
+    shape_x: list = ["batch", 8]
+    shape_y: list = ["batch", 4]
+    if mix == "batch-statistics":  # a batch norm computed by hand: x - mean over the batch
+        nodes = [node("ReduceMean", ["x", "axis0"], ["mean"], name="mean", keepdims=1),
+                 node("Sub", ["x", "mean"], ["h"], name="centre")]
+    elif mix == "softmax-over-batch":
+        nodes = [node("Softmax", ["x"], ["h"], name="softmax", axis=0)]
+    elif mix == "cumsum-over-batch":
+        nodes = [node("CumSum", ["x", "axis0"], ["h"], name="cumsum")]
+    else:  # flattened
+        target = numpy_helper.from_array(np.array([-1, 8], dtype=np.int64), "flat")
+        inits.append(target)
+        shape_x, shape_y = ["seq", "batch", 8], [12, 4]
+        nodes = [node("Reshape", ["x", "flat"], ["h"], name="flatten")]
+    nodes.append(node("MatMul", ["h", "W"], ["y"], name="head"))
+    graph = helper.make_graph(nodes, mix, [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, shape_x)], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, shape_y)], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("mix", ["batch-statistics", "softmax-over-batch",
+                                 "cumsum-over-batch", "flattened"])
+def test_micro_batches_are_not_planned_where_rows_depend_on_other_rows(
+        tmp_path: Path, mix: str) -> None:
+    """An op that reads several rows into one (a batch's mean, a softmax or a running sum
+    over it), or an output whose rows the trace lost (`[seq, batch]` flattened with the
+    batch inside): micro-batches trained another model (a sweep of 2026-12-06: 0.934 against
+    one process's 0.998 for a hand-made batch norm), so none is planned."""
+    path = _rows_model(tmp_path / f"{mix}.onnx", mix)
+    dims = {"seq": 3} if mix == "flattened" else {}
+    graph = load_graph(path, batch=4, dims=dims)
+    assert GraphAnalysis.of(graph).rows_meet is not None
+    chosen = plan(path, devices=2, batch=4, dims=dims, profile="cpu",
+                  parallel={"dp": 1})
+    assert chosen.parallel.micro_batches == 1
+    with pytest.raises(ShardplanError, match="reads rows of the batch"):
+        plan(path, devices=2, batch=4, dims=dims, profile="cpu",
+             parallel={"dp": 1, "micro_batches": 2})

@@ -433,9 +433,10 @@ def train_module_reference(spec: str, *, steps: int = 5, lr: float = 0.1,
     """The builder's module trained in this process on the whole batch: its trace with
     the split runs' dropout masks (`executor.module.parallelize.unsplit`), or with
     `traced=False` the module's own forward (torch's dropout masks)."""
-    from executor.module.parallelize import refuse_training_norms, unsplit
+    from executor.module.parallelize import refuse_nothing_to_train, refuse_training_norms, unsplit
 
     module, make_batch, loss_fn = load_builder(spec)()
+    refuse_nothing_to_train(module)
     module.train()
     if traced:
         refuse_training_norms(module)  # the trace, like the split run, cannot follow them

@@ -479,6 +479,15 @@ def _assign(root: nn.Module, dotted: str, value: nn.Parameter) -> None:
     target.register_parameter(leaf, value)
 
 
+def refuse_nothing_to_train(module: nn.Module) -> None:
+    """A module whose every parameter is frozen has no gradient to compute: its loss has
+    no backward pass (torch: "element 0 of tensors does not require grad")."""
+    if not any(param.requires_grad for param in module.parameters()):
+        raise ShardplanError(f"every parameter of {type(module).__name__} is frozen "
+                             "(requires_grad=False): there is nothing to train; unfreeze "
+                             "the weights the run should train")
+
+
 def refuse_training_norms(module: nn.Module) -> None:
     """Batch norm in training mode updates its running statistics in place as it runs,
     which the split run's autograd cannot follow (a rank's backward fails, or the bias's
@@ -686,6 +695,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                              f"group has {dist.get_world_size()}")
     frozen = {name for name, param in module.named_parameters(remove_duplicate=False)
               if not param.requires_grad}
+    refuse_nothing_to_train(module)
     refuse_training_norms(module)
     trace = _Trace.of(module, example, saved)
     # parameters the forward never reads (the export leaves them out, and so does the

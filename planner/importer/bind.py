@@ -7,7 +7,6 @@ recomputes them from the bound inputs.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -154,13 +153,13 @@ def sequence_dims(inputs: list[onnx.ValueInfoProto], batch_inputs: Mapping[str, 
 
 
 def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:
-    """The batch dim's symbol, or its static size: the symbol that names a batch (one
-    holding "batch", as `torch.export.Dim("batch")` or `dynamic_axes={1: "batch"}` name
+    """The batch dim's symbol, or its static size: the symbol that names the batch
+    (`BATCH_SYMBOLS`, as `torch.export.Dim("batch")` or `dynamic_axes={1: "batch"}` name
     it) where some data input has one, so that a sequence-first input `[seq, batch]`
     keeps its batch; else dim 0 of the first data input."""
     for value in inputs:
         for dim in _shape_dims(value):
-            if not dim.HasField("dim_value") and BATCH_SYMBOL.search(dim.dim_param):
+            if not dim.HasField("dim_value") and dim.dim_param.lower() in BATCH_SYMBOLS:
                 return dim.dim_param, None
     for value in inputs:
         shape = _shape_dims(value)
@@ -172,8 +171,9 @@ def _batch_axis(inputs: list[onnx.ValueInfoProto]) -> tuple[str | None, int | No
     return None, None
 
 
-#: The symbols taken to name the batch dim wherever it stands
-BATCH_SYMBOL = re.compile(r"batch", re.IGNORECASE)
+#: The symbols taken to name the batch dim wherever it stands (any case); a symbol that
+#: only holds the word (`batch_len`, `sub_batch`) names something else
+BATCH_SYMBOLS = frozenset({"batch", "batch_size", "batchsize", "bsz"})
 
 
 def _batch_dims(inputs: list[onnx.ValueInfoProto], symbol: str | None,

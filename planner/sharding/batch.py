@@ -52,8 +52,11 @@ class BatchTrace:
     carried: dict[str, set[int]]  # tensor -> its dims that carry the split
     #: the first op reading rows of the batch against other rows of it: the split reaches
     #: it in two labels (q kᵀ of a sequence-first input whose dim 0 was taken for the
-    #: batch pairs query and key positions). Micro-batches would then each see part of
-    #: what every row reads: a different model, not a share of the same batch.
+    #: batch pairs query and key positions), or it combines rows with what other rows
+    #: made (a batch's mean subtracted from each row; a softmax, scan or flip over the
+    #: batch, which cannot keep the split); or the op writing a non-scalar output made
+    #: from several rows or whose rows the trace lost. Micro-batches would then each see
+    #: part of what every row reads: a different model, not a share of the same batch.
     rows_meet: str | None
 
 
@@ -71,15 +74,21 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
         split_dim = {name: {dim} for name, dim in graph.batch_inputs.items()
                      if graph.tensors[name].shape[dim] % degree == 0}
     strategies: dict[str, OpStrategy] = {}
-    rows_meet: str | None = None
+    # tensors computed from several rows of the batch that no longer carry it (a sum over
+    # the batch, a batch norm's statistics, an op that could not keep the split)
+    mixed: set[str] = set()
+    # tensors computed from the batch at all (carried, mixed, or where the trace lost it)
+    touched: set[str] = set(split_dim)
+    meets: list[str] = []
     for node in graph.ops:
         op_labels = labels.get(node.name)
-        if op_labels is None:
-            strategies[node.name] = REPLICATED
-            continue
-        weight = _carried(graph, node, op_labels, split_dim)
-        if rows_meet is None and len(weight) > 1:
-            rows_meet = node.name
+        reads_rows = any(name in split_dim for name in node.inputs if name)
+        reads_mixed = any(name in mixed for name in node.inputs if name)
+        if any(name in touched for name in node.inputs if name):
+            touched.update(o for o in node.outputs if o)
+        weight = _carried(graph, node, op_labels, split_dim) if op_labels is not None else {}
+        if len(weight) > 1 or (reads_mixed and reads_rows):
+            meets.append(node.name)  # rows read against other rows
         chosen = REPLICATED
         for label in sorted(weight, key=lambda k: (-weight[k], k)):
             candidate = single_split(label, (axis,))
@@ -87,10 +96,24 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
                 chosen = candidate
                 break
         strategies[node.name] = chosen
-        if chosen is REPLICATED:
-            continue
-        _follow(node, op_labels, {chosen.assignment[0][0]}, split_dim)
-    return BatchTrace(strategies, split_dim, rows_meet)
+        if chosen is not REPLICATED:
+            assert op_labels is not None
+            _follow(node, op_labels, {chosen.assignment[0][0]}, split_dim)
+        # a view that cannot carry the split (a sequence-first [seq, batch, d] merged into
+        # [seq·batch, d]) moves no row into another: the trace only loses the batch there
+        if reads_mixed or (reads_rows and not node.is_view
+                           and not any(o in split_dim for o in node.outputs if o)):
+            mixed.update(o for o in node.outputs if o and o not in split_dim)
+    # a mixed output is the loss when it is one number (the mean over the batch); else
+    # its rows depend on other rows. An output computed from the batch whose rows the
+    # trace lost (a sequence-first [seq, batch, vocab] flattened to [seq·batch, vocab])
+    # has no rows a micro-batch's targets could be cut along
+    meets += [graph.tensors[name].producer or name for name in graph.outputs
+              if name in touched and graph.tensors[name].numel > 1
+              and len(split_dim.get(name, ())) != 1]
+    order = {node.name: index for index, node in enumerate(graph.ops)}
+    first = min(meets, key=lambda name: order.get(name, len(order))) if meets else None
+    return BatchTrace(strategies, split_dim, first)
 
 
 def rows_meet_reason(graph: PlanningGraph, op: str) -> str:
@@ -98,10 +121,11 @@ def rows_meet_reason(graph: PlanningGraph, op: str) -> str:
     (`BatchTrace.rows_meet`), and what to do: one line for a plan's warning or an
     error."""
     taken = ", ".join(f"dim {dim} of {name}" for name, dim in graph.batch_inputs.items())
-    return (f"op {op} reads rows of the batch ({taken}) against other rows of it, so "
-            "micro-batches would each see part of what a row reads, a different model; if "
-            "the batch is another dim (a sequence-first [seq, batch] input), name its "
-            'symbol "batch" in the export (torch.export.Dim("batch"))')
+    return (f"op {op} reads rows of the batch ({taken}) against other rows of it (a "
+            "product, sum, softmax or scan over them), or writes an output whose rows are "
+            "not the batch's, so micro-batches would each see part of what a row reads, a "
+            "different model; if the batch is another dim (a sequence-first [seq, batch] "
+            'input), name its symbol "batch" in the export (torch.export.Dim("batch"))')
 
 
 def _carried(graph: PlanningGraph, node: OpNode, op_labels: DimLabels,
