@@ -49,10 +49,10 @@ def check_data(graph: PlanningGraph, data: str, kind: str, output: str,
     """`graph` at the plan's micro-batch: the data hold `micro_batches` of them (the
     targets along the output's batch dim, `rows_dim`). A cross-entropy whose classes dim
     (the last) is the batch's has no targets to cut into rows: refused."""
-    shape = graph.tensors[output].shape
-    if kind == "ce" and len(shape) > 1 and rows_dim == len(shape) - 1:
+    written = graph.tensors[output].shape
+    if kind == "ce" and len(written) > 1 and rows_dim == len(written) - 1:
         raise ShardplanError(f"--loss ce reads the classes along the last dim of {output} "
-                             f"{list(shape)}, which holds the batch: export the model with "
+                             f"{list(written)}, which holds the batch: export the model with "
                              "the classes last, or give --loss mse")
     if not data:
         return

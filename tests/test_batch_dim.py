@@ -185,3 +185,14 @@ def test_micro_batches_are_not_planned_where_rows_depend_on_other_rows(
     with pytest.raises(ShardplanError, match="reads rows of the batch"):
         plan(path, devices=2, batch=4, dims=dims, profile="cpu",
              parallel={"dp": 1, "micro_batches": 2})
+
+
+def test_a_per_rank_batch_above_the_largest_micro_batch_still_plans_one(
+        tmp_path: Path) -> None:
+    """Micro-batches above 16 rows are not enumerated, so a per-rank batch of 32 had only
+    configurations of several micro-batches: where rows meet, none was left ("no
+    configuration of 2 devices and batch 64 matches these pins" where only the joint
+    search could plan: here a ZeRO pin; in the sweep, a memory limit)."""
+    path = _rows_model(tmp_path / "stats.onnx", "batch-statistics")
+    chosen = plan(path, devices=2, batch=64, profile="cpu", parallel={"zero": 3})
+    assert (chosen.parallel.micro_batches, chosen.parallel.zero) == (1, 3)

@@ -128,6 +128,10 @@ class ParallelModule:
     loss_probed: bool = False  # whether DTensor has shown if it may be
     #: the last step's loss, its reduction possibly in flight (`step_loss`)
     last_loss: torch.Tensor | None = None
+    #: the frozen weights (`requires_grad=False`), whole as the trace reads them, by the
+    #: plan's name: a checkpoint holds them too, so that a fine-tuning run resumed from a
+    #: run that trained them starts from the trained values
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def layouts(self) -> ModuleLayouts:
@@ -736,12 +740,17 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     # a pipeline stage none of the other stages' weights
     shared: dict[str, torch.Tensor] = {alias: weights.whole[name] for alias, name in
                                        reads.items()}
+    held_frozen: dict[str, torch.Tensor] = {}
     for names in parameter_names(module):
         if names in unused:
             continue
         if names[0] in frozen:  # the trace reads its plain value, as a buffer's
             value = module.get_parameter(names[0]).detach()
+            if mesh.device_type != "cpu":  # where the ranks compute (whole: it is small
+                # next to what it saves, gradients and optimizer state, when trained)
+                value = value.to(torch.device(mesh.device_type, torch.cuda.current_device()))
             shared.update((alias, value) for alias in names)
+            held_frozen[next((n for n in names if n in plan.tensors), names[0])] = value
             continue
         if not any(n in shared for n in names):
             for alias in names:
@@ -754,7 +763,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
         plan, mesh, ModulePlan.of(graph, layouts, stage.mesh, weights, reads,
                                   stage.local_rank, found), comm, trace,
         {name: placements(layouts.inputs[name], stage.mesh, f"input {name}")
-         for name in user_inputs}, seed=seed)
+         for name in user_inputs}, seed=seed, frozen=held_frozen)
     if staged is not None:
         state.pipeline, state.chunks = _schedule(state, staged)
     state.hook = _after_optimizer_steps(state)

@@ -86,6 +86,8 @@ def _entries(state: ParallelModule, optimizer: torch.optim.Optimizer
             else:
                 yield f"optim/{name}/{key}", value, _as_weight(
                     weight, _block(state, weight, value)), weight
+    for name, value in sorted(state.frozen.items()):  # whole, the same on every rank
+        yield f"model/{name}", value, value, None
 
 
 def refuse_pipelined(plan: Plan) -> None:

@@ -496,11 +496,14 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
         raise ShardplanError(f"{graph.path}: --parallel {pins.spelled()}: {meets}; or pin "
                              "micro_batches=1 and pp=1")
     granule = next(d for d in _divisors(graph.batch) if binds(d))
-    choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node, pins,
-                                            granule, context_degrees(graph.sequence, pins),
+    # where rows meet, one micro-batch of the whole per-rank batch, as if pinned (a
+    # per-rank batch above the largest local micro-batch has no such configuration else)
+    enumerated = replace(pins, micro_batches=1) if meets else pins
+    choices = [c for c in enumerate_choices(devices, graph.batch, layers, per_node,
+                                            enumerated, granule,
+                                            context_degrees(graph.sequence, pins),
                                             expert_degrees(experts, devices, pins))
-               if not (meets and c.micro_batches > 1)
-               and binds(graph.batch // (c.dp * c.micro_batches))
+               if binds(graph.batch // (c.dp * c.micro_batches))
                and binds(graph.batch // c.micro_batches) and not (too_many and c.pp > 1)]
     modes = recompute_modes(pins)
     if not choices:  # the op-level plans may still stand; the message if none does

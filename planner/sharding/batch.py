@@ -92,6 +92,7 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
         chosen = REPLICATED
         for label in sorted(weight, key=lambda k: (-weight[k], k)):
             candidate = single_split(label, (axis,))
+            assert op_labels is not None  # (no labels: no carried label to try)
             if is_valid(node, op_labels, candidate, graph.tensors, mesh):
                 chosen = candidate
                 break
