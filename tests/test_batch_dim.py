@@ -196,3 +196,43 @@ def test_a_per_rank_batch_above_the_largest_micro_batch_still_plans_one(
     path = _rows_model(tmp_path / "stats.onnx", "batch-statistics")
     chosen = plan(path, devices=2, batch=64, profile="cpu", parallel={"zero": 3})
     assert (chosen.parallel.micro_batches, chosen.parallel.zero) == (1, 3)
+
+
+def test_cross_entropy_over_a_batch_last_output_is_refused(tmp_path: Path) -> None:
+    """`y` of `[4, batch]`: a cross-entropy reads its classes along the last dim, which
+    holds the batch, so its targets have no rows (an `IndexError` before)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="proj"),
+             helper.make_node("Transpose", ["h"], ["y"], name="batch_last", perm=[1, 0])]
+    graph = helper.make_graph(nodes, "batch_last", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [4, "batch"])], [w])
+    path = tmp_path / "batch_last.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    chosen = plan(path, devices=2, batch=4, profile="cpu", mode="data")
+    with pytest.raises(ShardplanError, match=r"--loss ce reads the classes along the last "
+                                             r"dim of y \[4, 4\], which holds the batch"):
+        train_reference(path, chosen, steps=1, loss="ce")
+
+
+def test_a_pipeline_stage_holding_no_weights_trains(tmp_path: Path) -> None:
+    """The first stage computes from the input alone: its optimizer had no parameters,
+    which torch refuses ("optimizer got an empty parameter list")."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")
+    node = helper.make_node
+    nodes = [node("Tanh", ["x"], ["a"], name="tanh"), node("Sin", ["a"], ["b"], name="sin"),
+             node("Mul", ["a", "b"], ["c"], name="mul"), node("Cos", ["c"], ["d"], name="cos"),
+             node("MatMul", ["d", "W"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "weightless_first", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, ["batch", 4])], [w])
+    path = tmp_path / "weightless_first.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    chosen = plan(path, devices=2, batch=4, profile="cpu",
+                  parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
+    assert chosen.pipeline is not None
+    reference = train_reference(path, chosen, steps=STEPS, loss="mse")
+    run = train(path, chosen, steps=STEPS, loss="mse")
+    assert run.losses == pytest.approx(reference.losses, rel=1e-4)

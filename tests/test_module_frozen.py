@@ -166,3 +166,16 @@ def test_a_fine_tuning_run_resumed_from_a_trained_one_keeps_the_trained_weights(
     again = train_module(f"{builder}:trainable", first, steps=1, batch_size=BATCH,
                          checkpoints=Checkpoints(resume=saved))
     assert resumed.losses == pytest.approx(again.losses, rel=1e-5)
+
+
+def test_a_module_with_every_weight_frozen_is_refused() -> None:
+    """Nothing to train: the reference's backward raised a traceback, the ranks a
+    misleading "the loss does not depend on the model's output"."""
+    import torch
+
+    from executor.module.parallelize import refuse_nothing_to_train
+
+    net = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ShardplanError, match=r"every parameter of Linear is frozen "
+                                             r"\(requires_grad=False\): there is nothing"):
+        refuse_nothing_to_train(net)
