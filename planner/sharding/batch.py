@@ -106,11 +106,16 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
                            and not any(o in split_dim for o in node.outputs if o)):
             mixed.update(o for o in node.outputs if o and o not in split_dim)
     # a mixed output is the loss when it is one number (the mean over the batch); else
-    # its rows depend on other rows. An output computed from the batch whose rows the
-    # trace lost (a sequence-first [seq, batch, vocab] flattened to [seq·batch, vocab])
-    # has no rows a micro-batch's targets could be cut along
+    # its rows depend on other rows. Where the batch is not dim 0 of every input, an
+    # output computed from it whose rows the trace lost (a sequence-first [seq, batch,
+    # vocab] flattened to [seq·batch, vocab]) has no rows a micro-batch's targets could
+    # be cut along; with the batch first, its rows lead whatever it becomes (tokens
+    # reshaped into sequences of 128, which the whole batch's split cannot follow)
+    leading = all(dim == 0 for dim in graph.batch_inputs.values())
     meets += [graph.tensors[name].producer or name for name in graph.outputs
-              if name in touched and graph.tensors[name].numel > 1
+              if name in mixed and graph.tensors[name].numel > 1]
+    meets += [graph.tensors[name].producer or name for name in graph.outputs
+              if not leading and name in touched and graph.tensors[name].numel > 1
               and len(split_dim.get(name, ())) != 1]
     order = {node.name: index for index, node in enumerate(graph.ops)}
     first = min(meets, key=lambda name: order.get(name, len(order))) if meets else None
