@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from module_runs import trains_as_one_process
 
-from executor.module.launch import export_builder, train_module, train_module_reference
+from executor.module.launch import export_builder, train_module
 from executor.module.layouts import check_parameters
 from planner.api import load_graph, plan
 from planner.errors import ShardplanError
@@ -87,10 +88,7 @@ def test_frozen_weights_are_state_and_train_as_one_process(builder: Path,
     # no gradients or optimizer state for the frozen weights
     assert chosen.predicted.memory.optimizer < trained.predicted.memory.optimizer
     assert chosen.predicted.memory.gradients < trained.predicted.memory.gradients
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-4)
-    assert run.differences == []
+    assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
 
 
 def test_a_plan_that_disagrees_on_what_is_frozen_is_refused(builder: Path,
@@ -125,10 +123,7 @@ def test_a_pipeline_stage_takes_each_exported_op_whole(builder: Path, tmp_path: 
         assert graph.source_ops.get(before) != graph.source_ops.get(after)
     chosen = plan(exported, devices=2, batch=BATCH, profile="cpu",
                   parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-4)
-    assert run.differences == []
+    assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
 
 
 def test_a_parameter_the_forward_never_reads_stays_as_it_is(builder: Path,
@@ -140,10 +135,7 @@ def test_a_parameter_the_forward_never_reads_stays_as_it_is(builder: Path,
     chosen = plan(export_builder(spec, BATCH, tmp_path / "unused.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 3})
     assert "pooler.weight" not in chosen.tensors
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-4)
-    assert run.differences == []
+    assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
 
 
 def test_a_fine_tuning_run_resumed_from_a_trained_one_keeps_the_trained_weights(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from launched import rank_errors
+from module_runs import trains_as_one_process
 
 from examples.hf_models import megatron_strategies
 from executor.module.launch import (
@@ -96,10 +97,7 @@ def test_a_tied_table_issues_only_the_planned_collectives(tmp_path: Path,
     else:
         chosen = plan(path, devices=2, batch=BATCH, profile="cpu",
                       parallel={"dp": 1, "tp": 2, "layout": "megatron"})
-    run = train_module(gpt2, chosen, steps=STEPS, batch_size=BATCH)
-    assert run.differences == []
-    reference = train_module_reference(gpt2, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=1e-4)
+    assert trains_as_one_process(gpt2, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
 
 
 def test_a_plan_of_another_model_names_the_strays(llama_onnx: Path) -> None:
@@ -493,13 +491,9 @@ def _megatron_baseline(path: Path) -> Plan:
 
 
 def _trains_as_one_process(spec: str, chosen: Plan, rel: float) -> None:
-    """`chosen` trains `spec` to one process's losses with exactly the plan's collectives
-    and no move the plan does not make."""
-    run = train_module(spec, chosen, steps=STEPS, batch_size=BATCH)
-    reference = train_module_reference(spec, steps=STEPS, batch_size=BATCH)
-    assert run.losses == pytest.approx(reference, rel=rel)
-    assert run.differences == []
-    assert run.unplanned == {}
+    """... and no move the plan does not make."""
+    assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH,
+                                 rel=rel).unplanned == {}
 
 
 def test_megatron_baseline_with_a_vocabulary_split_embedding_trains_as_one_process(

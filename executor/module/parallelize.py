@@ -705,9 +705,9 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     # parameters the forward never reads (the export leaves them out, and so does the
     # plan): no gradient reaches them, so they stay in the module as they are
     read = {str(n.target) for n in trace.graph.graph.nodes if n.op == "get_attr" and n.users}
-    unused = [names for names in parameter_names(module) if not read.intersection(names)]
-    check_parameters(plan, [names for names in parameter_names(module)
-                            if names not in unused], frozen)
+    named = parameter_names(module)
+    unused = [names for names in named if not read.intersection(names)]
+    check_parameters(plan, [names for names in named if names not in unused], frozen)
     _check_parameter_shapes(plan, module)
     graph, user_inputs = trace.graph, trace.user_inputs
     traced = [n.name for n in graph.graph.nodes if n.op == "call_function"]
@@ -741,7 +741,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     shared: dict[str, torch.Tensor] = {alias: weights.whole[name] for alias, name in
                                        reads.items()}
     held_frozen: dict[str, torch.Tensor] = {}
-    for names in parameter_names(module):
+    for names in named:
         if names in unused:
             continue
         if names[0] in frozen:  # the trace reads its plain value, as a buffer's

@@ -260,7 +260,7 @@ MODULE_BUFFERS_KEY = "shardplan.buffers"
 MODULE_FROZEN_KEY = "shardplan.frozen"
 
 
-def _declared_buffers(model: onnx.ModelProto) -> list[str]:
+def _declared_state(model: onnx.ModelProto) -> list[str]:
     """The initializers the model's metadata names as buffers or frozen parameters: state
     the module keeps (`register_buffer`, a weight it does not train), which no optimizer
     updates and no gradient reaches; [] where it names none, or not as lists of names."""
@@ -284,7 +284,7 @@ def _classify_initializers(
     Values the folder produced or could read (integers, scalars, Constant nodes) are
     constants; batch-norm running statistics are buffers: stored, but never trained.
     """
-    buffer_uses: set[str] = set(_declared_buffers(model))
+    buffer_uses: set[str] = set(_declared_state(model))
     for node in model.graph.node:
         for slot in BUFFER_INPUT_SLOTS.get(node.op_type, ()):
             if slot < len(node.input) and node.input[slot]:

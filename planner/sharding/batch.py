@@ -77,14 +77,16 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
     # tensors computed from several rows of the batch that no longer carry it (a sum over
     # the batch, a batch norm's statistics, an op that could not keep the split)
     mixed: set[str] = set()
-    # tensors computed from the batch at all (carried, mixed, or where the trace lost it)
-    touched: set[str] = set(split_dim)
+    # tensors computed from the batch at all (carried, mixed, or where the trace lost it),
+    # followed only where the batch is not dim 0 of every input (below)
+    leading = all(dim == 0 for dim in graph.batch_inputs.values())
+    touched: set[str] = set() if leading else set(split_dim)
     meets: list[str] = []
     for node in graph.ops:
         op_labels = labels.get(node.name)
         reads_rows = any(name in split_dim for name in node.inputs if name)
         reads_mixed = any(name in mixed for name in node.inputs if name)
-        if any(name in touched for name in node.inputs if name):
+        if not leading and any(name in touched for name in node.inputs if name):
             touched.update(o for o in node.outputs if o)
         weight = _carried(graph, node, op_labels, split_dim) if op_labels is not None else {}
         if len(weight) > 1 or (reads_mixed and reads_rows):
@@ -111,14 +113,15 @@ def trace_batch(graph: PlanningGraph, mesh: DeviceMesh, labels: Mapping[str, Dim
     # vocab] flattened to [seq·batch, vocab]) has no rows a micro-batch's targets could
     # be cut along; with the batch first, its rows lead whatever it becomes (tokens
     # reshaped into sequences of 128, which the whole batch's split cannot follow)
-    leading = all(dim == 0 for dim in graph.batch_inputs.values())
     meets += [graph.tensors[name].producer or name for name in graph.outputs
               if name in mixed and graph.tensors[name].numel > 1]
     meets += [graph.tensors[name].producer or name for name in graph.outputs
-              if not leading and name in touched and graph.tensors[name].numel > 1
+              if name in touched and graph.tensors[name].numel > 1
               and len(split_dim.get(name, ())) != 1]
-    order = {node.name: index for index, node in enumerate(graph.ops)}
-    first = min(meets, key=lambda name: order.get(name, len(order))) if meets else None
+    first = None
+    if meets:  # the earliest in op order (an output's producer may come before an op's)
+        order = {node.name: index for index, node in enumerate(graph.ops)}
+        first = min(meets, key=lambda name: order.get(name, len(order)))
     return BatchTrace(strategies, split_dim, first)
 
 
