@@ -58,9 +58,10 @@ def test_a_forward_returning_a_dict_trains_as_one_process(tmp_path: Path,
     spec = f"{builder}:build"
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel=parallel)
-    # (not asked: no move the plan does not make. Under dp, DTensor gives the scalar
-    # `aux`, a mean over the split rows, as Partial(avg) where the plan leaves a pending
-    # sum, and the run moves it: `mean: (Partial(avg),) -> (Replicate(),)`, the losses
+    # (not asked: no move the plan does not make. Under dp the traced `mean` is two
+    # exported ops, ReduceMean and Squeeze, and the plan all-reduces the pending sum
+    # between them; the run makes that all-reduce at the traced node's output, which it
+    # records as a move of its own: `mean: (Partial(avg),) -> (Replicate(),)`, the losses
     # and collectives as planned; left open in docs/robustness.md)
     trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
 

@@ -61,6 +61,7 @@ from executor.module.layouts import (
     read_layouts,
 )
 from executor.module.local import LocalPlan
+from executor.module.lossops import install_loss_handlers
 from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss, row_placements
 from executor.module.run import (
@@ -694,6 +695,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
                              "(torchrun, or torch.distributed.init_process_group)")
     check_degrees(plan.parallel, graph=False)
     refuse_stage_meshes(plan.mesh, plan.pipeline, "the executor")
+    install_loss_handlers()  # (a mean-reduced MSE's gradient, else n times too large)
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")

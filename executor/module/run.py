@@ -222,6 +222,37 @@ class _ToPartial(torch.autograd.Function):
                                   stride=grad.stride(), run_check=False), None, None, None
 
 
+class _AvgAsSum(torch.autograd.Function):
+    """A pending mean over some mesh dims (DTensor's `Partial("avg")`: a mean over split
+    rows, each rank its rows' mean) as the pending sum the plan lists there (each rank
+    its mean over the ranks, `local / ranks`): the same value, no communication, so its
+    gradient passes as it is. DTensor refuses to redistribute one into the other."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placements: tuple[Placement, ...],
+                ranks: int) -> DTensor:
+        return DTensor.from_local(value.to_local() / ranks, value.device_mesh, placements,
+                                  shape=value.shape, stride=value.stride(), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        return grad, None, None
+
+
+def as_pending_sum(value: DTensor, wanted: Sequence[Placement]) -> DTensor:
+    """`value` with each pending mean on a mesh dim where `wanted` has a pending sum made
+    that sum (`_AvgAsSum`); `value` itself where there is none."""
+    dims = [d for d, (have, want) in enumerate(zip(value.placements, wanted, strict=True))
+            if isinstance(have, Partial) and have.reduce_op == "avg"
+            and isinstance(want, Partial) and want.reduce_op == "sum"]
+    if not dims:
+        return value
+    placements = tuple(Partial() if d in dims else p for d, p in enumerate(value.placements))
+    ranks = math.prod(value.device_mesh.size(d) for d in dims)
+    summed: DTensor = _AvgAsSum.apply(value, placements, ranks)
+    return summed
+
+
 def _partial_axes(value: DTensor, wanted: Sequence[Placement]) -> tuple[int, ...]:
     """The mesh dims on which `wanted` reads a replicated `value` as a pending sum, where
     it changes nothing else; empty otherwise."""
@@ -877,6 +908,7 @@ class PlannedRun(TracedRun):
             _SDPA, args, kwargs, split, self._site(n), self.micro)
         if planned is not None and planned.output is not None and isinstance(result, DTensor):
             wanted = self._wanted(n.name, planned.output)
+            result = as_pending_sum(result, wanted)
             if not _normalised(result, wanted):
                 self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = redistribute(result, self.mesh, wanted)
