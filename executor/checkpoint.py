@@ -306,6 +306,18 @@ def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
              "model")
 
 
+def saved_keys(directory: str | Path) -> frozenset[str]:
+    """The names of everything the checkpoint in `directory` holds (DCP's metadata)."""
+    path = existing(directory)
+    import torch.distributed.checkpoint as dcp
+
+    found: set[str] = set()
+    _guarded(lambda: found.update(
+        dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata),
+        lambda why: f"{path}: cannot read what it holds ({why}); it is damaged")
+    return frozenset(found)
+
+
 def existing(directory: str | Path) -> Path:
     """The checkpoint folder `directory`, or one error saying why it is not one: only a
     folder holding shardplan's marker is read (`--resume` unpickles DCP's `.metadata`)."""

@@ -160,6 +160,66 @@ def test_a_fine_tuning_run_resumed_from_a_trained_one_keeps_the_trained_weights(
     assert resumed.losses == pytest.approx(again.losses, rel=1e-5)
 
 
+def test_a_run_resumed_with_weights_unfrozen_trains_them_from_fresh_optimizer_state(
+        builder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Fine-tune with some weights frozen and checkpoint, then resume with every weight
+    trained (gradual unfreezing): the checkpoint holds the frozen weights' values but no
+    optimizer state for them, and every rank failed ("Missing key in checkpoint
+    state_dict: optim/emb.weight/exp_avg"; "it was saved from another model"). They now
+    start their AdamW state fresh, as torch's optimizer does for a parameter group added
+    later: the resumed steps are one process's, which the CLI says before the ranks
+    start."""
+    import torch
+
+    from executor.module.launch import Checkpoints, load_builder
+    from planner.cli import main
+
+    tuned = plan(export_builder(f"{builder}:frozen", BATCH, tmp_path / "frozen.onnx"),
+                 devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 1})
+    saved = str(tmp_path / "tuned")
+    first = train_module(f"{builder}:frozen", tuned, steps=2, batch_size=BATCH,
+                         optimizer="adamw", checkpoints=Checkpoints(save=saved))
+    whole = plan(export_builder(f"{builder}:trainable", BATCH, tmp_path / "all.onnx"),
+                 devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 1})
+    resumed = train_module(f"{builder}:trainable", whole, steps=2, batch_size=BATCH,
+                           optimizer="adamw", checkpoints=Checkpoints(resume=saved))
+
+    module, make_batch, loss_fn = load_builder(f"{builder}:frozen")()
+    update = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.1)
+    losses = []
+    for step in range(4):
+        if step == 2:  # unfrozen: a parameter group of their own, its state fresh
+            update.add_param_group({"params": [p for p in module.parameters()
+                                               if not p.requires_grad]})
+            module.requires_grad_(True)
+        batch = make_batch(step, BATCH)
+        value = loss_fn(module(**batch), batch)
+        value.backward()
+        update.step()
+        update.zero_grad()
+        losses.append(float(value.detach()))
+    assert first.losses + resumed.losses == pytest.approx(losses, rel=1e-4)
+
+    whole.save(tmp_path / "all.json")
+    assert main(["run", "--module", f"{builder}:trainable", "--plan",
+                 str(tmp_path / "all.json"), "--nproc", "2", "--steps", "1",
+                 "--optimizer", "adamw", "--resume", saved]) == 0
+    assert (f"{saved}: a.weight, emb.weight frozen when saved, trained now: their "
+            "optimizer state starts fresh") in capsys.readouterr().err
+
+
+def test_a_weight_frozen_since_planning_is_refused_before_any_rank_starts(
+        builder: Path, tmp_path: Path) -> None:
+    """The ranks refused it (exit 4, "rank 1 failed (...)") after each had started and
+    exported the module; the launcher now asks the module it exported once."""
+    tuned = plan(export_builder(f"{builder}:frozen", BATCH, tmp_path / "frozen.onnx"),
+                 devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2})
+    with pytest.raises(ShardplanError) as refused:
+        train_module(f"{builder}:trainable", tuned, steps=1, batch_size=BATCH)
+    assert str(refused.value).startswith("parameter emb.weight is trained by the module, but "
+                                         "the plan for")
+
+
 def test_a_module_with_every_weight_frozen_is_refused() -> None:
     """Nothing to train: the reference's backward raised a traceback, the ranks a
     misleading "the loss does not depend on the model's output"."""

@@ -1,5 +1,6 @@
-"""Losses and reductions over the batch that DTensor gets wrong on split rows, trained
-against one process.
+"""What a module's loss and forward may compute that DTensor or the export got wrong on
+split rows, trained against one process: mean-reduced losses, reductions over the batch,
+a loss making tensors of its own, `torch.var`.
 
 torch 2.13's DTensor runs `F.mse_loss`'s backward kernel (and smooth L1's, Huber's, binary
 cross-entropy's, soft margin's) on each rank's rows, dividing by the rows' element count:
@@ -83,6 +84,28 @@ def test_a_reduction_over_the_split_rows_trains_as_one_process(tmp_path: Path,
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel={"dp": 2})
     assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
+
+
+def test_a_loss_making_a_tensor_of_its_own_trains_as_one_process(tmp_path: Path) -> None:
+    """`torch.ones(out.shape)` in the loss met the split output as a plain tensor: the
+    rank failed ("aten.sub.Tensor got mixed torch.Tensor and DTensor")."""
+    spec = _builder(tmp_path, "h", "((out - torch.ones(out.shape)) ** 2).mean()")
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2})
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"tp": 2}], ids=["dp", "tp"])
+def test_torch_var_in_the_forward_trains_as_one_process(tmp_path: Path,
+                                                        parallel: dict) -> None:
+    """The export decomposes `torch.var(..., keepdim=True)` to `prims.var` and
+    `prims.broadcast_in_dim`, which autograd cannot run: the ranks and the one-process
+    reference failed ("backwards not supported on prim")."""
+    spec = _builder(tmp_path, "h / torch.sqrt(torch.var(h, dim=-1, keepdim=True) + 1e-5)",
+                    LOSSES["mse"])
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel=parallel)
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
 
 
 def test_the_losses_dtensor_runs_on_blocks_are_found_in_torch() -> None:

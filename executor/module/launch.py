@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from executor.checkpoint import marker_for, writing
 from executor.module.cache import keep_trace, kept_trace, trace_digest
-from executor.module.layouts import weight_buckets
+from executor.module.layouts import check_frozen, weight_buckets
 from executor.module.localstep import LocalAdamW, LocalSGD
 from executor.module.run import LossShare, reduced_losses
 from executor.module.trace import (
@@ -137,6 +137,8 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
 
 
 _saved_traces: dict[tuple[object, ...], SavedTrace | None] = {}
+#: per `shared_trace` key: the module's parameters by their names, and the frozen ones
+_parameters: dict[tuple[object, ...], tuple[list[tuple[str, ...]], frozenset[str]]] = {}
 
 
 def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
@@ -149,11 +151,15 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
     rank exports it as before."""
     builder = load_builder(spec)
     source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
-    stamp = source.stat() if source.is_file() else None
-    key = (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
+    key = _trace_key(spec, batch_size)
     if key not in _saved_traces:
+        from executor.module.parallelize import parameter_names
+
         module, make_batch, _ = builder()
         module.train()
+        _parameters[key] = (parameter_names(module), frozenset(
+            name for name, param in module.named_parameters(remove_duplicate=False)
+            if not param.requires_grad))
         if state_bytes(module) > MAX_SHARED_TRACE_BYTES:
             _saved_traces[key] = None
         else:
@@ -162,6 +168,13 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
             _saved_traces[key] = kept_trace(digest) or keep_trace(
                 digest, export_program(module, example))
     return _saved_traces[key]
+
+
+def _trace_key(spec: str, batch_size: int) -> tuple[object, ...]:
+    builder = load_builder(spec)
+    source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
+    stamp = source.stat() if source.is_file() else None
+    return (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
 
 
 @dataclass
@@ -416,11 +429,14 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
         raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
                              f"machine has {torch.cuda.device_count()}")
+    trace = shared_trace(spec, batch_size)
+    # a weight frozen or unfrozen since planning, before any rank starts
+    check_frozen(plan, *_parameters[_trace_key(spec, batch_size)])
     with writing(saving.save), tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
                         backend, optimizer, saving, local, timeout_s, os.getpid(),
-                        shared_trace(spec, batch_size), count_steps)
+                        trace, count_steps)
         run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
                   timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())

@@ -85,24 +85,11 @@ def check_parameters(plan: Plan, module_parameters: Iterable[tuple[str, ...]],
     plan tensor under one of its names, and every plan parameter is one of them; else one
     error naming each side's strays (a plan of another model, or of an export whose
     optimiser renamed the weights). A `frozen` parameter (`requires_grad=False`) is state
-    in the plan, held and never synchronised; a plan that trains it, or holds frozen a
-    parameter the module trains, was made before the module changed: refused, naming it
-    (the plan's gradient sums would wait for a gradient that never comes)."""
+    in the plan, held and never synchronised (`check_frozen`)."""
     planned = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
     held = {n for n, e in plan.tensors.items() if e.kind == "buffer"}
     groups = [tuple(g) for g in module_parameters]
-    for group in groups:
-        still = group[0] in frozen
-        if still and planned.intersection(group):
-            raise ShardplanError(
-                f"parameter {group[0]} is frozen (requires_grad=False) in the module, but "
-                f"the plan for {plan.model.path or 'another model'} trains it: plan the "
-                "module again as it is now")
-        if not still and held.intersection(group) and not planned.intersection(group):
-            raise ShardplanError(
-                f"parameter {group[0]} is trained by the module, but the plan for "
-                f"{plan.model.path or 'another model'} holds it frozen: plan the module "
-                "again as it is now")
+    check_frozen(plan, groups, frozen)
     missing = {g[0] for g in groups if not planned.intersection(g)
                and not (g[0] in frozen and held.intersection(g))}
     extra = planned - {n for g in groups for n in g}
@@ -116,6 +103,28 @@ def check_parameters(plan: Plan, module_parameters: Iterable[tuple[str, ...]],
             f"plan for {plan.model.path or 'another model'} does not match the module: "
             f"{'; '.join(parts)}. Plan the module's own export (executor.module.trace, "
             "with optimize=False, so parameters keep their names)")
+
+
+def check_frozen(plan: Plan, groups: Iterable[tuple[str, ...]], frozen: Collection[str]
+                 ) -> None:
+    """A plan that trains a parameter (by any of its names: `groups`) the module holds
+    frozen, or holds frozen one the module trains, was made before the module changed:
+    refused, naming it (the plan's gradient sums would wait for a gradient that never
+    comes). Asked in every rank and, by the launcher, before any rank starts."""
+    planned = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
+    held = {n for n, e in plan.tensors.items() if e.kind == "buffer"}
+    for group in groups:
+        still = group[0] in frozen
+        if still and planned.intersection(group):
+            raise ShardplanError(
+                f"parameter {group[0]} is frozen (requires_grad=False) in the module, but "
+                f"the plan for {plan.model.path or 'another model'} trains it: plan the "
+                "module again as it is now")
+        if not still and held.intersection(group) and not planned.intersection(group):
+            raise ShardplanError(
+                f"parameter {group[0]} is trained by the module, but the plan for "
+                f"{plan.model.path or 'another model'} holds it frozen: plan the module "
+                "again as it is now")
 
 
 def _owners(plan: Plan, traced: Collection[str]) -> dict[str, str]:

@@ -78,7 +78,7 @@ from executor.module.run import (
     settled,
     step_loss,
 )
-from executor.module.trace import SavedTrace, export_program, save_model
+from executor.module.trace import SavedTrace, differentiable, export_program, save_model
 from executor.module.weights import WeightSync
 from executor.pipeline import ScheduleEngine, wire_of
 from executor.runtime import Counters, MeshComm
@@ -149,11 +149,14 @@ class ParallelModule:
         global batch's, as one device computes it. Call `.backward()` on it; its value is
         `float(loss.full_tensor())` (or `float(loss)` when it is a plain tensor). An
         output that is a plain tensor (the batch not split, so every rank holds all of
-        it) meets the batch as it is."""
+        it) meets the batch as it is. A tensor `loss_fn` makes itself (`torch.ones(out.
+        shape)`, a class weight) is the same on every rank, so it counts as replicated too
+        (DTensor refused to mix it: "got mixed torch.Tensor and DTensor")."""
         if not any(isinstance(v, DTensor) for v in pytree.tree_leaves(output)):
             return loss_fn(output, *batch)
-        return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
-                                                list(batch)))
+        with implicit_replication():
+            return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
+                                                    list(batch)))
 
     def forward(self, given: Sequence[torch.Tensor], micro: int = 0,
                 step: int | None = None, rows_out: bool = False) -> Any:
@@ -582,7 +585,8 @@ class _Trace:
     @classmethod
     def read(cls, program: torch.export.ExportedProgram,
              onnx: torch.onnx.ONNXProgram | Path) -> _Trace:
-        return cls(program.module(), list(program.graph_signature.user_inputs),
+        return cls(differentiable(program.module()),
+                   list(program.graph_signature.user_inputs),
                    program.call_spec.out_spec, onnx)
 
     def inputs(self, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from executor.checkpoint import materialise_state, read, write
+from executor.checkpoint import materialise_state, read, saved_keys, write
 from executor.module.parallelize import ParallelModule
 from executor.module.weights import Weight
 from planner.errors import ShardplanError
@@ -90,6 +90,14 @@ def _entries(state: ParallelModule, optimizer: torch.optim.Optimizer
         yield f"model/{name}", value, value, None
 
 
+def newly_trained(held: frozenset[str]) -> frozenset[str]:
+    """The weights a checkpoint holding `held` kept frozen: a value, no optimizer state
+    (the checkpoint of an optimizer without state, SGD's, holds none for any weight)."""
+    stateful = {key.split("/")[1] for key in held if key.startswith("optim/")}
+    weights = {key[len("model/"):] for key in held if key.startswith("model/")}
+    return frozenset(weights - stateful) if stateful else frozenset()
+
+
 def refuse_pipelined(plan: Plan) -> None:
     """Checkpoints of pipeline plans are the ONNX runner's only, for now: each stage holds
     only its weights, which this writer does not merge yet."""
@@ -119,6 +127,18 @@ def load(directory: str | Path, state: ParallelModule, optimizer: torch.optim.Op
     with _outside_step(state):
         materialise_state(optimizer, state.weights.parameters().values())
         entries = list(_entries(state, optimizer))
+    held = saved_keys(directory)
+    unfrozen = newly_trained(held)
+    # a weight the checkpoint kept frozen and this run trains: its value is read, its
+    # optimizer state starts fresh, all zeros (AdamW's step, moments), as torch's
+    # optimizer starts a parameter added to it (materialising the state took a step)
+    fresh = [entry for entry in entries if entry[0].startswith("optim/")
+             and entry[0].split("/")[1] in unfrozen and entry[0] not in held]
+    with torch.no_grad():
+        for _, tensor, _, _ in fresh:
+            tensor.zero_()
+    started = {entry[0] for entry in fresh}
+    entries = [entry for entry in entries if entry[0] not in started]
     targets: dict[str, torch.Tensor] = {key: torch.empty_like(saved)
                                         for key, _, saved, _ in entries}
     targets["run/steps"] = torch.tensor(0)

@@ -16,7 +16,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +150,47 @@ def state_bytes(module: nn.Module) -> int:
     for tensor in [*module.parameters(), *module.buffers()]:
         seen[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
+
+
+def broadcast_in_dim(value: torch.Tensor, shape: Sequence[int],
+                     kept: Sequence[int]) -> torch.Tensor:
+    """`prims.broadcast_in_dim` in aten ops: `value`'s dims become the dims `kept` of
+    `shape`, a dim of 1 inserted at each other, then expanded to `shape`."""
+    for dim in range(len(shape)):
+        if dim not in kept:
+            value = torch.ops.aten.unsqueeze.default(value, dim)
+    return torch.ops.aten.expand.default(value, list(shape))
+
+
+#: prims ops the exporter's decompositions leave in the graph that autograd cannot run
+#: ("backwards not supported on prim"), and what computes each in aten ops: (the
+#: target, its arguments and keywords from the prim's). `torch.var` and `torch.std` with
+#: `keepdim` decompose to `prims.var` and `prims.broadcast_in_dim`.
+_Arguments = Callable[[tuple, dict], tuple[tuple, dict]]
+_UNDIFFERENTIABLE_PRIMS: dict[object, tuple[object, _Arguments]] = {
+    torch.ops.prims.var.default: (
+        torch.ops.aten.var.correction,
+        lambda args, kwargs: ((args[0], args[1]), {
+            "correction": args[2] if len(args) > 2 else kwargs.get("correction", 1)})),
+    torch.ops.prims.broadcast_in_dim.default: (
+        broadcast_in_dim, lambda args, kwargs: (args, kwargs)),
+}
+
+
+def differentiable(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`graph` with each prim autograd cannot run replaced, in place, by the aten op
+    computing it (`_UNDIFFERENTIABLE_PRIMS`), the node keeping its name (the plan's ops
+    are found by it); an output dtype other than the input's is left as it is."""
+    changed = False
+    for node in graph.graph.nodes:
+        found = _UNDIFFERENTIABLE_PRIMS.get(node.target) if node.op == "call_function" \
+            else None
+        if found is None or node.kwargs.get("output_dtype") is not None:
+            continue
+        target, arguments = found
+        node.target = target
+        node.args, node.kwargs = arguments(tuple(node.args), dict(node.kwargs))
+        changed = True
+    if changed:
+        graph.recompile()
+    return graph

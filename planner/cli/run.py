@@ -185,6 +185,8 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
         if args.log_json:
             Path(args.log_json).write_text(json.dumps({"losses": losses}, indent=1) + "\n")
         return 0
+    if args.resume:
+        _say_unfrozen(args.resume, loaded)
     log = train_module(args.module, loaded, steps=args.steps, lr=args.lr,
                        backend=args.backend, optimizer=args.optimizer,
                        checkpoints=Checkpoints(args.resume, args.checkpoint,
@@ -192,6 +194,21 @@ def _run_module(args: argparse.Namespace, loaded: Plan) -> int:
                        count_steps=args.count_steps)
     _report(log, loaded, args.log_json, compared=True)
     return 0
+
+
+def _say_unfrozen(resume: str, plan: Plan) -> None:
+    """Name the weights the checkpoint kept frozen that the plan trains: resumed, their
+    optimizer state starts fresh (`executor.module.state.newly_trained`)."""
+    from executor.checkpoint import saved_keys
+    from executor.module.state import newly_trained
+
+    trained = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
+    unfrozen = sorted(newly_trained(saved_keys(resume)) & trained)
+    if unfrozen:
+        shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more"
+                                            if len(unfrozen) > 4 else "")
+        print(f"{resume}: {shown} frozen when saved, trained now: their optimizer state "
+              "starts fresh", file=sys.stderr)
 
 
 def _one_device_step(model: str, plan: Plan) -> float:
