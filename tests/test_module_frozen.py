@@ -231,3 +231,69 @@ def test_a_module_with_every_weight_frozen_is_refused() -> None:
     with pytest.raises(ShardplanError, match=r"every parameter of Linear is frozen "
                                              r"\(requires_grad=False\): there is nothing"):
         refuse_nothing_to_train(net)
+
+
+BLOCKS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def batch(step, rows):
+    return {"ids": torch.randint(0, 64, (rows, 8),
+                                 generator=torch.Generator().manual_seed(step))}
+
+
+def loss(out, b):
+    return F.cross_entropy(out.flatten(0, 1), b["ids"].flatten())
+
+
+def first_frozen():
+    torch.manual_seed(0)
+    net = Net()
+    net.blocks[0].requires_grad_(False)
+    return net, batch, loss
+'''
+
+
+def test_a_move_the_plan_does_not_share_is_made_again(tmp_path: Path) -> None:
+    """With its first block frozen the model has no repeated layers, and its units are
+    chunks of ops that cut that block: Megatron's tp=2 plan reduce-scatters the embedding
+    for the block's norm and again for its residual add, a unit later (the plan shares
+    one move between reads of one recompute region only). The run shared one move
+    between both reads: "collectives differ from the plan: reduce_scatter|tp|forward
+    planned 9 issued 6", the losses right. It now moves where the plan lists a move."""
+    path = tmp_path / "blocks.py"
+    path.write_text(BLOCKS)
+    spec = f"{path}:first_frozen"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"tp": 2, "layout": "megatron"})
+    moves = [(c.op, c.tensor) for c in chosen.collectives
+             if c.kind.value == "reduce_scatter" and c.tensor == "embedding"]
+    assert len(moves) == 2  # the case: two reads of one value in one layout, both moved
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)

@@ -42,6 +42,12 @@ class NodeLayouts:
     #: where not 1 (`TensorBinding.share`: a whole read of a weight the plan sums over
     #: devices that each compute all of its gradient)
     shares: Mapping[str, float] = field(default_factory=dict)
+    #: the values whose reads here the plan moves itself (it lists a collective of the
+    #: value at an op this node owns): where an earlier node moved the value into the same
+    #: layout, the plan did not share that move with this read (`planner.sharding.derive.
+    #: shared_read_key`: moves are shared within a recompute region), and this node moves
+    #: it again
+    moves: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -248,8 +254,11 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
                 wanted.setdefault(binding.tensor, binding.layout)
     reduced: dict[str, dict[str, tuple[str, ...]]] = {}
     gathered: dict[str, dict[str, tuple[str, ...]]] = {}
+    moves: dict[str, set[str]] = {}
     for c in plan.collectives:
         node = owner.get(c.op)
+        if node is not None and c.phase in (Phase.FORWARD, Phase.BACKWARD):
+            moves.setdefault(node, set()).add(c.tensor)
         if c.phase != Phase.BACKWARD or node is None:
             continue
         found = reduced if c.kind in (CollectiveKind.ALL_REDUCE,
@@ -264,7 +273,7 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
         entry = plan.tensors.get(node)
         nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
                                   reduced.get(node, {}), gathered.get(node, {}),
-                                  shares.get(node, {}))
+                                  shares.get(node, {}), frozenset(moves.get(node, ())))
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},

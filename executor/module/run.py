@@ -869,7 +869,11 @@ class PlannedRun(TracedRun):
             if not isinstance(value, DTensor):
                 return value
             held = self.frame.moved.setdefault(arg, {})
-            if layout not in held:  # reads of one value in one layout share one move
+            # reads of one value in one layout share one move, as the plan shares them:
+            # where it lists a move of the value at this node too, this node moves again
+            if layout not in held or (arg.name in planned.moves
+                                      and self.frame.movers.get((arg, layout)) != n.name):
+                self.frame.movers[(arg, layout)] = n.name
                 wanted = self._wanted(arg.name, layout)
                 moved = value if _normalised(value, wanted) else self._move(
                     value, wanted, planned.gathered.get(arg.name, ()))
@@ -1163,6 +1167,7 @@ class _Frame:
     locals: dict[Node, torch.Tensor] = field(default_factory=dict)
     sizes: dict[Node, Any] = field(default_factory=dict)
     moved: dict[Node, dict[Layout, DTensor]] = field(default_factory=dict)
+    movers: dict[tuple[Node, Layout], str] = field(default_factory=dict)  # who moved it
 
     def forget(self, node: Node) -> None:
         self.held_local.discard(node)
