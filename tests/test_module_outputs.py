@@ -58,12 +58,11 @@ def test_a_forward_returning_a_dict_trains_as_one_process(tmp_path: Path,
     spec = f"{builder}:build"
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel=parallel)
-    # (not asked: no move the plan does not make. Under dp the traced `mean` is two
-    # exported ops, ReduceMean and Squeeze, and the plan all-reduces the pending sum
-    # between them; the run makes that all-reduce at the traced node's output, which it
-    # records as a move of its own: `mean: (Partial(avg),) -> (Replicate(),)`, the losses
-    # and collectives as planned; left open in docs/robustness.md)
-    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+    # no move the plan does not make: under dp the traced `mean` is two exported ops,
+    # ReduceMean and Squeeze, and the plan all-reduces the pending sum between them; the
+    # run makes that all-reduce at the traced node's output (recorded as a move of its
+    # own before: `mean: (Partial(avg),) -> (Replicate(),)`)
+    assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
 
 
 SCALAR_INPUT = '''

@@ -48,6 +48,10 @@ class NodeLayouts:
     #: shared_read_key`: moves are shared within a recompute region), and this node moves
     #: it again
     moves: frozenset[str] = frozenset()
+    #: the plan moves a tensor between two of the exported ops this node is (`mean` as
+    #: ReduceMean and Squeeze, the pending sum all-reduced between them): the node makes
+    #: that move at its output, where DTensor's result is not the plan's output layout
+    moves_inside: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,8 @@ def read_layouts(plan: Plan, traced: Sequence[str], values: Collection[str]) -> 
         entry = plan.tensors.get(node)
         nodes[node] = NodeLayouts(inputs.get(node, {}), entry.layout if entry else None,
                                   reduced.get(node, {}), gathered.get(node, {}),
-                                  shares.get(node, {}), frozenset(moves.get(node, ())))
+                                  shares.get(node, {}), frozenset(moves.get(node, ())),
+                                  any(t not in values for t in moves.get(node, ())))
     return ModuleLayouts(
         parameters={n: e.layout for n, e in plan.tensors.items() if e.kind == "parameter"},
         inputs={n: e.layout for n, e in plan.tensors.items() if e.kind == "input"},

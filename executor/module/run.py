@@ -914,7 +914,8 @@ class PlannedRun(TracedRun):
             wanted = self._wanted(n.name, planned.output)
             result = as_pending_sum(result, wanted)
             if not _normalised(result, wanted):
-                self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
+                if not planned.moves_inside:
+                    self.record.unplanned[f"{n.name}: {result.placements} -> {wanted}"] += 1
                 result = redistribute(result, self.mesh, wanted)
         return result
 
