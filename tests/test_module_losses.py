@@ -108,6 +108,19 @@ def test_torch_var_in_the_forward_trains_as_one_process(tmp_path: Path,
     trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
 
 
+def test_a_loss_keeping_a_plain_tensor_for_its_backward_trains_as_one_process(
+        tmp_path: Path) -> None:
+    """`pos_weight` is a plain tensor BCE keeps for its backward pass, which ran outside
+    the loss's implicit replication: the rank failed ("aten.mul.Tensor got mixed
+    torch.Tensor and DTensor"), with micro-batches (the loss on DTensors)."""
+    loss = ("F.binary_cross_entropy_with_logits(out, torch.sigmoid(b['x'][:, :6]), "
+            "pos_weight=torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0, 1.5]))")
+    spec = _builder(tmp_path, "h", loss)
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2, "micro_batches": 2})
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+
+
 def test_the_losses_dtensor_runs_on_blocks_are_found_in_torch() -> None:
     """The ops routed through their decompositions are found by what torch has (a
     `reduction` argument, a decomposition, no DTensor rule), not listed by hand; the

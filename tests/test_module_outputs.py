@@ -109,3 +109,54 @@ def test_a_scalar_in_the_batch_goes_whole_to_every_micro_batch(tmp_path: Path,
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel=parallel)
     assert trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH).unplanned == {}
+
+
+SCALARS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.t = nn.Parameter(torch.tensor(1.5))  # a learnable temperature
+        self.r = nn.Linear(16, 1)  # a bias of one element
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x) * self.t)
+        return h, self.r(h).squeeze(-1)
+
+
+def batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(rows, 16, generator=g)}
+
+
+def loss(out, b):
+    return F.mse_loss(out[0], torch.sin(b["x"])) + F.mse_loss(out[1], b["x"][:, 0])
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), batch, loss
+'''
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 1}, {"tp": 2},
+                                      {"pp": 2, "micro_batches": 2, "schedule": "1f1b"}],
+                         ids=["dp", "tp", "pp"])
+def test_a_parameter_of_one_element_is_trained(tmp_path: Path, parallel: dict) -> None:
+    """A learnable scalar (`nn.Parameter(torch.tensor(1.5))`, the bias of a
+    `Linear(16, 1)`) exports as a one-element initializer, which the importer took for a
+    constant: the plan did not name it and every rank refused the module ("module
+    parameters the plan does not name: r.bias"). The export now declares them."""
+    builder = tmp_path / "scalars.py"
+    builder.write_text(SCALARS)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel=parallel)
+    assert chosen.tensors["t"].kind == "parameter" and chosen.tensors["r.bias"].kind == \
+        "parameter"
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)

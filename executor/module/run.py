@@ -29,6 +29,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
@@ -301,7 +302,11 @@ def output_gradients(loss: torch.Tensor, outputs: Any
     if not loss.requires_grad or not leaves:
         raise ShardplanError("the loss does not depend on the model's output: loss_fn "
                              "must compute it from the output it is given")
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    # a plain tensor the loss kept (BCE's pos_weight, cross-entropy's class weights) is
+    # the same on every rank, in its backward pass too ("aten.nll_loss_backward.default
+    # got mixed torch.Tensor and DTensor")
+    with implicit_replication():
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return tuple((v, g) for v, g in zip(leaves, grads, strict=True) if g is not None)
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from planner.errors import ShardplanError
-from planner.importer.build import MODULE_BUFFERS_KEY, MODULE_FROZEN_KEY
+from planner.importer.declared import MODULE_BUFFERS_KEY, MODULE_FROZEN_KEY, MODULE_SCALARS_KEY
 
 
 @contextlib.contextmanager
@@ -95,6 +95,13 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
                     if name in params and not params[name].requires_grad)
     if frozen:
         program.model.metadata_props[MODULE_FROZEN_KEY] = json.dumps(frozen)
+    # and its trained scalars (a temperature, a Linear(n, 1)'s bias), which the planner
+    # would take for constants
+    scalars = sorted(name for name in signature.inputs_to_parameters.values()
+                     if name in params and params[name].requires_grad
+                     and params[name].numel() <= 1)
+    if scalars:
+        program.model.metadata_props[MODULE_SCALARS_KEY] = json.dumps(scalars)
     return program
 
 

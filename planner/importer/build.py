@@ -4,7 +4,6 @@ every op and check the topological order."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from onnx import numpy_helper
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
 from planner.importer.bind import Bound, data_inputs
+from planner.importer.declared import declared_scalar_parameters, declared_state
 from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Folded, Shapes
 from planner.importer.names import recover_names
 from planner.importer.order import canonical_order
@@ -253,38 +253,19 @@ def _rotary_frequencies(ops: list[OpNode], tensors: Mapping[str, TensorInfo]) ->
             and t.name in reaches_trig and t.name not in meets_input]
 
 
-#: A model's metadata entries naming the initializers that are a module's buffers, and
-#: its frozen parameters (`requires_grad=False`), each a JSON list, which the module
-#: executor's export writes (`executor.module.trace`)
-MODULE_BUFFERS_KEY = "shardplan.buffers"
-MODULE_FROZEN_KEY = "shardplan.frozen"
-
-
-def _declared_state(model: onnx.ModelProto) -> list[str]:
-    """The initializers the model's metadata names as buffers or frozen parameters: state
-    the module keeps (`register_buffer`, a weight it does not train), which no optimizer
-    updates and no gradient reaches; [] where it names none, or not as lists of names."""
-    found: list[str] = []
-    for entry in model.metadata_props:
-        if entry.key in (MODULE_BUFFERS_KEY, MODULE_FROZEN_KEY):
-            try:
-                names = json.loads(entry.value)
-            except ValueError:
-                continue
-            if isinstance(names, list):
-                found += [n for n in names if isinstance(n, str)]
-    return found
-
-
 def _classify_initializers(
     model: onnx.ModelProto, known: Mapping[str, np.ndarray]
 ) -> dict[str, TensorKind]:
     """Float initializers consumed by ops are parameters, except state and constants.
 
     Values the folder produced or could read (integers, scalars, Constant nodes) are
-    constants; batch-norm running statistics are buffers: stored, but never trained.
+    constants; batch-norm running statistics are buffers: stored, but never trained. What
+    a module's export declares (`planner.importer.declared`) is what it says: its trained
+    scalars parameters, its buffers and frozen weights state.
     """
-    buffer_uses: set[str] = set(_declared_state(model))
+    state = set(declared_state(model))
+    scalars = declared_scalar_parameters(model)
+    buffer_uses: set[str] = set(state)
     for node in model.graph.node:
         for slot in BUFFER_INPUT_SLOTS.get(node.op_type, ()):
             if slot < len(node.input) and node.input[slot]:
@@ -293,7 +274,11 @@ def _classify_initializers(
     for init in model.graph.initializer:
         dtype = ONNX_TO_NUMPY.get(init.data_type, "")
         numel = math.prod(init.dims)
-        if dtype not in FLOAT_DTYPES or numel <= 1 or init.name in known:
+        if init.name in scalars and dtype in FLOAT_DTYPES:
+            kinds[init.name] = "parameter"  # a trained scalar the module declares
+        elif init.name in state and dtype in FLOAT_DTYPES:
+            kinds[init.name] = "buffer"  # state the module declares, whatever its size
+        elif dtype not in FLOAT_DTYPES or numel <= 1 or init.name in known:
             kinds[init.name] = "constant"
         elif init.name in buffer_uses or BUFFER_NAME.search(init.name):
             kinds[init.name] = "buffer"

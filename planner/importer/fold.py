@@ -16,6 +16,7 @@ from onnx import numpy_helper, shape_inference
 
 from planner.errors import ModelError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, FLOAT_DTYPES, RoutedSelection
+from planner.importer.declared import declared_scalar_parameters
 from planner.importer.gathers import reshape_layout_gathers
 from planner.importer.routing import pinned_shapes, routed_selections
 from planner.importer.tensors import ONNX_TO_NUMPY, has_inline_data
@@ -195,13 +196,15 @@ def _known_initializer_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Values the folder may use: integer/bool initializers and float scalars.
 
     Float tensors with more than one element are parameters: folding through them would
-    turn a weight into a constant, so they are never treated as known.
+    turn a weight into a constant, so they are never treated as known; nor are the
+    trained scalars a module's export declares (`planner.importer.declared`).
     """
     known: dict[str, np.ndarray] = {}
+    trained = declared_scalar_parameters(model)
     for init in model.graph.initializer:
         numel = math.prod(init.dims)
         dtype = ONNX_TO_NUMPY.get(init.data_type, "")
-        if numel > FOLD_LIMIT_ELEMENTS or not has_inline_data(init):
+        if numel > FOLD_LIMIT_ELEMENTS or not has_inline_data(init) or init.name in trained:
             continue
         if dtype in FLOAT_DTYPES and numel > 1:
             continue
