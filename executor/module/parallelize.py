@@ -295,9 +295,30 @@ class ParallelModule:
             loss, self.row_loss = RowLoss.probe(
                 output, (micro_batch,), self.mesh, dims,
                 lambda: self.loss(loss_fn, output, micro_batch))
+            if self.row_loss is not None and not self._local_loss_agrees(
+                    loss, self.row_loss.local(loss_fn, output, (micro_batch,), self.mesh,
+                                              dims)):
+                self.row_loss = None
             self.loss_probed = True
         roots, grads = _loss_roots(loss / count, output)
         return roots, grads, loss.detach()
+
+    @staticmethod
+    def _local_loss_agrees(loss: torch.Tensor,
+                           found: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """Whether `loss_fn` on this rank's rows gives the term DTensor's loss holds here,
+        on every rank (one collective, once): a mean written `x.sum() / x.shape[0]` is
+        a pending sum on DTensors whose terms divide by the whole batch's rows, but on a
+        rank's rows by that rank's (the gradient came out twice one process's on two
+        ranks, the loss too)."""
+        held = loss._local_tensor.detach() if isinstance(loss, DTensor) else loss.detach()
+        # (`found[1]`, the local value as the DTensor it is a term of, holds it as is)
+        agrees = found is not None and isinstance(loss, DTensor) and isinstance(
+            found[1], DTensor) and torch.allclose(found[1]._local_tensor.to(held.dtype),
+                                                  held, rtol=1e-5, atol=1e-8)
+        flag = torch.tensor([1 if agrees else 0], dtype=torch.int32, device=held.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _as_rows(self, value: Any, dims: Sequence[int], whole: int) -> Any:
         """A plain output (this rank's rows of `whole`: `forward`'s `rows_out`) as the

@@ -11,8 +11,11 @@ The first call runs `loss_fn` on DTensors and reads the answer off DTensor's own
 propagation (`RowLoss.probe`): the loss is local when every output is split along its
 rows over the batch's mesh axes only, the loss issued no collective in its forward pass,
 and it came out a pending sum or mean (`Partial("sum" | "avg")`) over exactly those axes
-and replicated elsewhere: DTensor proved it a linear combination of per-rank terms.
-Later calls run `loss_fn` on the local rows and divide a mean by the ranks, whose sum
+and replicated elsewhere: DTensor proved it a linear combination of per-rank terms,
+and `loss_fn` on each rank's rows gives that rank's term (a mean written `x.sum() /
+x.shape[0]` does not: its terms divide by the whole batch's rows;
+`ParallelModule._local_loss_agrees` asks every rank once). Later calls run `loss_fn` on
+the local rows and divide a mean by the ranks, whose sum
 of gradients the plan's weight collectives then take (`RowLoss.local`). The gradient is
 DTensor's own wherever each rank's rows weigh the same in the mean (the
 cross-entropy of equal rows with no ignored targets); a mean over rows whose counts differ
