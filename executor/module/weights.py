@@ -429,16 +429,42 @@ class WeightSync:
         part = local.reshape(-1)
         weight.chunk.grad = part if weight.chunk.grad is None else weight.chunk.grad + part
 
-    def _reduce(self, bucket: _Bucket) -> None:
+    def flush_unreached(self, phase: Phase) -> None:
+        """After the backward passes whose gradients `phase`'s reductions sum: a bucket
+        some of whose weights got no gradient (a parameter only an output the loss does
+        not read depends on) waited for them, so none of its gradients was summed and
+        each rank stepped on its own rows' (exit 0, "collectives differ"). It is reduced
+        now as the plan lists it, zeros in their place, and those weights keep no
+        gradient, as in one process. A bucket none of whose weights got one is left: no
+        weight of it is updated, as in one process."""
+        kind, reduced = self.reduction
+        if reduced != phase:
+            return
+        for bucket in self.buckets:
+            plan = bucket.plan
+            if plan.kind == kind and plan.phase == phase and bucket.ready and \
+                    len(bucket.ready) < len(plan.tensors):
+                missing = frozenset(plan.tensors) - bucket.ready
+                bucket.ready.clear()
+                self._reduce(bucket, missing)
+
+    def _reduce(self, bucket: _Bucket, missing: frozenset[str] = frozenset()) -> None:
         plan = bucket.plan
         if plan.kind not in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
             raise ShardplanError(f"{plan.phase} {plan.kind} of {plan.tensors[0]}: not a "
                                  "gradient reduction")
-        taken = [self._take_gradient(name, plan) for name in plan.tensors]
+        taken = [self._zeros(name) if name in missing else self._take_gradient(name, plan)
+                 for name in plan.tensors]
         if plan.kind == CollectiveKind.ALL_REDUCE:
-            self._all_reduce(plan, taken)
+            self._all_reduce(plan, taken, missing)
         else:
-            self._reduce_scatter(plan, [local for local, _ in taken])
+            self._reduce_scatter(plan, [local for local, _ in taken], missing)
+
+    def _zeros(self, name: str) -> tuple[torch.Tensor, tuple[Placement, ...]]:
+        """What a weight that got no gradient adds to its bucket's reduction."""
+        whole = self.whole[name]
+        assert isinstance(whole, DTensor)
+        return torch.zeros_like(whole._local_tensor), self._placements(whole)
 
     def _take_gradient(self, name: str, plan: WeightBucket
                        ) -> tuple[torch.Tensor, tuple[Placement, ...]]:
@@ -512,7 +538,8 @@ class WeightSync:
         return tuple(names)
 
     def _all_reduce(self, plan: WeightBucket,
-                    taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]) -> None:
+                    taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]],
+                    missing: frozenset[str] = frozenset()) -> None:
         """One all-reduce for the bucket's flat gradients; each parameter's gradient a
         view of the sum. Inside a backward pass it is issued without waiting, as DDP
         issues its buckets: the rest of the backward pass runs while it is on the wire
@@ -526,7 +553,8 @@ class WeightSync:
                 torch.autograd.Variable._execution_engine.queue_callback(self._landed)
             self._in_flight.append((work, summed, plan, taken))
             return
-        self._set_sums(self.comm.all_reduce(flat, plan.axes, str(plan.phase)), plan, taken)
+        self._set_sums(self.comm.all_reduce(flat, plan.axes, str(plan.phase)), plan, taken,
+                       missing)
 
     def _landed(self) -> None:
         """The end of a backward pass: its all-reduces waited for, their sums made the
@@ -538,14 +566,17 @@ class WeightSync:
             self._set_sums(summed, plan, taken)
 
     def _set_sums(self, summed: torch.Tensor, plan: WeightBucket,
-                  taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]) -> None:
+                  taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]],
+                  missing: frozenset[str] = frozenset()) -> None:
         offset = 0
         for name, (local, done) in zip(plan.tensors, taken, strict=True):
             piece = summed[offset:offset + local.numel()].view_as(local)
             offset += local.numel()
-            self._set_gradient(name, piece, done)
+            if name not in missing:
+                self._set_gradient(name, piece, done)
 
-    def _reduce_scatter(self, plan: WeightBucket, grads: Sequence[torch.Tensor]) -> None:
+    def _reduce_scatter(self, plan: WeightBucket, grads: Sequence[torch.Tensor],
+                        missing: frozenset[str] = frozenset()) -> None:
         """One reduce-scatter for the bucket: the flat padded gradients (local blocks)
         laid out rank by rank, so that each rank receives the summed chunk of every
         weight."""
@@ -560,7 +591,8 @@ class WeightSync:
             part = summed[offset:offset + size]
             offset += size
             chunk = weight.chunk
-            chunk.grad = part.clone() if chunk.grad is None else chunk.grad + part
+            if weight.name not in missing:
+                chunk.grad = part.clone() if chunk.grad is None else chunk.grad + part
             if self.zero == 3:
                 weight.free()
 
