@@ -217,3 +217,68 @@ def test_weights_only_an_unread_output_depends_on_train_as_one_process(
     alone = train_module_reference(spec, steps=STEPS, batch_size=BATCH, optimizer=optimizer)
     assert run.losses == pytest.approx(alone, rel=1e-4)
     assert run.differences == []
+
+
+TOPK = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        values, _ = torch.topk(self.a(x), 4, dim=-1)
+        return self.b(values)
+
+
+def batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(rows, 16, generator=g)}
+
+
+def loss(out, b):
+    return F.mse_loss(out, torch.sin(b["x"][:, :4]))
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), batch, loss
+'''
+
+
+def test_a_stage_starting_at_a_multi_output_op_takes_its_getitems(tmp_path: Path) -> None:
+    """The export names `topk`'s ONNX node `node_topk__1`, which no traced node is named
+    after; the second stage's first traced node was then the next GEMM's, and `topk` and
+    its `getitem` ran on the first stage: "pipeline chunk 1 reads getitem from chunk 0,
+    which the plan does not send"."""
+    builder = tmp_path / "topk.py"
+    builder.write_text(TOPK)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu",
+                  parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+
+
+def test_outputs_of_two_pipeline_stages_are_refused_naming_them(tmp_path: Path) -> None:
+    """The loss reads every output on one stage; a plan computing them on two failed the
+    rank with "plan this module's own export", which it was."""
+    from executor.module.launch import train_module
+    from executor.ranks import RunFailed
+
+    builder = tmp_path / "unread.py"
+    builder.write_text(UNREAD)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu",
+                  parallel={"pp": 2, "micro_batches": 2, "schedule": "1f1b"})
+    if len({stage.device_stage for stage in chosen.pipeline.stages}) < 2:
+        pytest.skip("the plan put both outputs on one stage")
+    with pytest.raises(RunFailed, match=r"the plan computes the module's output \w+ on "
+                                        r"pipeline chunk \d and others on chunk \d"):
+        train_module(spec, chosen, steps=1, batch_size=BATCH)

@@ -15,7 +15,7 @@ makes it a DTensor on its stage's mesh again.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -71,12 +71,29 @@ def _free_nodes(nodes: Sequence[Node], owned: set[str]) -> set[Node]:
     return free
 
 
+def _with_unowned_feeders(nodes: Sequence[Node], start: int, owned: Collection[str],
+                          place: Mapping[str, int]) -> int:
+    """A chunk's first node, moved back over the traced call nodes right before it that
+    no plan op is named after and that only it and later chunks read: a multi-output op's
+    node and its `getitem`s (`topk`, whose ONNX node the export names `node_topk__1`),
+    which run with the op their values feed (left in the chunk before, the chunk read
+    `getitem` from it, which the plan does not send)."""
+    while start > 0:
+        node = nodes[start - 1]
+        if node.op != "call_function" or node.name in owned or any(
+                place[user.name] < start for user in node.users):
+            break
+        start -= 1
+    return start
+
+
 def chunk_nodes(graph: GraphModule, plan: Plan, layouts: ModuleLayouts, stages: Stages
                 ) -> dict[int, ChunkNodes]:
     """Every chunk's nodes (module docstring); one error naming what does not match."""
     nodes = list(graph.graph.nodes)
     place = {n.name: k for k, n in enumerate(nodes)}
     owner = layouts.owner
+    owned = set(owner.values())
     starts = []
     for chunk in stages.chunks:
         found = [place[owner[op.name]] for op in plan.ops[chunk.first:chunk.end]
@@ -84,7 +101,7 @@ def chunk_nodes(graph: GraphModule, plan: Plan, layouts: ModuleLayouts, stages: 
         if not found:
             raise ShardplanError(f"pipeline chunk {chunk.index} (ops {chunk.first}.."
                                  f"{chunk.end}) has no op of the traced module")
-        starts.append(min(found))
+        starts.append(_with_unowned_feeders(nodes, min(found), owned, place))
     starts[0] = 0
     if starts != sorted(starts):
         raise ShardplanError("the traced module runs the plan's pipeline chunks in another "
@@ -95,6 +112,8 @@ def chunk_nodes(graph: GraphModule, plan: Plan, layouts: ModuleLayouts, stages: 
     for node in free:  # computed where read: a stage reads only its own weights
         chunk_of[node] = -1
     transfers = {(t.tensor, t.dst) for t in stages.transfers}
+    output_node = next(n for n in reversed(nodes) if n.op == "output")
+    outputs = {n.name for n in output_node.all_input_nodes}
     result = {}
     for c, chunk in enumerate(stages.chunks):
         own = [n for n in nodes[bounds[c]:bounds[c + 1]] if n not in free]
@@ -110,6 +129,12 @@ def chunk_nodes(graph: GraphModule, plan: Plan, layouts: ModuleLayouts, stages: 
                 todo += [a for a in value.all_input_nodes if chunk_of[a] != c]
             elif (value.name, chunk.index) in transfers:
                 received[value.name] = value
+            elif value.name in outputs:
+                raise ShardplanError(
+                    f"the plan computes the module's output {value.name} on pipeline chunk "
+                    f"{chunk_of[value]} and others on chunk {chunk.index}, and the loss "
+                    "reads them together: outputs of several stages are not planned yet; "
+                    "plan with pp=1, or return only what the last layers compute")
             else:
                 raise ShardplanError(
                     f"pipeline chunk {chunk.index} reads {value.name} from chunk "
