@@ -446,28 +446,28 @@ def test_a_kept_trace_serves_later_processes_until_the_module_changes(
         return real_export(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(launch, "export_program", counted)
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     first = launch.shared_trace(spec, 2)
     assert first is not None and len(exports) == 1
     assert first.program.parent.parent == tmp_path / "cache" / "traces"
-    monkeypatch.setattr(launch, "_saved_traces", {})  # a later process
+    monkeypatch.setattr(launch, "_exported", {})  # a later process
     again = launch.shared_trace(spec, 2)
     assert again == first and len(exports) == 1
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     launch.shared_trace(spec, 5)  # the example's shape is traced
     assert len(exports) == 2
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     seed.write_text("1")
     other = launch.shared_trace(spec, 2)
     assert other is not None and other != first and len(exports) == 3
     monkeypatch.setenv("SHARDPLAN_CACHE_DIR", "")
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     off = launch.shared_trace(spec, 2)
     assert off is not None and len(exports) == 4
     assert not off.program.is_relative_to(tmp_path / "cache")
     monkeypatch.setenv("SHARDPLAN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cache, "KEPT_TRACES", 1)
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     launch.shared_trace(spec, 3)
 
     def kept() -> int:
@@ -475,7 +475,7 @@ def test_a_kept_trace_serves_later_processes_until_the_module_changes(
                     if not p.name.startswith(".")])
     assert kept() == 4  # each used within IN_USE_S: another run's ranks may read it
     monkeypatch.setattr(cache, "IN_USE_S", 0.0)
-    monkeypatch.setattr(launch, "_saved_traces", {})
+    monkeypatch.setattr(launch, "_exported", {})
     launch.shared_trace(spec, 4)
     assert kept() == 1
 

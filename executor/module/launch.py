@@ -136,9 +136,18 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
     return save_model(export_program(module, make_batch(0, batch_size)), Path(path))
 
 
-_saved_traces: dict[tuple[object, ...], SavedTrace | None] = {}
-#: per `shared_trace` key: the module's parameters by their names, and the frozen ones
-_parameters: dict[tuple[object, ...], tuple[list[tuple[str, ...]], frozenset[str]]] = {}
+@dataclass(frozen=True)
+class _Exported:
+    """What exporting the builder's module once gave: the trace written for every process
+    (None: too large), and the module's parameters by their names and the frozen ones,
+    which the launcher checks against the plan before any rank starts."""
+
+    trace: SavedTrace | None
+    parameters: list[tuple[str, ...]]
+    frozen: frozenset[str]
+
+
+_exported: dict[tuple[object, ...], _Exported] = {}
 
 
 def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
@@ -149,32 +158,28 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
     builder's file, its size and modification time, so an edited builder is looked up
     anew. None: the module is too large to write twice (`MAX_SHARED_TRACE_BYTES`); each
     rank exports it as before."""
-    builder = load_builder(spec)
-    source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
-    key = _trace_key(spec, batch_size)
-    if key not in _saved_traces:
-        from executor.module.parallelize import parameter_names
-
-        module, make_batch, _ = builder()
-        module.train()
-        _parameters[key] = (parameter_names(module), frozenset(
-            name for name, param in module.named_parameters(remove_duplicate=False)
-            if not param.requires_grad))
-        if state_bytes(module) > MAX_SHARED_TRACE_BYTES:
-            _saved_traces[key] = None
-        else:
-            example = make_batch(0, batch_size)
-            digest = trace_digest(source if source.is_file() else None, spec, module, example)
-            _saved_traces[key] = kept_trace(digest) or keep_trace(
-                digest, export_program(module, example))
-    return _saved_traces[key]
+    return _export_once(spec, batch_size).trace
 
 
-def _trace_key(spec: str, batch_size: int) -> tuple[object, ...]:
+def _export_once(spec: str, batch_size: int) -> _Exported:
+    """The builder's module built and exported once per (spec, batch, builder file as it
+    is now): `shared_trace`'s trace, and its parameters for the launcher's check."""
+    from executor.module.parallelize import frozen_names, parameter_names
+
     builder = load_builder(spec)
     source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
     stamp = source.stat() if source.is_file() else None
-    return (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
+    key = (spec, batch_size, str(source), stamp and (stamp.st_mtime_ns, stamp.st_size))
+    if key not in _exported:
+        module, make_batch, _ = builder()
+        module.train()
+        trace = None
+        if state_bytes(module) <= MAX_SHARED_TRACE_BYTES:
+            example = make_batch(0, batch_size)
+            digest = trace_digest(source if source.is_file() else None, spec, module, example)
+            trace = kept_trace(digest) or keep_trace(digest, export_program(module, example))
+        _exported[key] = _Exported(trace, parameter_names(module), frozen_names(module))
+    return _exported[key]
 
 
 @dataclass
@@ -429,14 +434,14 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
     if backend == "nccl" and torch.cuda.device_count() < plan.mesh.size:
         raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
                              f"machine has {torch.cuda.device_count()}")
-    trace = shared_trace(spec, batch_size)
+    exported = _export_once(spec, batch_size)
     # a weight frozen or unfrozen since planning, before any rank starts
-    check_frozen(plan, *_parameters[_trace_key(spec, batch_size)])
+    check_frozen(plan, exported.parameters, exported.frozen)
     with writing(saving.save), tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "log.json")
         run = ModuleRun(spec, json.dumps(plan.to_json()), steps, lr, batch_size,
                         backend, optimizer, saving, local, timeout_s, os.getpid(),
-                        trace, count_steps)
+                        exported.trace, count_steps)
         run_ranks(_rank, (plan.mesh.size, free_port(), run, out), plan.mesh.size,
                   timeout_s=timeout_s)
         data: Mapping[str, Any] = json.loads(Path(out).read_text())

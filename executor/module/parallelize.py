@@ -551,6 +551,12 @@ def _check_parameter_shapes(plan: Plan, module: nn.Module) -> None:
                 "plan this module's own export again")
 
 
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """Every name of every parameter the module does not train (`requires_grad=False`)."""
+    return frozenset(name for name, param in module.named_parameters(remove_duplicate=False)
+                     if not param.requires_grad)
+
+
 def parameter_names(module: nn.Module) -> list[tuple[str, ...]]:
     """Every parameter's names, in module order: a tied weight (GPT-2's embedding and
     head) is one parameter with several names, and an export names it by one of them."""
@@ -728,8 +734,7 @@ def parallelize(module: nn.Module, plan: Plan, example: Mapping[str, torch.Tenso
     if dist.get_world_size() != plan.mesh.size:
         raise ShardplanError(f"the plan is for {plan.mesh.size} devices; this process "
                              f"group has {dist.get_world_size()}")
-    frozen = {name for name, param in module.named_parameters(remove_duplicate=False)
-              if not param.requires_grad}
+    frozen = frozen_names(module)
     refuse_nothing_to_train(module)
     refuse_training_norms(module)
     trace = _Trace.of(module, example, saved)

@@ -877,17 +877,16 @@ class PlannedRun(TracedRun):
             # reads of one value in one layout share one move, as the plan shares them:
             # where it lists a move of the value at this node too, this node moves again
             if layout not in held or (arg.name in planned.moves
-                                      and self.frame.movers.get((arg, layout)) != n.name):
-                self.frame.movers[(arg, layout)] = n.name
+                                      and held[layout][1] != n.name):
                 wanted = self._wanted(arg.name, layout)
                 moved = value if _normalised(value, wanted) else self._move(
                     value, wanted, planned.gathered.get(arg.name, ()))
                 axes = planned.reduced.get(arg.name, ())
                 dims = tuple(self.plan_mesh.axis_names.index(a) for a in axes)
-                held[layout] = _GradientIn.apply(moved, self.mesh, wanted, dims,
-                                                 tuple(value.placements)) \
-                    if moved.requires_grad else moved
-            return held[layout]
+                held[layout] = (_GradientIn.apply(moved, self.mesh, wanted, dims,
+                                                  tuple(value.placements))
+                                if moved.requires_grad else moved, n.name)
+            return held[layout][0]
 
         if planned is not None and planned.shares:
             args = map_arg(n.args, lambda a: self._shared(n, a, load(a)))
@@ -1172,8 +1171,8 @@ class _Frame:
     dtensors: dict[Node, DTensor] = field(default_factory=dict)
     locals: dict[Node, torch.Tensor] = field(default_factory=dict)
     sizes: dict[Node, Any] = field(default_factory=dict)
-    moved: dict[Node, dict[Layout, DTensor]] = field(default_factory=dict)
-    movers: dict[tuple[Node, Layout], str] = field(default_factory=dict)  # who moved it
+    #: per value and layout: the move and the node that made it
+    moved: dict[Node, dict[Layout, tuple[DTensor, str]]] = field(default_factory=dict)
 
     def forget(self, node: Node) -> None:
         self.held_local.discard(node)
