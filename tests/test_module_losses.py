@@ -156,3 +156,32 @@ def _builder(folder: Path, mixing: str, loss: str) -> str:
     path = folder / "losses_module.py"
     path.write_text(BUILDER.format(mixing=mixing, loss=loss))
     return f"{path}:build"
+
+
+KEPT = 'torch.where(b["x"][:, 6] > 0, b["x"][:, :6].argmax(1), -100)'
+WEIGHTS = "torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0, 1.5])"
+NORMALISED_BY_DATA = {
+    "ignored": (f"F.cross_entropy(out, {KEPT})", True),
+    "weighted": (f'F.cross_entropy(out, b["x"][:, :6].argmax(1), weight={WEIGHTS})', True),
+    "nll": (f"F.nll_loss(F.log_softmax(out, -1), {KEPT}, weight={WEIGHTS})", True),
+    "smoothed": (f"F.cross_entropy(out, {KEPT}, label_smoothing=0.1)", False),
+    "masked": ('(((out - torch.sin(b["x"][:, :6])) ** 2).sum(1) * (b["x"][:, 6] > 0)).sum()'
+               ' / (b["x"][:, 6] > 0).sum()', False),
+}
+
+
+@pytest.mark.parametrize("name", NORMALISED_BY_DATA)
+def test_a_mean_over_kept_targets_trains_as_one_process_on_split_rows(
+        tmp_path: Path, name: str) -> None:
+    """A mean whose divisor depends on the data (targets ignored unevenly by rank, class
+    weights, a mask): each rank's mean averaged gave 2.124399 against one process's
+    2.032811 at step 1 for the cross-entropy with ignored targets, and the gradient on
+    each rank's rows weighed the ranks' means equally. The negative log-likelihood now
+    divides by the kept weight over the ranks, on DTensors and on each rank's rows (which
+    it keeps); label smoothing's and a mask's means stay on DTensors, whose sums do it."""
+    loss, on_rows = NORMALISED_BY_DATA[name]
+    spec = _builder(tmp_path, "h", loss)
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2})
+    run = trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+    assert run.loss_on_rows is on_rows

@@ -14,17 +14,38 @@ needed; they are installed as DTensor's handlers for these ops, the hook torch's
 `loss_parallel` installs its loss handlers through. Which ops: every aten op with a
 `reduction` argument that DTensor has no rule for and torch has a decomposition of, found
 at install time, not listed by hand.
+
+The negative log-likelihood (`F.nll_loss`, `F.cross_entropy`) with `reduction="mean"`
+divides by the total weight of the targets it keeps (their count, or their classes'
+weights): a count that depends on the data. DTensor's rule takes each rank's mean and
+averages those (`Partial("avg")`), right only where every rank keeps the same weight:
+with ignored targets or class weights, the value (2.124399 against one process's
+2.032811 on two ranks) and, on each rank's rows, the gradient were wrong, with exit 0.
+`nll_mean_over_ranks` computes the sum and divides by the total weight summed over the
+ranks holding the rows, one scalar all-reduce; autograd keeps that total weight for the
+backward kernel, so the gradient is one process's too. `KeptTargetsOverRanks` does the
+same for the loss run on a rank's own rows (`executor.module.rowloss`), as plain tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._decomp import decomposition_table
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: `reduction` as aten's loss kernels number it
+_MEAN, _SUM = 1, 2
+#: the negative log-likelihood's forward kernels (2-d, and 4-d for a map of targets)
+NLL_FORWARDS = (torch.ops.aten.nll_loss_forward.default,
+                torch.ops.aten.nll_loss2d_forward.default)
 
 
 def _has_rule(op: torch._ops.OpOverload) -> bool:
@@ -71,4 +92,80 @@ def install_loss_handlers() -> tuple[torch._ops.OpOverload, ...]:
     routed = tuple(op for op in reduced_losses_without_rules() if op not in handlers)
     for op in routed:
         handlers[op] = _decomposed
-    return routed
+    kept = tuple(op for op in NLL_FORWARDS if op not in handlers)
+    for op in kept:
+        handlers[op] = nll_mean_over_ranks
+    return routed + kept
+
+
+#: all-reduces `nll_mean_over_ranks` issued in this context (`kept_weight_sums`)
+_KEPT_WEIGHT_SUMS: contextvars.ContextVar[int] = contextvars.ContextVar("kept_weight_sums",
+                                                                        default=0)
+
+
+@contextlib.contextmanager
+def kept_weight_sums() -> Iterator[Callable[[], int]]:
+    """While inside, count the all-reduces of kept targets' weights `nll_mean_over_ranks`
+    issues: the one collective a loss on each rank's rows repeats itself
+    (`KeptTargetsOverRanks`), so it does not make that loss non-local
+    (`executor.module.rowloss.RowLoss.probe`). Yields the count so far."""
+    token = _KEPT_WEIGHT_SUMS.set(0)
+    try:
+        yield _KEPT_WEIGHT_SUMS.get
+    finally:
+        _KEPT_WEIGHT_SUMS.reset(token)
+
+
+@contextlib.contextmanager
+def _without_handler(op: torch._ops.OpOverload) -> Iterator[None]:
+    """DTensor's own rule for `op` while inside, its handler put back after (DTensor's
+    dispatcher consults its handlers before its rules, so a handler wanting the rule for
+    a case it leaves alone steps aside for the call)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        yield
+    finally:
+        handlers[op] = handler
+
+
+def nll_mean_over_ranks(op_call: torch._ops.OpOverload, args: tuple[Any, ...],
+                        kwargs: dict[str, object]) -> Any:
+    """A mean-reduced negative log-likelihood on DTensors as one process computes it:
+    the sum over the kept targets (DTensor's rule: pending over the ranks holding rows)
+    divided by their total weight summed over those ranks, a pending sum of per-rank
+    terms. Any other reduction is DTensor's rule as it is."""
+    self, target, weight, reduction, ignore_index = args
+    with _without_handler(op_call):
+        if reduction != _MEAN:
+            return op_call(*args, **kwargs)
+        summed, total_weight = op_call(self, target, weight, _SUM, ignore_index)
+    _KEPT_WEIGHT_SUMS.set(_KEPT_WEIGHT_SUMS.get() + sum(
+        1 for p in total_weight.placements if not isinstance(p, Replicate)))
+    whole = total_weight.redistribute(total_weight.device_mesh,
+                                      [Replicate()] * total_weight.device_mesh.ndim)
+    return summed / whole, whole
+
+
+class KeptTargetsOverRanks(TorchDispatchMode):
+    """While inside: a mean-reduced negative log-likelihood on plain tensors (a rank's
+    own rows) divides its sum by the total weight of the targets kept on all the ranks of
+    `groups` (one scalar all-reduce in each), not this rank's alone: the rank's term of
+    one process's mean. The backward kernel reads the total weight the forward returned."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroup]) -> None:
+        super().__init__()
+        self.groups = tuple(groups)
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in NLL_FORWARDS or args[3] != _MEAN:
+            return func(*args, **kwargs)
+        self_, target, weight, _, ignore_index = args
+        summed, total_weight = func(self_, target, weight, _SUM, ignore_index)
+        whole = total_weight.clone()
+        for group in self.groups:
+            dist.all_reduce(whole, group=group)
+        return summed / whole, whole

@@ -9,18 +9,18 @@ rows, as DDP's ranks do, and the ranks' values combine as the DTensor result say
 
 The first call runs `loss_fn` on DTensors and reads the answer off DTensor's own
 propagation (`RowLoss.probe`): the loss is local when every output is split along its
-rows over the batch's mesh axes only, the loss issued no collective in its forward pass,
+rows over the batch's mesh axes only, the loss issued no collective in its forward pass
+(but the kept targets' weight sum, which the rows' loss repeats),
 and it came out a pending sum or mean (`Partial("sum" | "avg")`) over exactly those axes
 and replicated elsewhere: DTensor proved it a linear combination of per-rank terms,
 and `loss_fn` on each rank's rows gives that rank's term (a mean written `x.sum() /
 x.shape[0]` does not: its terms divide by the whole batch's rows;
 `ParallelModule._local_loss_agrees` asks every rank once). Later calls run `loss_fn` on
 the local rows and divide a mean by the ranks, whose sum
-of gradients the plan's weight collectives then take (`RowLoss.local`). The gradient is
-DTensor's own wherever each rank's rows weigh the same in the mean (the
-cross-entropy of equal rows with no ignored targets); a mean over rows whose counts differ
-by rank (targets ignored unevenly) weighs each rank's mean equally, as DDP does, and as
-DTensor's own forward value does too.
+of gradients the plan's weight collectives then take (`RowLoss.local`). A
+cross-entropy or NLL mean divides by the kept targets' weight over all the batch's ranks
+(`executor.module.lossops.KeptTargetsOverRanks`, as on DTensors), so targets ignored
+unevenly or class weights give one process's loss and gradient too.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree as pytree
 
 from executor.module.counting import CollectiveCount, group_axes
+from executor.module.lossops import KeptTargetsOverRanks, kept_weight_sums
 from executor.module.moves import redistribute, tensor_dim
 
 
@@ -61,10 +62,12 @@ class RowLoss:
         """The loss `run()` computes on DTensors, and whether later ones can be local."""
         leaves = pytree.tree_leaves(output)
         counts: Counter = Counter()
-        with CollectiveCount(counts, group_axes(mesh), "loss"):
+        with CollectiveCount(counts, group_axes(mesh), "loss"), kept_weight_sums() as kept:
             loss = run()
+            repeated = kept()  # (on the rows too: `KeptTargetsOverRanks`)
         rows = _rows(leaves, batch, mesh, batch_dims)
-        if counts or rows is None or not isinstance(loss, DTensor) or not _placed(
+        if sum(counts.values()) > repeated or rows is None \
+                or not isinstance(loss, DTensor) or not _placed(
                 loss.placements, batch_dims,
                 lambda p: isinstance(p, Partial) and p.reduce_op in ("sum", "avg")):
             return loss, None
@@ -113,7 +116,11 @@ class RowLoss:
         local_batch = pytree.tree_map(
             lambda v: v.narrow(0, start, size) if isinstance(v, torch.Tensor) else v,
             list(batch))
-        value = loss_fn(local_output, *local_batch)
+        # (a mean over kept targets divided by their weight on all the batch's ranks)
+        groups = [mesh.get_group(dim) for dim, p in enumerate(self.placements)
+                  if isinstance(p, Partial)]
+        with KeptTargetsOverRanks(groups):
+            value = loss_fn(local_output, *local_batch)
         if isinstance(value, DTensor) or not isinstance(value, torch.Tensor) \
                 or value.dim() != 0:
             return None
