@@ -282,3 +282,73 @@ def test_outputs_of_two_pipeline_stages_are_refused_naming_them(tmp_path: Path) 
     with pytest.raises(RunFailed, match=r"the plan computes the module's output \w+ on "
                                         r"pipeline chunk \d and others on chunk \d"):
         train_module(spec, chosen, steps=1, batch_size=BATCH)
+
+
+def _own_loop_gradients(rank: int, port: int, plan_file: str, builder: str,
+                        out: str) -> None:
+    """Rank `rank` of 2: the user's own loop (`shardplan.loss(...).backward()`, no
+    `train_step`) on `builder`'s module; each parameter's largest gradient difference
+    from one process's on the whole batch, None for one without a gradient on both."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from executor.module.launch import load_builder
+    from executor.module.parallelize import parallelize
+    from planner.plans.model import Plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        eager, make_batch, loss_fn = load_builder(builder)()
+        module, _, _ = load_builder(builder)()
+        module = parallelize(module, Plan.load(plan_file), make_batch(0, BATCH))
+        found: dict[str, float | None] = {}
+        for step in range(2):
+            data = make_batch(step, BATCH)
+            eager.zero_grad()
+            module.zero_grad()
+            loss_fn(eager(**data), data).backward()
+            module.shardplan.loss(loss_fn, module(**data), data).backward()
+            for (name, ours), theirs in zip(module.named_parameters(), eager.parameters(),
+                                            strict=True):
+                if ours.grad is None or theirs.grad is None:
+                    found[name] = None if ours.grad is theirs.grad is None else 1.0
+                    continue
+                grad = ours.grad.full_tensor() if isinstance(ours.grad, DTensor) \
+                    else ours.grad
+                found[name] = max(found.get(name) or 0.0,
+                                  float((grad - theirs.grad).abs().max()))
+        if rank == 0:
+            Path(out).write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_unread_output_in_the_users_own_loop_gives_one_process_gradients(
+        tmp_path: Path) -> None:
+    """The bucket holding `c`, which gets no gradient, was summed only after
+    `train_step`'s backward pass: in the user's own loop it waited for ever, and each
+    rank kept its own rows' gradients of `a` and `b` (exit 0). It is now summed at the end
+    of any backward pass that reached a weight."""
+    import json
+
+    from executor.ranks import run_ranks
+    from executor.train import free_port
+
+    builder = tmp_path / "unread.py"
+    builder.write_text(UNREAD)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 0})
+    plan_file, out = tmp_path / "plan.json", tmp_path / "found.json"
+    chosen.save(plan_file)
+    run_ranks(_own_loop_gradients, (free_port(), str(plan_file), spec, str(out)), 2,
+              timeout_s=300)
+    found = json.loads(out.read_text())
+    assert found["c.weight"] is None and found["c.bias"] is None, found
+    assert all(found[name] < 1e-5 for name in ("a.weight", "a.bias", "b.weight",
+                                               "b.bias")), found

@@ -88,7 +88,7 @@ from executor.update import tied_groups
 from planner.errors import ShardplanError
 from planner.graph import PlanningGraph
 from planner.importer import import_model
-from planner.kinds import AxisRole, Phase
+from planner.kinds import AxisRole
 from planner.plans.model import Plan
 from planner.plans.stagemesh import refuse_stage_meshes
 from planner.sharding.analysis import GraphAnalysis
@@ -249,11 +249,9 @@ class ParallelModule:
                                                              count)
                 del output  # what the backward pass needs, it holds
                 with part("backward"):
+                    # (buckets waiting for a weight that got no gradient are reduced
+                    # at its end: `WeightSync._backward_ended`)
                     torch.autograd.backward(roots, grads)
-                    # buckets waiting for a weight that got no gradient
-                    self.weights.flush_unreached(Phase.BACKWARD)
-                    if micro == count - 1:
-                        self.weights.flush_unreached(Phase.GRADIENT)
                 del roots, grads  # (a gradient as large as the output: not into the next
                 # micro-batch's forward)
             finally:

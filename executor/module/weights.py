@@ -148,10 +148,13 @@ class WeightSync:
         self.zero, self.comm = zero, comm
         self.tied = dict(tied or {})
         self.micro_batch_last = True  # the backward running ends the step's micro-batches
+        self._flush_queued = False  # `_backward_ended` queued in this backward pass
         #: gradient all-reduces issued in this backward pass, not yet waited for
-        #: (`_all_reduce`): work, the buffer of the sum, the bucket, its gradients
+        #: (`_all_reduce`): work, the buffer of the sum, the bucket, its gradients, the
+        #: weights of it that got none (`flush_unreached`)
         self._in_flight: list[tuple[Any, torch.Tensor, WeightBucket,
-                                    Sequence[tuple[torch.Tensor, tuple[Placement, ...]]]]] = []
+                                    Sequence[tuple[torch.Tensor, tuple[Placement, ...]]],
+                                    frozenset[str]]] = []
         # the one reduction each gradient gets: DDP's all-reduce once per step, ZeRO 1's
         # reduce-scatter once per step, ZeRO 2 and 3's after every micro-batch
         self.reduction = (CollectiveKind.ALL_REDUCE, Phase.GRADIENT) if zero == 0 else (
@@ -394,6 +397,11 @@ class WeightSync:
         kind, phase = self.reduction
 
         def done(_: torch.Tensor) -> None:
+            if not self._flush_queued and in_backward():
+                # (queued before any all-reduce's wait: a flush's reductions join them)
+                self._flush_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._backward_ended)
             bucket = self._by_weight.get((name, kind, phase))
             if bucket is None:
                 if phase == Phase.BACKWARD or self.micro_batch_last:
@@ -428,6 +436,15 @@ class WeightSync:
             return
         part = local.reshape(-1)
         weight.chunk.grad = part if weight.chunk.grad is None else weight.chunk.grad + part
+
+    def _backward_ended(self) -> None:
+        """The end of a backward pass that reached a weight: the buckets waiting for one
+        it did not reach reduced (`flush_unreached`), whoever drove the pass (`train_step`,
+        a pipeline schedule, or a user's own `loss.backward()`)."""
+        self._flush_queued = False
+        self.flush_unreached(Phase.BACKWARD)
+        if self.micro_batch_last:
+            self.flush_unreached(Phase.GRADIENT)
 
     def flush_unreached(self, phase: Phase) -> None:
         """After the backward passes whose gradients `phase`'s reductions sum: a bucket
@@ -551,7 +568,7 @@ class WeightSync:
             work, summed = self.comm.all_reduce_async(flat, plan.axes, str(plan.phase))
             if not self._in_flight:
                 torch.autograd.Variable._execution_engine.queue_callback(self._landed)
-            self._in_flight.append((work, summed, plan, taken))
+            self._in_flight.append((work, summed, plan, taken, missing))
             return
         self._set_sums(self.comm.all_reduce(flat, plan.axes, str(plan.phase)), plan, taken,
                        missing)
@@ -560,10 +577,10 @@ class WeightSync:
         """The end of a backward pass: its all-reduces waited for, their sums made the
         parameters' gradients."""
         flying, self._in_flight = self._in_flight, []
-        for work, summed, plan, taken in flying:
+        for work, summed, plan, taken, missing in flying:
             if work is not None:
                 work.wait()
-            self._set_sums(summed, plan, taken)
+            self._set_sums(summed, plan, taken, missing)
 
     def _set_sums(self, summed: torch.Tensor, plan: WeightBucket,
                   taken: Sequence[tuple[torch.Tensor, tuple[Placement, ...]]],
