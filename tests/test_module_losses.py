@@ -185,3 +185,25 @@ def test_a_mean_over_kept_targets_trains_as_one_process_on_split_rows(
                   batch=BATCH, profile="cpu", parallel={"dp": 2})
     run = trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
     assert run.loss_on_rows is on_rows
+
+
+@pytest.mark.parametrize(("name", "parallel"), [
+    ("ignored", {"dp": 2, "micro_batches": 4}), ("weighted", {"dp": 2, "micro_batches": 4}),
+    ("nll", {"dp": 2, "micro_batches": 4}),
+    ("ignored", {"dp": 2, "zero": 3, "micro_batches": 2}),
+    ("ignored", {"tp": 2, "micro_batches": 2})],
+    ids=["ignored", "weighted", "nll", "ignored-zero3", "ignored-tp"])
+def test_a_mean_over_kept_targets_trains_as_one_process_over_micro_batches(
+        tmp_path: Path, name: str, parallel: dict) -> None:
+    """Each micro-batch's mean divided by its own kept weight weighs the micro-batches
+    alike, where one process divides once by the step's: with ignored targets step 1
+    came out NaN (a micro-batch with every target ignored). The step's kept weight is
+    counted before its micro-batches (the loss on zeros for the output,
+    `lossops.step_kept_weights`), and each micro-batch's divides by it. (Label
+    smoothing's term and a mask's mean divide by counts of their own: as gradient
+    accumulation computes them.)"""
+    loss, _ = NORMALISED_BY_DATA[name]
+    spec = _builder(tmp_path, "h", loss)
+    chosen = plan(export_builder(spec, 2 * BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=2 * BATCH, profile="cpu", parallel=parallel)
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=2 * BATCH)

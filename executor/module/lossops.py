@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._decomp import decomposition_table
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: `reduction` as aten's loss kernels number it
@@ -98,6 +99,111 @@ def install_loss_handlers() -> tuple[torch._ops.OpOverload, ...]:
     return routed + kept
 
 
+#: the step's kept weights, one per mean-reduced NLL call of a micro-batch's loss, each
+#: divided by the micro-batches (`step_kept_weights`), while a micro-batch's loss runs
+_STEP_DIVISORS: contextvars.ContextVar[tuple[torch.Tensor, ...] | None] = \
+    contextvars.ContextVar("step_divisors", default=None)
+#: the NLL calls made so far by the `loss_fn` call running (`one_loss_call`)
+_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("nll_calls",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def step_divisors(divisors: tuple[torch.Tensor, ...] | None) -> Iterator[None]:
+    """While inside, the i-th mean-reduced NLL of each `loss_fn` call divides by
+    `divisors[i]` (`step_kept_weights`), not by its own micro-batch's kept weight."""
+    token = _STEP_DIVISORS.set(divisors)
+    try:
+        yield
+    finally:
+        _STEP_DIVISORS.reset(token)
+
+
+@contextlib.contextmanager
+def one_loss_call() -> Iterator[None]:
+    """Around one call of `loss_fn`: its NLL calls are counted from the first."""
+    token = _CALLS.set([0])
+    try:
+        yield
+    finally:
+        _CALLS.reset(token)
+
+
+def _step_divisor() -> torch.Tensor | None:
+    """The divisor of the NLL call being made, where the step's are known."""
+    divisors, calls = _STEP_DIVISORS.get(), _CALLS.get()
+    if divisors is None or calls is None or calls[0] >= len(divisors):
+        return None
+    calls[0] += 1
+    return divisors[calls[0] - 1]
+
+
+class KeptWeightCounter(TorchDispatchMode):
+    """While inside: each mean-reduced NLL on plain tensors records the total weight of
+    the targets it keeps (`weights`), and no collective is issued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in NLL_FORWARDS or args[3] != _MEAN:
+            return func(*args, **kwargs)
+        summed, total_weight = func(args[0], args[1], args[2], _SUM, args[4])
+        self.weights.append(total_weight.detach().reshape(()))
+        return summed, total_weight
+
+
+#: the most mean-reduced NLL calls one loss may make for its step's weights to be counted
+MAX_COUNTED_CALLS = 8
+
+
+def step_kept_weights(loss_fn: Callable[..., torch.Tensor], zero_output: Any,
+                      micro_batches: Sequence[Any], groups: Sequence[dist.ProcessGroup],
+                      device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """The divisors that make each micro-batch's mean-reduced NLL a term of one
+    process's mean over the whole step: the kept targets' total weight of the step, per
+    NLL call of the loss, summed over the micro-batches and the ranks of `groups`, then
+    divided by the micro-batches (the step divides each micro-batch's loss by their
+    number). A micro-batch's mean divided by its own kept weight weighs every micro-batch
+    the same, where one process divides once by the step's: with targets ignored
+    unevenly the step's loss and gradient differed, and a micro-batch with every target
+    ignored gave NaN. The kept weight depends on the targets alone, so `loss_fn` runs on
+    `zero_output` (this rank's rows of the output, zeros) with each micro-batch's rows
+    (this rank's), before any backward pass; one all-reduce on `device`, whose flags
+    every rank reads alike. None where the loss makes no such call, makes over
+    `MAX_COUNTED_CALLS`, makes a different number per micro-batch or rank, or fails on
+    zeros."""
+    counted: list[list[torch.Tensor]] = []
+    try:
+        for batch in micro_batches:
+            counter = KeptWeightCounter()
+            with torch.no_grad(), counter:
+                loss_fn(zero_output, *batch)
+            counted.append(counter.weights)
+        calls = len(counted[0])
+        valid = 0 < calls <= MAX_COUNTED_CALLS and all(len(c) == calls for c in counted)
+    except Exception:  # (a loss that cannot run on zeros: each micro-batch's own mean)
+        calls, valid = 0, False
+    # [valid, calls, the weight of each call]: every rank reads the same sums
+    buffer = torch.zeros(2 + MAX_COUNTED_CALLS, dtype=torch.float64, device=device)
+    if valid:
+        buffer[2:2 + calls] = torch.stack([torch.stack(c) for c in counted]).sum(0)
+    buffer[0], buffer[1] = float(valid), float(calls)
+    ranks = 1
+    for group in groups:
+        dist.all_reduce(buffer, group=group)
+        ranks *= dist.get_world_size(group)
+    flags = buffer[:2].tolist()  # (one wait, to decide)
+    if flags != [ranks, ranks * calls] or not valid:
+        return None
+    dtype = counted[0][0].dtype
+    return tuple((buffer[2 + call] / len(micro_batches)).to(dtype) for call in range(calls))
+
+
 #: all-reduces `nll_mean_over_ranks` issued in this context (`kept_weight_sums`)
 _KEPT_WEIGHT_SUMS: contextvars.ContextVar[int] = contextvars.ContextVar("kept_weight_sums",
                                                                         default=0)
@@ -140,6 +246,13 @@ def nll_mean_over_ranks(op_call: torch._ops.OpOverload, args: tuple[Any, ...],
         if reduction != _MEAN:
             return op_call(*args, **kwargs)
         summed, total_weight = op_call(self, target, weight, _SUM, ignore_index)
+    divisor = _step_divisor()
+    if divisor is not None:  # (the step's, counted before its micro-batches)
+        mesh = total_weight.device_mesh
+        whole = DTensor(divisor.to(total_weight.device), DTensorSpec(
+            mesh, (Replicate(),) * mesh.ndim,
+            TensorMeta(divisor.shape, divisor.stride(), divisor.dtype)), requires_grad=False)
+        return summed / whole, whole
     _KEPT_WEIGHT_SUMS.set(_KEPT_WEIGHT_SUMS.get() + sum(
         1 for p in total_weight.placements if not isinstance(p, Replicate)))
     whole = total_weight.redistribute(total_weight.device_mesh,
@@ -165,6 +278,10 @@ class KeptTargetsOverRanks(TorchDispatchMode):
             return func(*args, **kwargs)
         self_, target, weight, _, ignore_index = args
         summed, total_weight = func(self_, target, weight, _SUM, ignore_index)
+        divisor = _step_divisor()
+        if divisor is not None:  # (the step's, counted before its micro-batches)
+            divisor = divisor.to(total_weight.device)
+            return summed / divisor, divisor
         whole = total_weight.clone()
         for group in self.groups:
             dist.all_reduce(whole, group=group)

@@ -61,9 +61,21 @@ from executor.module.layouts import (
     read_layouts,
 )
 from executor.module.local import LocalPlan
-from executor.module.lossops import install_loss_handlers
+from executor.module.lossops import (
+    KeptTargetsOverRanks,
+    install_loss_handlers,
+    one_loss_call,
+    step_divisors,
+    step_kept_weights,
+)
 from executor.module.pipeline import ModuleChunks, chunk_nodes
-from executor.module.rowloss import RowLoss, batch_mesh_dims, for_the_loss, row_placements
+from executor.module.rowloss import (
+    RowLoss,
+    batch_mesh_dims,
+    block_rows,
+    for_the_loss,
+    row_placements,
+)
 from executor.module.run import (
     LossShare,
     ModulePlan,
@@ -126,6 +138,10 @@ class ParallelModule:
     pipeline: ScheduleEngine | None = None  # a plan's stages: this rank's schedule
     chunks: ModuleChunks | None = None  # ... and what its chunks run
     row_loss: RowLoss | None = None  # the loss on this rank's rows (executor.module.rowloss)
+    #: whether the step's kept targets are counted before its micro-batches
+    #: (`executor.module.lossops.step_kept_weights`): until a step shows its loss makes
+    #: no mean-reduced NLL call
+    count_kept_weights: bool = True
     loss_probed: bool = False  # whether DTensor has shown if it may be
     #: the last step's loss, its reduction possibly in flight (`step_loss`)
     last_loss: torch.Tensor | None = None
@@ -153,8 +169,11 @@ class ParallelModule:
         shape)`, a class weight) is the same on every rank, so it counts as replicated too
         (DTensor refused to mix it: "got mixed torch.Tensor and DTensor")."""
         if not any(isinstance(v, DTensor) for v in pytree.tree_leaves(output)):
-            return loss_fn(output, *batch)
-        with implicit_replication():
+            # (whole on every rank: a mean over kept targets needs no rank's weights, but
+            # the step's where counted, `step_divisors`)
+            with KeptTargetsOverRanks(()), one_loss_call():
+                return loss_fn(output, *batch)
+        with implicit_replication(), one_loss_call():
             return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
                                                     list(batch)))
 
@@ -235,9 +254,12 @@ class ParallelModule:
         if self.pipeline is not None:
             return self._pipelined(loss_fn, given, part)
         losses: list[torch.Tensor] = []
-        for micro in range(count):
-            rows = [_micro_rows(v, count, micro) for v in given]
-            micro_batch = dict(zip(self.trace.user_inputs, rows, strict=True))
+        micro_batches = [dict(zip(self.trace.user_inputs,
+                                  [_micro_rows(v, count, micro) for v in given], strict=True))
+                         for micro in range(count)]
+        divisors = None
+        for micro, micro_batch in enumerate(micro_batches):
+            rows = list(micro_batch.values())
             self.weights.micro_batch_last = micro == count - 1
             try:
                 with part("forward"):  # (once the loss is known to be the rows': the
@@ -245,8 +267,11 @@ class ParallelModule:
                     output = self.forward(rows, micro, self.draws,
                                           rows_out=self.row_loss is not None)
                 with part("loss"):
-                    roots, grads, reported = self._step_loss(loss_fn, output, micro_batch,
-                                                             count)
+                    if micro == 0 and count > 1 and self.count_kept_weights:
+                        divisors = self._step_kept_weights(loss_fn, output, micro_batches)
+                    with step_divisors(divisors):
+                        roots, grads, reported = self._step_loss(loss_fn, output,
+                                                                 micro_batch, count)
                 del output  # what the backward pass needs, it holds
                 with part("backward"):
                     # (buckets waiting for a weight that got no gradient are reduced
@@ -304,6 +329,38 @@ class ParallelModule:
             self.loss_probed = True
         roots, grads = _loss_roots(loss / count, output)
         return roots, grads, loss.detach()
+
+    def _step_kept_weights(self, loss_fn: Callable[..., torch.Tensor], output: Any,
+                           micro_batches: Sequence[Mapping[str, torch.Tensor]]
+                           ) -> tuple[torch.Tensor, ...] | None:
+        """The step's kept-target weights (`lossops.step_kept_weights`), counted on this
+        rank's rows of every micro-batch with zeros for the output (the first
+        micro-batch's, shaped as each): so that each micro-batch's mean-reduced NLL is
+        a term of one process's mean over the step. Counting stops for later steps once
+        a step shows the loss makes no such call."""
+        dims = tuple(batch_mesh_dims(self.mesh, self.run.local.batch_axes))
+        whole = next((int(v.shape[0]) for v in micro_batches[0].values() if v.dim()), 0)
+        start, size = block_rows(whole, self.mesh, dims) if dims else (0, whole)
+
+        def zeros(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            shape = list(value.shape)
+            if shape and shape[0] in (whole, size):
+                shape[0] = size
+            return torch.zeros(shape, dtype=value.dtype,
+                               device=value.device if not isinstance(value, DTensor)
+                               else value._local_tensor.device)
+
+        local = [(pytree.tree_map(lambda v: v.narrow(0, start, size)
+                                  if isinstance(v, torch.Tensor) and v.dim() else v,
+                                  dict(batch)),) for batch in micro_batches]
+        found = step_kept_weights(loss_fn, pytree.tree_map(zeros, output), local,
+                                  [self.mesh.get_group(dim) for dim in dims],
+                                  torch.device(self.mesh.device_type))
+        if found is None:
+            self.count_kept_weights = False  # (every rank alike: the answer is reduced)
+        return found
 
     @staticmethod
     def _local_loss_agrees(loss: torch.Tensor,

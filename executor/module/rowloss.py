@@ -39,7 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree as pytree
 
 from executor.module.counting import CollectiveCount, group_axes
-from executor.module.lossops import KeptTargetsOverRanks, kept_weight_sums
+from executor.module.lossops import KeptTargetsOverRanks, kept_weight_sums, one_loss_call
 from executor.module.moves import redistribute, tensor_dim
 
 
@@ -103,7 +103,7 @@ class RowLoss:
                 v.dim() == 0 for v in (*leaves, *tensors)):
             return None
         whole = int(tensors[0].shape[0])
-        rows = _block_rows(whole, mesh, tuple(batch_dims))
+        rows = block_rows(whole, mesh, tuple(batch_dims))
         if any(v.shape[0] != whole for v in tensors) or any(
                 v.shape[0] != rows[1] for v in leaves):
             return None
@@ -119,7 +119,7 @@ class RowLoss:
         # (a mean over kept targets divided by their weight on all the batch's ranks)
         groups = [mesh.get_group(dim) for dim, p in enumerate(self.placements)
                   if isinstance(p, Partial)]
-        with KeptTargetsOverRanks(groups):
+        with KeptTargetsOverRanks(groups), one_loss_call():
             value = loss_fn(local_output, *local_batch)
         if isinstance(value, DTensor) or not isinstance(value, torch.Tensor) \
                 or value.dim() != 0:
@@ -192,7 +192,7 @@ def row_placements(mesh: TorchMesh, batch_dims: Sequence[int]) -> tuple[Placemen
 
 
 @functools.lru_cache(maxsize=64)
-def _block_rows(whole: int, mesh: TorchMesh, batch_dims: tuple[int, ...]) -> tuple[int, int]:
+def block_rows(whole: int, mesh: TorchMesh, batch_dims: tuple[int, ...]) -> tuple[int, int]:
     """(first row, rows) of this rank's block of `whole` rows split over `batch_dims`."""
     shape, offset = compute_local_shape_and_global_offset(
         (whole,), mesh, row_placements(mesh, batch_dims))
