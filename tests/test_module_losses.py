@@ -191,8 +191,9 @@ def test_a_mean_over_kept_targets_trains_as_one_process_on_split_rows(
     ("ignored", {"dp": 2, "micro_batches": 4}), ("weighted", {"dp": 2, "micro_batches": 4}),
     ("nll", {"dp": 2, "micro_batches": 4}),
     ("ignored", {"dp": 2, "zero": 3, "micro_batches": 2}),
-    ("ignored", {"tp": 2, "micro_batches": 2})],
-    ids=["ignored", "weighted", "nll", "ignored-zero3", "ignored-tp"])
+    ("ignored", {"tp": 2, "micro_batches": 2}),
+    ("ignored", {"pp": 2, "micro_batches": 4, "schedule": "1f1b"})],
+    ids=["ignored", "weighted", "nll", "ignored-zero3", "ignored-tp", "ignored-pp"])
 def test_a_mean_over_kept_targets_trains_as_one_process_over_micro_batches(
         tmp_path: Path, name: str, parallel: dict) -> None:
     """Each micro-batch's mean divided by its own kept weight weighs the micro-batches

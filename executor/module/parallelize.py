@@ -407,8 +407,19 @@ class ParallelModule:
         targets = [dict(zip(self.trace.user_inputs, rows, strict=True)) for rows in feeds]
         self.chunks.step_number = self.draws
         self.chunks.phases = phases
-        self.chunks.loss_of = lambda flat, rows: self.loss(loss_fn, self.trace.outputs(flat),
-                                                           rows)
+        # the step's kept targets counted at its first loss, on the loss's stage
+        # (`_step_kept_weights`), each micro-batch's NLL divided by the step's weight
+        counted: list[tuple[torch.Tensor, ...] | None] = []
+
+        def loss_of(flat: Any, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            output = self.trace.outputs(flat)
+            if not counted:
+                counted.append(self._step_kept_weights(loss_fn, output, targets)
+                               if count > 1 and self.count_kept_weights else None)
+            with step_divisors(counted[0]):
+                return self.loss(loss_fn, output, rows)
+
+        self.chunks.loss_of = loss_of
         return torch.tensor(self.pipeline.step(feeds, targets))
 
     @property
