@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from costmodels.orders import chunks_per_device, misplaced
+from planner.cost.kernels import backward_read_weights
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
@@ -55,6 +56,7 @@ from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import (
     OpNames,
     chunk_of_units,
+    recompute_reads,
     send_routes,
     send_steps,
     stage_holds,
@@ -686,12 +688,16 @@ def _weight_steps(plan: Plan, graph: PlanningGraph,
             holders.setdefault(name, []).append(stage.device_stage)
     read = {name for node in graph.ops for name in node.inputs
             if name and graph.tensors[name].kind == "parameter"}
+    recomputed = recompute_reads(ops, [s for stage in plan.pipeline.stages
+                                       for s in stage.recompute_segments],
+                                 lambda n: graph.tensors[n].kind)
     found: Counter = Counter()
     for name in sorted(read):
         held_by = tuple(holders.get(name, [0]))
         mesh = meshes[held_by[0]] if held_by[0] < len(meshes) else plan.mesh
         axes = synced_axes(again[mesh].gradient_axes.get(name, ()), mesh)
-        for step in weight_steps(axes, held_by, plan.parallel.zero):
+        backward = name in backward_read_weights(again[mesh].analysis) or name in recomputed
+        for step in weight_steps(axes, held_by, plan.parallel.zero, backward):
             found[(name, str(step.kind), step.axes, str(step.phase))] += 1
     return found
 

@@ -48,6 +48,7 @@ from planner.ops.saving import (
     buffer_of,
     kept_by,
     saved_tensors,
+    weights_read_backward,
 )
 from planner.ops.work import WorkKind
 from planner.sharding.analysis import GraphAnalysis
@@ -189,6 +190,19 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
                                                if n.op_type == "Attention"})
     shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
     return KernelPlan(policy, kernels, shares, cores, regions)
+
+
+def backward_read_weights(analysis: GraphAnalysis) -> frozenset[str]:
+    """The parameters the backward pass reads (`planner.ops.saving.weights_read_backward`
+    under each op's record), once per graph."""
+    key = "backward read weights"
+    found = analysis.memo.get(key)
+    if found is None:
+        graph = analysis.graph
+        found = analysis.memo[key] = weights_read_backward(
+            graph, analysis.needs_grad, {node.name: _rule(node) for node in graph.ops},
+            analysis.differentiated)
+    return found
 
 
 def _rule(node: OpNode) -> Saves:

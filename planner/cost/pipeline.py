@@ -184,6 +184,9 @@ class WeightTerms:
     hidden: Any  # the part of the end-of-step synchronisation overlap hides
     optimizer: Any  # seconds of the optimizer pass and the gradient accumulation it reads
     largest: Any  # the largest single weight: the buffer ZeRO-3 gathers it into
+    #: ZeRO-3 gathers before the backward pass of weights only recompute re-reads there
+    #: (`ParamShare.backward_read` false: an embedding table): under full recompute only
+    micro_regather: Any
 
     @classmethod
     def zeros(cls, *shape: int) -> WeightTerms:
@@ -203,7 +206,7 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
     `planner.sharding.weights.sync_steps` over its gradient axes."""
     axes = param.synced_axes(mesh)
     shards = mesh.group_size(axes)
-    forward = gather = reduce = end = 0.0
+    forward = gather = regather = reduce = end = 0.0
     if axes:
         for step in sync_steps(config.zero):
             seconds = prices.bucketed(step.kind, synced_bytes(
@@ -211,7 +214,10 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
             if step.phase == Phase.FORWARD:
                 forward += seconds
             elif step.phase == Phase.BACKWARD and step.kind == CollectiveKind.ALL_GATHER:
-                gather += seconds
+                if param.backward_read:
+                    gather += seconds
+                else:
+                    regather += seconds
             elif step.per_micro_batch:
                 reduce += seconds
             else:
@@ -226,7 +232,7 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                                config.micro_batches)
     return WeightTerms(param.bytes, param.elements, param.bytes / shards,
                        param.elements / shards, forward + gather + reduce, forward, gather,
-                       reduce, shown, hidden, update, param.bytes)
+                       reduce, shown, hidden, update, param.bytes, regather)
 
 
 class WeightTables:
@@ -337,6 +343,7 @@ class _Held:
     end: float
     hidden: float
     zero: float
+    zero_recomputed: float  # `zero` under full recompute (`WeightTerms.micro_regather`)
     flight: float
     any_unit: bool
     workspace: float
@@ -379,6 +386,7 @@ class Pricer:
         profile, config = self.profile, self.config
         held = self._held(index, count, tuple((a, b) for a, b in ranges), shared)
         chosen, weights = held.chosen, held.weights
+        zero = held.zero_recomputed if mode == Recompute.FULL else held.zero
         extra = {Recompute.NONE: 0.0,
                  Recompute.SELECTIVE: float(profile.selective_extra[chosen].sum()),
                  Recompute.FULL: held.forward_compute + held.forward_comm
@@ -394,11 +402,11 @@ class Pricer:
             precision=config.precision,
         )
         return StagePrice(tuple(ranges), mode, held.forward_compute, held.backward_compute,
-                          held.forward_comm, held.backward_comm, extra, held.p2p, held.zero,
+                          held.forward_comm, held.backward_comm, extra, held.p2p, zero,
                           held.end, held.hidden,
                           weights.optimizer + self.hardware.step_host_seconds, held.flight,
                           memory,
-                          self._chunks(ranges, mode, held.p2p + held.zero), held.weight)
+                          self._chunks(ranges, mode, held.p2p + zero), held.weight)
 
     def _held(self, index: int, count: int, ranges: tuple[tuple[int, int], ...],
               shared: tuple[bool, ...]) -> _Held:
@@ -415,7 +423,7 @@ class Pricer:
             chosen[a:b] = True
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
-        end, hidden, zero = self._overlap(chosen, weights)
+        end, hidden, zero, zero_recomputed = self._overlap(chosen, weights)
         for (param, _, exchange), elsewhere in zip(self.weights.shared, shared, strict=True):
             if elsewhere and chosen[list(param.units)].any():
                 end += exchange
@@ -429,8 +437,9 @@ class Pricer:
             float(profile.weight_compute[chosen].sum()),
             float(profile.forward_communication[chosen].sum()),
             float(profile.backward_communication[chosen].sum()), kept, p2p, weights, end,
-            hidden, zero, in_flight(index, count, config.micro_batches, config.schedule,
-                                    config.virtual_stages), any_unit, workspace)
+            hidden, zero, zero_recomputed,
+            in_flight(index, count, config.micro_batches, config.schedule,
+                      config.virtual_stages), any_unit, workspace)
         return found
 
     def _chunks(self, ranges: Sequence[tuple[int, int]], mode: Recompute,
@@ -459,9 +468,11 @@ class Pricer:
         scale = 1.0 + shared / total
         return tuple((f * scale, b * scale, w * scale) for f, b, w in own)
 
-    def _overlap(self, chosen: np.ndarray, weights: WeightTerms) -> tuple[float, float, float]:
+    def _overlap(self, chosen: np.ndarray,
+                 weights: WeightTerms) -> tuple[float, float, float, float]:
         """(exposed, hidden) seconds of the device's end-of-step synchronisation, and the
-        exposed seconds per micro-batch of its ZeRO-2/3 collectives, as the schedule hides
+        exposed seconds per micro-batch of its ZeRO-2/3 collectives (without recompute,
+        and under full recompute, which re-reads every weight), as the schedule hides
         them (`planner.cost.buckets`): the gradient reduction behind the last
         micro-batch's backward pass but for the last bucket (its first unit's weights);
         ZeRO-3 gathers prefetched one unit ahead, reduce-scatters behind the next unit."""
@@ -469,10 +480,10 @@ class Pricer:
         share = self.hardware.overlap_share
         units = np.flatnonzero(chosen)
         if not len(units):
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         columns = {name: getattr(own, name)[units].copy()
-                   for name in ("micro_forward", "micro_gather", "micro_reduce", "end",
-                                "hidden")}
+                   for name in ("micro_forward", "micro_gather", "micro_regather",
+                                "micro_reduce", "end", "hidden")}
         for param, terms, _ in self.weights.shared:
             held = [k for k, u in enumerate(units) if u in param.units]
             if held:  # counted once, at the device's first unit reading it
@@ -484,11 +495,15 @@ class Pricer:
                                        float(backward.sum() - backward[0]),
                                        self.config.overlap,
                                        self.config.overlap_grad_reduce, share)
-        zero = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units],
-                                share) \
-            + backward_prefetch_exposed(columns["micro_gather"], columns["micro_reduce"],
-                                        backward, share)
-        return end, hidden, min(zero, weights.micro)
+        ahead = prefetch_exposed(columns["micro_forward"], profile.forward_compute[units],
+                                 share)
+        zero = ahead + backward_prefetch_exposed(columns["micro_gather"],
+                                                 columns["micro_reduce"], backward, share)
+        recomputed = ahead + backward_prefetch_exposed(
+            columns["micro_gather"] + columns["micro_regather"], columns["micro_reduce"],
+            backward, share)
+        return end, hidden, min(zero, weights.micro), min(
+            recomputed, weights.micro + weights.micro_regather)
 
     def price(self, devices: Sequence[Sequence[tuple[int, int]]],
               recompute: Sequence[Recompute]) -> StepPrice:

@@ -24,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from costmodels.communication import ring_overlap_exposed_s
+from planner.cost.kernels import backward_read_weights
 from planner.cost.oplevel import PricedGraph, op_index
 from planner.cost.pricing import saved_bytes
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
@@ -47,6 +48,9 @@ class ParamShare:
     itemsize: int
     axes: tuple[str, ...]  # mesh axes its gradient is summed (and ZeRO shards it) over
     units: tuple[int, ...]  # units whose ops read it
+    #: the backward pass reads it (`planner.cost.kernels.backward_read_weights`): ZeRO 3
+    #: gathers it again before the backward pass, else only where recompute re-reads it
+    backward_read: bool = True
 
     def synced_axes(self, mesh: DeviceMesh) -> tuple[str, ...]:
         """The axes of `axes` this mesh has more than one device on: the group its
@@ -306,12 +310,14 @@ def _params(priced: PricedGraph, units: Units) -> tuple[ParamShare, ...]:
     sharded = priced.sharded
     analysis = sharded.analysis
     graph, mesh = analysis.graph, sharded.mesh
+    read = backward_read_weights(analysis)
     result = []
     for name, readers in _param_readers(analysis, units):
         info = graph.tensors[name]
         share = fraction_of_layout(sharded.layout(name), mesh)
         result.append(ParamShare(name, info.nbytes * share, info.numel * share, info.itemsize,
-                                 sharded.gradient_axes.get(name, ()), readers))
+                                 sharded.gradient_axes.get(name, ()), readers,
+                                 name in read))
     return tuple(result)
 
 

@@ -31,7 +31,9 @@ class Saves:
     - `inputs`, `outputs`: kept whenever the op is differentiated (GELU's input,
       softmax's output);
     - `operands`: each input kept when another input needs a gradient (a GEMM or a
-      product: d(a·b)/da needs b);
+      product: d(a·b)/da needs b), among `operand_slots` where given (a Gemm's or a
+      convolution's bias is no operand: its gradient is the output's summed, `addmm`
+      keeps neither it nor anything for it);
     - `divisor`: Div's rule (the divisor always, the numerator for the divisor's gradient);
     - `mask`: a one-byte mask shaped like output 0 (dropout): its mask output when the
       graph has one, else an extra buffer beside output 0;
@@ -54,6 +56,7 @@ class Saves:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     operands: bool = False
+    operand_slots: tuple[int, ...] = ()
     divisor: bool = False
     mask: bool = False
     row_statistics: int = 0
@@ -63,6 +66,10 @@ class Saves:
     gradient_parts: bool = False
     eager_backward: tuple[tuple[int, float, int], ...] = ()  # (slot, passes, kernels)
     per_input_kernels: bool = False  # each input's gradient a kernel reading all it needs
+    #: input slots the backward pass reads whenever a gradient flows, kept beside the
+    #: activations as weights are (a norm's scale and shift: `native_layer_norm` saves
+    #: both), not counted as saved memory: `weights_read_backward`
+    reads: tuple[int, ...] = ()
 
     def views_gradient(self, slot: int) -> bool:
         return self.every_gradient_view or slot in self.gradient_views
@@ -73,6 +80,9 @@ INPUT = Saves(inputs=(0,))
 OUTPUT = Saves(outputs=(0,))
 INPUT_AND_OUTPUT = Saves(inputs=(0,), outputs=(0,))
 OPERANDS = Saves(operands=True)
+BIASED_OPERANDS = Saves(operands=True, operand_slots=(0, 1))  # Gemm, Conv: bias aside
+#: batch, instance and group norms: the input, and the scale the backward pass reads
+SCALED_INPUT = Saves(inputs=(0,), reads=(1,))
 MASK = Saves(mask=True)
 #: Where keeps its condition to route the gradient, one kernel per branch needing one
 #: (`where(cond, grad, 0)`, `where(cond, 0, grad)`)
@@ -94,9 +104,10 @@ DIFFERENCE = Saves(gradient_views=(0,))  # Sub: the subtrahend's is negated by a
 IDENTITY = Saves(gradient_views=(0,))
 
 
-def norm(statistics: int) -> Saves:
-    """A normalisation: its input and `statistics` fp32 values per normalised row."""
-    return Saves(inputs=(0,), row_statistics=statistics)
+def norm(statistics: int, reads: tuple[int, ...] = (1,)) -> Saves:
+    """A normalisation: its input and `statistics` fp32 values per normalised row, and
+    its scale (and shift, where `reads` says) read by the backward pass."""
+    return Saves(inputs=(0,), row_statistics=statistics, reads=reads)
 
 
 class Kept(NamedTuple):
@@ -141,10 +152,12 @@ def kept_by(node: OpNode, rule: Saves, tensors: Mapping[str, TensorInfo],
             if name and tensors[name].is_float:
                 keep(name)
     if rule.operands:
-        grads = [bool(name) and needs_grad.get(name, False) for name in inputs]
-        for slot, name in enumerate(inputs):
-            if any(grads[other] for other in range(len(inputs)) if other != slot):
-                keep(name)
+        slots = rule.operand_slots or tuple(range(len(inputs)))
+        grads = {slot: bool(inputs[slot]) and needs_grad.get(inputs[slot], False)
+                 for slot in slots if slot < len(inputs)}
+        for slot in grads:
+            if any(grads[other] for other in grads if other != slot):
+                keep(inputs[slot])
     if rule.divisor and len(inputs) >= 2:
         keep(inputs[1])
         if needs_grad.get(inputs[1], False):
@@ -193,6 +206,51 @@ def saved_tensors(graph: PlanningGraph, needs_grad: Mapping[str, bool],
             else:
                 saved.whole.add(base)
     return saved
+
+
+def weights_read_backward(graph: PlanningGraph, needs_grad: Mapping[str, bool],
+                          rule_of: Mapping[str, Saves],
+                          differentiated: AbstractSet[str]) -> frozenset[str]:
+    """The parameters the backward pass reads: kept by an op a gradient flows through
+    (a GEMM's weight where its other operand needs a gradient; through views), or read
+    by its rule whenever one does (a norm's scale). ZeRO 3 gathers only these again
+    before the backward pass: an embedding table (a Gather keeps only its indices), or the
+    first GEMM's weight where its input is data, is never read there, and a run gathering
+    only what autograd unpacks issued fewer gathers than a plan listing every weight."""
+    tensors = graph.tensors
+    read: set[str] = set()
+    for node in graph.ops:
+        if node.name not in differentiated:
+            continue
+        rule = rule_of[node.name]
+        names = [kept.tensor for kept in kept_by(node, rule, tensors, needs_grad, True)
+                 if not kept.extra]
+        names += [node.inputs[slot] for slot in rule.reads
+                  if slot < len(node.inputs) and node.inputs[slot]]
+        for name in names:
+            base = _weight_of(graph, name)
+            if tensors[base].kind == "parameter":
+                read.add(base)
+    return frozenset(read)
+
+
+#: ops torch runs as views of a weight (`weight.t()`, a reshape): what autograd keeps of
+#: them is the weight's own storage
+_WEIGHT_VIEWS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+                           "Expand", "Identity"})
+
+
+def _weight_of(graph: PlanningGraph, name: str) -> str:
+    """The tensor `name` is a view of, through the ops torch runs as views."""
+    tensors = graph.tensors
+    while True:
+        producer = tensors[name].producer
+        if producer is None:
+            return name
+        node = graph.op(producer)
+        if node.op_type not in _WEIGHT_VIEWS or not node.inputs or not node.inputs[0]:
+            return name
+        name = node.inputs[0]
 
 
 def buffer_of(graph: PlanningGraph, name: str) -> str:

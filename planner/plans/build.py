@@ -71,6 +71,7 @@ from planner.sharding.mesh import DeviceMesh
 from planner.sharding.pipeline import (
     UnitCrossing,
     chunk_of_units,
+    recompute_reads,
     send_routes,
     send_steps,
     stage_holds,
@@ -278,7 +279,11 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
         priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op, strict=True)})
     collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
                    *_weight_collectives(profile_of, stages, choice.zero, prices_of,
-                                        training.precision),
+                                        training.precision, recompute_reads(
+                                            _op_names(graph),
+                                            [s for stage in stages
+                                             for s in stage.recompute_segments],
+                                            lambda n: graph.tensors[n].kind)),
                    *_send_collectives(sends, stages, graph, prices_of))
     limits = None
     if placement is not None:
@@ -428,13 +433,16 @@ def _sends(analysis: GraphAnalysis, profile_of: Callable[[int], UnitProfile],
 def _weight_collectives(profile_of: Callable[[int], UnitProfile],
                         stages: Sequence[StageEntry], zero: int,
                         prices_of: Callable[[int], Prices],
-                        precision: Precision | None) -> list[Collective]:
+                        precision: Precision | None,
+                        recomputed: frozenset[str]) -> list[Collective]:
     """Each weight's synchronisation as its ZeRO stage issues it, once per device stage
     holding it, each priced as its share of its bucket and numbered with it (buckets of
     one stage, kind, phase and group fill in the order the step issues them), and the sum
     between the holders of a weight two stages read (a tied embedding), priced as one
     exchange with the other holder. Each weight as its (first) holder's layout shares
-    it over that stage's mesh (`profile_of`)."""
+    it over that stage's mesh (`profile_of`). ZeRO 3 gathers a weight again before the
+    backward pass where that pass reads it or a recompute segment re-runs an op reading
+    it (`recomputed`)."""
     holders: dict[str, list[int]] = {}
     for stage in stages:
         for name in stage.holds:
@@ -450,7 +458,8 @@ def _weight_collectives(profile_of: Callable[[int], UnitProfile],
         param = profile_of(held_by[0]).params[index]
         axes = param.synced_axes(prices_of(held_by[0]).mesh)
         first = param.units[0] if param.units else 0
-        for step in steps_of(axes, held_by, zero):
+        for step in steps_of(axes, held_by, zero,
+                             param.backward_read or param.name in recomputed):
             moved = synced_bytes(step.kind, param.bytes, param.itemsize, precision)
             key = (step.holder, step.number < 0, step.kind, moved, axes)
             seconds = seconds_of.get(key)

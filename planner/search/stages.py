@@ -405,7 +405,8 @@ def solve_shaped(options: Sequence[Sequence[StageTables]], limits: Sequence[floa
             for index, mode in enumerate(RECOMPUTE_MODES):
                 if mode not in modes:
                     continue
-                per_micro = table.time[mode] + table.p2p + table.totals.micro
+                per_micro = table.time[mode] + table.p2p + table.totals.micro + (
+                    table.totals.micro_regather if mode == Recompute.FULL else 0.0)
                 cost = m * per_micro + table.totals.end + table.totals.optimizer
                 fits = valid & (table.memory(mode, stage) <= limits[stage])
                 better = fits & (cost < load)

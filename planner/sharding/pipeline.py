@@ -111,6 +111,15 @@ def send_steps(tensor: str, grad: bool, split: SendSplit | None,
     return steps
 
 
+def recompute_reads(ops: Sequence[OpNames], segments: Sequence[tuple[int, int]],
+                    kind_of: Callable[[str], str]) -> frozenset[str]:
+    """The parameters the ops in recompute `segments` read: activation checkpointing
+    runs them again in the backward pass, so ZeRO 3 gathers these again before it
+    whether or not the backward pass itself reads them."""
+    return frozenset(name for a, b in segments for inputs, _ in ops[a:b] for name in inputs
+                     if name and kind_of(name) == "parameter")
+
+
 def stage_holds(ops: Sequence[OpNames], ranges: Sequence[tuple[int, int]],
                 kind_of: Callable[[str], str]) -> tuple[str, ...]:
     """The parameters and buffers the ops in `ranges` read: what their stage keeps."""

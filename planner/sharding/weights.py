@@ -68,15 +68,19 @@ def synced_axes(axes: tuple[str, ...], mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(a for a in axes if a in mesh.axis_names and mesh.axis_size(a) > 1)
 
 
-def weight_steps(axes: tuple[str, ...], holders: tuple[int, ...],
-                 zero: int) -> tuple[WeightStep, ...]:
+def weight_steps(axes: tuple[str, ...], holders: tuple[int, ...], zero: int,
+                 backward_read: bool = True) -> tuple[WeightStep, ...]:
     """Every collective of one weight in a pipeline plan: its ZeRO stage's steps over its
     synced `axes` once per holding stage, and with two or more holders, the sum between
-    them over the pipeline axis, once per holder."""
+    them over the pipeline axis, once per holder. ZeRO 3's gather before the backward
+    pass only where that pass reads the weight (`backward_read`: autograd kept it, or
+    recompute re-reads it); the other steps keep their numbers."""
     steps: list[WeightStep] = []
     for holder in holders:
         steps += [WeightStep(holder, number, step.kind, axes, step.phase)
-                  for number, step in enumerate(sync_steps(zero) if axes else ())]
+                  for number, step in enumerate(sync_steps(zero) if axes else ())
+                  if backward_read or not (step.kind == CollectiveKind.ALL_GATHER
+                                           and step.phase == Phase.BACKWARD)]
         if len(holders) > 1:
             steps.append(WeightStep(holder, -1, CollectiveKind.ALL_REDUCE,
                                     (str(AxisRole.PIPELINE),), Phase.GRADIENT))
