@@ -166,6 +166,10 @@ def _chunks(rows: Sequence[Sequence[tuple[int, int]]], count: int) -> list[Chunk
     return chunks
 
 
+#: the pipeline schedules the runners run (not those splitting the backward pass)
+RUNNABLE_SCHEDULES = tuple(s for s in Schedule if s not in SPLIT_BACKWARD)
+
+
 def check_runnable(schedule: str) -> None:
     """Refuse a schedule the runners cannot run yet: one that splits the backward pass."""
     if schedule in SPLIT_BACKWARD:

@@ -19,7 +19,14 @@ from planner.cost.step import TrainingOptions
 from planner.errors import ModelError, ShardplanError
 from planner.graph import DEFAULT_CAPACITY_FACTOR, PlanningGraph
 from planner.importer import import_model, rebind, retyped
-from planner.kinds import AttentionKernel, Fusion, GradAccumulation, LossReads, Precision
+from planner.kinds import (
+    AttentionKernel,
+    Fusion,
+    GradAccumulation,
+    LossReads,
+    Precision,
+    Schedule,
+)
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
 from planner.search.options import SearchOptions
@@ -106,6 +113,7 @@ def plan(
     capacity_factor: float | None = None,
     progress: Callable[[str], None] | None = None,
     cluster: str | os.PathLike | Cluster | None = None,
+    schedules: Sequence[str | Schedule] | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`, or on a
     `cluster` (a cluster file or `costmodels.cluster.Cluster`), which takes the place of
@@ -135,7 +143,10 @@ def plan(
     leaves them (a loss that works on split outputs, as Megatron-LM's vocabulary-parallel
     cross-entropy does: nothing priced). `capacity_factor` sizes each expert's token
     batch behind a mixture-of-experts router as a multiple of its even share (default
-    1.25, `planner.importer.routing`).
+    1.25, `planner.importer.routing`). `schedules`, where given, are the pipeline
+    schedules the search may choose when none is pinned: those the executor the plan is
+    for runs (`shardplan plan --module` plans for the module executor, which does not run
+    the zero-bubble ones).
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -204,6 +215,7 @@ def plan(
     options = SearchOptions(
         mode=mode, solver=solver, time_limit=time_limit, max_mesh_axes=max_mesh_axes,
         mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
+        schedules=tuple(Schedule(str(s)) for s in schedules) if schedules else None,
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
     return plan_search(graph, hardware, devices, options, training, progress, mixed)

@@ -660,3 +660,65 @@ def test_a_modules_buffer_is_state_and_a_training_norm_is_refused(tmp_path: Path
         train_module(spec, chosen, steps=1, batch_size=BATCH)
     with pytest.raises(ShardplanError, match="module bn is a BatchNorm1d in training mode"):
         train_module_reference(spec, steps=1, batch_size=BATCH)
+
+
+def test_plan_module_chooses_only_schedules_the_module_executor_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The 4-layer LLaMA at pp=2 plans the zero-bubble V fastest, which the run refused
+    ("pipeline schedule zbv: the executor cannot run it yet"): `plan --module` plans for
+    the module executor, so it chooses among the schedules that runs; a plan of the
+    export for any runtime keeps every schedule."""
+    deep = "examples.hf_models:llama_deep"
+    pins = {"pp": 2, "micro_batches": 2}
+    anywhere = plan(export_builder(deep, BATCH, tmp_path / "deep.onnx"), devices=2,
+                    batch=BATCH, profile="cpu", parallel=pins)
+    assert anywhere.pipeline is not None and anywhere.pipeline.schedule == "zbv"
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--module", deep, "--batch", str(BATCH), "--devices", "2",
+                 "--profile", "cpu", "--parallel", "pp=2,micro_batches=2",
+                 "-o", str(plan_file)]) == 0
+    chosen = Plan.load(plan_file)
+    assert chosen.pipeline is not None and chosen.pipeline.schedule in (
+        "1f1b", "gpipe", "interleaved")
+    capsys.readouterr()
+    assert main(["run", "--module", deep, "--plan", str(plan_file), "--nproc", "2",
+                 "--steps", "1"]) == 0
+    assert "collectives: as planned" in capsys.readouterr().out
+
+
+BOXED = '''
+import torch
+from torch import nn
+
+
+class Box:  # what transformers' DynamicCache is to torch.export: no pytree
+    def __init__(self, value):
+        self.value = value
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), Box(x)
+
+
+def build():
+    return Net(), lambda step, rows: {"x": torch.randn(rows, 4)}, lambda out, b: out[0].sum()
+'''
+
+
+def test_an_export_failure_names_its_cause_in_one_line(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The exporter's message begins with paragraphs of next steps and names the cause in
+    an "Exception summary" below them: the line shown was "Failed to export the model with
+    torch.export. [96mThis is step 1/3[0m of exporting the model to ONNX. Next steps:"."""
+    builder = tmp_path / "boxed.py"
+    builder.write_text(BOXED)
+    assert main(["plan", "--module", f"{builder}:build", "--batch", "4", "--devices", "2",
+                 "--profile", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and "Next steps" not in err
+    assert "Box" in err and "in output, which is not a known type; return tensors" in err

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,31 @@ def check_example(example: object) -> None:
                              "rows) must return one")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: the exporter's summary of the error it wraps: "<class 'RuntimeError'>: Found ..."
+_SUMMARY = re.compile(r"^<class '([\w.]+)'>: (.+)$", re.MULTILINE)
+
+
+def export_failure(exc: BaseException) -> str:
+    """Why the export failed, in one line: the exporter wraps torch.export's error in
+    paragraphs of next steps ("Failed to export the model with torch.export. This is step
+    1/3 ... Next steps:"), its cause in an "Exception summary" below them; and for an
+    output torch.export cannot flatten (a transformers model's `DynamicCache`), what to
+    return instead."""
+    text = _ANSI.sub("", str(exc))
+    found = _SUMMARY.search(text)
+    if found:
+        why = f"{found.group(1).rsplit('.', 1)[-1]}: {found.group(2).strip()}"
+    else:
+        lines = text.strip().splitlines()
+        why = lines[0] if lines else type(exc).__name__
+    if "in output, which is not a known type" in why:
+        why = why.split(" If this type holds tensors")[0].rstrip(".") + (
+            "; return tensors (or tuples, lists and dicts of them) from forward, e.g. "
+            "with use_cache=False in a transformers model's config")
+    return why
+
+
 def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
                    ) -> torch.onnx.ONNXProgram:
     """Export `module` called with keyword inputs `example` (one global batch), in the
@@ -77,9 +103,8 @@ def export_program(module: nn.Module, example: Mapping[str, torch.Tensor]
                                         optimize=False, external_data=False, verbose=False,
                                         dynamic_shapes=shapes)
     except Exception as exc:  # the exporter raises many types; name the cause in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ShardplanError(f"torch.onnx.export of {type(module).__name__} failed: "
-                             f"{first}") from exc
+                             f"{export_failure(exc)}") from exc
     if program is None or program.exported_program is None:
         raise ShardplanError(f"torch.onnx.export of {type(module).__name__} gave no "
                              "exported program")

@@ -19,7 +19,14 @@ from planner.cli.args import (
     unique_dims,
 )
 from planner.errors import NoPlanFits, ShardplanError
-from planner.kinds import AttentionKernel, Fusion, GradAccumulation, LossReads, Precision
+from planner.kinds import (
+    AttentionKernel,
+    Fusion,
+    GradAccumulation,
+    LossReads,
+    Precision,
+    Schedule,
+)
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}
@@ -180,7 +187,8 @@ def _run(args: argparse.Namespace) -> int:
                           progress=progress,
                           capacity_factor=args.capacity_factor,
                           overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                          loss_reads=args.loss_reads, **buckets)
+                          loss_reads=args.loss_reads,
+                          schedules=_module_executor_schedules(args), **buckets)
         finally:
             if progress is not None:
                 progress.close()
@@ -203,6 +211,16 @@ def bucket_mb(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text}: a bucket size in MiB, 0 or more "
                                          "(0: one collective per tensor)")
     return value
+
+
+def _module_executor_schedules(args: argparse.Namespace) -> tuple[Schedule, ...] | None:
+    """The pipeline schedules a plan for the module executor (`--module`) may choose: those
+    it runs (the search picked the zero-bubble V for a 4-layer LLaMA at pp=2, which the run
+    then refused); a pinned schedule stays the user's. None: any."""
+    if not args.module:
+        return None
+    from executor.schedule import RUNNABLE_SCHEDULES
+    return RUNNABLE_SCHEDULES
 
 
 def _export_module(spec: str, model: str | None, batch: int | None, folder: Path) -> Path:

@@ -168,7 +168,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     as well."""
     if options.solver not in SOLVERS:
         raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
-    pins = check_pins(options.parallel)
+    pins = replace(check_pins(options.parallel), schedules=options.schedules)
     analysis = GraphAnalysis.of(graph)
     mixed = cluster if cluster is not None and cluster.mixed else None
     context = BuildContext(Analyses(analysis), hardware, training, mixed)
