@@ -38,6 +38,7 @@ from planner.graph import PlanningGraph
 from planner.kinds import AxisRole, Recompute, Schedule
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection, SendEntry
+from planner.search.options import Runnable
 from planner.sharding.mesh import DeviceMesh
 
 SCHEDULES = tuple(str(s) for s in Schedule)
@@ -166,8 +167,10 @@ def _chunks(rows: Sequence[Sequence[tuple[int, int]]], count: int) -> list[Chunk
     return chunks
 
 
-#: the pipeline schedules the runners run (not those splitting the backward pass)
-RUNNABLE_SCHEDULES = tuple(s for s in Schedule if s not in SPLIT_BACKWARD)
+#: what the runners run: every schedule but those splitting the backward pass, one
+#: mesh shape for every stage (`planner.plans.stagemesh.refuse_stage_meshes`)
+RUNNABLE = Runnable(schedules=tuple(s for s in Schedule if s not in SPLIT_BACKWARD),
+                    stage_meshes=False)
 
 
 def check_runnable(schedule: str) -> None:

@@ -25,11 +25,10 @@ from planner.kinds import (
     GradAccumulation,
     LossReads,
     Precision,
-    Schedule,
 )
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
-from planner.search.options import SearchOptions
+from planner.search.options import Runnable, SearchOptions
 
 MODES = ("data", "semi", "auto")
 Choice = TypeVar("Choice", bound=StrEnum)
@@ -113,7 +112,7 @@ def plan(
     capacity_factor: float | None = None,
     progress: Callable[[str], None] | None = None,
     cluster: str | os.PathLike | Cluster | None = None,
-    schedules: Sequence[str | Schedule] | None = None,
+    runnable: Runnable | None = None,
 ) -> Plan:
     """Plan a training step of `model` on `devices` devices of `profile`, or on a
     `cluster` (a cluster file or `costmodels.cluster.Cluster`), which takes the place of
@@ -143,10 +142,10 @@ def plan(
     leaves them (a loss that works on split outputs, as Megatron-LM's vocabulary-parallel
     cross-entropy does: nothing priced). `capacity_factor` sizes each expert's token
     batch behind a mixture-of-experts router as a multiple of its even share (default
-    1.25, `planner.importer.routing`). `schedules`, where given, are the pipeline
-    schedules the search may choose when none is pinned: those the executor the plan is
-    for runs (`shardplan plan --module` plans for the module executor, which does not run
-    the zero-bubble ones).
+    1.25, `planner.importer.routing`). `runnable`, where given, is what the executor the
+    plan is for runs (`planner.search.options.Runnable`: its pipeline schedules, whether
+    per-stage meshes), among which the search makes what is not pinned (`shardplan plan
+    --module` plans for the module executor, `executor.schedule.RUNNABLE`).
     """
     if mode not in MODES:
         raise ShardplanError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -215,7 +214,7 @@ def plan(
     options = SearchOptions(
         mode=mode, solver=solver, time_limit=time_limit, max_mesh_axes=max_mesh_axes,
         mesh=tuple(mesh) if mesh else None, parallel=dict(parallel or {}),
-        schedules=tuple(Schedule(str(s)) for s in schedules) if schedules else None,
+        runnable=runnable or Runnable(),
         strategies=dict(strategies or {}), tie_layers=tie_layers,
     )
     return plan_search(graph, hardware, devices, options, training, progress, mixed)

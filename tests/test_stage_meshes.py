@@ -34,6 +34,7 @@ from planner.plans.stagemesh import op_meshes, per_stage_meshes, refuse_stage_me
 from planner.report import summary
 from planner.search.decisions import Choice
 from planner.search.joint import pipeline_config
+from planner.search.options import Runnable
 from planner.search.stagemeshes import shape_layout
 from planner.search.stages import StageTables, solve_shaped, solve_stages
 from planner.sharding.analysis import GraphAnalysis
@@ -225,3 +226,21 @@ def test_stage_meshes_with_interleaved_chunks(model: Path) -> None:
     graph = load_graph(model, batch=chosen.model.batch, dims=chosen.model.bound_dims)
     report = validate(chosen, graph)
     assert report.ok, report.problems
+
+
+def test_a_plan_for_the_executors_keeps_one_shape(model: Path, shaped: Plan) -> None:
+    """What the executors run (`executor.schedule.RUNNABLE`: `plan --module` plans for the
+    module executor): the search keeps one shape for every stage and no zero-bubble
+    schedule (`shaped` is ZB-H1 on two shapes), without the user's pins saying so."""
+    from executor.schedule import RUNNABLE
+
+    assert per_stage_meshes(shaped.pipeline) and shaped.pipeline.schedule == "zb-h1"
+    one_shape = plan(model, parallel={"pp": 2}, runnable=Runnable(stage_meshes=False),
+                     **SETTINGS)  # type: ignore[arg-type]
+    assert one_shape.pipeline is not None and not per_stage_meshes(one_shape.pipeline)
+    assert one_shape.pipeline.schedule == "zb-h1"
+    chosen = plan(model, parallel={"pp": 2}, runnable=RUNNABLE,
+                  **SETTINGS)  # type: ignore[arg-type]
+    assert chosen.pipeline is not None and not per_stage_meshes(chosen.pipeline)
+    assert RUNNABLE.schedules is not None and chosen.pipeline.schedule in RUNNABLE.schedules
+    assert "runnable" not in chosen.dumps()

@@ -25,8 +25,8 @@ from planner.kinds import (
     GradAccumulation,
     LossReads,
     Precision,
-    Schedule,
 )
+from planner.search.options import Runnable
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}
@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
                           capacity_factor=args.capacity_factor,
                           overlap_grad_reduce=not args.no_overlap_grad_reduce,
                           loss_reads=args.loss_reads,
-                          schedules=_module_executor_schedules(args), **buckets)
+                          runnable=_module_executor_runs(args), **buckets)
         finally:
             if progress is not None:
                 progress.close()
@@ -213,14 +213,14 @@ def bucket_mb(text: str) -> float:
     return value
 
 
-def _module_executor_schedules(args: argparse.Namespace) -> tuple[Schedule, ...] | None:
-    """The pipeline schedules a plan for the module executor (`--module`) may choose: those
-    it runs (the search picked the zero-bubble V for a 4-layer LLaMA at pp=2, which the run
-    then refused); a pinned schedule stays the user's. None: any."""
+def _module_executor_runs(args: argparse.Namespace) -> Runnable | None:
+    """What a plan for the module executor (`--module`) may choose: what it runs (the
+    search picked the zero-bubble V for a 4-layer LLaMA at pp=2, which the run then
+    refused); a pin stays the user's. None: a plan of a model file, for any runtime."""
     if not args.module:
         return None
-    from executor.schedule import RUNNABLE_SCHEDULES
-    return RUNNABLE_SCHEDULES
+    from executor.schedule import RUNNABLE
+    return RUNNABLE
 
 
 def _export_module(spec: str, model: str | None, batch: int | None, folder: Path) -> Path:

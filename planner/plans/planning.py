@@ -168,7 +168,7 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     as well."""
     if options.solver not in SOLVERS:
         raise ShardplanError(f"--solver {options.solver!r}: choose one of {', '.join(SOLVERS)}")
-    pins = replace(check_pins(options.parallel), schedules=options.schedules)
+    pins = replace(check_pins(options.parallel), runnable=options.runnable)
     analysis = GraphAnalysis.of(graph)
     mixed = cluster if cluster is not None and cluster.mixed else None
     context = BuildContext(Analyses(analysis), hardware, training, mixed)
@@ -202,7 +202,8 @@ def plan_search(graph: PlanningGraph, hardware: HardwareProfile, devices: int,
     if joint_wanted:
         decisions, joint = joint_decisions(context.graphs, hardware, devices, training, pins,
                                            options.time_limit, options.top_k, progress, mixed)
-        if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared":
+        if pins.dp is None and pins.tp is None and pins.stage_mesh != "shared" \
+                and pins.runnable.stage_meshes:
             decisions = _with_stage_meshes(context, decisions, pins, options.time_limit)
         for decision in decisions:
             derived = derive(context, decision)

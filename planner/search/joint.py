@@ -376,7 +376,8 @@ def _configurations(pp: int, dp: int, tp: int, replicas: int, per_rank: int, lay
                                                            else [0])
         schedules = [pins.schedule] if pins.schedule is not None else (
             [Schedule.INTERLEAVED] if pins.vpp is not None else
-            [s for s in SCHEDULES_SEARCHED if pins.schedules is None or s in pins.schedules]
+            [s for s in SCHEDULES_SEARCHED
+             if pins.runnable.schedules is None or s in pins.runnable.schedules]
             if pp > 1 else [Schedule.ONE_F_ONE_B])
         for zero in zeros:
             for schedule in schedules:

@@ -31,6 +31,17 @@ STAGE_MESHES = ("shared",)
 
 
 @dataclass(frozen=True)
+class Runnable:
+    """What the executor a plan is for runs, where the search would choose from more:
+    the pipeline schedules (None: every one it searches) and whether per-stage meshes.
+    `shardplan plan --module` plans for the module executor
+    (`executor.schedule.RUNNABLE`); a pin the user gives stays theirs."""
+
+    schedules: tuple[Schedule, ...] | None = None
+    stage_meshes: bool = True
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     mode: str = "auto"  # auto | semi
     solver: str = "auto"
@@ -38,8 +49,8 @@ class SearchOptions:
     max_mesh_axes: int = 2
     mesh: tuple[int, ...] | None = None
     parallel: Mapping[str, int | str] = field(default_factory=dict)
-    #: the pipeline schedules the search may choose where none is pinned (`Pins.schedules`)
-    schedules: tuple[Schedule, ...] | None = None
+    #: what the executor the plan is for runs (`Pins.runnable`)
+    runnable: Runnable = field(default_factory=lambda: Runnable())
     strategies: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
     tie_layers: bool = True
     top_k: int = 3
@@ -66,14 +77,14 @@ class Pins:
     ep: int | None = None  # expert parallel degree (an axis "ep" inside dp)
     dp_shares: str | None = None  # "even" or "speed" on a mixed cluster (DP_SHARES)
     stage_mesh: str | None = None  # "shared": one (dp, tp) shape for every stage
-    #: the schedules an unpinned search may choose (None: all it searches): those the
-    #: executor the plan is for runs (`plan(schedules=...)`); not a user's pin
-    schedules: tuple[Schedule, ...] | None = None
+    #: what the executor the plan is for runs (`plan(runnable=...)`): an unpinned
+    #: choice is made among those; not a user's pin
+    runnable: Runnable = field(default_factory=lambda: Runnable())
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
         return {f.name: (str(v) if isinstance(v, str) else v) for f in fields(self)
-                if f.name != "schedules" and (v := getattr(self, f.name)) is not None}
+                if f.name != "runnable" and (v := getattr(self, f.name)) is not None}
 
     def spelled(self) -> str:
         """The pins as `--parallel` takes them: `dp=2,micro_batches=2`."""
