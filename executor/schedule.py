@@ -168,9 +168,10 @@ def _chunks(rows: Sequence[Sequence[tuple[int, int]]], count: int) -> list[Chunk
 
 
 #: what the runners run: every schedule but those splitting the backward pass, one
-#: mesh shape for every stage (`planner.plans.stagemesh.refuse_stage_meshes`)
+#: mesh shape for every stage (`planner.plans.stagemesh.refuse_stage_meshes`), even
+#: shares of the batch (`executor.support.check_degrees`)
 RUNNABLE = Runnable(schedules=tuple(s for s in Schedule if s not in SPLIT_BACKWARD),
-                    stage_meshes=False)
+                    stage_meshes=False, uneven_shares=False)
 
 
 def check_runnable(schedule: str) -> None:

@@ -9,7 +9,10 @@ the op's name up front rather than failing inside a rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from executor.ops import TORCH_OPS
+from executor.schedule import RUNNABLE
 from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import StepKind
@@ -68,6 +71,11 @@ def refuse_inference(plan: Plan) -> None:
         raise ShardplanError("the plan is an inference plan (planned with --inference): it "
                              "sums no gradients between ranks, and run trains; plan the "
                              "model without --inference to train it")
+
+
+#: what the module executor runs (`check_degrees` with `graph` False): the runners'
+#: schedules and shapes, without context or expert parallelism; `plan --module` plans so
+MODULE_RUNNABLE = replace(RUNNABLE, context_parallel=False, expert_parallel=False)
 
 
 def check_degrees(parallel: ParallelConfig, graph: bool = True) -> None:

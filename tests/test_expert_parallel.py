@@ -5,6 +5,7 @@ all-to-alls derived and priced, written, validated, explained, exported and run.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,21 @@ def test_two_ranks_match_one_process(tiny: Path, plans: dict[str, Plan]) -> None
     assert run.losses == pytest.approx(reference.losses, rel=1e-4)
     issued = {k: v for k, v in run.collectives["issued"].items() if not k.endswith("|loss")}
     assert issued == planned_counts(chosen, 3)
+
+
+def test_a_plan_for_the_module_executor_searches_no_expert_axis(tiny: Path) -> None:
+    """The module executor runs no expert parallelism (`check_degrees`): `plan --module`
+    plans for it (`MODULE_RUNNABLE`), so an unpinned search tries ep=1 only; a pin
+    stays the user's. The same for context parallelism."""
+    from executor.support import MODULE_RUNNABLE
+    from planner.search.joint import context_degrees, expert_degrees
+    from planner.search.options import Pins
+
+    experts = GraphAnalysis.of(load_graph(tiny, batch=4, dims={"seq": SEQ})).experts
+    module = Pins(runnable=MODULE_RUNNABLE)
+    assert expert_degrees(experts, 4, Pins()) == [1, 2, 4]
+    assert expert_degrees(experts, 4, module) == [1]
+    assert expert_degrees(experts, 4, replace(module, ep=2)) == [2]
+    assert context_degrees(131072, Pins())[:2] == [1, 2]
+    assert context_degrees(131072, module) == [1]
+    assert context_degrees(131072, replace(module, cp=4)) == [4]

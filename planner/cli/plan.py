@@ -219,8 +219,8 @@ def _module_executor_runs(args: argparse.Namespace) -> Runnable | None:
     refused); a pin stays the user's. None: a plan of a model file, for any runtime."""
     if not args.module:
         return None
-    from executor.schedule import RUNNABLE
-    return RUNNABLE
+    from executor.support import MODULE_RUNNABLE
+    return MODULE_RUNNABLE
 
 
 def _export_module(spec: str, model: str | None, batch: int | None, folder: Path) -> Path:

@@ -305,6 +305,8 @@ def context_degrees(sequence: int | None, pins: Pins) -> list[int]:
     of `sequence` tokens (None: the graph has no sequence input, so 1)."""
     if pins.cp is not None:
         return [pins.cp]
+    if pins.cp_kind is None and not pins.runnable.context_parallel:
+        return [1]  # (the executor the plan is for does not run it)
     found = [c for c in (1 << k for k in range(1, 12))
              if sequence and sequence % c == 0 and sequence // c >= MIN_CONTEXT_BLOCK]
     return found if pins.cp_kind is not None else [1, *found]
@@ -315,6 +317,8 @@ def expert_degrees(experts: Experts, devices: int, pins: Pins) -> list[int]:
     up to `devices` that divides the graph's expert count (none without experts)."""
     if pins.ep is not None:
         return [pins.ep]
+    if not pins.runnable.expert_parallel:
+        return [1]  # (the executor the plan is for does not run it)
     return [1, *experts.degrees(devices)]
 
 
@@ -577,7 +581,7 @@ def joint_search(graphs: Analyses, hardware: HardwareProfile, devices: int,
             with_dp[key] = [p.with_gradient_axes(axes) for p in found]
         return partitioner_for(with_dp[key], pipeline_config(choice, training), hardware,
                                choice_mesh(choice, per_node), cluster, uniform,
-                               rows // choice.micro_batches, pins.dp_shares)
+                               rows // choice.micro_batches, pins.shares)
 
     # Cheapest-first by a lower bound: perfectly balanced stages (the slowest stage takes
     # at least the mean) through the schedule, with no recompute and no gradient sync. The
@@ -904,7 +908,7 @@ def joint_decisions(graphs: Analyses, hardware: HardwareProfile, devices: int,
         decision, least = exact_outcome(
             graphs, hardware, scored.choice, training, modes, time_limit,
             pins.tp is not None, SolverRecord("joint", "optimal", 0.0, 0.0, 0.0),
-            scored.budget, pins.layout, pins.cp_kind, cluster, pins.dp_shares, layouts)
+            scored.budget, pins.layout, pins.cp_kind, cluster, pins.shares, layouts)
         if decision is not None:
             decided[scored.choice] = decision
         return Verdict(decision is not None, least)

@@ -33,12 +33,16 @@ STAGE_MESHES = ("shared",)
 @dataclass(frozen=True)
 class Runnable:
     """What the executor a plan is for runs, where the search would choose from more:
-    the pipeline schedules (None: every one it searches) and whether per-stage meshes.
+    the pipeline schedules (None: every one it searches), whether per-stage meshes,
+    context and expert parallelism, and replicas' shares of the batch by speed.
     `shardplan plan --module` plans for the module executor
     (`executor.schedule.RUNNABLE`); a pin the user gives stays theirs."""
 
     schedules: tuple[Schedule, ...] | None = None
     stage_meshes: bool = True
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    uneven_shares: bool = True  # a mixed cluster's replicas sharing the batch by speed
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,12 @@ class Pins:
     #: what the executor the plan is for runs (`plan(runnable=...)`): an unpinned
     #: choice is made among those; not a user's pin
     runnable: Runnable = field(default_factory=lambda: Runnable())
+
+    @property
+    def shares(self) -> str | None:
+        """`dp_shares` as the search takes it: the pin, else even where the executor the
+        plan is for runs only even shares (None: the faster)."""
+        return self.dp_shares or (None if self.runnable.uneven_shares else "even")
 
     def given(self) -> dict[str, int | str]:
         """The pins as the user gave them (for messages and the solver's record)."""
