@@ -722,3 +722,44 @@ def test_an_export_failure_names_its_cause_in_one_line(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "\x1b" not in err and "Next steps" not in err
     assert "Box" in err and "in output, which is not a known type; return tensors" in err
+
+
+SEQUENCE_FIRST = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)  # batch_first=False
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, ids):  # [seq, batch]
+        return self.enc(self.emb(ids))
+
+
+def batch(step, rows):
+    return {"ids": torch.randint(0, 64, (8, rows))}
+
+
+def build():
+    return Net(), batch, lambda out, b: out.pow(2).mean()
+'''
+
+
+def test_a_sequence_first_batch_is_refused_when_planned(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """`[seq, batch]` ids were exported with the sequence as the batch, planned at that
+    length, and the run failed in the ranks, exit 4 ("a batch of [8] rows: the plan is for
+    a global batch of 4"): `plan --module` refuses it in one line, exit 2."""
+    builder = tmp_path / "seqfirst.py"
+    builder.write_text(SEQUENCE_FIRST)
+    assert main(["plan", "--module", f"{builder}:build", "--batch", "4", "--devices", "2",
+                 "--profile", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "gave ids of shape (8, 4): dim 0 of every tensor it returns must be the " \
+           "batch's 4 rows" in err and "batch_first=True" in err

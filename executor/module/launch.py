@@ -124,6 +124,26 @@ def _checked(spec: str, builder: Callable[[], Any]) -> Builder:
     return build
 
 
+def example_batch(make_batch: Callable[[int, int], Mapping[str, Any]], step: int,
+                  rows: int) -> Mapping[str, Any]:
+    """`make_batch(step, rows)`, each tensor's dim 0 checked to be those rows: the
+    contract every split and micro-batch reads (a sequence-first module's `[seq, batch]`
+    ids exported with the sequence as the batch, planned at that length, and failed the
+    rank with exit 4, "a batch of [8] rows: the plan is for a global batch of 4")."""
+    batch = make_batch(step, rows)
+    if not isinstance(batch, Mapping):
+        return batch  # (`check_example` names what it should be)
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != rows:
+            raise ShardplanError(
+                f"make_batch({step}, {rows}) gave {name} of shape {tuple(value.shape)}: dim 0 "
+                f"of every tensor it returns must be the batch's {rows} rows; a "
+                "sequence-first module ([seq, batch] inputs, nn.Transformer's default "
+                "batch_first=False) is not run yet: give batch-first tensors "
+                "(batch_first=True) or transpose inside forward")
+    return batch
+
+
 def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
     """The builder's module exported to `path` as the planner reads it (training mode, the
     example batch `make_batch(0, batch_size)`, the batch dim symbolic)."""
@@ -133,7 +153,8 @@ def export_builder(spec: str, batch_size: int, path: str | os.PathLike) -> Path:
         return Path(path)
     module, make_batch, _ = load_builder(spec)()
     module.train()
-    return save_model(export_program(module, make_batch(0, batch_size)), Path(path))
+    return save_model(export_program(module, example_batch(make_batch, 0, batch_size)),
+                      Path(path))
 
 
 @dataclass(frozen=True)
@@ -175,7 +196,7 @@ def _export_once(spec: str, batch_size: int) -> _Exported:
         module.train()
         trace = None
         if state_bytes(module) <= MAX_SHARED_TRACE_BYTES:
-            example = make_batch(0, batch_size)
+            example = example_batch(make_batch, 0, batch_size)
             digest = trace_digest(source if source.is_file() else None, spec, module, example)
             trace = kept_trace(digest) or keep_trace(digest, export_program(module, example))
         _exported[key] = _Exported(trace, parameter_names(module), frozen_names(module))
