@@ -352,3 +352,69 @@ def test_an_unread_output_in_the_users_own_loop_gives_one_process_gradients(
     assert found["c.weight"] is None and found["c.bias"] is None, found
     assert all(found[name] < 1e-5 for name in ("a.weight", "a.bias", "b.weight",
                                                "b.bias")), found
+
+
+OWN_LOSS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):  # returns its own loss beside its logits, as transformers' models do
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 5)
+
+    def forward(self, x, y):
+        logits = self.b(torch.tanh(self.a(x)))
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+
+def batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(rows, 16, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)}
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), batch, lambda out, b: out["loss"]
+
+
+def penalised():
+    torch.manual_seed(0)
+    net = Net()
+    return net, batch, lambda out, b: out["loss"] + 0.01 * net.a.weight.pow(2).sum()
+'''
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 0}, {"dp": 2, "zero": 3}],
+                         ids=["zero0", "zero3"])
+def test_a_model_returning_its_own_loss_beside_its_logits_trains_as_one_process(
+        tmp_path: Path, parallel: dict) -> None:
+    """The loss's gradient was taken with respect to both outputs, the loss output being
+    computed from the logits, and back-propagated from both: every rank failed ("Trying to
+    backward through the graph a second time"). It now starts from the outputs the loss
+    reads itself."""
+    builder = tmp_path / "own.py"
+    builder.write_text(OWN_LOSS)
+    spec = f"{builder}:build"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel=parallel)
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
+
+
+def test_a_weight_penalty_in_the_loss_is_refused_naming_it(tmp_path: Path) -> None:
+    """`loss_fn` reading a module weight read, under ZeRO, this rank's chunk of it (half the
+    penalty on two ranks, exit 0), and on DTensors its gradient never reached the weight."""
+    from executor.module.launch import train_module
+    from executor.ranks import RunFailed
+
+    builder = tmp_path / "own.py"
+    builder.write_text(OWN_LOSS)
+    spec = f"{builder}:penalised"
+    chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 3})
+    with pytest.raises(RunFailed, match=r"loss_fn reads a tensor of shape \(\d+,\) that "
+                                        r"needs a gradient and is not the model's output"):
+        train_module(spec, chosen, steps=1, batch_size=BATCH)

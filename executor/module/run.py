@@ -302,12 +302,57 @@ def output_gradients(loss: torch.Tensor, outputs: Any
     if not loss.requires_grad or not leaves:
         raise ShardplanError("the loss does not depend on the model's output: loss_fn "
                              "must compute it from the output it is given")
+    leaves = loss_reads(loss, leaves)
     # a plain tensor the loss kept (BCE's pos_weight, cross-entropy's class weights) is
     # the same on every rank, in its backward pass too ("aten.nll_loss_backward.default
     # got mixed torch.Tensor and DTensor")
     with implicit_replication():
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return tuple((v, g) for v, g in zip(leaves, grads, strict=True) if g is not None)
+
+
+def loss_reads(loss: torch.Tensor, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs the loss reads itself, not through another output: a model returning
+    its own loss beside its logits (`{"loss": ..., "logits": ...}`, a transformers model
+    given `labels`) has a loss output computed from the logits, and the loss's gradient
+    taken with respect to both, then back-propagated from both, went through the first
+    one's graph twice (the rank failed: "Trying to backward through the graph a second
+    time") and counted the logits' gradient twice. A walk of the loss's own autograd
+    graph, from the loss to the first outputs on each path. A tensor needing a gradient
+    that the loss reads outside the outputs (a module weight in a weight penalty) is
+    refused: under a plan the module's parameters are DTensors or this rank's ZeRO
+    chunks, and the loss's gradient is taken with respect to the outputs alone."""
+    wanted = {(v.grad_fn, v.output_nr): v for v in outputs if v.grad_fn is not None}
+    found: dict[int, torch.Tensor] = {}
+    root = loss.grad_fn
+    if root is None or (root, loss.output_nr) in wanted:  # the loss is an output
+        return [v for v in outputs if v is loss or (
+            v.grad_fn is root and v.output_nr == loss.output_nr)]
+    stack, seen = [root], {id(root)}
+    while stack:
+        node = stack.pop()
+        for fn, number in node.next_functions:
+            if fn is None:
+                continue
+            output = wanted.get((fn, number))
+            if output is not None:
+                found[id(output)] = output
+                continue
+            variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None:
+                if not any(variable is v for v in outputs):
+                    shape = tuple(variable.shape)
+                    raise ShardplanError(
+                        f"loss_fn reads a tensor of shape {shape} that needs a gradient and "
+                        "is not the model's output (a module weight, in a weight penalty): "
+                        "under a plan the module's parameters are split or sharded; "
+                        "return the term from forward, or use the optimizer's weight_decay")
+                found[id(variable)] = variable
+                continue
+            if id(fn) not in seen:
+                seen.add(id(fn))
+                stack.append(fn)
+    return [v for v in outputs if id(v) in found]
 
 
 @dataclass(frozen=True)
