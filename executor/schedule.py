@@ -35,10 +35,9 @@ from costmodels.orders import (
 )
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph
-from planner.kinds import AxisRole, Recompute, Schedule
+from planner.kinds import AxisRole, Recompute, Runnable, Schedule
 from planner.plans.model import Plan
 from planner.plans.sections import PipelineSection, SendEntry
-from planner.search.options import Runnable
 from planner.sharding.mesh import DeviceMesh
 
 SCHEDULES = tuple(str(s) for s in Schedule)

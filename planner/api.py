@@ -25,10 +25,11 @@ from planner.kinds import (
     GradAccumulation,
     LossReads,
     Precision,
+    Runnable,
 )
 from planner.plans.model import Plan
 from planner.plans.planning import plan_data_parallel, plan_search
-from planner.search.options import Runnable, SearchOptions
+from planner.search.options import SearchOptions
 
 MODES = ("data", "semi", "auto")
 Choice = TypeVar("Choice", bound=StrEnum)
@@ -143,7 +144,7 @@ def plan(
     cross-entropy does: nothing priced). `capacity_factor` sizes each expert's token
     batch behind a mixture-of-experts router as a multiple of its even share (default
     1.25, `planner.importer.routing`). `runnable`, where given, is what the executor the
-    plan is for runs (`planner.search.options.Runnable`: its pipeline schedules, whether
+    plan is for runs (`planner.kinds.Runnable`: its pipeline schedules, whether
     per-stage meshes), among which the search makes what is not pinned (`shardplan plan
     --module` plans for the module executor, `executor.schedule.RUNNABLE`).
     """

@@ -8,6 +8,7 @@ import it (this module imports nothing of the project).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -170,3 +171,20 @@ class GradAccumulation(StrEnum):
 
     FUSED = "fused"
     SEPARATE = "separate"
+
+
+@dataclass(frozen=True)
+class Runnable:
+    """What the executor a plan is for runs, where the search would choose from more:
+    the pipeline schedules (None: every one it searches), whether per-stage meshes,
+    context and expert parallelism, and replicas' shares of the batch by speed. The
+    executors declare theirs (`executor.schedule.RUNNABLE`,
+    `executor.support.MODULE_RUNNABLE`); the search reads it (`planner.search.options.
+    Pins.runnable`); `shardplan plan --module` plans for the module executor. A pin the
+    user gives stays theirs."""
+
+    schedules: tuple[Schedule, ...] | None = None
+    stage_meshes: bool = True
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    uneven_shares: bool = True  # a mixed cluster's replicas sharing the batch by speed

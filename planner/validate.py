@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from costmodels.orders import chunks_per_device, misplaced
-from planner.cost.kernels import backward_read_weights
 from planner.errors import PlanFileError, ShardplanError
 from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
@@ -47,7 +46,7 @@ from planner.plans.stagemesh import (
     tensor_meshes,
 )
 from planner.records import Collective
-from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.analysis import GraphAnalysis, backward_read_weights
 from planner.sharding.batch import rows_meet_reason
 from planner.sharding.context import context_kind
 from planner.sharding.derive import OPTIMIZER_OP, ShardedGraph, derive

@@ -28,13 +28,12 @@ from planner.explain.render import render
 from planner.exports.dtensor import to_dtensor_placements
 from planner.exports.mindspore import to_mindspore_checkpoint
 from planner.graph import dtype_itemsize
-from planner.kinds import RECOMPUTE_MODES
+from planner.kinds import RECOMPUTE_MODES, Runnable
 from planner.plans.model import Plan
 from planner.plans.stagemesh import op_meshes, per_stage_meshes, refuse_stage_meshes
 from planner.report import summary
 from planner.search.decisions import Choice
 from planner.search.joint import pipeline_config
-from planner.search.options import Runnable
 from planner.search.stagemeshes import shape_layout
 from planner.search.stages import StageTables, solve_shaped, solve_stages
 from planner.sharding.analysis import GraphAnalysis

@@ -18,9 +18,8 @@ from module_runs import trains_as_one_process
 
 from executor.module.launch import export_builder
 from planner.api import load_graph, plan
-from planner.cost.kernels import backward_read_weights
 from planner.kinds import CollectiveKind, Phase
-from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.analysis import GraphAnalysis, backward_read_weights
 
 BATCH = 4
 STEPS = 2

@@ -25,8 +25,8 @@ from planner.kinds import (
     GradAccumulation,
     LossReads,
     Precision,
+    Runnable,
 )
-from planner.search.options import Runnable
 
 DEMO_PRESET = "gpt2-small"
 DEMO_DIMS = {"seq": 1024}

@@ -39,7 +39,7 @@ from typing import NamedTuple
 from costmodels.profile import HardwareProfile
 from planner.graph import OpNode, PlanningGraph
 from planner.kinds import AttentionKernel, Fusion, GradAccumulation
-from planner.ops import record_for
+from planner.ops import record_for, saves_of
 from planner.ops.attention import AttentionCore
 from planner.ops.saving import (
     SavedTensors,
@@ -48,7 +48,6 @@ from planner.ops.saving import (
     buffer_of,
     kept_by,
     saved_tensors,
-    weights_read_backward,
 )
 from planner.ops.work import WorkKind
 from planner.sharding.analysis import GraphAnalysis
@@ -192,22 +191,8 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     return KernelPlan(policy, kernels, shares, cores, regions)
 
 
-def backward_read_weights(analysis: GraphAnalysis) -> frozenset[str]:
-    """The parameters the backward pass reads (`planner.ops.saving.weights_read_backward`
-    under each op's record), once per graph."""
-    key = "backward read weights"
-    found = analysis.memo.get(key)
-    if found is None:
-        graph = analysis.graph
-        found = analysis.memo[key] = weights_read_backward(
-            graph, analysis.needs_grad, {node.name: _rule(node) for node in graph.ops},
-            analysis.differentiated)
-    return found
-
-
 def _rule(node: OpNode) -> Saves:
-    record = record_for(node.op_type, node.domain)
-    return Saves(every_output=True) if record is None else record.saves
+    return saves_of(node)
 
 
 def _own_kernel(node: OpNode, weights: Mapping[str, frozenset[str]]) -> OpKernel:

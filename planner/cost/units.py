@@ -24,12 +24,11 @@ from functools import lru_cache
 import numpy as np
 
 from costmodels.communication import ring_overlap_exposed_s
-from planner.cost.kernels import backward_read_weights
 from planner.cost.oplevel import PricedGraph, op_index
 from planner.cost.pricing import saved_bytes
 from planner.kinds import AxisRole, CollectiveKind, Phase, Recompute
 from planner.layers import Units
-from planner.sharding.analysis import GraphAnalysis
+from planner.sharding.analysis import GraphAnalysis, backward_read_weights
 from planner.sharding.derive import LOSS_OP, fraction_of_layout
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
@@ -48,7 +47,7 @@ class ParamShare:
     itemsize: int
     axes: tuple[str, ...]  # mesh axes its gradient is summed (and ZeRO shards it) over
     units: tuple[int, ...]  # units whose ops read it
-    #: the backward pass reads it (`planner.cost.kernels.backward_read_weights`): ZeRO 3
+    #: the backward pass reads it (`planner.sharding.analysis.backward_read_weights`): ZeRO 3
     #: gathers it again before the backward pass, else only where recompute re-reads it
     backward_read: bool = True
 

@@ -39,10 +39,12 @@ from planner.ops.registry import (
     replicated_labels,
     ruled_op_types,
     safe_labels,
+    saves_of,
 )
 
 __all__ = [
     "RECORDS", "SHARDPLAN_DOMAIN", "DimLabels", "Labels", "LocalContext", "LocalProgram",
     "LocalRewrite", "NoRule", "OpRecord", "cost_op", "is_matrix_op", "labels_for",
     "node_proto", "record_for", "replicated_labels", "ruled_op_types", "safe_labels",
+    "saves_of",
 ]

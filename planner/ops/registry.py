@@ -248,6 +248,13 @@ def record_for(op_type: str, domain: str = DEFAULT_DOMAIN) -> OpRecord | None:
     return RECORDS.get((_domain(domain), op_type))
 
 
+def saves_of(node: OpNode) -> s.Saves:
+    """What autograd keeps of `node` (its record's rule; every float output of an op
+    shardplan has no record of)."""
+    record = record_for(node.op_type, node.domain)
+    return s.UNKNOWN if record is None else record.saves
+
+
 def labels_for(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels | None:
     """The op's labelling, or None when shardplan has no rule for it (kept replicated).
 

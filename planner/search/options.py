@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from costmodels.schedule import SCHEDULES
 from planner.errors import ShardplanError
-from planner.kinds import RECOMPUTE_MODES, ContextKind, Recompute, Schedule
+from planner.kinds import RECOMPUTE_MODES, ContextKind, Recompute, Runnable, Schedule
 
 PARALLEL_KEYS = ("dp", "tp", "pp", "micro_batches", "zero", "recompute", "schedule", "vpp",
                  "layout", "sp", "cp", "cp_kind", "ep", "dp_shares", "stage_mesh")
@@ -28,21 +28,6 @@ DP_SHARES = ("even", "speed")
 #: devices (what the executor runs); unpinned, the search also tries a shape and device
 #: count per stage (`planner.search.stagemeshes.shaped_decision`) and keeps the faster.
 STAGE_MESHES = ("shared",)
-
-
-@dataclass(frozen=True)
-class Runnable:
-    """What the executor a plan is for runs, where the search would choose from more:
-    the pipeline schedules (None: every one it searches), whether per-stage meshes,
-    context and expert parallelism, and replicas' shares of the batch by speed.
-    `shardplan plan --module` plans for the module executor
-    (`executor.schedule.RUNNABLE`); a pin the user gives stays theirs."""
-
-    schedules: tuple[Schedule, ...] | None = None
-    stage_meshes: bool = True
-    context_parallel: bool = True
-    expert_parallel: bool = True
-    uneven_shares: bool = True  # a mixed cluster's replicas sharing the batch by speed
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from planner.graph import PlanningGraph
 from planner.importer import rebind
 from planner.kinds import AxisRole
 from planner.layers import Repeats, Units, blocks_of_codes, find_units, signature_codes
-from planner.ops import DimLabels, safe_labels
+from planner.ops import DimLabels, safe_labels, saves_of
 from planner.ops.attention import AttentionCore, attention_cores
-from planner.ops.saving import gradient_flows
+from planner.ops.saving import gradient_flows, weights_read_backward
 from planner.sharding.batch import BatchTrace, sequence_labels, trace_batch
 from planner.sharding.experts import Experts, find_experts
 from planner.sharding.mesh import DeviceMesh
@@ -250,3 +250,16 @@ class Analyses:
             found = self._at[batch] = GraphAnalysis.of(rebind(self.root.graph, batch=batch),
                                                        like=self.root)
         return found
+
+
+def backward_read_weights(analysis: GraphAnalysis) -> frozenset[str]:
+    """The parameters the backward pass reads (`planner.ops.saving.weights_read_backward`
+    under each op's record), once per graph: ZeRO 3 gathers only these again before it."""
+    key = "backward read weights"
+    found = analysis.memo.get(key)
+    if found is None:
+        graph = analysis.graph
+        found = analysis.memo[key] = weights_read_backward(
+            graph, analysis.needs_grad, {node.name: saves_of(node) for node in graph.ops},
+            analysis.differentiated)
+    return found
