@@ -166,6 +166,7 @@ class _Exported:
     trace: SavedTrace | None
     parameters: list[tuple[str, ...]]
     frozen: frozenset[str]
+    refused: str | None = None  # why the module executor does not run it (a training norm)
 
 
 _exported: dict[tuple[object, ...], _Exported] = {}
@@ -185,7 +186,11 @@ def shared_trace(spec: str, batch_size: int) -> SavedTrace | None:
 def _export_once(spec: str, batch_size: int) -> _Exported:
     """The builder's module built and exported once per (spec, batch, builder file as it
     is now): `shared_trace`'s trace, and its parameters for the launcher's check."""
-    from executor.module.parallelize import frozen_names, parameter_names
+    from executor.module.parallelize import (
+        frozen_names,
+        parameter_names,
+        refuse_training_norms,
+    )
 
     builder = load_builder(spec)
     source = Path(inspect.unwrap(builder).__code__.co_filename)  # the user's file
@@ -199,7 +204,13 @@ def _export_once(spec: str, batch_size: int) -> _Exported:
             example = example_batch(make_batch, 0, batch_size)
             digest = trace_digest(source if source.is_file() else None, spec, module, example)
             trace = kept_trace(digest) or keep_trace(digest, export_program(module, example))
-        _exported[key] = _Exported(trace, parameter_names(module), frozen_names(module))
+        try:
+            refuse_training_norms(module)
+            refused = None
+        except ShardplanError as exc:
+            refused = str(exc)
+        _exported[key] = _Exported(trace, parameter_names(module), frozen_names(module),
+                                   refused)
     return _exported[key]
 
 
@@ -456,6 +467,8 @@ def train_module(spec: str, plan: Plan, *, steps: int = 5, lr: float = 0.1,
         raise ShardplanError(f"--backend nccl: the plan needs {plan.mesh.size} GPUs, this "
                              f"machine has {torch.cuda.device_count()}")
     exported = _export_once(spec, batch_size)
+    if exported.refused:  # (a batch norm in training mode), before any rank starts
+        raise ShardplanError(exported.refused)
     # a weight frozen or unfrozen since planning, before any rank starts
     check_frozen(plan, exported.parameters, exported.frozen)
     with writing(saving.save), tempfile.TemporaryDirectory() as scratch:
