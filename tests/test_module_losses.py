@@ -208,3 +208,15 @@ def test_a_mean_over_kept_targets_trains_as_one_process_over_micro_batches(
     chosen = plan(export_builder(spec, 2 * BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=2 * BATCH, profile="cpu", parallel=parallel)
     trains_as_one_process(spec, chosen, steps=STEPS, batch_size=2 * BATCH)
+
+
+def test_a_loss_dtensor_cannot_run_runs_on_whole_outputs(tmp_path: Path) -> None:
+    """A boolean mask indexing the per-row losses has a data-dependent shape, which DTensor
+    cannot propagate: the rank failed ("Sharding propagation failed for aten.index.Tensor").
+    The loss now runs on whole outputs as plain tensors, as one process computes it."""
+    loss = ('F.cross_entropy(out, b["x"][:, :6].argmax(1), reduction="none")'
+            '[b["x"][:, 6] > 0].mean()')
+    spec = _builder(tmp_path, "h", loss)
+    chosen = plan(export_builder(spec, 2 * BATCH, tmp_path / "model.onnx"), devices=2,
+                  batch=2 * BATCH, profile="cpu", parallel={"dp": 2, "zero": 3})
+    trains_as_one_process(spec, chosen, steps=STEPS, batch_size=2 * BATCH)

@@ -142,6 +142,8 @@ class ParallelModule:
     #: (`executor.module.lossops.step_kept_weights`): until a step shows its loss makes
     #: no mean-reduced NLL call
     count_kept_weights: bool = True
+    #: the loss runs on whole outputs: DTensor has no rule for an op of it (`loss`)
+    loss_on_whole: bool = False
     loss_probed: bool = False  # whether DTensor has shown if it may be
     #: the last step's loss, its reduction possibly in flight (`step_loss`)
     last_loss: torch.Tensor | None = None
@@ -173,9 +175,22 @@ class ParallelModule:
             # the step's where counted, `step_divisors`)
             with KeptTargetsOverRanks(()), one_loss_call():
                 return loss_fn(output, *batch)
-        with implicit_replication(), one_loss_call():
-            return loss_fn(output, *pytree.tree_map(lambda v: replicated(v, self.mesh),
-                                                    list(batch)))
+        given = pytree.tree_map(lambda v: replicated(v, self.mesh), list(batch))
+        if not self.loss_on_whole:
+            try:
+                with implicit_replication(), one_loss_call():
+                    return loss_fn(output, *given)
+            except (NotImplementedError, RuntimeError) as exc:
+                if not _no_sharding_rule(exc):
+                    raise
+                # an op DTensor cannot run (a boolean mask's data-dependent shape): the
+                # loss on whole outputs as plain tensors, as one process computes it,
+                # the same on every rank, from now on
+                self.loss_on_whole = True
+        whole = pytree.tree_map(
+            lambda v: v.full_tensor() if isinstance(v, DTensor) else v, output)
+        with KeptTargetsOverRanks(()), one_loss_call():
+            return loss_fn(whole, *batch)
 
     def forward(self, given: Sequence[torch.Tensor], micro: int = 0,
                 step: int | None = None, rows_out: bool = False) -> Any:
@@ -428,6 +443,15 @@ class ParallelModule:
         by "kind|axes|phase"."""
         return Counter({f"{k}|{','.join(a)}|{phase}": n
                         for (k, a, phase), n in self.comm.counters.issued.items() if n})
+
+
+def _no_sharding_rule(exc: BaseException) -> bool:
+    """Whether `exc` is DTensor finding no way to run an op on the placements it was
+    given: the same on every rank (it depends on shapes and placements alone), so every
+    rank takes the same way out."""
+    text = str(exc)
+    return "does not have a sharding strategy registered" in text or \
+        "Sharding propagation failed" in text
 
 
 def _micro_rows(value: torch.Tensor, count: int, micro: int) -> torch.Tensor:
