@@ -418,3 +418,17 @@ def test_a_weight_penalty_in_the_loss_is_refused_naming_it(tmp_path: Path) -> No
     with pytest.raises(RunFailed, match=r"loss_fn reads a tensor of shape \(\d+,\) that "
                                         r"needs a gradient and is not the model's output"):
         train_module(spec, chosen, steps=1, batch_size=BATCH)
+
+
+def test_a_plan_of_a_model_computing_its_own_loss_says_what_that_costs(
+        tmp_path: Path) -> None:
+    """The export's `SoftmaxCrossEntropyLoss` has no sharding rule: the plan gathers the
+    logits to every rank and plans no micro-batches; the warning says so, and what to
+    do instead."""
+    builder = tmp_path / "own.py"
+    builder.write_text(OWN_LOSS)
+    chosen = plan(export_builder(f"{builder}:build", BATCH, tmp_path / "model.onnx"),
+                  devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2})
+    found = [w for w in chosen.warnings if "SoftmaxCrossEntropyLoss" in w]
+    assert len(found) == 1 and "the model computes its own loss" in found[0] \
+        and "return the logits and compute the loss outside the model" in found[0]
