@@ -138,13 +138,10 @@ def _step_divisor() -> torch.Tensor | None:
     return divisors[calls[0] - 1]
 
 
-class KeptWeightCounter(TorchDispatchMode):
-    """While inside: each mean-reduced NLL on plain tensors records the total weight of
-    the targets it keeps (`weights`), and no collective is issued."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weights: list[torch.Tensor] = []
+class _MeanNll(TorchDispatchMode):
+    """While inside: each mean-reduced NLL on plain tensors is computed as its sum and
+    the total weight of the targets it keeps, and `divided` makes its result of them;
+    every other op runs as it is."""
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
                            args: tuple[Any, ...] = (),
@@ -152,7 +149,22 @@ class KeptWeightCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func not in NLL_FORWARDS or args[3] != _MEAN:
             return func(*args, **kwargs)
-        summed, total_weight = func(args[0], args[1], args[2], _SUM, args[4])
+        self_, target, weight, _, ignore_index = args
+        return self.divided(*func(self_, target, weight, _SUM, ignore_index))
+
+    def divided(self, summed: torch.Tensor, total_weight: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+
+class KeptWeightCounter(_MeanNll):
+    """While inside: each mean-reduced NLL on plain tensors records the total weight of
+    the targets it keeps (`weights`), and no collective is issued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def divided(self, summed: torch.Tensor, total_weight: torch.Tensor) -> Any:
         self.weights.append(total_weight.detach().reshape(()))
         return summed, total_weight
 
@@ -260,7 +272,7 @@ def nll_mean_over_ranks(op_call: torch._ops.OpOverload, args: tuple[Any, ...],
     return summed / whole, whole
 
 
-class KeptTargetsOverRanks(TorchDispatchMode):
+class KeptTargetsOverRanks(_MeanNll):
     """While inside: a mean-reduced negative log-likelihood on plain tensors (a rank's
     own rows) divides its sum by the total weight of the targets kept on all the ranks of
     `groups` (one scalar all-reduce in each), not this rank's alone: the rank's term of
@@ -270,14 +282,7 @@ class KeptTargetsOverRanks(TorchDispatchMode):
         super().__init__()
         self.groups = tuple(groups)
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any,
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func not in NLL_FORWARDS or args[3] != _MEAN:
-            return func(*args, **kwargs)
-        self_, target, weight, _, ignore_index = args
-        summed, total_weight = func(self_, target, weight, _SUM, ignore_index)
+    def divided(self, summed: torch.Tensor, total_weight: torch.Tensor) -> Any:
         divisor = _step_divisor()
         if divisor is not None:  # (the step's, counted before its micro-batches)
             divisor = divisor.to(total_weight.device)

@@ -166,7 +166,7 @@ def kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
 
 def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     graph = analysis.graph
-    rules = {node.name: _rule(node) for node in graph.ops}
+    rules = {node.name: saves_of(node) for node in graph.ops}
     differentiated = analysis.differentiated
     saved = saved_tensors(graph, analysis.needs_grad, rules, differentiated)
     kernels = {node.name: _own_kernel(node, analysis.weight_roots) for node in graph.ops}
@@ -189,10 +189,6 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
                                                if n.op_type == "Attention"})
     shares = {name: saved.share(name) for name in saved.whole | set(saved.extra)}
     return KernelPlan(policy, kernels, shares, cores, regions)
-
-
-def _rule(node: OpNode) -> Saves:
-    return saves_of(node)
 
 
 def _own_kernel(node: OpNode, weights: Mapping[str, frozenset[str]]) -> OpKernel:
@@ -393,7 +389,7 @@ def _regions(graph: PlanningGraph, absorbed: set[str],
     statistics) is a kernel of its own, as Megatron-LM runs apex's FusedLayerNorm."""
     tensors = graph.tensors
     fusable = {n.name for n in graph.ops if n.name not in absorbed and _fusable(n)
-               and not (alone_norms and _rule(n).row_statistics)}
+               and not (alone_norms and saves_of(n).row_statistics)}
     depth: dict[str, int] = {}
     parent: dict[str, str] = {}
 

@@ -14,7 +14,7 @@ name, as a multiple of the tensor it masks; a norm's statistics beside its input
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -242,26 +242,24 @@ _WEIGHT_VIEWS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsque
 
 def _weight_of(graph: PlanningGraph, name: str) -> str:
     """The tensor `name` is a view of, through the ops torch runs as views."""
-    tensors = graph.tensors
-    while True:
-        producer = tensors[name].producer
-        if producer is None:
-            return name
-        node = graph.op(producer)
-        if node.op_type not in _WEIGHT_VIEWS or not node.inputs or not node.inputs[0]:
-            return name
-        name = node.inputs[0]
+    return _source(graph, name, lambda node: node.op_type in _WEIGHT_VIEWS)
 
 
 def buffer_of(graph: PlanningGraph, name: str) -> str:
     """The tensor whose buffer `name` shares: through views to the first real output."""
+    return _source(graph, name, lambda node: node.is_view)
+
+
+def _source(graph: PlanningGraph, name: str, passes: Callable[[OpNode], bool]) -> str:
+    """`name` followed back through the ops `passes` (each its input 0's view) to the
+    first tensor an op that does not pass makes, or a graph input or weight."""
     tensors = graph.tensors
     while True:
         producer = tensors[name].producer
         if producer is None:
             return name
         node = graph.op(producer)
-        if not node.is_view or not node.inputs or not node.inputs[0]:
+        if not passes(node) or not node.inputs or not node.inputs[0]:
             return name
         name = node.inputs[0]
 
