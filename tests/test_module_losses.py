@@ -201,8 +201,8 @@ def test_a_mean_over_kept_targets_trains_as_one_process_over_micro_batches(
     came out NaN (a micro-batch with every target ignored). The step's kept weight is
     counted before its micro-batches (the loss on zeros for the output,
     `lossops.step_kept_weights`), and each micro-batch's divides by it. (Label
-    smoothing's term and a mask's mean divide by counts of their own: as gradient
-    accumulation computes them.)"""
+    smoothing's term and a mask's mean divide by counts of their own: refused over
+    micro-batches, `tests/test_module_accumulation.py`.)"""
     loss, _ = NORMALISED_BY_DATA[name]
     spec = _builder(tmp_path, "h", loss)
     chosen = plan(export_builder(spec, 2 * BATCH, tmp_path / "model.onnx"), devices=2,

@@ -138,7 +138,7 @@ def _step_divisor() -> torch.Tensor | None:
     return divisors[calls[0] - 1]
 
 
-class _MeanNll(TorchDispatchMode):
+class MeanNll(TorchDispatchMode):
     """While inside: each mean-reduced NLL on plain tensors is computed as its sum and
     the total weight of the targets it keeps, and `divided` makes its result of them;
     every other op runs as it is."""
@@ -156,7 +156,7 @@ class _MeanNll(TorchDispatchMode):
         raise NotImplementedError
 
 
-class KeptWeightCounter(_MeanNll):
+class KeptWeightCounter(MeanNll):
     """While inside: each mean-reduced NLL on plain tensors records the total weight of
     the targets it keeps (`weights`), and no collective is issued."""
 
@@ -272,7 +272,7 @@ def nll_mean_over_ranks(op_call: torch._ops.OpOverload, args: tuple[Any, ...],
     return summed / whole, whole
 
 
-class KeptTargetsOverRanks(_MeanNll):
+class KeptTargetsOverRanks(MeanNll):
     """While inside: a mean-reduced negative log-likelihood on plain tensors (a rank's
     own rows) divides its sum by the total weight of the targets kept on all the ranks of
     `groups` (one scalar all-reduce in each), not this rank's alone: the rank's term of

@@ -68,6 +68,7 @@ from executor.module.lossops import (
     step_divisors,
     step_kept_weights,
 )
+from executor.module.microloss import Accumulation, accumulation, made_up_outputs, scaled
 from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.rowloss import (
     RowLoss,
@@ -145,6 +146,9 @@ class ParallelModule:
     #: the loss runs on whole outputs: DTensor has no rule for an op of it (`loss`)
     loss_on_whole: bool = False
     loss_probed: bool = False  # whether DTensor has shown if it may be
+    #: how the step's micro-batch losses make its loss, found on the first step of
+    #: several (`executor.module.microloss`); None until then
+    accumulation: Accumulation | None = None
     #: the last step's loss, its reduction possibly in flight (`step_loss`)
     last_loss: torch.Tensor | None = None
     #: the frozen weights (`requires_grad=False`), whole as the trace reads them, by the
@@ -273,6 +277,7 @@ class ParallelModule:
                                   [_micro_rows(v, count, micro) for v in given], strict=True))
                          for micro in range(count)]
         divisors = None
+        step_fn = loss_fn
         for micro, micro_batch in enumerate(micro_batches):
             rows = list(micro_batch.values())
             self.weights.micro_batch_last = micro == count - 1
@@ -282,10 +287,14 @@ class ParallelModule:
                     output = self.forward(rows, micro, self.draws,
                                           rows_out=self.row_loss is not None)
                 with part("loss"):
-                    if micro == 0 and count > 1 and self.count_kept_weights:
-                        divisors = self._step_kept_weights(loss_fn, output, micro_batches)
+                    if micro == 0 and count > 1:
+                        if self.count_kept_weights:
+                            divisors = self._step_kept_weights(loss_fn, output,
+                                                               micro_batches)
+                        step_fn = self._accumulated(loss_fn, output, micro_batches,
+                                                    divisors is not None)
                     with step_divisors(divisors):
-                        roots, grads, reported = self._step_loss(loss_fn, output,
+                        roots, grads, reported = self._step_loss(step_fn, output,
                                                                  micro_batch, count)
                 del output  # what the backward pass needs, it holds
                 with part("backward"):
@@ -353,9 +362,7 @@ class ParallelModule:
         micro-batch's, shaped as each): so that each micro-batch's mean-reduced NLL is
         a term of one process's mean over the step. Counting stops for later steps once
         a step shows the loss makes no such call."""
-        dims = tuple(batch_mesh_dims(self.mesh, self.run.local.batch_axes))
-        whole = next((int(v.shape[0]) for v in micro_batches[0].values() if v.dim()), 0)
-        start, size = block_rows(whole, self.mesh, dims) if dims else (0, whole)
+        dims, whole, start, size = self._rows_here(micro_batches[0])
 
         def zeros(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -376,6 +383,36 @@ class ParallelModule:
         if found is None:
             self.count_kept_weights = False  # (every rank alike: the answer is reduced)
         return found
+
+    def _rows_here(self, micro_batch: Mapping[str, torch.Tensor]
+                   ) -> tuple[tuple[int, ...], int, int, int]:
+        """(the mesh dims splitting the batch, a micro-batch's rows, the first of this
+        rank's, their count)."""
+        dims = tuple(batch_mesh_dims(self.mesh, self.run.local.batch_axes))
+        whole = next((int(v.shape[0]) for v in micro_batch.values() if v.dim()), 0)
+        start, size = block_rows(whole, self.mesh, dims) if dims else (0, whole)
+        return dims, whole, start, size
+
+    def _accumulated(self, loss_fn: Callable[..., torch.Tensor], output: Any,
+                     micro_batches: Sequence[Mapping[str, torch.Tensor]],
+                     kept_divisors: bool) -> Callable[..., torch.Tensor]:
+        """`loss_fn` scaled so that the mean of the step's micro-batch losses is one
+        process's loss over the step (`executor.module.microloss`): found on the first
+        step of several micro-batches, on this rank's rows of them (one collective,
+        once)."""
+        if self.accumulation is None:
+            dims, whole, start, size = self._rows_here(micro_batches[0])
+            rows = [pytree.tree_map(lambda v: v.narrow(0, start, size) if isinstance(
+                v, torch.Tensor) and v.dim() else v, dict(batch)) for batch in micro_batches]
+            step_rows = {name: torch.cat([batch[name] for batch in rows])
+                         if isinstance(value, torch.Tensor) and value.dim() else value
+                         for name, value in rows[0].items()}
+            count = len(micro_batches)
+            self.accumulation = accumulation(
+                loss_fn, made_up_outputs(output, count * size, whole, size), step_rows,
+                count * size, count, kept_divisors,
+                [self.mesh.get_group(dim) for dim in dims], torch.device(self.mesh.device_type))
+        return scaled(loss_fn, self.accumulation.scale(len(micro_batches)))
 
     @staticmethod
     def _local_loss_agrees(loss: torch.Tensor,
@@ -425,14 +462,18 @@ class ParallelModule:
         # the step's kept targets counted at its first loss, on the loss's stage
         # (`_step_kept_weights`), each micro-batch's NLL divided by the step's weight
         counted: list[tuple[torch.Tensor, ...] | None] = []
+        scaled_fn: list[Callable[..., torch.Tensor]] = []  # (`_accumulated`)
 
         def loss_of(flat: Any, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
             output = self.trace.outputs(flat)
             if not counted:
                 counted.append(self._step_kept_weights(loss_fn, output, targets)
                                if count > 1 and self.count_kept_weights else None)
+                scaled_fn.append(self._accumulated(loss_fn, output, targets,
+                                                   counted[0] is not None)
+                                 if count > 1 else loss_fn)
             with step_divisors(counted[0]):
-                return self.loss(loss_fn, output, rows)
+                return self.loss(scaled_fn[0], output, rows)
 
         self.chunks.loss_of = loss_of
         return torch.tensor(self.pipeline.step(feeds, targets))
