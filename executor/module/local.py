@@ -28,6 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from executor.module.layouts import ModuleLayouts
+from executor.module.positions import counts_positions, indexes_rows, row_positions
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
@@ -51,6 +52,12 @@ def symbolic_dim(value: torch.Tensor) -> int | None:
 def is_size(node: Node) -> bool:
     """A node computing a size (an int, possibly symbolic), not a tensor."""
     return isinstance(node.meta.get("val"), (int, torch.SymInt)) and node.op == "call_function"
+
+
+def is_guard(node: Node) -> bool:
+    """Whether `node` is the export's check of its inputs' shapes (`_guards_fn`), which
+    reads the whole inputs."""
+    return node.op == "call_module" and str(node.target).startswith("_guards")
 
 
 @dataclass(frozen=True)
@@ -92,13 +99,25 @@ class LocalPlan:
            weights: Mapping[str, str]) -> LocalPlan:
         """The ops of `graph` that may run locally under `layouts` (module docstring);
         `weights` maps get_attr targets to the plan's weight names."""
-        axes = {layout.dims[0] for layout in layouts.inputs.values() if layout.rank}
-        splits_other = any(d for layout in layouts.inputs.values() for d in layout.dims[1:])
+        # the batch's axes: those splitting the rows of the inputs the graph reads (an
+        # input it ignores, a batch's `labels` beside the module's own arguments, or one
+        # without rows is whole as it is; an op reading a whole input that has rows stays
+        # on DTensors, `_runs_locally`)
+        rows = {node.name: symbolic_dim(node.meta["val"]) for node in graph.graph.nodes
+                if node.op == "placeholder" and node.name in layouts.inputs
+                and isinstance(node.meta.get("val"), torch.Tensor)
+                and any(not is_size(user) and not is_guard(user) for user in node.users)}
+        split = [(layouts.inputs[name], dim) for name, dim in rows.items()
+                 if dim is not None and dim >= 0]
+        axes = {layout.dims[dim] for layout, dim in split}
+        splits_other = any(axes_ for layout, dim in split
+                           for d, axes_ in enumerate(layout.dims) if d != dim)
         if len(axes) != 1 or splits_other or any(layout.partial for layout in
                                                   layouts.inputs.values()):
             return cls.none()
         batch_axes = next(iter(axes))
         plan = cls(batch_axes, mesh.group_size(batch_axes), frozenset())
+        numbers, picks = row_positions(graph)  # (`executor.module.positions`)
         held: dict[Node, Layout | None] = {}  # each value's layout, where known
         local: set[str] = set()
         made: set[Node] = set()  # tensors the graph makes from constants: whole everywhere
@@ -115,7 +134,11 @@ class LocalPlan:
                     held[node] = Layout.replicated(value.dim()) if isinstance(
                         value, torch.Tensor) else None
             elif node.op == "call_function" and not is_size(node):
-                if plan._runs_locally(node, layouts, held, local, made):
+                if counts_positions(node) and node.name not in numbers:
+                    made.add(node)  # the whole's positions, each rank reading its block
+                    held[node] = Layout.replicated(value.dim())
+                elif node.name in numbers or plan._runs_locally(
+                        node, layouts, held, local, made, numbers, node.name in picks):
                     local.add(node.name)
                     held[node] = plan.natural(value) if isinstance(
                         value, torch.Tensor) else None
@@ -130,7 +153,13 @@ class LocalPlan:
 
     def _runs_locally(self, node: Node, layouts: ModuleLayouts,
                       held: Mapping[Node, Layout | None], local: set[str],
-                      made: set[Node]) -> bool:
+                      made: set[Node], row_numbers: frozenset[str], picks: bool) -> bool:
+        """Whether `node` may run on local tensors. An op indexing the batch's rows by
+        values does not (they number the whole batch's), unless it `picks` every row by
+        `row_numbers`, which number this rank's from 0 (`executor.module.positions`)."""
+        if indexes_rows(node) and not picks:
+            return False
+        exempt = row_numbers if picks else frozenset()
         entry = layouts.nodes.get(node.name)
         if entry is not None and entry.reduced:
             return False  # the plan reduces a gradient here: a DTensor op issues it
@@ -158,7 +187,7 @@ class LocalPlan:
                         not isinstance(val, torch.Tensor) or part.output != self.natural(val)):
                     return False
         for arg in node.all_input_nodes:
-            if is_size(arg):
+            if is_size(arg) or arg.name in exempt:
                 continue
             val = arg.meta.get("val")
             if not isinstance(val, torch.Tensor):

@@ -12,13 +12,14 @@ each micro-batch divides by its own count, so rows weigh differently than in one
 process's step (GPT-2's loss 3e-4 off one process's by step 3), again with exit 0.
 
 `accumulation` finds which, on the first step, before any backward pass: `loss_fn` on
-this rank's rows of the whole step, with made-up outputs (uniform in (0.1, 0.9), float64,
-so that rows differ and nothing is sent), against its values on those rows' micro-batches
-as the step computes them (a mean-reduced NLL divides by the step's kept weight,
-`lossops.step_divisors`, which makes `ignore_index` and class weights exact). One
-all-reduce of every rank's verdict, so that all take the same way: the mean, else the
-sum, else a refusal naming the values. Micro-batches that keep equal counts cannot tell a
-count of its own from a mean: the probe checks the loss's form on the first step's rows.
+this rank's rows of the whole step, with made-up outputs (in (0.1, 0.9), each row uniform
+over a spread of its own, float64, so that rows differ and nothing is sent), against its
+values on those rows' micro-batches as the step computes them (a mean-reduced NLL divides
+by the step's kept weight, `lossops.step_divisors`, which makes `ignore_index` and class
+weights exact). One all-reduce of every rank's verdict, so that all take the same way: the
+mean, else the sum, else a refusal naming the values. Micro-batches that keep equal
+counts cannot tell a count of its own from a mean: the probe checks the loss's form on the
+first step's rows.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def scaled(loss_fn: Callable[..., torch.Tensor], factor: float
 
 
 def made_up_outputs(output: Any, rows: int, whole: int, local: int) -> Any:
-    """`output` (a micro-batch's) as `rows` rows of made-up values: floating tensors
-    uniform in (0.1, 0.9) in float64 (a probability, a logit or a regression alike),
+    """`output` (a micro-batch's) as `rows` rows of made-up values: floating tensors in
+    (0.1, 0.9), each row uniform over a spread of its own, in float64 (a probability, a
+    logit or a regression alike),
     others zeros; dim 0 of `whole` (the micro-batch's rows) or `local` (this rank's of
     them) becomes `rows`."""
     generator = torch.Generator().manual_seed(0)
@@ -109,6 +111,9 @@ def made_up_outputs(output: Any, rows: int, whole: int, local: int) -> Any:
         if not value.dtype.is_floating_point:
             return torch.zeros(shape, dtype=value.dtype, device=device)
         drawn = torch.rand(shape, generator=generator, dtype=torch.float64)
+        if shape:  # each row spread differently: a mean over a row's classes differs too
+            spread = torch.rand(shape[0], generator=generator, dtype=torch.float64)
+            drawn = drawn * (0.1 + 0.9 * spread).reshape(-1, *[1] * (len(shape) - 1))
         return (0.1 + 0.8 * drawn).to(device)
 
     return pytree.tree_map(made_up, output)

@@ -41,7 +41,7 @@ from executor.module.constants import constant_nodes
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
-from executor.module.local import LocalPlan, is_size, symbolic_dim
+from executor.module.local import LocalPlan, is_guard, is_size, symbolic_dim
 from executor.module.moves import changed_axis, cut_elsewhere, redistribute, tensor_dim
 from executor.module.regions import Region, regions_of
 from executor.module.weights import WeightSync, in_backward
@@ -622,7 +622,7 @@ class ModulePlan:
             index = index * mesh.axis_size(axis) + int(coord[axis])
         local_inputs = frozenset(
             n.name for n in nodes if n.op == "placeholder" and found.nodes and all(
-                u.name in found.nodes or is_size(u) or _guard(u) for u in n.users))
+                u.name in found.nodes or is_size(u) or is_guard(u) for u in n.users))
         return cls(layouts, mesh, weights, reads, spans,
                    {k: tuple(v) for k, v in release.items()}, found, index, local_inputs,
                    # sizes stay with the run: it keeps each one's global and local value
@@ -707,12 +707,6 @@ def place_inputs(values: Sequence[torch.Tensor], names: Sequence[str], mesh: Tor
             distribute_tensor(value.to(mesh.device_type), mesh, wanted[name],
                               src_data_rank=None)
             for name, value in zip(names, values, strict=True)]
-
-
-def _guard(node: Node) -> bool:
-    """Whether `node` is the export's check of its inputs' shapes (`_guards_fn`), which
-    reads the whole inputs."""
-    return node.op == "call_module" and str(node.target).startswith("_guards")
 
 
 def _storage_readers(node: Node) -> set[Node]:
