@@ -16,7 +16,10 @@ layouts) into `<dir>.partial` before any tensor, so a folder without it — a us
 (`check_target`, `existing`). A resume whose optimizer, runner or (for the ONNX-graph
 runner, which does not reshard) plan differs from the marker's is refused naming both
 (`check_resume`). The launcher holds `<dir>.lock` (flock) for the run (`locked`), so two
-runs cannot write one folder. All of these run before any rank starts.
+runs cannot write one folder. All of these run before any rank starts. DCP's `.metadata`
+is a pickle, which runs whatever it names when loaded: it is read with an unpickler that
+admits DCP's metadata classes only (`metadata`), so a folder someone else wrote, marker
+and all, cannot run code on `--resume`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import importlib
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -300,7 +305,8 @@ def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
     path = existing(directory)
     import torch.distributed.checkpoint as dcp  # a second per rank to import: only here
 
-    _guarded(lambda: dcp.load(state, checkpoint_id=str(path),
+    reader = _checked_reader(path, metadata(path))
+    _guarded(lambda: dcp.load(state, storage_reader=reader, checkpoint_id=str(path),
                               no_dist=not dist.is_initialized()),
              lambda why: f"{path}: cannot resume from it ({why}); it was saved from another "
              "model")
@@ -308,19 +314,79 @@ def read(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
 
 def saved_keys(directory: str | Path) -> frozenset[str]:
     """The names of everything the checkpoint in `directory` holds (DCP's metadata)."""
-    path = existing(directory)
-    import torch.distributed.checkpoint as dcp
+    return frozenset(metadata(existing(directory)).state_dict_metadata)
 
-    found: set[str] = set()
-    _guarded(lambda: found.update(
-        dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata),
-        lambda why: f"{path}: cannot read what it holds ({why}); it is damaged")
-    return frozenset(found)
+
+#: what DCP's `.metadata` pickle names: its metadata classes, torch's sizes, dtypes and
+#: layouts, the storage's records and paths (found by unpickling what `write` saves)
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else. DCP reads it with `pickle.load`, and a
+    pickle calls whatever it names: a folder someone else could write (the marker proves
+    nothing) ran their code on `--resume`. A name outside DCP's metadata is refused
+    before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = getattr(importlib.import_module(module), name, None) \
+            if module in (_METADATA_MODULE, "torch") else None
+        if (module, name) in _METADATA_GLOBALS or (
+                module == _METADATA_MODULE and isinstance(found, type)) or (
+                module == "torch" and isinstance(found, torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata "
+                                     "never holds")
+
+
+def metadata(path: Path) -> Any:
+    """DCP's metadata of the checkpoint folder `path`, unpickled with its own classes only
+    (`_MetadataUnpickler`); one line naming the file where it is not that."""
+    import torch.distributed.checkpoint.metadata  # noqa: F401  (its classes, to be found)
+
+    file = path / ".metadata"
+    try:
+        with file.open("rb") as stream:
+            found = _MetadataUnpickler(stream).load()
+    except OSError as exc:
+        raise ShardplanError(f"{file}: cannot be read ({exc.strerror or exc}); the "
+                             "checkpoint is damaged") from None
+    except Exception as exc:  # (unpickling raises many types: each is one refusal)
+        raise ShardplanError(f"{file}: not a checkpoint's metadata "
+                             f"({last_line(str(exc), type(exc).__name__)}); resume only "
+                             "from folders shardplan wrote") from None
+    if not hasattr(found, "state_dict_metadata"):
+        raise ShardplanError(f"{file}: not a checkpoint's metadata (a "
+                             f"{type(found).__name__}); resume only from folders shardplan "
+                             "wrote")
+    return found
+
+
+def _checked_reader(path: Path, checked: Any) -> Any:
+    """DCP's file reader of `path`, its metadata the one `metadata` read, not unpickled
+    again by DCP."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(checked, "storage_meta", None) is None:
+                checked.storage_meta = StorageMeta()
+            checked.storage_meta.load_id = self.load_id
+            return checked
+
+    return CheckedReader(str(path))
 
 
 def existing(directory: str | Path) -> Path:
     """The checkpoint folder `directory`, or one error saying why it is not one: only a
-    folder holding shardplan's marker is read (`--resume` unpickles DCP's `.metadata`)."""
+    folder holding shardplan's marker is read (and its `.metadata` only as DCP's metadata:
+    `metadata`)."""
     path = Path(directory)
     if not path.is_dir():
         raise ShardplanError(f"{path}: no checkpoint there (a .partial one was never finished)"

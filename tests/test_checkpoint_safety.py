@@ -225,3 +225,45 @@ def test_a_checkpoint_given_as_a_symbolic_link_is_refused_as_one(tmp_path: Path)
     with pytest.raises(ShardplanError, match="link is a symbolic link, which saving would "
                                              "replace; give the folder it points to"):
         check_target(tmp_path / "link")
+
+
+class _Payload:
+    """A pickle that runs a command when loaded: what a `.metadata` written by someone
+    else may hold."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_a_checkpoint_metadata_naming_anything_else_is_refused_before_it_runs(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """DCP unpickles `.metadata` with `pickle.load`: a folder holding the marker (which
+    proves nothing) and a pickle naming `os.system` ran it on `--resume`. It is now read
+    with DCP's metadata classes only, and refused in one line; a real checkpoint's reads
+    (its keys) go through the same reader."""
+    import pickle
+
+    sentinel = tmp_path / "ran"
+    folder = _checkpoint(tmp_path / "ck", models["dp"])
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(sentinel)))
+    for read in (checkpoints.saved_keys, lambda f: checkpoints.read(f, {})):
+        with pytest.raises(ShardplanError, match=r"ck/\.metadata: not a checkpoint's "
+                                                 r"metadata \(it names posix\.system, "
+                                                 r"which DCP's metadata never holds\)"):
+            read(folder)
+    assert not sentinel.exists()
+    (folder / ".metadata").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(ShardplanError, match=r"not a checkpoint's metadata \(a dict\)"):
+        checkpoints.saved_keys(folder)
+    # what `write` saves, read back through the same unpickler
+    saved = tmp_path / "real"
+    import torch
+    checkpoints.write(saved, {"w": torch.ones(2, 3), "step": torch.tensor(4)},
+                      checkpoints.marker_for(Plan.load(models["dp"]), "graph", "adamw"))
+    assert checkpoints.saved_keys(saved) == {"w", "step"}
+    state = {"w": torch.zeros(2, 3), "step": torch.tensor(0)}
+    checkpoints.read(saved, state)
+    assert state["w"].sum() == 6 and int(state["step"]) == 4
