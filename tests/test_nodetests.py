@@ -276,6 +276,20 @@ FORMS = {
     "where with broadcast condition": (
         _node("Where", ["c", "x", "z"], ["y"]),
         {"c": _RNG.random((4, 1)) > 0.5, "x": _f32(6), "z": _f32(2, 4, 6)}, 16),
+    # the recurrences: each row its own (batch 4 splits on every mesh; the node tests'
+    # batches of 1 and 3 do not), the states and sequence lengths split with it
+    "gru, batch-first, lengths and initial state": (
+        _node("GRU", ["x", "w", "r", "b", "n", "h"], ["y", "yh"], hidden_size=3, layout=1),
+        {"x": _f32(4, 5, 2), "w": _f32(1, 9, 2), "r": _f32(1, 9, 3), "b": _f32(1, 18),
+         "n": np.array([5, 2, 4, 1], np.int32), "h": _f32(4, 1, 3)}, 14),
+    "lstm, bidirectional, sequence-first": (
+        _node("LSTM", ["x", "w", "r", "b", "", "h", "c"], ["y", "yh", "yc"],
+              hidden_size=3, direction="bidirectional"),
+        {"x": _f32(5, 4, 2), "w": _f32(2, 12, 2), "r": _f32(2, 12, 3), "b": _f32(2, 24),
+         "h": _f32(2, 4, 3), "c": _f32(2, 4, 3)}, 14),
+    "rnn, last state only": (
+        _node("RNN", ["x", "w", "r"], ["", "yh"], hidden_size=3),
+        {"x": _f32(5, 4, 2), "w": _f32(1, 3, 2), "r": _f32(1, 3, 3)}, 14),
     "onehot axis 0, negative indices": (
         _node("OneHot", ["i", "d", "v"], ["y"], axis=0),
         {"i": np.array([[1, -1], [3, 0]], np.int64), "d": np.array(4, np.int64),

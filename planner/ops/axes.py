@@ -103,6 +103,42 @@ def _coupled_axes(node: OpNode, tensors: Mapping[str, TensorInfo],
                      whole_labels=frozenset(labels[a] for a in axes))
 
 
+def recurrent(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """ONNX's RNN, GRU and LSTM: the batch splits (each row runs its own recurrence), and
+    nothing else does: the steps are a scan, the hidden units feed every gate of the next
+    step, the weights are read whole. Inputs X, W, R, B, sequence_lens, initial_h,
+    initial_c, P; outputs Y, Y_h, Y_c. `layout` 0: X [steps, batch, input], Y [steps,
+    directions, batch, hidden], the states [directions, batch, hidden]; 1: X [batch, steps,
+    input], Y [batch, steps, directions, hidden], the states [batch, directions, hidden]."""
+    batch_first = bool(node.attrs.get("layout", 0))
+    batch = "d0"
+    steps, features, directions, hidden = "w0", "w1", "w2", "w3"
+    source = (batch, steps, features) if batch_first else (steps, batch, features)
+    state = (batch, directions, hidden) if batch_first else (directions, batch, hidden)
+    output = (batch, steps, directions, hidden) if batch_first else \
+        (steps, directions, batch, hidden)
+    whole = {steps, features, directions, hidden}
+
+    def weights(name: str, slot: int) -> Labels | None:
+        if not name:
+            return None
+        labels = tuple(f"w{4 + slot}_{i}" for i in range(len(shape_of(tensors, name))))
+        whole.update(labels)
+        return labels
+
+    shapes = {0: source, 4: (batch,), 5: state, 6: state}
+    inputs = tuple(None if not name else shapes[slot] if slot in shapes else
+                   weights(name, slot) for slot, name in enumerate(node.inputs))
+    outputs = tuple(None if not name else output if slot == 0 else state
+                    for slot, name in enumerate(node.outputs))
+    for name, labels in zip((*node.inputs, *node.outputs), (*inputs, *outputs),
+                            strict=True):
+        if name and labels is not None and len(labels) != len(shape_of(tensors, name)):
+            raise NoRule(f"{node.op_type} {node.name}: {name} is not shaped as its layout "
+                         "says")
+    return DimLabels(inputs, outputs, whole_labels=frozenset(whole))
+
+
 def trilu(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     return _coupled_axes(node, tensors, (-2, -1))
 

@@ -186,6 +186,12 @@ _RECORDS: list[OpRecord] = [
     OpRecord("NonZero", labels=indexing.all_whole, work=w.DATA_MOVEMENT, saves=s.NOTHING),
     *[OpRecord(op, work=w.DATA_MOVEMENT, linearity=IN_DATA, saves=s.NOTHING)
       for op in ("DepthToSpace", "SpaceToDepth")],
+    # Recurrences: the batch splits; each step's GEMMs on the matrix units. Autograd keeps
+    # the input and the output (and the kernels their gates' workspace, not counted); the
+    # backward pass reads W, R and B (torch's RNN kernels keep the parameters).
+    *[OpRecord(op, labels=axes.recurrent, work=w.RECURRENT, matrix=True,
+               saves=s.Saves(inputs=(0,), outputs=(0,), reads=(1, 2, 3)))
+      for op in ("RNN", "GRU", "LSTM")],
     # Softmax and normalisations: FLOPs per input element.
     OpRecord("Softmax", labels=axes.softmax, work=w.per_input(5), saves=s.OUTPUT),
     OpRecord("LogSoftmax", labels=axes.softmax, work=w.per_input(6), saves=s.OUTPUT),

@@ -225,13 +225,42 @@ def weights_read_backward(graph: PlanningGraph, needs_grad: Mapping[str, bool],
         rule = rule_of[node.name]
         names = [kept.tensor for kept in kept_by(node, rule, tensors, needs_grad, True)
                  if not kept.extra]
-        names += [node.inputs[slot] for slot in rule.reads
-                  if slot < len(node.inputs) and node.inputs[slot]]
         for name in names:
             base = _weight_of(graph, name)
             if tensors[base].kind == "parameter":
                 read.add(base)
+        for slot in rule.reads:
+            if slot < len(node.inputs) and node.inputs[slot]:
+                read.update(_parameters_laid_out_as(graph, node.inputs[slot]))
     return frozenset(read)
+
+
+#: ops an export lays weights out with for an op that reads them in its own layout
+#: (torch's LSTM gates i, f, g, o sliced and concatenated into ONNX's i, o, f, c): torch
+#: runs the op on the parameters themselves, so its backward pass reads those
+_WEIGHT_LAYOUTS = frozenset({"Slice", "Split", "Concat"})
+
+
+def _parameters_laid_out_as(graph: PlanningGraph, name: str) -> set[str]:
+    """The parameters the tensor `name` is laid out from, through views, slices,
+    splits and concatenations of them (every part of a Concat)."""
+    found: set[str] = set()
+    pending = [name]
+    while pending:
+        current = pending.pop()
+        info = graph.tensors[current]
+        if info.kind == "parameter":
+            found.add(current)
+            continue
+        if info.producer is None:
+            continue
+        node = graph.op(info.producer)
+        if node.op_type == "Concat":
+            pending.extend(part for part in node.inputs if part)
+        elif (node.op_type in _WEIGHT_VIEWS or node.op_type in _WEIGHT_LAYOUTS) \
+                and node.inputs and node.inputs[0]:
+            pending.append(node.inputs[0])
+    return found
 
 
 #: ops torch runs as views of a weight (`weight.t()`, a reshape): what autograd keeps of

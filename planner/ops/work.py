@@ -29,6 +29,7 @@ class WorkKind(enum.Enum):
     EINSUM = "einsum"  # 2 * (operands - 1) * product of every letter's size
     POOL = "pool"  # output elements * kernel elements
     ATTENTION = "attention"  # both GEMMs of softmax(q kᵀ) v: 2 * S_kv * (q + output elements)
+    RECURRENT = "recurrent"  # RNN, GRU, LSTM: each step's two GEMMs and its gates' elementwise
     FLOOR = "floor"  # unknown: one FLOP per output element
 
 
@@ -50,6 +51,7 @@ CONV_TRANSPOSE = Work(WorkKind.CONV_TRANSPOSE)
 EINSUM = Work(WorkKind.EINSUM)
 POOL = Work(WorkKind.POOL)
 ATTENTION = Work(WorkKind.ATTENTION)
+RECURRENT = Work(WorkKind.RECURRENT)
 FLOOR = Work(WorkKind.FLOOR)
 
 
@@ -106,6 +108,8 @@ def _flops(work: Work, node: OpNode, inputs: list[TensorInfo | None],
         return _einsum_flops(node, inputs)
     if kind is WorkKind.ATTENTION:
         return _attention_flops(inputs, out)
+    if kind is WorkKind.RECURRENT:
+        return _recurrent_flops(inputs, out)
     if kind is WorkKind.POOL:
         kernel = node.attrs.get("kernel_shape", [1])
         return float(out.numel * _numel(tuple(kernel)))
@@ -151,6 +155,24 @@ def _attention_flops(inputs: list[TensorInfo | None], out: TensorInfo) -> float:
         return float(out.numel)
     kv_length = key.shape[-2] if len(key.shape) == 4 else key.shape[1]
     return 2.0 * kv_length * (query.numel + out.numel)
+
+
+#: FLOPs per gate element of one step: the gates' activations and the state's update
+#: (sigmoid and tanh counted as 4 each, as `per_output` counts transcendentals)
+_GATE_FLOPS = 10
+
+
+def _recurrent_flops(inputs: list[TensorInfo | None], out: TensorInfo) -> float:
+    """ONNX's RNN, GRU and LSTM: every (step, row) multiplies its input by W
+    [directions, gates · hidden, input] and the previous state by R [directions, gates ·
+    hidden, hidden], then runs its gates' elementwise work."""
+    source, weight = inputs[0], inputs[1] if len(inputs) > 1 else None
+    recurrence = inputs[2] if len(inputs) > 2 else None
+    if source is None or weight is None or recurrence is None or not source.shape:
+        return float(out.numel)
+    rows = source.numel / max(source.shape[-1], 1)  # steps × batch
+    gates = weight.numel / max(weight.shape[-1], 1)  # directions × gates × hidden
+    return rows * (2.0 * (weight.numel + recurrence.numel) + _GATE_FLOPS * gates)
 
 
 def gemm_dims(node: OpNode, tensors: Mapping[str, TensorInfo]) -> tuple[int, int, int, int] | None:
