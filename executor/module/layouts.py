@@ -147,6 +147,10 @@ def _owners(plan: Plan, traced: Collection[str]) -> dict[str, str]:
     owner: dict[str, str] = {}
     for op in reversed(plan.ops):
         own = op.name[len(NODE_PREFIX):] if op.name.startswith(NODE_PREFIX) else ""
+        if own not in traced and "__" in own:  # a node of one of several outputs
+            # (`node_lstm__0`) computes the traced `getitem` it is named after
+            own = next((b.tensor for b in op.outputs if b is not None and b.tensor in traced),
+                       own)
         if own in traced:
             owner[op.name] = own
             continue
