@@ -43,7 +43,7 @@ DEFAULT_MESHES = ("2", "2x2")
 CONSTANT_INPUTS: dict[str, tuple[int, ...]] = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Squeeze": (1,), "Unsqueeze": (1,),
     "Slice": (1, 2, 3, 4), "Split": (1,), "CumSum": (1,), "TopK": (1,), "OneHot": (1, 2),
-    "Clip": (1, 2), "Dropout": (1, 2), "Trilu": (1,),
+    "Clip": (1, 2), "Dropout": (1, 2), "Trilu": (1,), "Pad": (1, 3),
     **{op: (1,) for op in (*REDUCTIONS_SUM, *REDUCTIONS_OTHER)},
 }
 

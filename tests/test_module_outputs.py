@@ -368,7 +368,7 @@ class Net(nn.Module):  # returns its own loss beside its logits, as transformers
 
     def forward(self, x, y):
         logits = self.b(torch.tanh(self.a(x)))
-        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+        return {"loss": F.cross_entropy(logits, y, ignore_index=-100), "logits": logits}
 
 
 def batch(step, rows):
@@ -376,9 +376,20 @@ def batch(step, rows):
     return {"x": torch.randn(rows, 16, generator=g), "y": torch.randint(0, 5, (rows,), generator=g)}
 
 
+def ignoring(step, rows):  # some targets ignored, more on one rank's rows than the other's
+    found = batch(step, rows)
+    found["y"][torch.arange(rows) % 3 == 1] = -100
+    return found
+
+
 def build():
     torch.manual_seed(0)
     return Net(), batch, lambda out, b: out["loss"]
+
+
+def build_ignoring():
+    torch.manual_seed(0)
+    return Net(), ignoring, lambda out, b: out["loss"]
 
 
 def penalised():
@@ -388,17 +399,19 @@ def penalised():
 '''
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 0}, {"dp": 2, "zero": 3}],
-                         ids=["zero0", "zero3"])
+@pytest.mark.parametrize(("builder_fn", "parallel"), [
+    ("build", {"dp": 2, "zero": 0}), ("build", {"dp": 2, "zero": 3}),
+    ("build_ignoring", {"dp": 2, "zero": 0})], ids=["zero0", "zero3", "ignored"])
 def test_a_model_returning_its_own_loss_beside_its_logits_trains_as_one_process(
-        tmp_path: Path, parallel: dict) -> None:
+        tmp_path: Path, builder_fn: str, parallel: dict) -> None:
     """The loss's gradient was taken with respect to both outputs, the loss output being
     computed from the logits, and back-propagated from both: every rank failed ("Trying to
     backward through the graph a second time"). It now starts from the outputs the loss
-    reads itself."""
+    reads itself. With targets ignored unevenly over the ranks, the plan's mean over kept
+    targets (two sums reduced, then divided) is one process's too."""
     builder = tmp_path / "own.py"
     builder.write_text(OWN_LOSS)
-    spec = f"{builder}:build"
+    spec = f"{builder}:{builder_fn}"
     chosen = plan(export_builder(spec, BATCH, tmp_path / "model.onnx"), devices=2,
                   batch=BATCH, profile="cpu", parallel=parallel)
     trains_as_one_process(spec, chosen, steps=STEPS, batch_size=BATCH)
@@ -420,15 +433,17 @@ def test_a_weight_penalty_in_the_loss_is_refused_naming_it(tmp_path: Path) -> No
         train_module(spec, chosen, steps=1, batch_size=BATCH)
 
 
-def test_a_plan_of_a_model_computing_its_own_loss_says_what_that_costs(
+def test_a_model_computing_its_own_loss_is_planned_as_onnx_defines_the_loss(
         tmp_path: Path) -> None:
-    """The export's `SoftmaxCrossEntropyLoss` has no sharding rule: the plan gathers the
-    logits to every rank and plans no micro-batches; the warning says so, and what to
-    do instead."""
+    """The export's `SoftmaxCrossEntropyLoss` had no sharding rule: planned replicated,
+    it gathered the logits to every rank. It is now planned as the ops ONNX defines it by
+    (`planner.importer.functions`): the rows split over dp, and the mean's two sums are
+    the only values the forward pass reduces (a few bytes each), no logits gathered."""
     builder = tmp_path / "own.py"
     builder.write_text(OWN_LOSS)
     chosen = plan(export_builder(f"{builder}:build", BATCH, tmp_path / "model.onnx"),
-                  devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2})
-    found = [w for w in chosen.warnings if "SoftmaxCrossEntropyLoss" in w]
-    assert len(found) == 1 and "the model computes its own loss" in found[0] \
-        and "return the logits and compute the loss outside the model" in found[0]
+                  devices=2, batch=BATCH, profile="cpu", parallel={"dp": 2, "zero": 0})
+    assert not any("no sharding rule" in w for w in chosen.warnings)
+    assert any(op.name.startswith("node_cross_entropy_loss__") for op in chosen.ops)
+    forward = [c for c in chosen.collectives if c.phase.value == "forward"]
+    assert forward and all(c.kind.value == "all_reduce" and c.bytes <= 8 for c in forward)

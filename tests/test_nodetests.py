@@ -290,6 +290,14 @@ FORMS = {
     "rnn, last state only": (
         _node("RNN", ["x", "w", "r"], ["", "yh"], hidden_size=3),
         {"x": _f32(5, 4, 2), "w": _f32(1, 3, 2), "r": _f32(1, 3, 3)}, 14),
+    # Pad with known pads (the node tests feed them as inputs: no rule applies there);
+    # transformers pads the labels by one to shift them
+    "pad the last dim with a constant": (
+        _node("Pad", ["x", "p", "v"], ["y"]),
+        {"x": _f32(4, 4), "p": _ints(0, 1, 0, 1), "v": np.array(-3.0, np.float32)}, 13),
+    "pad reflecting over named axes": (
+        _node("Pad", ["x", "p", "", "a"], ["y"], mode="reflect"),
+        {"x": _f32(4, 6, 4), "p": _ints(1, 2), "a": _ints(-1)}, 18),
     "onehot axis 0, negative indices": (
         _node("OneHot", ["i", "d", "v"], ["y"], axis=0),
         {"i": np.array([[1, -1], [3, 0]], np.int64), "d": np.array(4, np.int64),

@@ -92,9 +92,9 @@ def test_lookups() -> None:
     assert all(is_matrix_op(op) for op in ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum",
                                            "FusedMatMul", "MatMulInteger", "Attention"))
     assert not is_matrix_op("Add") and not is_matrix_op("Softmax")
-    node = _node("Pad", ["x", "p"], ["y"])
-    assert labels_for(node, _tensors(x=(2,), p=(2,), y=(4,))) is None
-    assert replicated_labels(node).inputs == (None, None)
+    node = _node("ScatterND", ["x", "i", "u"], ["y"])
+    assert labels_for(node, _tensors(x=(4,), i=(1, 1), u=(1,), y=(4,))) is None
+    assert replicated_labels(node).inputs == (None, None, None)
     other = OpNode("f", "MatMul", "com.example", ("a", "b"), ("y",), {})
     assert safe_labels(other, _tensors(a=(2, 2), b=(2, 2), y=(2, 2))) is None
 

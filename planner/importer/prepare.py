@@ -1,5 +1,6 @@
-"""Prepare a loaded model for binding: check its opset, inline its local functions, refuse
-control flow and give every node a unique name. What comes out is what a `ModelSource`
+"""Prepare a loaded model for binding: check its opset, inline its local functions and
+ONNX's loss functions (`functions.py`), refuse control flow and give every node a unique
+name. What comes out is what a `ModelSource`
 keeps: everything that does not depend on the bound dims."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import onnx
 
 from planner.errors import ModelError
+from planner.importer.functions import expand_losses
 from planner.importer.order import sort_nodes
 
 #: Op semantics changed up to opset 13 (Softmax axis, Split/Unsqueeze/Reduce axes as inputs).
@@ -19,6 +21,7 @@ def prepare(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
     inlined) and its default-domain opset."""
     opset = _default_opset(model, name)
     model = _inline_functions(model, name)
+    model = expand_losses(model, opset, name)
     _reject_control_flow(model, name)
     _name_nodes(model)
     sort_nodes(model, name)

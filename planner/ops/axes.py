@@ -139,6 +139,26 @@ def recurrent(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     return DimLabels(inputs, outputs, whole_labels=frozenset(whole))
 
 
+def pad(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
+    """Pad: a dim padded at either end stays whole (its edge is the whole tensor's); every
+    other dim splits, output and input alike, whatever the mode. Inputs: data, pads
+    (constant), constant_value, axes (opset 18: the dims `pads` names)."""
+    rank = len(shape_of(tensors, node.inputs[0]))
+    pads = const_ints(tensors, node.inputs[1]) if len(node.inputs) > 1 else None
+    if pads is None:
+        raise NoRule(f"Pad {node.name}: its pads are computed at run time")
+    named = const_ints(tensors, node.inputs[3]) if len(node.inputs) > 3 and \
+        node.inputs[3] else list(range(rank))
+    if named is None or len(pads) != 2 * len(named):
+        raise NoRule(f"Pad {node.name}: its pads or axes are not known")
+    padded = {(axis + rank if axis < 0 else axis) for k, axis in enumerate(named)
+              if pads[k] or pads[k + len(named)]}
+    labels = tuple(f"w{i}" if i in padded else f"d{i}" for i in range(rank))
+    extra = [None] * (len(node.inputs) - 1)
+    return DimLabels((labels, *extra), (labels,),
+                     whole_labels=frozenset(labels[i] for i in padded))
+
+
 def trilu(node: OpNode, tensors: Mapping[str, TensorInfo]) -> DimLabels:
     return _coupled_axes(node, tensors, (-2, -1))
 

@@ -178,11 +178,12 @@ _RECORDS: list[OpRecord] = [
              saves=s.NOTHING),
     OpRecord("TopK", labels=axes.topk, work=w.DATA_MOVEMENT, saves=s.Saves(outputs=(1,))),
     *[OpRecord(op, work=w.DATA_MOVEMENT, saves=s.NOTHING) for op in (
-        "Pad", "ScatterND", "ConstantOfShape", "Range", "Resize", "Shape", "Size",
+        "ScatterND", "ConstantOfShape", "Range", "Resize", "Shape", "Size",
         "Constant")],
     # index_add as exported; a router's token selection (sized by planner.importer.routing)
     OpRecord("ScatterElements", labels=indexing.scatter_elements, work=w.DATA_MOVEMENT,
              saves=s.Saves(inputs=(1,))),
+    OpRecord("Pad", labels=axes.pad, work=w.DATA_MOVEMENT, saves=s.NOTHING),
     OpRecord("NonZero", labels=indexing.all_whole, work=w.DATA_MOVEMENT, saves=s.NOTHING),
     *[OpRecord(op, work=w.DATA_MOVEMENT, linearity=IN_DATA, saves=s.NOTHING)
       for op in ("DepthToSpace", "SpaceToDepth")],

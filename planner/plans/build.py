@@ -563,10 +563,6 @@ def _tensor_entries(sharded: ShardedGraph,
             for name, info in sharded.analysis.graph.tensors.items()}
 
 
-#: ONNX's loss ops: a model that computes its own loss from its logits
-LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
-
-
 def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
               hardware: HardwareProfile) -> tuple[str, ...]:
     warnings = list(graph.warnings)
@@ -581,15 +577,9 @@ def _warnings(graph: PlanningGraph, sharded: ShardedGraph,
     no_rule = sharded.no_rule
     if no_rule:
         kinds = sorted(set(no_rule))
-        losses = [kind for kind in kinds if kind in LOSS_OPS]
         warnings.append(
             f"{len(no_rule)} op(s) of type {', '.join(kinds)} have no sharding rule; "
-            "they are kept and planned replicated (their inputs are gathered)" + (
-                f"; the model computes its own loss ({', '.join(losses)}: a transformers "
-                "model given labels), so every rank gathers its logits and micro-batches "
-                "are not planned: return the logits and compute the loss outside the "
-                "model (loss_fn with --module), where it runs on each rank's rows"
-                if losses else ""))
+            "they are kept and planned replicated (their inputs are gathered)")
     return tuple(warnings)
 
 
