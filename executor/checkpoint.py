@@ -347,8 +347,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 def metadata(path: Path) -> Any:
     """DCP's metadata of the checkpoint folder `path`, unpickled with its own classes only
     (`_MetadataUnpickler`); one line naming the file where it is not that."""
-    import torch.distributed.checkpoint.metadata  # noqa: F401  (its classes, to be found)
-
     file = path / ".metadata"
     try:
         with file.open("rb") as stream:

@@ -28,7 +28,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from executor.module.layouts import ModuleLayouts
-from executor.module.positions import counts_positions, indexes_rows, row_positions
+from executor.module.positions import (
+    counts_positions,
+    indexes_rows,
+    row_positions,
+    symbolic_dim,
+)
 from planner.sharding.layout import Layout
 from planner.sharding.mesh import DeviceMesh
 
@@ -41,12 +46,6 @@ def _tensors(value: object) -> list[torch.Tensor] | None:
             isinstance(v, torch.Tensor) or v is None for v in value):
         return [v for v in value if v is not None]
     return None
-
-
-def symbolic_dim(value: torch.Tensor) -> int | None:
-    """The one dim whose size is symbolic (the batch's); None for none, -1 for several."""
-    dims = [d for d, size in enumerate(value.shape) if isinstance(size, torch.SymInt)]
-    return dims[0] if len(dims) == 1 else (None if not dims else -1)
 
 
 def is_size(node: Node) -> bool:

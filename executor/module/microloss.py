@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from executor.module.lossops import MeanNll
+from executor.module.lossops import KeptWeightCounter, MeanNll
 from planner.errors import ShardplanError
 
 #: how close (relative to the largest value) the whole's loss and the parts' combination
@@ -53,15 +53,11 @@ class Accumulation(enum.Enum):
         return float(micro_batches) if self is Accumulation.SUM else 1.0
 
 
-class _RecordingMean(MeanNll):
+class _RecordingMean(KeptWeightCounter):
     """While inside: each mean-reduced NLL is its own mean, its kept weight recorded."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.weights: list[torch.Tensor] = []
-
     def divided(self, summed: torch.Tensor, total_weight: torch.Tensor) -> Any:
-        self.weights.append(total_weight.detach())
+        super().divided(summed, total_weight)
         return summed / total_weight, total_weight
 
 
@@ -93,22 +89,22 @@ def scaled(loss_fn: Callable[..., torch.Tensor], factor: float
     return times
 
 
-def made_up_outputs(output: Any, rows: int, whole: int, local: int) -> Any:
-    """`output` (a micro-batch's) as `rows` rows of made-up values: floating tensors in
-    (0.1, 0.9), each row uniform over a spread of its own, in float64 (a probability, a
-    logit or a regression alike),
-    others zeros; dim 0 of `whole` (the micro-batch's rows) or `local` (this rank's of
-    them) becomes `rows`."""
+def outputs_like(output: Any, rows: int, whole: int, local: int, made_up: bool = True) -> Any:
+    """`output` (a micro-batch's) as `rows` rows: dim 0 of `whole` (the micro-batch's rows)
+    or `local` (this rank's of them) becomes `rows`. With `made_up`, floating tensors hold
+    values in (0.1, 0.9), each row uniform over a spread of its own, in float64 (a
+    probability, a logit or a regression alike), the others zeros; else all are zeros of
+    their own dtype (`lossops.step_kept_weights`' outputs)."""
     generator = torch.Generator().manual_seed(0)
 
-    def made_up(value: Any) -> Any:
+    def shaped(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         device = value._local_tensor.device if isinstance(value, DTensor) else value.device
         shape = list(value.shape)
         if shape and shape[0] in (whole, local):
             shape[0] = rows
-        if not value.dtype.is_floating_point:
+        if not made_up or not value.dtype.is_floating_point:
             return torch.zeros(shape, dtype=value.dtype, device=device)
         drawn = torch.rand(shape, generator=generator, dtype=torch.float64)
         if shape:  # each row spread differently: a mean over a row's classes differs too
@@ -116,7 +112,7 @@ def made_up_outputs(output: Any, rows: int, whole: int, local: int) -> Any:
             drawn = drawn * (0.1 + 0.9 * spread).reshape(-1, *[1] * (len(shape) - 1))
         return (0.1 + 0.8 * drawn).to(device)
 
-    return pytree.tree_map(made_up, output)
+    return pytree.tree_map(shaped, output)
 
 
 def _rows_of(tree: Any, rows: int, start: int, count: int) -> Any:
@@ -179,7 +175,7 @@ def accumulation(loss_fn: Callable[..., torch.Tensor], outputs: Any,
                  groups: Sequence[dist.ProcessGroup], device: torch.device) -> Accumulation:
     """The step's combination of its micro-batch losses (see the module doc), from this
     rank's `rows` rows of the step, the micro-batches' in turn (`outputs` made up:
-    `made_up_outputs`), and every other rank's verdict in `groups` (one all-reduce).
+    `outputs_like`), and every other rank's verdict in `groups` (one all-reduce).
     ShardplanError where `loss_fn` is neither a mean nor a sum over its rows."""
     found = part_losses(loss_fn, outputs, batch, rows, micro_batches, kept_divisors)
     mean, summed = verdicts(found)

@@ -68,7 +68,7 @@ from executor.module.lossops import (
     step_divisors,
     step_kept_weights,
 )
-from executor.module.microloss import Accumulation, accumulation, made_up_outputs, scaled
+from executor.module.microloss import Accumulation, accumulation, outputs_like, scaled
 from executor.module.pipeline import ModuleChunks, chunk_nodes
 from executor.module.rowloss import (
     RowLoss,
@@ -288,11 +288,7 @@ class ParallelModule:
                                           rows_out=self.row_loss is not None)
                 with part("loss"):
                     if micro == 0 and count > 1:
-                        if self.count_kept_weights:
-                            divisors = self._step_kept_weights(loss_fn, output,
-                                                               micro_batches)
-                        step_fn = self._accumulated(loss_fn, output, micro_batches,
-                                                    divisors is not None)
+                        divisors, step_fn = self._first_loss(loss_fn, output, micro_batches)
                     with step_divisors(divisors):
                         roots, grads, reported = self._step_loss(step_fn, output,
                                                                  micro_batch, count)
@@ -354,65 +350,59 @@ class ParallelModule:
         roots, grads = _loss_roots(loss / count, output)
         return roots, grads, loss.detach()
 
+    def _first_loss(self, loss_fn: Callable[..., torch.Tensor], output: Any,
+                    micro_batches: Sequence[Mapping[str, torch.Tensor]]
+                    ) -> tuple[tuple[torch.Tensor, ...] | None, Callable[..., torch.Tensor]]:
+        """At the first loss of a step of several micro-batches: the step's kept-target
+        weights (`_step_kept_weights`), and `loss_fn` scaled so that the mean of the
+        micro-batches' losses is one process's over the step (`_accumulation`)."""
+        count = len(micro_batches)
+        if not self.count_kept_weights and self.accumulation is not None:
+            return None, scaled(loss_fn, self.accumulation.scale(count))
+        rows = self._rows_here(micro_batches)
+        divisors = self._step_kept_weights(loss_fn, output, rows) \
+            if self.count_kept_weights else None
+        if self.accumulation is None:
+            self.accumulation = self._accumulation(loss_fn, output, rows,
+                                                   divisors is not None)
+        return divisors, scaled(loss_fn, self.accumulation.scale(count))
+
+    def _rows_here(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> _RankRows:
+        dims = tuple(batch_mesh_dims(self.mesh, self.run.local.batch_axes))
+        whole = next((int(v.shape[0]) for v in micro_batches[0].values() if v.dim()), 0)
+        start, size = block_rows(whole, self.mesh, dims) if dims else (0, whole)
+        batches = tuple(pytree.tree_map(lambda v: v.narrow(0, start, size) if isinstance(
+            v, torch.Tensor) and v.dim() else v, dict(batch)) for batch in micro_batches)
+        return _RankRows(dims, whole, size, batches)
+
     def _step_kept_weights(self, loss_fn: Callable[..., torch.Tensor], output: Any,
-                           micro_batches: Sequence[Mapping[str, torch.Tensor]]
-                           ) -> tuple[torch.Tensor, ...] | None:
+                           rows: _RankRows) -> tuple[torch.Tensor, ...] | None:
         """The step's kept-target weights (`lossops.step_kept_weights`), counted on this
         rank's rows of every micro-batch with zeros for the output (the first
         micro-batch's, shaped as each): so that each micro-batch's mean-reduced NLL is
         a term of one process's mean over the step. Counting stops for later steps once
         a step shows the loss makes no such call."""
-        dims, whole, start, size = self._rows_here(micro_batches[0])
-
-        def zeros(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            shape = list(value.shape)
-            if shape and shape[0] in (whole, size):
-                shape[0] = size
-            return torch.zeros(shape, dtype=value.dtype,
-                               device=value.device if not isinstance(value, DTensor)
-                               else value._local_tensor.device)
-
-        local = [(pytree.tree_map(lambda v: v.narrow(0, start, size)
-                                  if isinstance(v, torch.Tensor) and v.dim() else v,
-                                  dict(batch)),) for batch in micro_batches]
-        found = step_kept_weights(loss_fn, pytree.tree_map(zeros, output), local,
-                                  [self.mesh.get_group(dim) for dim in dims],
+        zeros = outputs_like(output, rows.size, rows.whole, rows.size, made_up=False)
+        found = step_kept_weights(loss_fn, zeros, [(batch,) for batch in rows.batches],
+                                  [self.mesh.get_group(dim) for dim in rows.dims],
                                   torch.device(self.mesh.device_type))
         if found is None:
             self.count_kept_weights = False  # (every rank alike: the answer is reduced)
         return found
 
-    def _rows_here(self, micro_batch: Mapping[str, torch.Tensor]
-                   ) -> tuple[tuple[int, ...], int, int, int]:
-        """(the mesh dims splitting the batch, a micro-batch's rows, the first of this
-        rank's, their count)."""
-        dims = tuple(batch_mesh_dims(self.mesh, self.run.local.batch_axes))
-        whole = next((int(v.shape[0]) for v in micro_batch.values() if v.dim()), 0)
-        start, size = block_rows(whole, self.mesh, dims) if dims else (0, whole)
-        return dims, whole, start, size
-
-    def _accumulated(self, loss_fn: Callable[..., torch.Tensor], output: Any,
-                     micro_batches: Sequence[Mapping[str, torch.Tensor]],
-                     kept_divisors: bool) -> Callable[..., torch.Tensor]:
-        """`loss_fn` scaled so that the mean of the step's micro-batch losses is one
-        process's loss over the step (`executor.module.microloss`): found on the first
-        step of several micro-batches, on this rank's rows of them (one collective,
-        once)."""
-        if self.accumulation is None:
-            dims, whole, start, size = self._rows_here(micro_batches[0])
-            rows = [pytree.tree_map(lambda v: v.narrow(0, start, size) if isinstance(
-                v, torch.Tensor) and v.dim() else v, dict(batch)) for batch in micro_batches]
-            step_rows = {name: torch.cat([batch[name] for batch in rows])
-                         if isinstance(value, torch.Tensor) and value.dim() else value
-                         for name, value in rows[0].items()}
-            count = len(micro_batches)
-            self.accumulation = accumulation(
-                loss_fn, made_up_outputs(output, count * size, whole, size), step_rows,
-                count * size, count, kept_divisors,
-                [self.mesh.get_group(dim) for dim in dims], torch.device(self.mesh.device_type))
-        return scaled(loss_fn, self.accumulation.scale(len(micro_batches)))
+    def _accumulation(self, loss_fn: Callable[..., torch.Tensor], output: Any,
+                      rows: _RankRows, kept_divisors: bool) -> Accumulation:
+        """How the step's micro-batch losses make one process's loss
+        (`executor.module.microloss`), on this rank's rows of the whole step (one
+        collective, once)."""
+        count = len(rows.batches)
+        step = {name: torch.cat([batch[name] for batch in rows.batches])
+                if isinstance(value, torch.Tensor) and value.dim() else value
+                for name, value in rows.batches[0].items()}
+        return accumulation(
+            loss_fn, outputs_like(output, count * rows.size, rows.whole, rows.size), step,
+            count * rows.size, count, kept_divisors,
+            [self.mesh.get_group(dim) for dim in rows.dims], torch.device(self.mesh.device_type))
 
     @staticmethod
     def _local_loss_agrees(loss: torch.Tensor,
@@ -461,19 +451,16 @@ class ParallelModule:
         self.chunks.phases = phases
         # the step's kept targets counted at its first loss, on the loss's stage
         # (`_step_kept_weights`), each micro-batch's NLL divided by the step's weight
-        counted: list[tuple[torch.Tensor, ...] | None] = []
-        scaled_fn: list[Callable[..., torch.Tensor]] = []  # (`_accumulated`)
+        first: list[tuple[tuple[torch.Tensor, ...] | None, Callable[..., torch.Tensor]]] = []
 
         def loss_of(flat: Any, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
             output = self.trace.outputs(flat)
-            if not counted:
-                counted.append(self._step_kept_weights(loss_fn, output, targets)
-                               if count > 1 and self.count_kept_weights else None)
-                scaled_fn.append(self._accumulated(loss_fn, output, targets,
-                                                   counted[0] is not None)
-                                 if count > 1 else loss_fn)
-            with step_divisors(counted[0]):
-                return self.loss(scaled_fn[0], output, rows)
+            if not first:
+                first.append(self._first_loss(loss_fn, output, targets) if count > 1
+                             else (None, loss_fn))
+            divisors, step_fn = first[0]
+            with step_divisors(divisors):
+                return self.loss(step_fn, output, rows)
 
         self.chunks.loss_of = loss_of
         return torch.tensor(self.pipeline.step(feeds, targets))
@@ -484,6 +471,18 @@ class ParallelModule:
         by "kind|axes|phase"."""
         return Counter({f"{k}|{','.join(a)}|{phase}": n
                         for (k, a, phase), n in self.comm.counters.issued.items() if n})
+
+
+@dataclass(frozen=True)
+class _RankRows:
+    """This rank's rows of a step's micro-batches: the mesh dims splitting the batch, a
+    micro-batch's rows, this rank's count of them, and each micro-batch's inputs cut to
+    them."""
+
+    dims: tuple[int, ...]
+    whole: int
+    size: int
+    batches: tuple[dict[str, Any], ...]
 
 
 def _no_sharding_rule(exc: BaseException) -> bool:

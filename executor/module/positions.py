@@ -41,12 +41,16 @@ _ORDINALS = _ARANGES | {_aten.linspace.default, _aten.logspace.default,
                         _aten.randperm.default}
 
 
-def _symbolic(value: object) -> int | None:
-    """The one symbolic dim of a tensor value (None for none or several)."""
-    if not isinstance(value, torch.Tensor):
-        return None
+def symbolic_dim(value: torch.Tensor) -> int | None:
+    """The one dim whose size is symbolic (the batch's); None for none, -1 for several."""
     dims = [d for d, size in enumerate(value.shape) if isinstance(size, torch.SymInt)]
-    return dims[0] if len(dims) == 1 else None
+    return dims[0] if len(dims) == 1 else (None if not dims else -1)
+
+
+def _symbolic(value: object) -> int | None:
+    """A value's one symbolic dim (`symbolic_dim`); None for none, several or no tensor."""
+    dim = symbolic_dim(value) if isinstance(value, torch.Tensor) else None
+    return None if dim == -1 else dim
 
 
 def _numbers_rows(node: Node) -> bool:

@@ -41,8 +41,9 @@ from executor.module.constants import constant_nodes
 from executor.module.counting import recomputing
 from executor.module.kernels import Shift, attention_math, dropout, run_op
 from executor.module.layouts import ModuleLayouts
-from executor.module.local import LocalPlan, is_guard, is_size, symbolic_dim
+from executor.module.local import LocalPlan, is_guard, is_size
 from executor.module.moves import changed_axis, cut_elsewhere, redistribute, tensor_dim
+from executor.module.positions import symbolic_dim
 from executor.module.regions import Region, regions_of
 from executor.module.weights import WeightSync, in_backward
 from planner.errors import ShardplanError

@@ -71,8 +71,7 @@ def _expanded(node: onnx.NodeProto, opset: int, types: dict[str, int], name: str
               for i in node.input if i]
     body = onnx.FunctionProto()
     body.ParseFromString(schema.get_context_dependent_function(  # type: ignore[attr-defined]
-        node.SerializeToString(),
-                                                               inputs))
+        node.SerializeToString(), inputs))
     renamed = dict(zip(body.input, node.input, strict=False))
     renamed.update(zip(body.output, node.output, strict=False))
     attributes = {a.name: a for a in node.attribute}
@@ -99,22 +98,17 @@ def _expanded(node: onnx.NodeProto, opset: int, types: dict[str, int], name: str
                     copy.attribute.append(given)
             else:
                 copy.attribute.append(attribute)
-        found.extend(_expanded(copy, opset, types | _known(copy, types, node), name,
-                               depth + 1))
+        if copy.op_type in EXPANDED:  # (a nested loss op: its inputs' types, below)
+            types.update(_nested_types(copy, types, node))
+        found.extend(_expanded(copy, opset, types, name, depth + 1))
     return found
 
 
-def _known(node: onnx.NodeProto, types: dict[str, int],
-           parent: onnx.NodeProto) -> dict[str, int]:
-    """The element types a nested loss op's inputs take: its scores' are the parent's
-    scores' (a log-softmax of them), its targets' the parent's targets'."""
-    if node.op_type not in EXPANDED or not parent.input:
-        return {}
-    found = {}
-    if node.input and node.input[0]:
-        found[node.input[0]] = types[parent.input[0]]
-    if len(node.input) > 1 and len(parent.input) > 1:
-        found[node.input[1]] = types[parent.input[1]]
-    if len(node.input) > 2 and node.input[2] and len(parent.input) > 2:
-        found[node.input[2]] = types[parent.input[2]]
-    return found
+def _nested_types(node: onnx.NodeProto, types: dict[str, int],
+                  parent: onnx.NodeProto) -> dict[str, int]:
+    """The element types a nested loss op's inputs take, slot by slot its parent's: its
+    scores' are the parent's scores' (a log-softmax of them), its targets' and weights'
+    the parent's."""
+    return {mine: types[theirs] for mine, theirs in zip(node.input, parent.input,
+                                                          strict=False)
+            if mine and theirs}
