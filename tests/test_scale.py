@@ -7,10 +7,12 @@ import os
 import resource
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 from test_robustness import _save, chain_model
 
 from planner import api
@@ -186,3 +188,67 @@ def test_op_level_finalists_on_equivalent_meshes_are_built_once(
     every = plan(path, batch=8, devices=8)
     assert len(built_once) < len(derived)
     assert once.to_json() == every.to_json()
+
+
+def shared_constant_chain(ops: int, path: Path) -> Path:
+    """Relu and an Add of one constant, alternating: every op fuses into one region, and
+    the constant (a weight) is read by every unit (`bench/scale.py --shared-constant`)."""
+    nodes, current = [], "x"
+    for i in range(ops):
+        inputs = [current, "c"] if i % 2 else [current]
+        nodes.append(helper.make_node("Add" if i % 2 else "Relu", inputs, [f"t{i}"]))
+        current = f"t{i}"
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "shared", [value("x", TensorProto.FLOAT, ["batch", 16])],
+        [value(current, TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor("c", TensorProto.FLOAT, [16], [0.5] * 16)])
+    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                   ir_version=8), path)
+
+
+def _planner_lines(path: Path) -> Counter[str]:
+    """Lines of the planner's code run to plan `path`, per file: work, counted, not
+    timed."""
+    import threading
+
+    root = str(REPO / "planner") + os.sep
+    counts: Counter[str] = Counter()
+
+    def calls(frame, event, arg):  # type: ignore[no-untyped-def]
+        name = frame.f_code.co_filename
+        if not name.startswith(root):
+            return None
+        relative = name[len(root):]
+
+        def local(frame, event, arg):  # type: ignore[no-untyped-def]
+            if event == "line":
+                counts[relative] += 1
+            return local
+        return local
+
+    assert threading.active_count() == 1  # settrace traces this thread only
+    sys.settrace(calls)
+    try:
+        plan(path, devices=8, batch=8)
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def test_planning_work_stays_linear_where_one_region_or_one_weight_spans_the_graph(
+        tmp_path: Path) -> None:
+    """A long elementwise chain fuses into one kernel region: each region member's saved
+    tensor was traced back through the whole region (`planner.cost.kernels._fuse`),
+    quadratic; a 200,000-op such chain did not finish planning in 10 minutes. Doubling the
+    ops now less than doubles the planner's work (1.9x; 2.9x before), in every module
+    doing much of it. (The constant every layer adds, a weight every unit reads, was
+    quadratic too, `planner.cost.pipeline.Pricer._overlap` looking each unit up in the
+    weight's tuple of readers; that ran in C, where lines are not counted:
+    `bench/scale.py --shared-constant` times it.)"""
+    small = _planner_lines(shared_constant_chain(400, tmp_path / "small.onnx"))
+    large = _planner_lines(shared_constant_chain(800, tmp_path / "large.onnx"))
+    assert large.total() / small.total() < 2.2, (small.total(), large.total())
+    grown = {name: round(count / small[name], 2) for name, count in large.items()
+             if count >= 50_000 and count / max(1, small[name]) >= 2.2}
+    assert not grown, grown

@@ -451,13 +451,14 @@ def _fuse(region: tuple[str, ...], bound: RegionBounds, graph: PlanningGraph,
     tensors only it reads."""
     tensors = graph.tensors
     inside, produced, leaving = bound
-    for name in [t for t in produced if t in saved.whole and t not in leaving]:
-        if not tensors[name].is_float:  # a mask: written and kept as it is
-            continue
-        saved.whole.discard(name)
-        for source in _region_inputs(name, graph, inside):
-            if tensors[source].producer is not None and needs_grad.get(source, False):
-                saved.whole.add(buffer_of(graph, source))
+    # a mask is written and kept as it is; a float tensor only the region reads is not
+    recomputed = [t for t in produced if t in saved.whole and t not in leaving
+                  and tensors[t].is_float]
+    saved.whole.difference_update(recomputed)
+    # one walk back for all of them (one each was quadratic in a region of 100,000 ops)
+    for source in _region_inputs(recomputed, graph, inside) if recomputed else ():
+        if tensors[source].producer is not None and needs_grad.get(source, False):
+            saved.whole.add(buffer_of(graph, source))
     read: set[str] = set()
     first = True
     for op in region:

@@ -235,6 +235,11 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                        reduce, shown, hidden, update, param.bytes, regather)
 
 
+def holds_unit_in(units: np.ndarray, ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether any of the sorted `units` lies in one of the unit ranges [a, b)."""
+    return any(np.searchsorted(units, a) < np.searchsorted(units, b) for a, b in ranges)
+
+
 class WeightTables:
     """What the weights cost, summed per unit, under one configuration and mesh.
 
@@ -246,6 +251,9 @@ class WeightTables:
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh, prices: Prices) -> None:
         self.shared: list[tuple[ParamShare, WeightTerms, float]] = []
+        #: each shared weight's units, sorted: which a range holds is two bisections (a
+        #: constant every layer reads is read by thousands of units)
+        self.shared_units: list[np.ndarray] = []
         self.itemsize = profile.params[0].itemsize if profile.params else 4
         memo: dict[tuple, tuple[WeightTerms, tuple[float, ...]]] = {}  # alike in every layer
         rows: list[tuple[float, ...]] = []
@@ -261,6 +269,7 @@ class WeightTables:
                 units.append(param.units[0])
             else:
                 self.shared.append((param, found[0], prices.p2p(param.bytes)))
+                self.shared_units.append(np.unique(np.asarray(param.units, dtype=np.int64)))
         # Summed per unit in the weights' order (np.add.at adds one after the other).
         table = np.zeros((len(TERMS), profile.count))
         if rows:
@@ -275,8 +284,8 @@ class WeightTables:
         totals = self.own.apply(lambda name, values: (
             float(values[chosen].max()) if any_unit else 0.0) if name == "largest"
             else float(values[chosen].sum()))
-        for param, terms, _ in self.shared:
-            if chosen[list(param.units)].any():
+        for (_, terms, _), units in zip(self.shared, self.shared_units, strict=True):
+            if chosen[units].any():
 
                 def add(name: str, total: Any, terms: WeightTerms = terms) -> Any:
                     return max(total, getattr(terms, name)) if name == "largest" \
@@ -369,9 +378,9 @@ class Pricer:
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: Recompute) -> StagePrice:
         ranges = devices[index]
-        shared = tuple(any(any(a <= u < b for a, b in other for u in param.units)
+        shared = tuple(any(holds_unit_in(units, other)
                            for k, other in enumerate(devices) if k != index)
-                       for param, _, _ in self.weights.shared)
+                       for units in self.weights.shared_units)
         key = (index, len(devices), tuple(tuple(r) for r in ranges), mode, shared)
         found = self._devices.get(key)
         if found is None:
@@ -424,8 +433,10 @@ class Pricer:
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
         end, hidden, zero, zero_recomputed = self._overlap(chosen, weights)
-        for (param, _, exchange), elsewhere in zip(self.weights.shared, shared, strict=True):
-            if elsewhere and chosen[list(param.units)].any():
+        for (_, _, exchange), units, elsewhere in zip(self.weights.shared,
+                                                     self.weights.shared_units, shared,
+                                                     strict=True):
+            if elsewhere and chosen[units].any():
                 end += exchange
         any_unit = bool(chosen.any())
         workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
@@ -484,11 +495,13 @@ class Pricer:
         columns = {name: getattr(own, name)[units].copy()
                    for name in ("micro_forward", "micro_gather", "micro_regather",
                                 "micro_reduce", "end", "hidden")}
-        for param, terms, _ in self.weights.shared:
-            held = [k for k, u in enumerate(units) if u in param.units]
-            if held:  # counted once, at the device's first unit reading it
+        for (_, terms, _), readers in zip(self.weights.shared, self.weights.shared_units,
+                                          strict=True):
+            held = readers[chosen[readers]]
+            if len(held):  # counted once, at the device's first unit reading it
+                first = int(np.searchsorted(units, held[0]))
                 for name, column in columns.items():
-                    column[held[0]] += getattr(terms, name)
+                    column[first] += getattr(terms, name)
         sync = columns["end"] + columns["hidden"]
         backward = profile.backward_compute[units]
         end, hidden = schedule_overlap(float(sync.sum()), float(sync[0]),
