@@ -12,11 +12,12 @@ and writing the file), its peak RSS and its plan file's size.
     python bench/scale.py --ops 200000
     python bench/scale.py --against HEAD~1 --repeat 2   # another commit, runs alternating
     python bench/scale.py --tree ../old                 # another checkout
-    python bench/scale.py --shared-constant             # Relu, Add of one constant, ...
+    python bench/scale.py --model shared-constant --ops 20000   # another shape of graph
 
-`--shared-constant` plans `tests/test_scale.py`'s other chain instead: Relu and an Add of
-one constant alternating, so that every op fuses into one kernel region and the constant
-is a weight every unit reads (both were quadratic until 2026-12-06).
+`--model` plans another of `tests/test_scale.py`'s shapes instead (`BUILDERS`):
+`shared-constant`, Relu and an Add of one constant alternating, so that every op fuses
+into one kernel region and the constant is a weight every unit reads; `many-outputs`,
+Relus of the input, each a graph output (each was quadratic until 2026-12-06).
 
 With `--against` (a worktree of that commit, as `bench/versus.py` makes) or `--tree` both
 versions plan the same file, one run after the other (the order alternating per repeat,
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(HERE / "tests"), str(HERE / "bench")]
 
 from test_robustness import _save, chain_model  # noqa: E402
-from test_scale import PLAN_AND_MEASURE, shared_constant_chain  # noqa: E402
+from test_scale import BUILDERS, PLAN_AND_MEASURE  # noqa: E402
 from versus import other_checkout  # noqa: E402
 
 PROGRESS = re.compile(r"\[\s*([0-9.]+) s\] (mesh |joint search)")
@@ -97,8 +98,8 @@ def main() -> None:
     parser.add_argument("--against", help="another commit to plan the same chains")
     parser.add_argument("--tree", type=Path, help="a checkout of it (instead of a worktree)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per version (median)")
-    parser.add_argument("--shared-constant", action="store_true",
-                        help="plan the chain of Relu and an Add of one constant instead")
+    parser.add_argument("--model", choices=["chain", *BUILDERS], default="chain",
+                        help="the shape of graph planned (default: the MatMul chain)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
@@ -115,8 +116,8 @@ def _table(args: argparse.Namespace, trees: list[tuple[str, Path]], work: Path) 
     print(f"{'ops':>9}  {'version':<{width}} {'median s':>8}{'meshes':>9}{'joint':>9}"
           f"{'after':>9}{'peak MiB':>10}{'plan MB':>9}   runs (s)")
     for ops in args.ops:
-        model = (shared_constant_chain(ops, work / f"shared{ops}.onnx")
-                 if args.shared_constant else
+        model = (BUILDERS[args.model](ops, work / f"{args.model}{ops}.onnx")
+                 if args.model in BUILDERS else
                  _save(chain_model(ops, width=16), work / f"chain{ops}" / "chain.onnx"))
         runs: dict[str, list[Run]] = {label: [] for label, _ in trees}
         files = {label: work / f"plan{k}-{ops}.json" for k, (label, _) in enumerate(trees)}

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 from test_robustness import _save, chain_model
@@ -190,21 +191,36 @@ def test_op_level_finalists_on_equivalent_meshes_are_built_once(
     assert once.to_json() == every.to_json()
 
 
+def _saved_graph(nodes: list[onnx.NodeProto], outputs: list[str], path: Path,
+                 initializers: list[onnx.TensorProto] = ()) -> Path:  # type: ignore[assignment]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, path.stem, [value("x", TensorProto.FLOAT, ["batch", 16])],
+        [value(name, TensorProto.FLOAT, ["batch", 16]) for name in outputs], initializers)
+    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                   ir_version=8), path)
+
+
 def shared_constant_chain(ops: int, path: Path) -> Path:
     """Relu and an Add of one constant, alternating: every op fuses into one region, and
-    the constant (a weight) is read by every unit (`bench/scale.py --shared-constant`)."""
+    the constant (a weight) is read by every unit (`bench/scale.py --model shared-constant`)."""
     nodes, current = [], "x"
     for i in range(ops):
         inputs = [current, "c"] if i % 2 else [current]
         nodes.append(helper.make_node("Add" if i % 2 else "Relu", inputs, [f"t{i}"]))
         current = f"t{i}"
-    value = helper.make_tensor_value_info
-    graph = helper.make_graph(
-        nodes, "shared", [value("x", TensorProto.FLOAT, ["batch", 16])],
-        [value(current, TensorProto.FLOAT, ["batch", 16])],
-        [helper.make_tensor("c", TensorProto.FLOAT, [16], [0.5] * 16)])
-    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                                   ir_version=8), path)
+    return _saved_graph(nodes, [current], path,
+                        [helper.make_tensor("c", TensorProto.FLOAT, [16], [0.5] * 16)])
+
+
+def many_outputs(ops: int, path: Path) -> Path:
+    """`ops` Relus of the input, each a graph output: as many one-op kernel regions as
+    outputs (`bench/scale.py --model many-outputs`)."""
+    nodes = [helper.make_node("Relu", ["x"], [f"t{i}"]) for i in range(ops)]
+    return _saved_graph(nodes, [f"t{i}" for i in range(ops)], path)
+
+
+BUILDERS = {"shared-constant": shared_constant_chain, "many-outputs": many_outputs}
 
 
 def _planner_lines(path: Path) -> Counter[str]:
@@ -242,10 +258,12 @@ def test_planning_work_stays_linear_where_one_region_or_one_weight_spans_the_gra
     tensor was traced back through the whole region (`planner.cost.kernels._fuse`),
     quadratic; a 200,000-op such chain did not finish planning in 10 minutes. Doubling the
     ops now less than doubles the planner's work (1.9x; 2.9x before), in every module
-    doing much of it. (The constant every layer adds, a weight every unit reads, was
-    quadratic too, `planner.cost.pipeline.Pricer._overlap` looking each unit up in the
-    weight's tuple of readers; that ran in C, where lines are not counted:
-    `bench/scale.py --shared-constant` times it.)"""
+    doing much of it. Two more quadratics ran in C, where lines are not counted, and
+    `bench/scale.py --model` times them: the constant every layer adds, a weight every
+    unit reads, had each unit looked up in its tuple of readers
+    (`planner.cost.pipeline.Pricer._overlap`); each of 20,000 outputs' one-op regions made
+    a set of the graph's outputs (`planner.cost.kernels._region_bounds`; at a few hundred
+    outputs the search tries more configurations at twice the ops, which hides it)."""
     small = _planner_lines(shared_constant_chain(400, tmp_path / "small.onnx"))
     large = _planner_lines(shared_constant_chain(800, tmp_path / "large.onnx"))
     assert large.total() / small.total() < 2.2, (small.total(), large.total())

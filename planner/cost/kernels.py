@@ -181,7 +181,8 @@ def _kernel_plan(analysis: GraphAnalysis, policy: KernelPolicy) -> KernelPlan:
     regions: tuple[tuple[str, ...], ...] = ()
     if policy.fusion.fuses:
         regions = _regions(graph, absorbed, alone_norms=policy.fusion is Fusion.MEGATRON)
-    bounds = [_region_bounds(region, graph) for region in regions]
+    outputs = frozenset(graph.outputs)
+    bounds = [_region_bounds(region, graph, outputs) for region in regions]
     for region, bound in zip(regions, bounds, strict=True):
         _fuse(region, bound, graph, kernels, saved, analysis.needs_grad)
     _memory_bound_backward(graph, kernels, rules, analysis.needs_grad, differentiated, regions,
@@ -433,11 +434,13 @@ class RegionBounds(NamedTuple):
     leaving: set[str]
 
 
-def _region_bounds(region: tuple[str, ...], graph: PlanningGraph) -> RegionBounds:
+def _region_bounds(region: tuple[str, ...], graph: PlanningGraph,
+                   outputs: frozenset[str]) -> RegionBounds:
+    """`outputs`: the graph's, as a set (made once, not once per region: a graph of
+    20,000 outputs has as many regions)."""
     tensors = graph.tensors
     inside = set(region)
     produced = {o for op in region for o in graph.op(op).outputs if o}
-    outputs = set(graph.outputs)
     leaving = {t for t in produced
                if t in outputs or any(c not in inside for c in tensors[t].consumers)}
     return RegionBounds(inside, produced, leaving)
