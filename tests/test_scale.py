@@ -226,8 +226,6 @@ BUILDERS = {"shared-constant": shared_constant_chain, "many-outputs": many_outpu
 def _planner_lines(path: Path) -> Counter[str]:
     """Lines of the planner's code run to plan `path`, per file: work, counted, not
     timed."""
-    import threading
-
     root = str(REPO / "planner") + os.sep
     counts: Counter[str] = Counter()
 
@@ -243,8 +241,7 @@ def _planner_lines(path: Path) -> Counter[str]:
             return local
         return local
 
-    assert threading.active_count() == 1  # settrace traces this thread only
-    sys.settrace(calls)
+    sys.settrace(calls)  # this thread's lines only: planning runs on the caller's thread
     try:
         plan(path, devices=8, batch=8)
     finally:
