@@ -517,6 +517,14 @@ def _wrap_in_function(rng: random.Random, model: onnx.ModelProto, kind: str) -> 
         body = [helper.make_node("Wrapped", inputs, outputs, domain="fuzzfn")]
     elif kind == "undefined-input":
         inner.input[0] = "not_in_function"
+    if kind == "doubling":  # each level calls the one below twice: 2^40 nodes inlined
+        for level in range(40):
+            model.functions.append(helper.make_function(
+                "fuzzfn", f"Level{level}", inputs, outputs, body,
+                [helper.make_opsetid("", 17), helper.make_opsetid("fuzzfn", 1)]))
+            body = [helper.make_node(f"Level{level}", inputs, [f"{o}_first" for o in outputs],
+                                     domain="fuzzfn"),
+                    helper.make_node(f"Level{level}", inputs, outputs, domain="fuzzfn")]
     function = helper.make_function("fuzzfn", "Wrapped", inputs, outputs, body,
                                     [helper.make_opsetid("", 17),
                                      helper.make_opsetid("fuzzfn", 1)])
@@ -535,9 +543,10 @@ def _wrap_in_function(rng: random.Random, model: onnx.ModelProto, kind: str) -> 
 def _onnx_function(rng: random.Random) -> Case:
     name, model = _pick_base(rng)
     kind = rng.choice(["plain", "recursive", "undefined-input", "duplicate",
-                       "undeclared-domain"])
+                       "undeclared-domain", "doubling"])
     note = _wrap_in_function(rng, model, kind)
-    return onnx_case(model, f"{name}: {note}", expect="reject" if kind == "recursive" else "any")
+    return onnx_case(model, f"{name}: {note}",
+                     expect="reject" if kind in ("recursive", "doubling") else "any")
 
 
 @case_class("onnx/opset")

@@ -22,7 +22,9 @@ from onnx import TensorProto, helper, numpy_helper
 from planner import zoo
 from planner.api import plan
 from planner.cli import main
+from planner.importer import import_model
 from planner.importer.load import _all_tensors
+from planner.importer.prepare import inlined_nodes
 from planner.plans.model import Plan
 from planner.userfiles import MAX_DEPTH
 
@@ -323,3 +325,63 @@ def test_the_external_data_check_sees_every_tensor_of_the_model() -> None:
     everywhere = _name_every_tensor(model)
     assert len(everywhere) > 20
     assert sorted(t.name for t in _all_tensors(model)) == sorted(everywhere)
+
+
+def _nested_functions(depth: int, calls: int = 2, in_branch: bool = False) -> onnx.ModelProto:
+    """`f0` a Relu; each `f{k}` calls `f{k-1}` `calls` times; the graph calls the deepest
+    (from an If's branch when `in_branch`): calls**depth Relus once inlined."""
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    functions = [helper.make_function("local", "f0", ["x"], ["y"],
+                                      [helper.make_node("Relu", ["x"], ["y"])], opsets)]
+    for k in range(1, depth + 1):
+        body = [helper.make_node(f"f{k - 1}", ["x"], [f"h{c}"], domain="local")
+                for c in range(calls - 1)]
+        body.append(helper.make_node(f"f{k - 1}", ["x"], ["y"], domain="local"))
+        functions.append(helper.make_function("local", f"f{k}", ["x"], ["y"], body, opsets))
+    call = helper.make_node(f"f{depth}", ["x"], ["y"], domain="local")
+    value = helper.make_tensor_value_info
+    if in_branch:
+        branch = helper.make_graph([call], "branch", [], [value("y", TensorProto.FLOAT, None)])
+        call = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)
+    graph = helper.make_graph([call], "nested", [value("x", TensorProto.FLOAT, ["batch", 16]),
+                                                 value("c", TensorProto.BOOL, [])],
+                              [value("y", TensorProto.FLOAT, ["batch", 16])])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8, functions=functions)
+
+
+@pytest.mark.parametrize("in_branch", [False, True])
+def test_local_functions_that_expand_past_the_bound_are_refused_before_inlining(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], in_branch: bool) -> None:
+    """A 3 KB file whose functions each call the one below twice, forty deep, is 2^40
+    nodes once inlined: ONNX's inliner ran until memory ran out (9 GB in 2 minutes). The
+    expansion is counted first, per function once, and refused naming the function."""
+    path = tmp_path / "nested.onnx"
+    onnx.save(_nested_functions(40, in_branch=in_branch), path)
+    assert main(["plan", str(path), "--devices", "2", "--batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "local function local.f20 expands to 1,048,576 nodes once inlined, more than " \
+           "shardplan plans (1,000,000)" in err
+
+
+def test_a_local_function_calling_itself_is_refused_naming_the_cycle(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _nested_functions(2)
+    model.functions[0].node[0].CopyFrom(helper.make_node("f2", ["x"], ["y"], domain="local"))
+    path = tmp_path / "cycle.onnx"
+    onnx.save(model, path)
+    assert main(["plan", str(path), "--devices", "2", "--batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "local function local.f2 calls itself (local.f2 -> local.f1 -> local.f0 -> " \
+           "local.f2)" in err, err
+
+
+def test_local_functions_within_the_bound_are_counted_and_inlined(tmp_path: Path) -> None:
+    """Three calls a level, eight deep: 3^8 = 6,561 Relus counted; the import inlines them
+    (and drops the calls whose outputs nothing reads: one Relu is left)."""
+    model = _nested_functions(8, calls=3)
+    assert inlined_nodes(model, "nested.onnx") == 3 ** 8
+    path = tmp_path / "nested.onnx"
+    onnx.save(model, path)
+    graph = import_model(path, batch=8)
+    assert [node.op_type for node in graph.ops] == ["Relu"]
