@@ -1,6 +1,8 @@
-"""Bytes, counts and seconds as people read them, for messages and summaries."""
+"""Bytes, counts, seconds and lists as people read them, for messages and summaries."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 def human_bytes(value: float) -> str:
@@ -25,3 +27,13 @@ def human_seconds(value: float) -> str:
     if value >= 1e-3:
         return f"{value * 1e3:.3f} ms"
     return f"{value * 1e6:.1f} us"
+
+
+def first_listed(items: Sequence[str], shown: int, separator: str = ", ") -> str:
+    """The first `shown` items joined, then how many more there are ("a, b and 3 more";
+    "a; b; and 3 more"): a message about 2,000 inputs names a few, not 100 KB of them."""
+    head = separator.join(items[:shown])
+    rest = len(items) - shown
+    if rest <= 0:
+        return head
+    return f"{head}{' ' if separator == ', ' else separator}and {rest} more"

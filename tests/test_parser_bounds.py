@@ -385,3 +385,28 @@ def test_local_functions_within_the_bound_are_counted_and_inlined(tmp_path: Path
     onnx.save(model, path)
     graph = import_model(path, batch=8)
     assert [node.op_type for node in graph.ops] == ["Relu"]
+
+
+def test_a_model_of_thousands_of_unbound_dims_is_named_in_a_short_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2,000 inputs with a symbol each: the error named every one (100 KB on one line);
+    now the first eight and how many more."""
+    value = helper.make_tensor_value_info
+    inputs = [value(f"x{i}", TensorProto.FLOAT, [f"s{i}", 16]) for i in range(2000)]
+    outputs = [value(f"y{i}", TensorProto.FLOAT, [f"s{i}", 16]) for i in range(2000)]
+    nodes = [helper.make_node("Relu", [f"x{i}"], [f"y{i}"]) for i in range(2000)]
+    path = tmp_path / "dims.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "dims", inputs, outputs),
+                                opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["plan", str(path), "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 1000, len(err)
+    assert "s7 (input x7 dim 0; bind with --dim s7=N); and 1992 more" in err
+    small = tmp_path / "small.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes[:1], "small", inputs[:1], outputs[:1]),
+                                opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              small)
+    extra = [f"--dim=zz{i}=2" for i in range(300)]
+    assert main(["plan", str(small), "--devices", "2", "--batch", "8", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--dim names no input dim: zz0, zz1, " in err and len(err) < 1000, err

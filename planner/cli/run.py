@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from executor.timeouts import DEFAULT_TIMEOUT_S, MOST_TIMEOUT_S
 from planner.cli.args import Verbs, check_output, positive_int, positive_number, seed
 from planner.errors import ShardplanError
-from planner.humanize import human_bytes
+from planner.humanize import first_listed, human_bytes
 
 if TYPE_CHECKING:
     from executor.train import RunLog
@@ -205,8 +205,7 @@ def _say_unfrozen(resume: str, plan: Plan) -> None:
     trained = {n for n, e in plan.tensors.items() if e.kind == "parameter"}
     unfrozen = sorted(newly_trained(saved_keys(resume)) & trained)
     if unfrozen:
-        shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more"
-                                            if len(unfrozen) > 4 else "")
+        shown = first_listed(unfrozen, 4)
         print(f"{resume}: {shown} frozen when saved, trained now: their optimizer state "
               "starts fresh", file=sys.stderr)
 

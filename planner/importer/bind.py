@@ -13,6 +13,7 @@ from typing import NamedTuple
 import onnx
 
 from planner.errors import ModelError
+from planner.humanize import first_listed
 
 #: What identifies one binding of a model: each bound dim's name, value type and value
 #: (the type too, so that a dim of True is not taken for a dim of 1).
@@ -112,10 +113,10 @@ def bind_dims(
                 label = symbol or "(unnamed)"
                 unbound.append(f"{label} (input {value.name} dim {axis}; bind with {hint})")
     if unbound:
-        raise ModelError(f"{name}: unbound symbolic dims: " + "; ".join(unbound))
+        raise ModelError(f"{name}: unbound symbolic dims: " + first_listed(unbound, 8, "; "))
     extra = sorted(k for k in dims if k not in used)
     if extra:
-        raise ModelError(f"{name}: --dim names no input dim: {', '.join(extra)}")
+        raise ModelError(f"{name}: --dim names no input dim: {first_listed(extra, 8)}")
     batch_size = bound.get(batch_symbol) if batch_symbol is not None else static_batch
     for value in list(model.graph.output) + list(model.graph.value_info):
         _forget_symbolic_dims(value)

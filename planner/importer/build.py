@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 from planner.errors import ModelError
 from planner.graph import FLOAT_DTYPES, OpNode, PlanningGraph, TensorInfo, TensorKind
+from planner.humanize import first_listed
 from planner.importer.bind import Bound, data_inputs
 from planner.importer.declared import declared_scalar_parameters, declared_state
 from planner.importer.fold import FOLD_LIMIT_ELEMENTS, Folded, Shapes
@@ -107,8 +108,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
                 f"output by the values of {', '.join(sized_by)}, computed when the model "
                 "runs, not constants; shardplan plans static shapes: export the model with "
                 "that size fixed (a constant k, shape or count)")
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
-                                           else "")
+        shown = first_listed(problems, 5, "; ")
         raise ModelError(
             f"{name}: shapes could not be made static for: {shown}. Bind every symbolic dim "
             "(--batch, --dim) and check for custom ops whose shapes ONNX cannot infer"
@@ -224,8 +224,7 @@ INFERENCE_ERROR = re.compile(r"\(op_type:([\w.]+), node name: ([^)]*)\): \[\w+\]
 
 
 def _merged_warning(tensor: str, parameters: tuple[str, ...]) -> str:
-    shown = ", ".join(parameters[:3]) + (f" and {len(parameters) - 3} more"
-                                        if len(parameters) > 3 else "")
+    shown = first_listed(parameters, 3)
     return (f"initializer {tensor} stands for {len(parameters)} parameters ({shown}): the "
             "exporter merged weights of equal contents, so the plan trains them as one; "
             "export with torch.onnx.export(..., optimize=False) to keep them apart")
