@@ -15,6 +15,7 @@ from executor.ops import TORCH_OPS
 from executor.schedule import RUNNABLE
 from planner.errors import ShardplanError
 from planner.graph import OpNode, PlanningGraph
+from planner.humanize import first_listed
 from planner.kinds import StepKind
 from planner.ops import SHARDPLAN_DOMAIN, record_for
 from planner.plans.model import Plan
@@ -59,7 +60,7 @@ def check_supported(graph: PlanningGraph) -> None:
     op_type, names = next(iter(refused.items()))
     where = f"op {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
     others = sorted(set(refused) - {op_type})
-    also = f"; it also lacks {', '.join(others)}" if others else ""
+    also = f"; it also lacks {first_listed(others, 8)}" if others else ""
     raise ShardplanError(f"the torch executor cannot run {where}: op type {op_type} has no "
                          f"torch implementation{also}; {_ADVICE}")
 

@@ -62,6 +62,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         tensors[value.name] = TensorInfo(value.name, shape, _dtype_name(elem, name, value.name),
                                          "input")
     graph_outputs = [o.name for o in graph.output]
+    is_output = frozenset(graph_outputs).__contains__
     read: set[str] | None = None  # the tensors some node reads, found at the first shapeless one
 
     def unread(name: str) -> bool:
@@ -82,8 +83,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         outputs: list[str] = []
         for output in node.output:
             shape, elem = shapes.get(output, (None, 0)) if output else (None, 0)
-            if not output or (shape is None and output not in graph_outputs
-                              and unread(output)):
+            if not output or (shape is None and not is_output(output) and unread(output)):
                 outputs.append("")  # an unused optional output (Dropout mask, LN statistics)
                 continue
             if shape is None or elem == 0:
@@ -117,8 +117,9 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
     if missing:
         raise ModelError(f"{name}: tensor {missing[0]} is used but never defined (dangling input)")
     if not ops:
-        raise ModelError(f"{name}: no op computes the graph's outputs ({', '.join(graph_outputs)}"
-                         "): they are inputs or constants, so there is nothing to plan")
+        raise ModelError(f"{name}: no op computes the graph's outputs "
+                         f"({first_listed(graph_outputs, 8)}): they are inputs or constants, "
+                         "so there is nothing to plan")
     _check_sizes(tensors, name)
     _check_views(ops, tensors, name)
     ops = merge_view_transposes(ops, tensors, graph_outputs)
