@@ -197,11 +197,18 @@ class PlanningGraph:
         return floats[0].dtype if floats else "float32"
 
     def op(self, name: str) -> OpNode:
+        return self._ops_by_name()[name]
+
+    def has_op(self, name: str) -> bool:
+        return name in self._ops_by_name()
+
+    def _ops_by_name(self) -> dict[str, OpNode]:
+        """The ops by name, built once (again only if the op list changed length)."""
         index = self.__dict__.get("_op_index")
         if index is None or len(index) != len(self.ops):
             index = {node.name: node for node in self.ops}
             self.__dict__["_op_index"] = index
-        return index[name]
+        return index
 
     @property
     def parameters(self) -> list[TensorInfo]:

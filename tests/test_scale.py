@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +194,7 @@ def test_op_level_finalists_on_equivalent_meshes_are_built_once(
 
 
 def _saved_graph(nodes: list[onnx.NodeProto], outputs: list[str], path: Path,
-                 initializers: list[onnx.TensorProto] = ()) -> Path:  # type: ignore[assignment]
+                 initializers: Sequence[onnx.TensorProto] = ()) -> Path:
     value = helper.make_tensor_value_info
     graph = helper.make_graph(
         nodes, path.stem, [value("x", TensorProto.FLOAT, ["batch", 16])],

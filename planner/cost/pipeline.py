@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -235,9 +235,20 @@ def weight_terms(param: ParamShare, config: PipelineConfig, hardware: HardwarePr
                        reduce, shown, hidden, update, param.bytes, regather)
 
 
-def holds_unit_in(units: np.ndarray, ranges: Sequence[tuple[int, int]]) -> bool:
-    """Whether any of the sorted `units` lies in one of the unit ranges [a, b)."""
-    return any(np.searchsorted(units, a) < np.searchsorted(units, b) for a, b in ranges)
+class SharedWeight(NamedTuple):
+    """A weight read by several units: its terms, the price of exchanging its gradient
+    between two holders, and its `readers` (its units, sorted: a constant every layer
+    reads is read by thousands of units, so which a range holds is two bisections)."""
+
+    param: ParamShare
+    terms: WeightTerms
+    exchange: float
+    readers: np.ndarray
+
+    def read_in(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether a unit of one of the unit ranges [a, b) reads it."""
+        return any(np.searchsorted(self.readers, a) < np.searchsorted(self.readers, b)
+                   for a, b in ranges)
 
 
 class WeightTables:
@@ -250,10 +261,7 @@ class WeightTables:
 
     def __init__(self, profile: UnitProfile, config: PipelineConfig, hardware: HardwareProfile,
                  mesh: DeviceMesh, prices: Prices) -> None:
-        self.shared: list[tuple[ParamShare, WeightTerms, float]] = []
-        #: each shared weight's units, sorted: which a range holds is two bisections (a
-        #: constant every layer reads is read by thousands of units)
-        self.shared_units: list[np.ndarray] = []
+        self.shared: list[SharedWeight] = []
         self.itemsize = profile.params[0].itemsize if profile.params else 4
         memo: dict[tuple, tuple[WeightTerms, tuple[float, ...]]] = {}  # alike in every layer
         rows: list[tuple[float, ...]] = []
@@ -268,8 +276,9 @@ class WeightTables:
                 rows.append(found[1])
                 units.append(param.units[0])
             else:
-                self.shared.append((param, found[0], prices.p2p(param.bytes)))
-                self.shared_units.append(np.unique(np.asarray(param.units, dtype=np.int64)))
+                self.shared.append(SharedWeight(
+                    param, found[0], prices.p2p(param.bytes),
+                    np.unique(np.asarray(param.units, dtype=np.int64))))
         # Summed per unit in the weights' order (np.add.at adds one after the other).
         table = np.zeros((len(TERMS), profile.count))
         if rows:
@@ -284,10 +293,10 @@ class WeightTables:
         totals = self.own.apply(lambda name, values: (
             float(values[chosen].max()) if any_unit else 0.0) if name == "largest"
             else float(values[chosen].sum()))
-        for (_, terms, _), units in zip(self.shared, self.shared_units, strict=True):
-            if chosen[units].any():
+        for shared in self.shared:
+            if chosen[shared.readers].any():
 
-                def add(name: str, total: Any, terms: WeightTerms = terms) -> Any:
+                def add(name: str, total: Any, terms: WeightTerms = shared.terms) -> Any:
                     return max(total, getattr(terms, name)) if name == "largest" \
                         else total + getattr(terms, name)
 
@@ -378,9 +387,9 @@ class Pricer:
     def device(self, index: int, devices: Sequence[Sequence[tuple[int, int]]],
                mode: Recompute) -> StagePrice:
         ranges = devices[index]
-        shared = tuple(any(holds_unit_in(units, other)
+        shared = tuple(any(weight.read_in(other)
                            for k, other in enumerate(devices) if k != index)
-                       for units in self.weights.shared_units)
+                       for weight in self.weights.shared)
         key = (index, len(devices), tuple(tuple(r) for r in ranges), mode, shared)
         found = self._devices.get(key)
         if found is None:
@@ -433,11 +442,9 @@ class Pricer:
         kept, p2p = self.arrivals.of(ranges)
         weights = self.weights.over(chosen)
         end, hidden, zero, zero_recomputed = self._overlap(chosen, weights)
-        for (_, _, exchange), units, elsewhere in zip(self.weights.shared,
-                                                     self.weights.shared_units, shared,
-                                                     strict=True):
-            if elsewhere and chosen[units].any():
-                end += exchange
+        for weight, elsewhere in zip(self.weights.shared, shared, strict=True):
+            if elsewhere and chosen[weight.readers].any():
+                end += weight.exchange
         any_unit = bool(chosen.any())
         workspace = float(profile.workspace[chosen].max()) if any_unit else 0.0
         if config.zero >= 3:
@@ -495,13 +502,12 @@ class Pricer:
         columns = {name: getattr(own, name)[units].copy()
                    for name in ("micro_forward", "micro_gather", "micro_regather",
                                 "micro_reduce", "end", "hidden")}
-        for (_, terms, _), readers in zip(self.weights.shared, self.weights.shared_units,
-                                          strict=True):
-            held = readers[chosen[readers]]
+        for weight in self.weights.shared:
+            held = weight.readers[chosen[weight.readers]]
             if len(held):  # counted once, at the device's first unit reading it
                 first = int(np.searchsorted(units, held[0]))
                 for name, column in columns.items():
-                    column[first] += getattr(terms, name)
+                    column[first] += getattr(weight.terms, name)
         sync = columns["end"] + columns["hidden"]
         backward = profile.backward_compute[units]
         end, hidden = schedule_overlap(float(sync.sum()), float(sync[0]),

@@ -62,7 +62,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         tensors[value.name] = TensorInfo(value.name, shape, _dtype_name(elem, name, value.name),
                                          "input")
     graph_outputs = [o.name for o in graph.output]
-    is_output = frozenset(graph_outputs).__contains__
+    output_set = frozenset(graph_outputs)
     read: set[str] | None = None  # the tensors some node reads, found at the first shapeless one
 
     def unread(name: str) -> bool:
@@ -83,7 +83,7 @@ def build_graph(folded: Folded, source: ModelSource, bound: Bound,
         outputs: list[str] = []
         for output in node.output:
             shape, elem = shapes.get(output, (None, 0)) if output else (None, 0)
-            if not output or (shape is None and not is_output(output) and unread(output)):
+            if not output or (shape is None and output not in output_set and unread(output)):
                 outputs.append("")  # an unused optional output (Dropout mask, LN statistics)
                 continue
             if shape is None or elem == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -19,6 +19,7 @@ from costmodels.profile import HardwareProfile
 from planner.cost.oplevel import priced_choice
 from planner.cost.step import TrainingOptions
 from planner.errors import ShardplanError, StrategyError
+from planner.graph import PlanningGraph
 from planner.humanize import human_seconds
 from planner.kinds import GENERIC_AXES, AxisRole
 from planner.records import SolverDetail, SolverRecord
@@ -177,18 +178,18 @@ def _product(values: Sequence[int]) -> int:
     return result
 
 
-def matched_ops(names: Sequence[str], exact: Collection[str], pattern: str,
-                path: str) -> list[str]:
-    """Op names a strategy pattern selects among the graph's `names` (in op order; `exact`
-    the same names, for lookups): the op of that exact name, else the ops the glob
-    matches; an error naming the pattern if none."""
-    if pattern in exact:
+def matched_ops(graph: PlanningGraph, pattern: str) -> list[str]:
+    """Op names a strategy pattern selects: the op of that exact name (looked up in the
+    graph's index: a file naming each of 50,000 ops listed them all per entry), else the
+    ops the glob matches; an error naming the pattern if none."""
+    if graph.has_op(pattern):
         return [pattern]  # an exact name, even one with glob characters ('attn[0]')
+    names = [node.name for node in graph.ops]
     matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
     if not matched:
         close = [n for n in names if pattern.lower().strip("*") in n.lower()][:5] or names[:5]
         raise StrategyError(
-            f"strategy pattern {pattern!r} matches no op of {path}; op names "
+            f"strategy pattern {pattern!r} matches no op of {graph.path}; op names "
             f"look like: {', '.join(close)}, ..."
         )
     return matched
@@ -199,14 +200,12 @@ def resolve_patterns(analysis: GraphAnalysis, given: Mapping[str, Sequence[Seque
     """`op name -> tuples` from `name or glob -> tuples`, whatever the order of the entries:
     an op's exact-name entry wins over every glob that matches it; two globs that match
     one op and give it different tuples are refused naming both (file order would decide,
-    and a JSON object has none). The op names are listed once, not once per entry: a file
-    naming each of 10,000 ops was quadratic."""
+    and a JSON object has none)."""
     chosen: dict[str, tuple[str, Sequence[Sequence[int]]]] = {}
-    order = [node.name for node in analysis.graph.ops]
-    names = frozenset(order)
-    exact = {pattern for pattern in given if pattern in names}
+    graph = analysis.graph
+    exact = {pattern for pattern in given if graph.has_op(pattern)}
     for pattern, tuples in given.items():
-        for name in matched_ops(order, names, pattern, analysis.graph.path):
+        for name in matched_ops(graph, pattern):
             if name in exact and pattern != name:
                 continue  # the op's own entry decides
             if name in chosen and _as_lists(chosen[name][1]) != _as_lists(tuples):

@@ -333,7 +333,7 @@ class StageTables:
         weights = pricer.weights
         totals = weights.own.apply(lambda name, values: running_max(values)
                                    if name == "largest" else span(values))
-        for param, terms, exchange in weights.shared:
+        for param, terms, exchange, _ in weights.shared:
             inside = np.zeros((rows, n + 1), dtype=bool)
             for u in param.units:
                 inside |= covering(u, u)
