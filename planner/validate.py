@@ -22,6 +22,7 @@ it re-derives from the sharding layer, never from the search or the pricing.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -278,8 +279,10 @@ def _pipeline(plan: Plan, report: Report) -> None:
                 continue
             for k in range(first, end):
                 covered[k] += 1
+        ranges = sorted(stage.ops)  # disjoint (the loader refuses overlaps)
         for first, end in stage.recompute_segments:
-            if not any(a <= first < end <= b for a, b in stage.ops):
+            at = bisect.bisect_right(ranges, (first, math.inf)) - 1
+            if not (at >= 0 and ranges[at][0] <= first < end <= ranges[at][1]):
                 report.add(f"stage {stage.device_stage}: recompute segment [{first}, "
                            f"{end}) is not inside the stage's ops")
     wrong = [k for k, count in enumerate(covered) if count != 1]

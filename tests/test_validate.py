@@ -120,6 +120,13 @@ def test_an_unlisted_redistribution_is_found_without_the_model(
      "not inside"),
     (lambda d: d["pipeline"]["stages"][0]["recompute_segments"].append([10_000, 10_001]),
      "lies outside the plan's"),  # refused on load: readers index the ops by it
+    # refused on load too: every reader walks the ranges' ops, ranges times ops where
+    # they repeat (20,000 copies of a stage's range took validate minutes)
+    (lambda d: d["pipeline"]["stages"][0].__setitem__(
+        "ops", d["pipeline"]["stages"][0]["ops"] * 20_000), "exactly once"),
+    (lambda d: d["pipeline"]["stages"][1].__setitem__(
+        "recompute_segments", [d["pipeline"]["stages"][1]["ops"][0]] * 2),
+     "recomputed once at most"),
 ])
 def test_pipeline_tampering_is_found(files: dict[str, Path], tmp_path: Path, capsys,
                                      change, needle: str) -> None:

@@ -7,6 +7,7 @@ Every refusal names the file and the JSON path of the first problem.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from planner.errors import PlanFileError
@@ -95,25 +96,47 @@ def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where:
 
 def check_op_ranges(units: Sequence[UnitEntry], pipeline: PipelineSection | None, ops: int,
                     devices: int, source: str) -> None:
-    """Refuse op ranges outside the plan's `ops` and ranks outside its mesh: every reader
-    indexes the op list by them (explain's units, the executor's stages and segments)."""
-    ranges: list[tuple[str, tuple[int, int]]] = [
-        (f"units[{i}] ({unit.name})", unit.ops) for i, unit in enumerate(units)]
+    """Refuse op ranges outside the plan's `ops`, ranges of one kind that overlap, and
+    ranks outside its mesh: every reader indexes the op list by them (explain's units, the
+    executor's stages and segments), and each walks its ranges' ops, which stays linear
+    in the plan only while no op lies in two of them."""
+    Named = list[tuple[str, tuple[int, int]]]
+    kinds: list[tuple[Named, str]] = [
+        ([(f"units[{i}] ({unit.name})", unit.ops) for i, unit in enumerate(units)],
+         "units cut the ops into disjoint ranges")]
     if pipeline is not None:
-        ranges += [(f"pipeline.units[{i}] ({unit.name})", unit.ops)
-                   for i, unit in enumerate(pipeline.units)]
+        kinds.append(([(f"pipeline.units[{i}] ({unit.name})", unit.ops)
+                       for i, unit in enumerate(pipeline.units)],
+                      "units cut the ops into disjoint ranges"))
+        kinds.append(([(f"pipeline.stages[{s}].ops[{c}]", r)
+                       for s, stage in enumerate(pipeline.stages)
+                       for c, r in enumerate(stage.ops)],
+                      "pipeline stages must hold every op exactly once"))
+        kinds.append(([(f"pipeline.stages[{s}].recompute_segments[{c}]", r)
+                       for s, stage in enumerate(pipeline.stages)
+                       for c, r in enumerate(stage.recompute_segments)],
+                      "an op is recomputed once at most"))
         for s, stage in enumerate(pipeline.stages):
-            ranges += [(f"pipeline.stages[{s}].ops[{c}]", r) for c, r in enumerate(stage.ops)]
-            ranges += [(f"pipeline.stages[{s}].recompute_segments[{c}]", r)
-                       for c, r in enumerate(stage.recompute_segments)]
             outside = [rank for rank in stage.ranks if not 0 <= rank < devices]
             if outside:
                 raise PlanFileError(f"{source}: pipeline.stages[{s}].ranks: rank {outside[0]} "
                                     f"is not one of the mesh's {devices} devices; {REMEDY}")
-    for where, (first, end) in ranges:
-        if not 0 <= first <= end <= ops:
-            raise PlanFileError(f"{source}: {where}: op range [{first}, {end}) lies outside "
-                                f"the plan's {ops} ops; {REMEDY}")
+    for ranges, rule in kinds:
+        for where, (first, end) in ranges:
+            if not 0 <= first <= end <= ops:
+                raise PlanFileError(f"{source}: {where}: op range [{first}, {end}) lies "
+                                    f"outside the plan's {ops} ops; {REMEDY}")
+        _refuse_overlaps(ranges, rule, source)
+
+
+def _refuse_overlaps(ranges: Sequence[tuple[str, tuple[int, int]]], rule: str,
+                     source: str) -> None:
+    """Refuse two of `ranges` sharing an op (empty ranges share none), naming both."""
+    ordered = sorted((r for r in ranges if r[1][0] < r[1][1]), key=lambda r: r[1])
+    for (before, (a, b)), (where, (first, end)) in itertools.pairwise(ordered):
+        if first < b:
+            raise PlanFileError(f"{source}: {where}: op range [{first}, {end}) overlaps "
+                                f"{before} [{a}, {b}): {rule}; {REMEDY}")
 
 
 def check_groups(cluster: ClusterRef, pipeline: PipelineSection | None, source: str) -> None:
