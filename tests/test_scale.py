@@ -285,3 +285,34 @@ def test_a_strategies_file_naming_every_op_is_resolved_in_linear_work(tmp_path: 
     small, large = counts
     assert large.total() / small.total() < 2.2, (small.total(), large.total())
     assert large["search/oplevel.py"] / small["search/oplevel.py"] < 2.2
+
+
+def test_the_joint_finalists_are_built_from_their_exact_derivations_however_large_the_graph(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joint search prices each finalist exactly when it decides it, and the builder
+    builds the same derivation right after. A 200,000-op graph keeps 3 derivations
+    (`memo_limit`); the memo was cleared whole whenever it passed 2, so the builder
+    derived two of the three finalists again (7.5 s of a static 200,000-op chain's 63).
+    Here a small chain under the same limit: no derivation is made twice."""
+    from planner.cost import oplevel
+
+    path = tmp_path / "chain.onnx"
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"t{i - 1}"], [f"t{i}"])
+             for i in range(200)]
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+        [helper.make_tensor_value_info("t199", TensorProto.FLOAT, [8, 16])])
+    _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    monkeypatch.setattr(oplevel, "MEMO_OPS", 1)  # the least kept, as at 200,000 ops
+    derived: Counter[tuple] = Counter()
+    derive = oplevel.derive
+
+    def counted(analysis, mesh, strategies, **options):  # type: ignore[no-untyped-def]
+        derived[(id(analysis), mesh, frozenset(strategies.items()),
+                 options.get("foreign"))] += 1
+        return derive(analysis, mesh, strategies, **options)
+
+    monkeypatch.setattr(oplevel, "derive", counted)
+    chosen = plan(path, devices=8)
+    assert chosen.predicted.fits and len(derived) >= 6
+    assert max(derived.values()) == 1, list(derived.values())

@@ -100,22 +100,27 @@ def priced_choice(analysis: GraphAnalysis, mesh: DeviceMesh,
     priced = price_graph(derive(analysis, mesh, strategies, training=not options.inference,
                                 loss_reads=options.loss_reads, foreign=foreign),
                          profile, options)
-    if len(kept) > memo_limit(len(analysis.graph.ops)):
-        kept.clear()
+    limit = memo_limit(len(analysis.graph.ops))
+    while len(kept) >= limit:  # the oldest goes (dicts keep their insertion order)
+        del kept[next(iter(kept))]
     kept[key] = (profile, priced)
     return priced
 
 
 MEMO_LIMIT = 64  # derivations kept per graph (each holds every op's layouts and prices)
-#: ops of derivations kept per graph, at most: a 200,000-op graph keeps 2 derivations,
+#: ops of derivations kept per graph, at most: a 200,000-op graph keeps 3 derivations,
 #: not 64 (each over 100 MB), and derives a finalist again where it has to
 MEMO_OPS = 400_000
+#: derivations kept however large the graph: the joint search's finalists, each priced
+#: exactly when it is decided (`joint_decisions`' verify) and built right after, the
+#: oldest evicted first (clearing them all once 2 were kept derived two of three again)
+MEMO_FLOOR = 3
 DERIVATIONS = "derivations"  # memo key of the analysis: the kept derivations
 
 
 def memo_limit(ops: int) -> int:
     """How many derivations of a graph of `ops` ops `priced_choice` keeps."""
-    return max(2, min(MEMO_LIMIT, MEMO_OPS // max(1, ops)))
+    return max(MEMO_FLOOR, min(MEMO_LIMIT, MEMO_OPS // max(1, ops)))
 
 
 def mesh_on(mesh: DeviceMesh, hardware: HardwareProfile) -> DeviceMesh:
