@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, cached_property
 
 from costmodels.cluster import Cluster, Placement
 from costmodels.profile import HardwareProfile
@@ -38,7 +38,7 @@ from planner.kinds import (
     StepKind,
 )
 from planner.layers import Units
-from planner.plans.model import Plan
+from planner.plans.model import Plan, brief_of
 from planner.plans.sections import (
     Alternative,
     Brief,
@@ -57,7 +57,7 @@ from planner.plans.sections import (
     UnitEntry,
     chunks_of,
 )
-from planner.plans.sequence import sequence_parallel
+from planner.plans.sequence import handed_on_split, sequence_parallel, splits_sequence
 from planner.plans.stagemesh import tensor_sites
 from planner.records import Collective, OpCost, Predicted, SolverRecord
 from planner.search.decisions import Decision, OpLevelDecision, PipelineDecision
@@ -102,19 +102,32 @@ UNREPORTED = SolverRecord("", "fixed", 0.0, 0.0, 0.0)
 
 @dataclass(frozen=True)
 class Derived:
-    """Every section of a decision's plan (`sections`, with the search's record still to
-    come), and the step price it came to: the search's objective for this decision."""
+    """A decision priced: the step price it came to (the search's objective), what
+    compares it with other finalists (`brief`: mesh, parallel section, predicted step),
+    and every section of its plan (`sections`, with the search's record still to come),
+    written when first asked for. Only one finalist becomes the plan: at 200,000 ops
+    writing each finalist's op and tensor entries took 8 s of a minute, and this way the
+    others' are never written."""
 
     decision: Decision
-    sections: Plan
     price: StepPrice = field(repr=False)
+    predicted: Predicted
+    summary: Brief
+    write: Callable[[], Plan] = field(repr=False, compare=False)
 
     @property
-    def predicted(self) -> Predicted:
-        return self.sections.predicted
+    def parallel(self) -> ParallelConfig:
+        return self.summary.parallel
 
     def brief(self) -> Brief:
-        return self.sections.brief()
+        return self.summary
+
+    @cached_property
+    def sections(self) -> Plan:
+        plan = self.write()
+        assert plan.brief() == self.summary and plan.predicted == self.predicted, \
+            "a plan's sections disagree with the figures it was compared by"
+        return plan
 
 
 def derive(context: BuildContext, decision: Decision) -> Derived:
@@ -146,17 +159,37 @@ def _op_level(context: BuildContext, decision: OpLevelDecision) -> Derived:
     sharded = priced.sharded
     price = priced.step()
     dp, tp = decision.degrees or _degrees(analysis, sharded)
-    ops, tensors, units = _op_entries(priced), _stored_tensors(priced), \
-        _layer_units(analysis.units)
+    units = _layer_units(analysis.units)
     parallel = ParallelConfig(dp=dp, tp=tp, optimizer=training.optimizer,
-                              sp=sequence_parallel(ops, tensors, units))
-    return Derived(decision, Plan(
-        model=_model_ref(analysis.graph), cluster=_cluster_ref(context.hardware, decision.mesh),
-        mesh=decision.mesh, parallel=parallel, ops=ops, tensors=tensors,
-        collectives=priced.collectives, predicted=predicted(price, context.limit),
-        solver=UNREPORTED,
-        warnings=_warnings(analysis.graph, sharded, context.hardware), step=_step(training),
-        pipeline=None, units=units), price)
+                              sp=_sequence_parallel(sharded, units))
+    step = predicted(price, context.limit)
+
+    def write() -> Plan:
+        return Plan(
+            model=_model_ref(analysis.graph),
+            cluster=_cluster_ref(context.hardware, decision.mesh), mesh=decision.mesh,
+            parallel=parallel, ops=_op_entries(priced), tensors=_stored_tensors(priced),
+            collectives=priced.collectives, predicted=step, solver=UNREPORTED,
+            warnings=_warnings(analysis.graph, sharded, context.hardware),
+            step=_step(training), pipeline=None, units=units)
+    return Derived(decision, price, step, brief_of(decision.mesh, parallel, step), write)
+
+
+def _sequence_parallel(sharded: ShardedGraph, units: Sequence[UnitEntry]) -> int:
+    """`parallel.sp` of the plan `sharded` lays out (`planner.plans.sequence`), read off
+    the derivation itself: the entries the plan would write bind an op's input or output
+    where the op lays it out."""
+    tensors = sharded.analysis.graph.tensors
+    reads = [(tuple(name for name, layout in zip(op.node.inputs, op.inputs, strict=True)
+                    if name and layout is not None),
+              tuple(name for name, layout in zip(op.node.outputs, op.outputs, strict=True)
+                    if name and layout is not None)) for op in sharded.ops]
+
+    def split(name: str) -> bool:
+        info = tensors.get(name)
+        return info is not None and splits_sequence(info.kind, info.shape, info.dtype,
+                                                    sharded.layout(name))
+    return int(handed_on_split(reads, split, units) is not None)
 
 
 def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
@@ -251,50 +284,71 @@ def _pipeline(context: BuildContext, decision: PipelineDecision) -> Derived:
     kind_of_op = [kind_of_stage[s] for s in stage_of_op]
     scale_of_op = [pricer.scales[s] if isinstance(pricer, PlacedPricer) else (1.0, 1.0)
                    for s in stage_of_op]
-    ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
-        priceds, kind_of_op, scale_of_op)
-    tensors = _stored_tensors(priced) if not decision.shapes else _shaped_tensor_entries(
-        [p.sharded for p in priceds], kind_of_op)
     units = _layer_units(analysis.units)
+    shaped: tuple[tuple[OpEntry, ...], Mapping[str, TensorEntry]] | None = None
+    if decision.shapes:  # each stage's own layouts: its entries are the sp test's input
+        shaped_ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
+            priceds, kind_of_op, scale_of_op)
+        shaped = (shaped_ops, _shaped_tensor_entries([p.sharded for p in priceds],
+                                                     kind_of_op))
+        sp = sequence_parallel(*shaped, units)
+    else:  # one layout (priced on each kind of a mixed cluster): read off its derivation
+        sp = _sequence_parallel(sharded, units)
     parallel = ParallelConfig(
         dp=choice.dp, tp=tp, pp=choice.pp, micro_batches=choice.micro_batches,
         zero=choice.zero,
         recompute=decision.recompute[0] if len(modes) == 1 else Recompute.PER_STAGE,
-        optimizer=training.optimizer, sp=sequence_parallel(ops, tensors, units),
+        optimizer=training.optimizer, sp=sp,
         cp=choice.cp, ep=choice.ep, cp_kind=context_kind(analysis, decision.strategies)
         if choice.cp > 1 else None, dp_shares=decision.rows)
-    blocks = stage_ranks(sizes, per_node)
-    stages = _stage_entries(analysis, sharded, priced.kernels, price, decision, blocks,
-                            placement, stage_meshes)
-    sends = _sends(analysis, profile_of, stages, prices_of)
-    global_batch = decision.micro_batch_size * choice.micro_batches
-    section = PipelineSection(
-        schedule=config.schedule, micro_batches=config.micro_batches,
-        micro_batch_size=graph.batch, global_batch=global_batch,
-        virtual_stages=config.virtual_stages,
-        bubble_fraction=bubble_fraction(choice.pp, config.micro_batches, config.schedule,
-                                        config.virtual_stages, _split(price.busiest)),
-        units=_unit_entries(analysis.units), stages=stages, sends=sends)
-    op_collectives = priced.collectives if len(priceds) == 1 else _placed_collectives(
-        priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op, strict=True)})
-    collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
-                   *_weight_collectives(profile_of, stages, choice.zero, prices_of,
-                                        training.precision, recompute_reads(
-                                            _op_names(graph),
-                                            [s for stage in stages
-                                             for s in stage.recompute_segments],
-                                            lambda n: graph.tensors[n].kind)),
-                   *_send_collectives(sends, stages, graph, prices_of))
     limits = None
     if placement is not None:
         limits = [int(context.limit * pricer.limit_ratio(d)) for d in range(choice.pp)]
-    return Derived(decision, Plan(
-        model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement,
-                                                      sum(sizes)),
-        mesh=mesh, parallel=parallel, ops=ops, tensors=tensors,
-        collectives=collectives, predicted=predicted(price, context.limit, limits),
-        solver=UNREPORTED, warnings=tuple(warnings), step=_step(training), pipeline=section,
-        units=units), price)
+    step = predicted(price, context.limit, limits)
+    blocks = stage_ranks(sizes, per_node)
+
+    def write() -> Plan:
+        if shaped is not None:
+            ops, tensors = shaped
+        else:
+            ops = _op_entries(priced) if len(priceds) == 1 else _placed_op_entries(
+                priceds, kind_of_op, scale_of_op)
+            tensors = _stored_tensors(priced)
+        stages = _stage_entries(analysis, sharded, priced.kernels, price, decision, blocks,
+                                placement, stage_meshes)
+        sends = _sends(analysis, profile_of, stages, prices_of)
+        section = PipelineSection(
+            schedule=config.schedule, micro_batches=config.micro_batches,
+            micro_batch_size=graph.batch,
+            global_batch=decision.micro_batch_size * choice.micro_batches,
+            virtual_stages=config.virtual_stages,
+            bubble_fraction=bubble_fraction(choice.pp, config.micro_batches,
+                                            config.schedule, config.virtual_stages,
+                                            _split(price.busiest)),
+            units=_unit_entries(analysis.units), stages=stages, sends=sends)
+        op_collectives = priced.collectives if len(priceds) == 1 else _placed_collectives(
+            priceds, {node.name: kind for node, kind in zip(graph.ops, kind_of_op,
+                                                            strict=True)})
+        collectives = (*(c for c in op_collectives if c.phase != Phase.GRADIENT),
+                       *_weight_collectives(profile_of, stages, choice.zero, prices_of,
+                                            training.precision, recompute_reads(
+                                                _op_names(graph),
+                                                [s for stage in stages
+                                                 for s in stage.recompute_segments],
+                                                lambda n: graph.tensors[n].kind)),
+                       *_send_collectives(sends, stages, graph, prices_of))
+        return Plan(
+            model=_model_ref(graph), cluster=_cluster_ref(context.hardware, mesh, placement,
+                                                          sum(sizes)),
+            mesh=mesh, parallel=parallel, ops=ops, tensors=tensors,
+            collectives=collectives, predicted=step, solver=UNREPORTED,
+            warnings=tuple(warnings), step=_step(training), pipeline=section, units=units)
+
+    if shaped is not None:  # per-stage meshes: described from the stages written
+        plan = write()
+        return Derived(decision, price, step, plan.brief(), lambda: plan)
+    return Derived(decision, price, step, brief_of(mesh, parallel, step, config.schedule,
+                                                   config.virtual_stages), write)
 
 
 def _shaped_tensor_entries(shardeds: Sequence[ShardedGraph],

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlanFileError, StrategyError
+from planner.kinds import Schedule
 from planner.plans.checks import check_groups, check_op_ranges, check_plan_fits
 from planner.plans.schema import check_plan_json
 from planner.plans.sections import (
@@ -74,6 +75,20 @@ def _write_plan(data: Mapping[str, Any], write: Callable[[str], object]) -> None
     write("\n}")
 
 
+def brief_of(mesh: DeviceMesh, parallel: ParallelConfig, predicted: Predicted,
+             schedule: Schedule | None = None, virtual_stages: int = 1,
+             stage_meshes: str = "") -> Brief:
+    """The figures that compare a plan with others (`Plan.brief`): the builder gives them
+    for each finalist before, and whether or not, it writes that finalist's sections."""
+    return Brief(
+        mesh=tuple(mesh.shape), axes=tuple(mesh.axis_names), parallel=parallel,
+        step_time_s=predicted.step_time_s, compute_s=predicted.compute_s,
+        communication_s=predicted.communication_s,
+        peak_memory_bytes=int(predicted.memory.peak), fits=predicted.fits,
+        memory=predicted.memory, breakdown=predicted.breakdown, schedule=schedule,
+        virtual_stages=virtual_stages, stage_meshes=stage_meshes)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How every op and tensor of one model is split over a device mesh, with its cost."""
@@ -99,17 +114,12 @@ class Plan:
     units: tuple[UnitEntry, ...] = ()
 
     def brief(self) -> Brief:
-        return Brief(
-            mesh=tuple(self.mesh.shape), axes=tuple(self.mesh.axis_names),
-            parallel=self.parallel, step_time_s=self.predicted.step_time_s,
-            compute_s=self.predicted.compute_s,
-            communication_s=self.predicted.communication_s,
-            peak_memory_bytes=int(self.predicted.memory.peak), fits=self.predicted.fits,
-            memory=self.predicted.memory, breakdown=self.predicted.breakdown,
-            schedule=self.pipeline.schedule if self.pipeline else None,
-            virtual_stages=self.pipeline.virtual_stages if self.pipeline else 1,
-            stage_meshes=describe_stage_meshes(self.mesh, self.pipeline)
-            if self.pipeline is not None and per_stage_meshes(self.pipeline) else "")
+        return brief_of(self.mesh, self.parallel, self.predicted,
+                        self.pipeline.schedule if self.pipeline else None,
+                        self.pipeline.virtual_stages if self.pipeline else 1,
+                        describe_stage_meshes(self.mesh, self.pipeline)
+                        if self.pipeline is not None and per_stage_meshes(self.pipeline)
+                        else "")
 
     @property
     def micro_batches(self) -> int:

@@ -86,10 +86,10 @@ class Finalists:
         one added before it, which stays first)."""
         at = (search, len(self._rows))
         self._rows.append((search, _alternative(derived, record, on), True))
-        if derived.predicted.fits and self.sp not in (None, derived.sections.parallel.sp):
+        if derived.predicted.fits and self.sp not in (None, derived.parallel.sp):
             self.other_sp += 1
         if on is not None or not derived.predicted.fits \
-                or self.sp not in (None, derived.sections.parallel.sp):
+                or self.sp not in (None, derived.parallel.sp):
             return
         step = derived.predicted.step_time_s
         if self.best is None or self._best_at is None or (
@@ -275,8 +275,8 @@ def _eligible(name: str, baseline: Derived, options: SearchOptions, pins: Pins) 
     """Whether a baseline answers the problem the user asked: no strategies of their own,
     their mesh if they named one, and every pin it satisfies (the Megatron baseline is the
     `layout=megatron` pin's op-level plan)."""
-    parallel = baseline.sections.parallel
-    mesh = tuple(baseline.sections.mesh.shape)
+    parallel = baseline.parallel
+    mesh = baseline.summary.mesh
     return (not options.strategies and options.mesh in (None, mesh)
             and pins.admit(parallel.dp, parallel.tp, "megatron" if name == "megatron" else None)
             and pins.sp in (None, parallel.sp))

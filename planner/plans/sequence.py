@@ -16,56 +16,73 @@ the batch alone, so the axis is the tensor axis; in an op-level plan over generi
 is an axis `parallel.tp` counts. A plan without repeated layers has no activations between
 blocks and says 0. The context-parallel axis ("cp") splits the sequence of every
 activation too; that is context parallelism (`parallel.cp`), not sp, so a split over it
-alone does not count. The builder writes `parallel.sp` from this function and `validate`
-checks a plan file against it, so the two cannot drift apart.
+alone does not count. The builder writes `parallel.sp` from `handed_on_split` over its
+derivation (before, and whether or not, it writes the entries) and `validate` checks a
+plan file's entries with the same function, so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from planner.graph import FLOAT_DTYPES
 from planner.kinds import AxisRole
 from planner.plans.sections import OpEntry, TensorEntry, UnitEntry
+from planner.sharding.layout import Layout
 
 #: The sequence dim of a [batch, sequence, hidden] activation.
 SEQUENCE_DIM = 1
+
+#: Per op, the tensors it reads and writes as laid out data (a plan entry's bindings)
+Reads = Sequence[tuple[Sequence[str], Sequence[str]]]
 
 
 def sequence_split(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
                    units: Sequence[UnitEntry]) -> str | None:
     """The first activation a layer hands on that is stored split along the sequence
     (the module doc's definition), or None: the plan is not sequence parallel."""
-    unit_of = [-1] * len(ops)
+    reads = [(tuple(b.tensor for b in op.inputs if b is not None),
+              tuple(b.tensor for b in op.outputs if b is not None)) for op in ops]
+
+    def split(name: str) -> bool:
+        entry = tensors.get(name)
+        return entry is not None and splits_sequence(entry.kind, entry.shape, entry.dtype,
+                                                     entry.layout)
+    return handed_on_split(reads, split, units)
+
+
+def handed_on_split(reads: Reads, split: Callable[[str], bool],
+                    units: Sequence[UnitEntry]) -> str | None:
+    """`sequence_split` over each op's reads and writes and a test of a stored tensor
+    (`splits_sequence`): what the builder asks of its derivation before it writes the
+    plan's entries, and `validate` of those entries."""
+    unit_of = [-1] * len(reads)
     layers = set()
     for index, unit in enumerate(units):
         if unit.is_layer:
             layers.add(index)
-        for k in range(max(0, unit.ops[0]), min(unit.ops[1], len(ops))):
+        for k in range(max(0, unit.ops[0]), min(unit.ops[1], len(reads))):
             unit_of[k] = index
     written: dict[str, int] = {}
-    for k, op in enumerate(ops):
-        for binding in op.inputs:
-            if binding is not None and written.get(binding.tensor, unit_of[k]) < unit_of[k] \
-                    and _sequence_split(tensors.get(binding.tensor)):
-                return binding.tensor
+    for k, (inputs, outputs) in enumerate(reads):
+        for name in inputs:
+            if written.get(name, unit_of[k]) < unit_of[k] and split(name):
+                return name
         if unit_of[k] in layers:
-            for binding in op.outputs:
-                if binding is not None:
-                    written[binding.tensor] = unit_of[k]
+            for name in outputs:
+                written[name] = unit_of[k]
     return None
 
 
 def sequence_parallel(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
                       units: Sequence[UnitEntry]) -> int:
-    """`parallel.sp` as the builder writes it and an older file is read: 1 when the
-    plan's own layouts are sequence parallel (`sequence_split`), else 0."""
+    """`parallel.sp` as an older file is read: 1 when the plan's own layouts are sequence
+    parallel (`sequence_split`), else 0."""
     return int(sequence_split(ops, tensors, units) is not None)
 
 
-def _sequence_split(entry: TensorEntry | None) -> bool:
-    """Whether `entry` is a [batch, sequence, hidden] float activation stored split along
+def splits_sequence(kind: str, shape: Sequence[int], dtype: str, layout: Layout) -> bool:
+    """Whether a tensor is a [batch, sequence, hidden] float activation stored split along
     its sequence."""
-    return (entry is not None and entry.kind == "activation" and len(entry.shape) == 3
-            and entry.dtype in FLOAT_DTYPES
-            and any(axis != AxisRole.CONTEXT for axis in entry.layout.dims[SEQUENCE_DIM]))
+    return (kind == "activation" and len(shape) == 3 and dtype in FLOAT_DTYPES
+            and any(axis != AxisRole.CONTEXT for axis in layout.dims[SEQUENCE_DIM]))
