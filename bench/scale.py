@@ -17,7 +17,9 @@ and writing the file), its peak RSS and its plan file's size.
 `--model` plans another of `tests/test_scale.py`'s shapes instead (`BUILDERS`):
 `shared-constant`, Relu and an Add of one constant alternating, so that every op fuses
 into one kernel region and the constant is a weight every unit reads; `many-outputs`,
-Relus of the input, each a graph output (each was quadratic until 2026-12-06).
+Relus of the input, each a graph output (each was quadratic until 2026-12-06); `relu`,
+a plain chain of Relus on a [batch, 16] input, and `static-relu`, the same on a static
+[8, 16] input, which has no other batch to be imported again at for micro-batches.
 
 With `--against` (a worktree of that commit, as `bench/versus.py` makes) or `--tree` both
 versions plan the same file, one run after the other (the order alternating per repeat,

@@ -222,7 +222,27 @@ def many_outputs(ops: int, path: Path) -> Path:
     return _saved_graph(nodes, [f"t{i}" for i in range(ops)], path)
 
 
-BUILDERS = {"shared-constant": shared_constant_chain, "many-outputs": many_outputs}
+def relu_chain(ops: int, path: Path) -> Path:
+    """`ops` Relus one after the other on a [batch, 16] input: the plainest long chain
+    (`bench/scale.py --model relu`)."""
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"t{i - 1}"], [f"t{i}"])
+             for i in range(ops)]
+    return _saved_graph(nodes, [f"t{ops - 1}"], path)
+
+
+def static_relu_chain(ops: int, path: Path) -> Path:
+    """The same chain on an input of static shape [8, 16], as a graph written by hand
+    often is: no other batch to bind it at, so no micro-batch sizes to import it again at
+    (`bench/scale.py --model static-relu`)."""
+    relu_chain(ops, path)
+    model = onnx.load(str(path))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = 8
+    return _save(model, path)
+
+
+BUILDERS = {"shared-constant": shared_constant_chain, "many-outputs": many_outputs,
+            "relu": relu_chain, "static-relu": static_relu_chain}
 
 
 def _planner_lines(path: Path, **options: Any) -> Counter[str]:
