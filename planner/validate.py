@@ -23,9 +23,10 @@ it re-derives from the sharding layer, never from the search or the pricing.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -35,7 +36,7 @@ from planner.graph import PlanningGraph, dtype_itemsize
 from planner.kinds import AxisRole, CollectiveKind, Phase, StepKind
 from planner.ops import replicated_labels
 from planner.plans.model import Plan
-from planner.plans.sections import PipelineSection
+from planner.plans.sections import OpEntry, PipelineSection
 from planner.plans.sequence import sequence_split
 from planner.plans.stagemesh import (
     arrival_layouts,
@@ -91,6 +92,8 @@ def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
     dims, when given)."""
     report = Report()
     meshes = _Meshes.of(plan)
+    analysis = functools.cache(lambda: GraphAnalysis.of(graph)) if graph is not None \
+        else None  # the model's, found once for the checks that read it
     _parallel(plan, report)
     _costs(plan, report)
     before = len(report.problems)
@@ -98,11 +101,12 @@ def validate(plan: Plan, graph: PlanningGraph | None = None) -> Report:
     if plan.pipeline is not None and len(report.problems) == before:
         matched = graph if graph is not None and _matches(plan, graph) else None
         _stage_holds(plan, matched, report)
-        _sends(plan, matched, report, meshes)
+        _sends(plan, analysis if matched is not None else None, report, meshes)
     _send_collectives(plan, report)
     _edges(plan, report, meshes)
     if graph is not None:
-        _model(plan, graph, report, meshes)
+        assert analysis is not None
+        _model(plan, graph, analysis, report, meshes)
     return report
 
 
@@ -203,18 +207,43 @@ COST_SECTIONS = ("predicted", "collectives", "ops", "alternatives", "baselines")
 def _costs(plan: Plan, report: Report) -> None:
     """Every predicted cost (step, breakdown, memory, each collective, op and stage) is a
     finite number, at least 0: an inf or NaN would order plans or size buffers wrongly."""
-    data = plan.to_json()
     found: list[tuple[str, float]] = []
     for key in COST_SECTIONS:
-        _numbers(data.get(key), key, found)
+        if key == "ops":  # read off the entries: written out, they took most of the time
+            _op_numbers(plan.ops, found)
+            continue
+        _numbers(plan.section_json(key), key, found)
     if plan.pipeline is not None:
-        _numbers(data["pipeline"]["stages"], "pipeline.stages", found)
-        _numbers(data["pipeline"]["bubble_fraction"], "pipeline.bubble_fraction", found)
+        data = plan.section_json("pipeline")
+        _numbers(data["stages"], "pipeline.stages", found)
+        _numbers(data["bubble_fraction"], "pipeline.bubble_fraction", found)
     for path, value in found[:MAX_LISTED]:
         report.add(f"{path} is {value}: a predicted cost must be a finite number, 0 or more; "
                    "re-plan")
     if len(found) > MAX_LISTED:
         report.add(f"and {len(found) - MAX_LISTED} more costs that are not finite numbers ≥ 0")
+
+
+def _op_numbers(ops: Sequence[OpEntry], found: list[tuple[str, float]]) -> None:
+    """`_numbers` of the `ops` section, from the entries: the numbers an entry writes are
+    its strategy's factors, its bindings' gradient shares (written where not 1) and its
+    cost, in that order (a binding's layout names axes only)."""
+    def check(value: float, where: Where) -> None:
+        if not isinstance(value, bool) and (not math.isfinite(value) or value < 0):
+            found.append((_spelled(where), value))
+
+    for k, op in enumerate(ops):
+        at: Where = ("ops", True, k)
+        for slot, factors in enumerate(op.strategy):
+            for dim, factor in enumerate(factors):
+                check(factor, (((at, False, "strategy"), True, slot), True, dim))
+        for side, bindings in (("inputs", op.inputs), ("outputs", op.outputs)):
+            for slot, binding in enumerate(bindings):
+                if binding is not None and binding.share != 1.0:
+                    check(binding.share, (((at, False, side), True, slot), False, "share"))
+        if op.cost is not None:
+            for key, value in op.cost.to_json().items():
+                check(value, ((at, False, "cost"), False, key))
 
 
 def _numbers(value: Any, path: str, found: list[tuple[str, float]]) -> None:
@@ -385,7 +414,8 @@ def _stage_holds(plan: Plan, graph: PlanningGraph | None, report: Report) -> Non
                        f"read {len(wanted)} (first difference: {odd[0]})")
 
 
-def _sends(plan: Plan, graph: PlanningGraph | None, report: Report, meshes: _Meshes) -> None:
+def _sends(plan: Plan, model: Callable[[], GraphAnalysis] | None, report: Report,
+           meshes: _Meshes) -> None:
     """The pipeline's sends are the ones its partition implies (`send_routes`): each
     activation crossing to another device stage, chunk to chunk, with its gradient when it
     carries one (known from the model; without it, as the plan's sends say), of its
@@ -395,20 +425,22 @@ def _sends(plan: Plan, graph: PlanningGraph | None, report: Report, meshes: _Mes
     chunks = pipe.chunks()
     units = pipe.units
     bounds = [u.ops[0] for u in units] + ([units[-1].ops[1]] if units else [])
-    if not all(first in bounds and end in bounds for (first, end), _ in chunks):
+    at_bounds = set(bounds)
+    if not all(first in at_bounds and end in at_bounds for (first, end), _ in chunks):
         report.add("pipeline: a stage's op range does not start and end at unit bounds "
                    f"{bounds[:8]}…; re-plan")
         return
-    ops = _op_names(plan, graph)
+    ops = _op_names(plan, model().graph if model is not None else None)
     unit_of = [0] * len(ops)
     for k, unit in enumerate(units):
         for index in range(*unit.ops):
             unit_of[index] = k
-    needs_grad = GraphAnalysis.of(graph).needs_grad if graph is not None else \
+    needs_grad = model().needs_grad if model is not None else \
         {send.tensor: True for send in pipe.sends if send.grad}
     chunk_of_unit = chunk_of_units(bounds, chunks)
     wanted: Counter = Counter()
-    for crossing in unit_crossings(ops, unit_of):
+    for crossing in unit_crossings(ops, unit_of) if len(chunks) > 1 else ():  # (in one
+        # chunk nothing crosses)
         grad = needs_grad.get(crossing.tensor, False)
         for source, target in send_routes(crossing, grad, chunk_of_unit, chunks):
             wanted[(crossing.tensor, chunks[source][1], chunks[target][1], source, target,
@@ -565,14 +597,16 @@ def _context_kind(plan: Plan, analysis: GraphAnalysis, strategies: Mapping[str, 
                    f"layouts run attention over cp as {runs}")
 
 
-def _model(plan: Plan, graph: PlanningGraph, report: Report, meshes: _Meshes) -> None:
-
+def _model(plan: Plan, graph: PlanningGraph, model: Callable[[], GraphAnalysis],
+           report: Report, meshes: _Meshes) -> None:
+    """The plan against the model: its entries, layouts and collectives re-derived from
+    its assignments (`model`: the graph's analysis, found once per `validate`)."""
     try:
         check_plan_matches(plan, graph)
     except ShardplanError as exc:
         report.add(str(exc))
         return
-    analysis = GraphAnalysis.of(graph)
+    analysis = model()
     if plan.parallel.micro_batches > 1 and analysis.rows_meet is not None:
         report.add(f"parallel.micro_batches is {plan.parallel.micro_batches}, but "
                    + rows_meet_reason(graph, analysis.rows_meet))

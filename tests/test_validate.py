@@ -210,6 +210,9 @@ def _gradient_weight(data: dict) -> str:
     (lambda d: d["parallel"].__setitem__("dp", 1), "parallel.dp is 1 but the mesh", True),
     (lambda d: d["pipeline"]["stages"][0].__setitem__("forward_s", 1e400),
      "pipeline.stages[0].forward_s is inf", True),
+    # an op's own numbers, read off its entry (the paths as the file writes them)
+    (lambda d: d["ops"][3]["cost"].__setitem__("backward_s", -1.0),
+     "ops[3].cost.backward_s is -1.0", True),
 ])
 def test_pipeline_re_derivation_finds_tampering(files: dict[str, Path], tmp_path: Path,
                                                 capsys, change, needle: str,

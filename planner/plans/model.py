@@ -75,6 +75,12 @@ def _write_plan(data: Mapping[str, Any], write: Callable[[str], object]) -> None
     write("\n}")
 
 
+#: the sections every plan file has, in the order `Plan.to_json` writes them
+PLAN_SECTIONS = ("schema", "model", "cluster", "mesh", "parallel", "ops", "tensors",
+                 "collectives", "predicted", "solver", "warnings", "step", "alternatives",
+                 "baselines")
+
+
 def brief_of(mesh: DeviceMesh, parallel: ParallelConfig, predicted: Predicted,
              schedule: Schedule | None = None, virtual_stages: int = 1,
              stage_meshes: str = "") -> Brief:
@@ -131,22 +137,38 @@ class Plan:
         return self.pipeline.global_batch if self.pipeline is not None else self.model.batch
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "schema": SCHEMA, "model": self.model.to_json(), "cluster": self.cluster.to_json(),
-            "mesh": self.mesh.to_json(), "parallel": self.parallel.to_json(),
-            "ops": [op.to_json() for op in self.ops],
-            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
-            "collectives": [collective_to_json(c) for c in self.collectives],
-            "predicted": self.predicted.to_json(), "solver": self.solver.to_json(),
-            "warnings": list(self.warnings), "step": self.step.to_json(),
-            "alternatives": [a.to_json() for a in self.alternatives],
-            "baselines": {name: b.to_json() for name, b in self.baselines.items()},
-        }
+        data = {key: self.section_json(key) for key in PLAN_SECTIONS}
         if self.pipeline is not None:
-            data["pipeline"] = self.pipeline.to_json()
+            data["pipeline"] = self.section_json("pipeline")
         if self.units:
-            data["units"] = [u.to_json() for u in self.units]
+            data["units"] = self.section_json("units")
         return data
+
+    def section_json(self, key: str) -> Any:
+        """One section of the file (`PLAN_SECTIONS`, "pipeline" or "units") as it is
+        written: a reader checking one section need not write the others."""
+        match key:
+            case "schema":
+                return SCHEMA
+            case "model" | "cluster" | "mesh" | "parallel" | "predicted" | "solver" | "step":
+                return getattr(self, key).to_json()
+            case "ops":
+                return [op.to_json() for op in self.ops]
+            case "tensors":
+                return {name: t.to_json() for name, t in self.tensors.items()}
+            case "collectives":
+                return [collective_to_json(c) for c in self.collectives]
+            case "warnings":
+                return list(self.warnings)
+            case "alternatives":
+                return [a.to_json() for a in self.alternatives]
+            case "baselines":
+                return {name: b.to_json() for name, b in self.baselines.items()}
+            case "pipeline":
+                return self.pipeline.to_json() if self.pipeline is not None else None
+            case "units":
+                return [u.to_json() for u in self.units]
+        raise KeyError(f"a plan has no section {key!r}")
 
     def dumps(self) -> str:
         pieces: list[str] = []

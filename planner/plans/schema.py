@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from planner.errors import PlanFileError
 
@@ -37,10 +37,24 @@ def _schema() -> dict[str, Any]:
 
 def check_plan_json(data: Any, source: str) -> None:
     """Refuse JSON that breaks the strategy schema, naming the first offending path."""
-    problem = _Validator(_schema()).check(data, _schema(), ())
+    problem = _Validator(_schema()).check(data, _schema(), None)
     if problem is not None:
-        path, message = problem
-        raise PlanFileError(f"{source}: {_show(path)} {message}; {REMEDY}")
+        at, message = problem
+        raise PlanFileError(f"{source}: {_show(_path(at))} {message}; {REMEDY}")
+
+
+#: where a value lies, as the validator passes it down: None at the root, else (where
+#: its parent lies, its key); spelled out as a path only for the value it refuses (a
+#: 50,000-op plan holds millions of values)
+At = tuple[Any, str | int] | None
+
+
+def _path(at: At) -> Path_:
+    parts: list[str | int] = []
+    while at is not None:
+        at, key = at
+        parts.append(key)
+    return tuple(reversed(parts))
 
 
 def _show(path: Path_) -> str:
@@ -73,25 +87,58 @@ def _is(value: Any, kind: str) -> bool:
     return isinstance(value, {"object": dict, "array": list, "string": str}[kind])
 
 
+class _Plan(NamedTuple):
+    schema: dict[str, Any]  # the reference followed
+    types: frozenset[type] | None  # the Python types JSON gives the kinds allowed
+    choice: bool  # a const or an enum
+    pattern: bool
+
+
+#: the Python types `json` reads each JSON Schema kind as (a bool is no integer)
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
+    "null": (type(None),), "integer": (int,), "number": (int, float)}
+
+
 class _Validator:
-    """The JSON Schema keywords the strategy schema uses; returns (path, problem) or None."""
+    """The JSON Schema keywords the strategy schema uses; returns (where, problem) or None.
+    Each schema's applicable checks are found once (`_plan`), not asked of every value."""
 
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
+        self._plans: dict[int, _Plan] = {}
 
-    def check(self, value: Any, schema: dict[str, Any], path: Path_) -> tuple[Path_, str] | None:
-        if "$ref" in schema:
-            schema = self._resolve(schema["$ref"])
+    def _plan(self, schema: dict[str, Any]) -> _Plan:
+        """`schema` with its reference followed, and what its keywords ask of a value."""
+        found = self._plans.get(id(schema))
+        if found is None:
+            resolved = self._resolve(schema["$ref"]) if "$ref" in schema else schema
+            kinds = resolved.get("type")
+            kinds = [kinds] if isinstance(kinds, str) else kinds
+            found = self._plans[id(schema)] = _Plan(
+                resolved, frozenset(t for k in kinds for t in _TYPES[k]) if kinds else None,
+                "const" in resolved or "enum" in resolved, "pattern" in resolved)
+        return found
+
+    def check(self, value: Any, schema: dict[str, Any], at: At) -> tuple[At, str] | None:
+        plan = self._plan(schema)
+        schema = plan.schema
         if "oneOf" in schema:
-            return self._one_of(value, schema["oneOf"], path)
-        for step in (self._kind, self._choice, self._number, self._string):
-            problem = step(value, schema)
-            if problem:
-                return path, problem
-        if isinstance(value, dict):
-            return self._object(value, schema, path)
-        if isinstance(value, list):
-            return self._array(value, schema, path)
+            return self._one_of(value, schema["oneOf"], at)
+        kind = type(value)
+        if plan.types is not None and kind not in plan.types:
+            wrong = self._kind(value, schema)  # (a subclass of an allowed type passes)
+            if wrong:
+                return at, wrong
+        problem = (plan.choice and self._choice(value, schema)) or (
+            (kind is int or kind is float) and self._number(value, schema)) or (
+            plan.pattern and self._string(value, schema))
+        if problem:
+            return at, problem
+        if kind is dict:
+            return self._object(value, schema, at)
+        if kind is list:
+            return self._array(value, schema, at)
         return None
 
     def _resolve(self, ref: str) -> dict[str, Any]:
@@ -101,12 +148,12 @@ class _Validator:
         return node
 
     def _one_of(self, value: Any, options: Sequence[dict[str, Any]],
-                path: Path_) -> tuple[Path_, str] | None:
-        problems = [self.check(value, option, path) for option in options]
+                at: At) -> tuple[At, str] | None:
+        problems = [self.check(value, option, at) for option in options]
         if sum(p is None for p in problems) == 1:
             return None
-        deepest = max((p for p in problems if p is not None), key=lambda p: len(p[0]),
-                      default=(path, "matches more than one allowed form"))
+        deepest = max((p for p in problems if p is not None), key=lambda p: len(_path(p[0])),
+                      default=(at, "matches more than one allowed form"))
         return deepest
 
     @staticmethod
@@ -149,30 +196,30 @@ class _Validator:
         return ""
 
     def _object(self, value: dict[str, Any], schema: dict[str, Any],
-                path: Path_) -> tuple[Path_, str] | None:
+                at: At) -> tuple[At, str] | None:
         for key in schema.get("required", ()):
             if key not in value:
-                return (*path, key), "is missing"
+                return (at, key), "is missing"
         properties = schema.get("properties", {})
         extra = schema.get("additionalProperties")
         for key, item in value.items():
             sub = properties.get(key, extra if isinstance(extra, dict) else None)
-            problem = self.check(item, sub, (*path, key)) if sub is not None else None
+            problem = self.check(item, sub, (at, key)) if sub is not None else None
             if problem:
                 return problem
         return None
 
     def _array(self, value: list[Any], schema: dict[str, Any],
-               path: Path_) -> tuple[Path_, str] | None:
+               at: At) -> tuple[At, str] | None:
         if len(value) < schema.get("minItems", 0):
-            return path, f"must have at least {schema['minItems']} items, got {len(value)}"
+            return at, f"must have at least {schema['minItems']} items, got {len(value)}"
         if len(value) > schema.get("maxItems", len(value)):
-            return path, f"must have at most {schema['maxItems']} items, got {len(value)}"
+            return at, f"must have at most {schema['maxItems']} items, got {len(value)}"
         items = schema.get("items")
         if items is None:
             return None
         for index, item in enumerate(value):
-            problem = self.check(item, items, (*path, index))
+            problem = self.check(item, items, (at, index))
             if problem:
                 return problem
         return None

