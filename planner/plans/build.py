@@ -180,16 +180,16 @@ def _sequence_parallel(sharded: ShardedGraph, units: Sequence[UnitEntry]) -> int
     the derivation itself: the entries the plan would write bind an op's input or output
     where the op lays it out."""
     tensors = sharded.analysis.graph.tensors
+    split = {name for name, layout in sharded.layouts.items()  # (a tensor without one is
+             if name in tensors and splits_sequence(  # stored whole)
+                 tensors[name].kind, tensors[name].shape, tensors[name].dtype, layout)}
+    if not split:  # (most plans: no activation is split along a sequence at all)
+        return 0
     reads = [(tuple(name for name, layout in zip(op.node.inputs, op.inputs, strict=True)
                     if name and layout is not None),
               tuple(name for name, layout in zip(op.node.outputs, op.outputs, strict=True)
                     if name and layout is not None)) for op in sharded.ops]
-
-    def split(name: str) -> bool:
-        info = tensors.get(name)
-        return info is not None and splits_sequence(info.kind, info.shape, info.dtype,
-                                                    sharded.layout(name))
-    return int(handed_on_split(reads, split, units) is not None)
+    return int(handed_on_split(reads, split.__contains__, units) is not None)
 
 
 def _degrees(analysis: GraphAnalysis, sharded: ShardedGraph) -> tuple[int, int]:
