@@ -105,9 +105,9 @@ class Derived:
     """A decision priced: the step price it came to (the search's objective), what
     compares it with other finalists (`brief`: mesh, parallel section, predicted step),
     and every section of its plan (`sections`, with the search's record still to come),
-    written when first asked for. Only one finalist becomes the plan: at 200,000 ops
-    writing each finalist's op and tensor entries took 8 s of a minute, and this way the
-    others' are never written."""
+    written when first asked for. Only one finalist becomes the plan: writing every
+    finalist's op and tensor entries took 5 s of a static 200,000-op Relu chain's 56,
+    and this way the others' are never written."""
 
     decision: Decision
     price: StepPrice = field(repr=False)
