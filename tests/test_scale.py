@@ -358,3 +358,36 @@ def test_only_the_chosen_finalist_has_its_entries_written(
     chosen = plan(path, devices=8, batch=8)
     assert len(chosen.alternatives) + len(chosen.baselines) >= 4
     assert written == [len(chosen.ops)]
+
+
+@pytest.mark.parametrize("parallel", [{}, {"pp": 2, "vpp": 2}, {"tp": 2, "sp": 1}],
+                         ids=["searched", "interleaved", "sequence-parallel"])
+def test_every_finalists_sections_agree_with_the_brief_it_was_compared_by(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel: dict) -> None:
+    """A finalist is compared by its brief and predicted step, found before its sections
+    and apart from them (`planner.plans.build.Derived`). Written anyway here, each
+    finalist's plan (joint, op-level, baseline) reads back the same figures (`sections`
+    asserts it), and the same `parallel.sp` from its own entries as from its derivation."""
+    from planner import zoo
+    from planner.plans import planning
+    from planner.plans.sequence import sequence_parallel
+    from planner.zoo.gpt import GPTConfig
+
+    written: list[str] = []
+    add = planning.Finalists.add
+
+    def writing(self, derived, record, search, on=None):  # type: ignore[no-untyped-def]
+        sections = derived.sections
+        assert derived.parallel.sp == sequence_parallel(sections.ops, sections.tensors,
+                                                        sections.units)
+        written.append(str(search))
+        return add(self, derived, record, search, on)
+
+    monkeypatch.setattr(planning.Finalists, "add", writing)
+    config = GPTConfig(layers=4, hidden=64, heads=4, vocab=128, max_positions=32,
+                       dropout=0.0, fused_qkv=False)
+    path = zoo.save(zoo.build("gpt", config), tmp_path / "gpt.onnx")
+    chosen = plan(path, devices=8, batch=8, dims={"seq": 32}, parallel=parallel)
+    assert written and chosen.parallel.sp == parallel.get("sp", chosen.parallel.sp)
+    if "pp" in parallel:
+        assert chosen.pipeline is not None and chosen.pipeline.virtual_stages == 2
