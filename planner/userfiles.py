@@ -81,18 +81,13 @@ class _Refused(Exception):
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The object, refused where a key repeats. Built in C and counted: a plan's objects
-    number in the hundreds of thousands, and only a repeat needs the keys looked at."""
-    result = dict(pairs)
-    if len(result) == len(pairs):
-        return result
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
             raise _Refused(f"the key {short_repr(key)} appears twice in one object (keys "
                            f"{short_repr([k for k, _ in pairs])}); keep one")
-        seen.add(key)
-    raise AssertionError("a repeated key was counted but not found")
+        result[key] = value
+    return result
 
 
 def _bounded_int(text: str) -> int:

@@ -225,25 +225,15 @@ def _costs(plan: Plan, report: Report) -> None:
 
 
 def _op_numbers(ops: Sequence[OpEntry], found: list[tuple[str, float]]) -> None:
-    """`_numbers` of the `ops` section, from the entries: the numbers an entry writes are
-    its strategy's factors, its bindings' gradient shares (written where not 1) and its
-    cost, in that order (a binding's layout names axes only)."""
-    def check(value: float, where: Where) -> None:
-        if not isinstance(value, bool) and (not math.isfinite(value) or value < 0):
-            found.append((_spelled(where), value))
-
+    """`_numbers` of the `ops` section, from each entry's own list of the numbers it
+    writes (`OpEntry.numbers`): written out, the entries took most of the check's time."""
     for k, op in enumerate(ops):
-        at: Where = ("ops", True, k)
-        for slot, factors in enumerate(op.strategy):
-            for dim, factor in enumerate(factors):
-                check(factor, (((at, False, "strategy"), True, slot), True, dim))
-        for side, bindings in (("inputs", op.inputs), ("outputs", op.outputs)):
-            for slot, binding in enumerate(bindings):
-                if binding is not None and binding.share != 1.0:
-                    check(binding.share, (((at, False, side), True, slot), False, "share"))
-        if op.cost is not None:
-            for key, value in op.cost.to_json().items():
-                check(value, ((at, False, "cost"), False, key))
+        for parts, value in op.numbers():
+            if not isinstance(value, bool) and (not math.isfinite(value) or value < 0):
+                where: Where = ("ops", True, k)
+                for part in parts:
+                    where = (where, isinstance(part, int), part)
+                found.append((_spelled(where), value))
 
 
 def _numbers(value: Any, path: str, found: list[tuple[str, float]]) -> None:

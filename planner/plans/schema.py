@@ -75,64 +75,61 @@ def _describe(value: Any) -> str:
     return "an object" if isinstance(value, dict) else "an array"
 
 
-def _is(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "null":
-        return value is None
-    return isinstance(value, {"object": dict, "array": list, "string": str}[kind])
-
-
-class _Plan(NamedTuple):
-    schema: dict[str, Any]  # the reference followed
-    types: frozenset[type] | None  # the Python types JSON gives the kinds allowed
-    choice: bool  # a const or an enum
-    pattern: bool
-
-
 #: the Python types `json` reads each JSON Schema kind as (a bool is no integer)
 _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
     "null": (type(None),), "integer": (int,), "number": (int, float)}
 
 
+def _is(value: Any, kind: str) -> bool:
+    """Whether `value` is of the JSON Schema `kind` (a bool is no integer or number)."""
+    return isinstance(value, _TYPES[kind]) and not (
+        isinstance(value, bool) and kind in ("integer", "number"))
+
+
+class _Keywords(NamedTuple):
+    """What a schema's keywords ask of a value, found once per schema."""
+
+    schema: dict[str, Any]  # the reference followed
+    types: frozenset[type] | None  # the Python types JSON gives the kinds allowed
+    choice: bool  # a const or an enum
+    pattern: bool
+
+
 class _Validator:
     """The JSON Schema keywords the strategy schema uses; returns (where, problem) or None.
-    Each schema's applicable checks are found once (`_plan`), not asked of every value."""
+    Each schema's applicable checks are found once (`_keywords_of`), not asked of every
+    value."""
 
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
-        self._plans: dict[int, _Plan] = {}
+        self._keywords: dict[int, _Keywords] = {}
 
-    def _plan(self, schema: dict[str, Any]) -> _Plan:
+    def _keywords_of(self, schema: dict[str, Any]) -> _Keywords:
         """`schema` with its reference followed, and what its keywords ask of a value."""
-        found = self._plans.get(id(schema))
+        found = self._keywords.get(id(schema))
         if found is None:
             resolved = self._resolve(schema["$ref"]) if "$ref" in schema else schema
             kinds = resolved.get("type")
             kinds = [kinds] if isinstance(kinds, str) else kinds
-            found = self._plans[id(schema)] = _Plan(
+            found = self._keywords[id(schema)] = _Keywords(
                 resolved, frozenset(t for k in kinds for t in _TYPES[k]) if kinds else None,
                 "const" in resolved or "enum" in resolved, "pattern" in resolved)
         return found
 
     def check(self, value: Any, schema: dict[str, Any], at: At) -> tuple[At, str] | None:
-        plan = self._plan(schema)
-        schema = plan.schema
+        asked = self._keywords_of(schema)
+        schema = asked.schema
         if "oneOf" in schema:
             return self._one_of(value, schema["oneOf"], at)
         kind = type(value)
-        if plan.types is not None and kind not in plan.types:
+        if asked.types is not None and kind not in asked.types:
             wrong = self._kind(value, schema)  # (a subclass of an allowed type passes)
             if wrong:
                 return at, wrong
-        problem = (plan.choice and self._choice(value, schema)) or (
+        problem = (asked.choice and self._choice(value, schema)) or (
             (kind is int or kind is float) and self._number(value, schema)) or (
-            plan.pattern and self._string(value, schema))
+            asked.pattern and self._string(value, schema))
         if problem:
             return at, problem
         if kind is dict:

@@ -8,7 +8,7 @@ the plan file's objects (`predicted.memory["peak"]`). Each section's JSON form i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -296,6 +296,22 @@ class OpEntry:
         if self.cost is not None:
             entry["cost"] = self.cost.to_json()
         return entry
+
+    def numbers(self) -> Iterator[tuple[tuple[str | int, ...], float]]:
+        """Each number `to_json` writes, with its path inside the entry, in its order:
+        the strategy's factors, the bindings' gradient shares (written where not 1; a
+        layout names axes only) and the cost's fields. A reader checking the numbers of
+        200,000 entries need not write them out."""
+        for slot, factors in enumerate(self.strategy):
+            for dim, factor in enumerate(factors):
+                yield ("strategy", slot, dim), factor
+        for side, bindings in (("inputs", self.inputs), ("outputs", self.outputs)):
+            for slot, binding in enumerate(bindings):
+                if binding is not None and binding.share != 1.0:
+                    yield (side, slot, "share"), binding.share
+        if self.cost is not None:
+            for key, value in self.cost.to_json().items():
+                yield ("cost", key), value
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> OpEntry:

@@ -76,8 +76,9 @@ def handed_on_split(reads: Reads, split: Callable[[str], bool],
 
 def sequence_parallel(ops: Sequence[OpEntry], tensors: Mapping[str, TensorEntry],
                       units: Sequence[UnitEntry]) -> int:
-    """`parallel.sp` as an older file is read: 1 when the plan's own layouts are sequence
-    parallel (`sequence_split`), else 0."""
+    """`parallel.sp` from a plan's entries: 1 when its own layouts are sequence parallel
+    (`sequence_split`), else 0; how an older file is read, and how the builder writes a
+    plan whose stages have meshes of their own (its entries are written first there)."""
     return int(sequence_split(ops, tensors, units) is not None)
 
 

@@ -7,6 +7,7 @@ axis. MindSpore strategy tuples and DTensor placements are both views of this on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,18 +77,18 @@ class Layout:
         """The layout a plan file writes as `data`. A plan repeats a few layouts over
         every op and tensor (a 50,000-op plan: 300,000 of them, 3.7 s to build one by
         one), so each distinct one is built once and shared: a Layout is frozen."""
-        key = (tuple(map(tuple, data["dims"])), tuple(data.get("partial", ())))
+        dims, partial = tuple(map(tuple, data["dims"])), tuple(data.get("partial", ()))
         try:
-            found = _READ.get(key)
-        except TypeError:  # an axis that is not a name (unhashable): read as it is
-            return cls(tuple(tuple(str(a) for a in axes) for axes in key[0]),
-                       tuple(str(a) for a in key[1]))
+            found = _READ.get((dims, partial))
+        except TypeError:  # an axis that is not a name (unhashable): not kept
+            found = None
         if found is None:
-            found = cls(tuple(tuple(str(a) for a in axes) for axes in key[0]),
-                        tuple(str(a) for a in key[1]))
+            found = cls(tuple(tuple(str(a) for a in axes) for axes in dims),
+                        tuple(str(a) for a in partial))
             if len(_READ) >= MAX_READ_LAYOUTS:
                 _READ.clear()
-            _READ[key] = found
+            with contextlib.suppress(TypeError):
+                _READ[(dims, partial)] = found
         return found
 
 
